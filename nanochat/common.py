@@ -1,0 +1,136 @@
+"""
+Process-level plumbing shared by every script: device and process-group setup, rank info,
+rank-0 printing, the base directory, a no-op wandb, and the one-line error convention.
+
+`compute_init()` / `compute_cleanup()` own the device, the seeds, the matmul precision and the
+process group. Everything else asks `torch.distributed.is_initialized()`; nothing keeps a second flag.
+"""
+
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+class UserError(Exception):
+    """A problem the user can fix (bad flag, missing file, ...). Scripts print it as one line, no traceback."""
+
+
+def run_main(main, argv=None):
+    """Run a script's `main(argv)`; turn a UserError into one line on stderr and exit code 2.
+
+    `--debug` anywhere in argv (or NANOCHAT_DEBUG=1) re-raises so the full traceback is shown.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv or os.environ.get("NANOCHAT_DEBUG") == "1"
+    try:
+        return main(argv)
+    except UserError as e:
+        if debug:
+            raise
+        rank = int(os.environ.get("RANK", 0))
+        if rank == 0:  # every rank hits the same validation error; say it once
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
+
+
+def print0(*args, **kwargs):
+    """print() on rank 0 only."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def get_base_dir():
+    """Where tokenizer, data, checkpoints and reports live: $NANOCHAT_BASE_DIR or ~/.cache/nanochat."""
+    base = os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
+    return base
+
+
+def is_ddp_launch():
+    """True when launched by torchrun (which sets RANK, LOCAL_RANK and WORLD_SIZE)."""
+    return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+
+
+def get_dist_info():
+    """(is_ddp, rank, local_rank, world_size), read from torchrun's environment."""
+    if is_ddp_launch():
+        return True, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    return False, 0, 0, 1
+
+
+def autodetect_device_type():
+    """cuda > mps > cpu."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def compute_init(device_type="", seed=42):
+    """Pick the device, seed the global RNGs, set matmul precision, and (under torchrun) create the
+    process group: NCCL on CUDA, gloo on CPU. Returns (is_ddp, rank, local_rank, world_size, device)."""
+    device_type = device_type or autodetect_device_type()
+    if device_type not in ("cuda", "cpu", "mps"):
+        raise UserError(f"unknown --device-type {device_type!r}; use cuda, cpu or mps (or leave empty to autodetect)")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device-type=cuda but torch sees no CUDA device; use --device-type=cpu or install a CUDA build of torch")
+    if device_type == "mps" and not torch.backends.mps.is_available():
+        raise UserError("--device-type=mps but MPS is not available on this machine; use --device-type=cpu")
+
+    torch.manual_seed(seed)
+    if device_type == "cuda":
+        torch.cuda.manual_seed(seed)
+        torch.backends.cuda.matmul.allow_tf32 = True  # tf32 for the fp32 matmuls that remain
+        torch.backends.cudnn.allow_tf32 = True
+
+    is_ddp, rank, local_rank, world_size = get_dist_info()
+    if is_ddp and device_type == "mps" and world_size > 1:
+        raise UserError("several ranks on MPS are not supported (no NCCL/gloo device backend); run one process, or use --device-type=cpu")
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device(device_type)
+    if is_ddp and not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if device_type == "cuda":
+            dist.init_process_group(backend=backend, device_id=device)
+        else:
+            dist.init_process_group(backend=backend)
+        dist.barrier()
+    return is_ddp, rank, local_rank, world_size, device
+
+
+def compute_cleanup():
+    """Tear down the process group, if any."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_mean(x, device="cpu"):
+    """Average a python float or tensor over ranks (identity without a process group).
+    `device` must be the rank's compute device under NCCL (NCCL reduces CUDA tensors only)."""
+    t = torch.as_tensor(x, dtype=torch.float64 if device == "cpu" else torch.float32, device=device).clone()
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t /= dist.get_world_size()
+    return t.item() if t.numel() == 1 else t
+
+
+class DummyWandb:
+    """Stand-in for a wandb run when logging is off (`--run=dummy`): every call is a no-op."""
+
+    def log(self, *args, **kwargs):
+        pass
+
+    def finish(self):
+        pass
