@@ -1,0 +1,88 @@
+"""
+pass@k evaluation of a chat model on a generative task, shared by chat_rl (periodic eval) and chat_eval.
+
+Two definitions of pass@k are reported:
+- "any" (nanochat's): the fraction of questions with a correct answer among the first k samples.
+- "unbiased" (Chen et al. 2021): with n samples of which c are correct, 1 - C(n-c, k) / C(n, k): the
+  probability that k samples drawn without replacement contain a correct one. Lower variance than "any".
+"""
+
+from dataclasses import dataclass, field
+from math import comb
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class QuestionOutcome:
+    index: int                 # index in the task
+    correct: list              # per sample, 0/1
+    completions: list = field(default_factory=list)  # per sample, decoded text (for logging examples)
+
+
+@dataclass
+class PassAtK:
+    """pass@k for k = 1..num_samples, aggregated over every rank's questions."""
+    num_questions: int
+    any: list                  # any[k-1]: nanochat's pass@k
+    unbiased: list             # unbiased[k-1]
+
+    def as_dict(self, prefix=""):
+        out = {f"{prefix}pass@{k + 1}": v for k, v in enumerate(self.any)}
+        out.update({f"{prefix}pass@{k + 1}_unbiased": v for k, v in enumerate(self.unbiased)})
+        return out
+
+
+def unbiased_pass_at_k(n, c, k):
+    """1 - C(n-c, k) / C(n, k): the chance that k of n samples (c correct) include a correct one."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def rank_question_indices(num_examples, rank, world_size):
+    """Rank r evaluates questions r, r+W, ... of the first num_examples."""
+    return list(range(rank, num_examples, world_size))
+
+
+def sample_outcomes(engine, task, indices, num_samples, max_new_tokens, temperature, top_k, seed=0):
+    """Sample `num_samples` answers for each task question in `indices` (all in one batched rollout) and
+    grade them. Question i is seeded with seed + index, so its samples do not depend on the rank layout."""
+    tokenizer = engine.tokenizer
+    conversations = [task[i] for i in indices]
+    prompts = [tokenizer.render_for_completion(conv) for conv in conversations]
+    results = engine.generate_many(prompts, num_samples=num_samples, max_tokens=max_new_tokens,
+                                   temperature=temperature, top_k=top_k, seeds=[seed + i for i in indices])
+    outcomes = []
+    for index, conv, completions in zip(indices, conversations, results):
+        texts = [tokenizer.decode(c.tokens) for c in completions]
+        outcomes.append(QuestionOutcome(index=index, correct=[int(task.evaluate(conv, t)) for t in texts],
+                                        completions=texts))
+    return outcomes
+
+
+def aggregate_pass_at_k(outcomes, num_samples, device="cpu"):
+    """Sum per-k counts over this rank's questions, then over ranks; returns PassAtK."""
+    counts = torch.zeros(2 * num_samples + 1, dtype=torch.float64 if device == "cpu" else torch.float32, device=device)
+    for o in outcomes:
+        c = sum(o.correct)
+        for k in range(1, num_samples + 1):
+            counts[k - 1] += float(any(o.correct[:k]))
+            counts[num_samples + k - 1] += unbiased_pass_at_k(num_samples, c, k)
+    counts[-1] = len(outcomes)
+    if dist.is_initialized():
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    total = max(1.0, counts[-1].item())
+    values = (counts[:-1] / total).tolist()
+    return PassAtK(num_questions=int(counts[-1].item()), any=values[:num_samples], unbiased=values[num_samples:])
+
+
+def evaluate_pass_at_k(engine, task, num_examples, num_samples, max_new_tokens=256, temperature=1.0, top_k=50,
+                       rank=0, world_size=1, device="cpu", seed=0):
+    """pass@k on the first `num_examples` questions of `task`, split across ranks.
+    Returns (PassAtK, this rank's outcomes)."""
+    num_examples = min(num_examples, len(task))
+    indices = rank_question_indices(num_examples, rank, world_size)
+    outcomes = sample_outcomes(engine, task, indices, num_samples, max_new_tokens, temperature, top_k, seed=seed)
+    return aggregate_pass_at_k(outcomes, num_samples, device=device), outcomes

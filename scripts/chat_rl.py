@@ -1,0 +1,250 @@
+"""
+Reinforcement learning on GSM8K (or another task) with on-policy policy gradients, as in nanochat.
+
+Each step, for each of the step's questions:
+  1. sample --num-samples completions from the current model (KV-cached, calculator tool enabled);
+  2. reward each completion (1.0 if the answer after #### is right, else 0.0);
+  3. advantage = reward - mean reward of the question's samples (no std, no KL, no clipping);
+  4. loss = -sum(logp * advantage) over sampled tokens only (prompt, tool outputs and padding masked),
+     normalized per pass of --device-batch-size rows, by the passes and by the questions per rank;
+then one Muon (matrices) + AdamW (embeddings, unembedding, scalars) step, LR decaying linearly to 0.
+
+Launch:
+  python -m scripts.chat_rl                                                   # 1 GPU, or CPU
+  torchrun --standalone --nproc_per_node=8 -m scripts.chat_rl -- --run=my_run # 8 GPUs
+  python -m scripts.chat_rl --device-type=cpu --dtype=float32 --task=arithmetic --num-steps=50
+"""
+
+import argparse
+import json
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from nanochat.checkpoint_manager import load_model, save_checkpoint
+from nanochat.common import (DummyWandb, UserError, all_reduce_mean, compute_cleanup, compute_init, get_base_dir,
+                             get_dist_info, print0, run_main)
+from nanochat.engine import Engine
+from nanochat.evaluation import evaluate_pass_at_k
+from nanochat.rl import accumulate_policy_gradient, lr_multiplier, make_question_batch
+from tasks.registry import make_task
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="RL on GSM8K (or --task) with on-policy policy gradients")
+    # logging
+    p.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' disables wandb)")
+    # runtime
+    p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
+    p.add_argument("--dtype", type=str, default="bfloat16", help="float32|bfloat16 compute dtype (autocast)")
+    # model to start from
+    p.add_argument("--source", type=str, default="sft", help="checkpoint family to start from: mid|sft")
+    p.add_argument("--model-tag", type=str, default=None, help="model tag (subdirectory) to load; default: the largest d<N>")
+    p.add_argument("--model-step", type=int, default=None, help="checkpoint step to load; default: the last one")
+    # data
+    p.add_argument("--task", type=str, default="gsm8k",
+                   help="task to train and evaluate on: gsm8k, arithmetic, or package.module:ClassName")
+    p.add_argument("--num-epochs", type=int, default=1, help="epochs over the task's train split")
+    p.add_argument("--num-steps", type=int, default=-1, help="override the number of steps (-1 = from epochs)")
+    # batch sizes and sampling
+    p.add_argument("--device-batch-size", type=int, default=8, help="rows per training forward pass (and eval samples per question)")
+    p.add_argument("--examples-per-step", type=int, default=16, help="questions per optimizer step, summed over ranks")
+    p.add_argument("--num-samples", type=int, default=16, help="completions sampled per question")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="completion length cap in tokens")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=50, help="top-k sampling (0 = whole vocabulary)")
+    p.add_argument("--max-rows", type=int, default=0,
+                   help="max rows decoded together in one rollout batch (0 = as many as --memory-budget-gb allows)")
+    p.add_argument("--memory-budget-gb", type=float, default=4.0, help="KV-cache memory the rollout batch may use")
+    # optimization
+    p.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW lr for the token embedding")
+    p.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW lr for lm_head")
+    p.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr for the transformer matrices")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="Muon weight decay")
+    p.add_argument("--init-lr-frac", type=float, default=0.05, help="every lr is multiplied by this at the start")
+    # eval and checkpoints
+    p.add_argument("--eval-every", type=int, default=60, help="pass@k eval period in steps (-1 = never)")
+    p.add_argument("--eval-examples", type=int, default=400, help="test questions used by the eval")
+    p.add_argument("--save-every", type=int, default=60, help="checkpoint period in steps (-1 = only the last step)")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    return p.parse_args(argv)
+
+
+def validate_args(args, world_size):
+    """Refuse flag values that would silently do the wrong thing (nanochat would train on zero samples
+    when --num-samples < --device-batch-size, for example)."""
+    def need(ok, message):
+        if not ok:
+            raise UserError(message)
+    need(args.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, got {args.dtype!r}")
+    need(args.source in ("mid", "sft"), f"--source must be mid or sft, got {args.source!r}")
+    for name in ("device_batch_size", "examples_per_step", "num_samples", "max_new_tokens", "num_epochs", "eval_examples"):
+        need(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    need(args.num_samples % args.device_batch_size == 0,
+         f"--num-samples ({args.num_samples}) must be a multiple of --device-batch-size ({args.device_batch_size}); "
+         f"e.g. --device-batch-size={_largest_divisor_at_most(args.num_samples, args.device_batch_size)}")
+    need(args.examples_per_step % world_size == 0,
+         f"--examples-per-step ({args.examples_per_step}) must be divisible by the number of ranks ({world_size}); "
+         f"use a multiple of {world_size}")
+    need(args.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    need(args.top_k >= 0, f"--top-k must be >= 0 (0 = disabled), got {args.top_k}")
+    need(args.max_rows >= 0, f"--max-rows must be >= 0 (0 = from the memory budget), got {args.max_rows}")
+    need(args.memory_budget_gb > 0, f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
+    for name in ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay"):
+        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    need(0 < args.init_lr_frac <= 1, f"--init-lr-frac must be in (0, 1], got {args.init_lr_frac}")
+    need(args.eval_every == -1 or args.eval_every >= 1, f"--eval-every must be >= 1, or -1 to disable, got {args.eval_every}")
+    need(args.save_every == -1 or args.save_every >= 1, f"--save-every must be >= 1, or -1 for the last step only, got {args.save_every}")
+    need(args.num_steps == -1 or args.num_steps >= 1, f"--num-steps must be >= 1, or -1 to derive it from epochs, got {args.num_steps}")
+
+
+def _largest_divisor_at_most(n, limit):
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def question_seed(step, example_index):
+    """The sampling seed of one question at one step: the same on every rank layout."""
+    return hash((step, example_index)) & 0x7FFFFFFF  # hash of an int tuple is not salted per process
+
+
+def rank_example_indices(step, examples_per_rank, rank, world_size, num_examples):
+    """Rank r walks train indices r, r+W, r+2W, ... cycling forever; step s takes the next examples_per_rank."""
+    strided = range(rank, num_examples, world_size)
+    start = step * examples_per_rank
+    return [strided[(start + i) % len(strided)] for i in range(examples_per_rank)]
+
+
+def rollout_step(engine, task, indices, step, args):
+    """Sample and reward every question of this rank's step. Returns (batches, stats)."""
+    tokenizer = engine.tokenizer
+    conversations = [task[i] for i in indices]
+    prompts = [tokenizer.render_for_completion(conv) for conv in conversations]
+    results = engine.generate_many(prompts, num_samples=args.num_samples, max_tokens=args.max_new_tokens,
+                                   temperature=args.temperature, top_k=args.top_k or None,
+                                   seeds=[question_seed(step, i) for i in indices])
+    pad = tokenizer.encode_special("<|assistant_end|>")
+    batches = []
+    for conv, prompt, completions in zip(conversations, prompts, results):
+        rewards = [float(task.reward(conv, tokenizer.decode(c.tokens))) for c in completions]
+        batches.append(make_question_batch(prompt, [(c.tokens, c.masks) for c in completions], rewards, pad))
+    return batches, results
+
+
+def grad_norm(model):
+    """L2 norm of this rank's gradients (before the optimizers average them over ranks)."""
+    norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
+    return torch.stack(norms).norm().item() if norms else 0.0
+
+
+def main(argv):
+    args = parse_args(argv)
+    _, rank, _, world_size = get_dist_info()
+    validate_args(args, world_size)
+    _, rank, _, world_size, device = compute_init(args.device_type)
+    try:
+        run(args, rank, world_size, device)
+    finally:
+        compute_cleanup()
+
+
+def run(args, rank, world_size, device):
+    master = rank == 0
+    ptdtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    autocast = torch.amp.autocast(device_type=device.type, dtype=ptdtype) if ptdtype != torch.float32 else nullcontext()
+
+    if args.run != "dummy" and master:
+        import wandb
+        wandb_run = wandb.init(project="nanochat-rl", name=args.run, config=vars(args))
+    else:
+        wandb_run = DummyWandb()
+
+    model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step)
+    engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb)
+    train_task, val_task = make_task(args.task, "train"), make_task(args.task, "test")
+
+    examples_per_rank = args.examples_per_step // world_size
+    num_steps = args.num_steps if args.num_steps > 0 else (len(train_task) // args.examples_per_step) * args.num_epochs
+    if num_steps < 1:
+        raise UserError(f"the {args.task} train split has {len(train_task)} questions, fewer than --examples-per-step "
+                        f"({args.examples_per_step}); lower --examples-per-step or pass --num-steps")
+    print0(f"Calculated number of steps: {num_steps}")
+
+    optimizers = model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
+                                        matrix_lr=args.matrix_lr, weight_decay=args.weight_decay)
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * args.init_lr_frac
+            group["initial_lr"] = group["lr"]
+
+    model_tag = args.model_tag or f"d{model.config.n_layer}"
+    checkpoint_dir = os.path.join(get_base_dir(), "chatrl_checkpoints", model_tag)
+    eval_samples = args.device_batch_size
+
+    for step in range(num_steps + 1):
+        last_step = step == num_steps
+        # ---- eval: pass@k on the test split (also after the last update)
+        if args.eval_every > 0 and (step % args.eval_every == 0 or last_step):
+            model.eval()
+            t0 = time.time()
+            with autocast:
+                passk, _ = evaluate_pass_at_k(engine, val_task, args.eval_examples, eval_samples, max_new_tokens=256,
+                                              temperature=1.0, top_k=50, rank=rank, world_size=world_size,
+                                              device=device, seed=0)
+            print0(f"Step {step} | " + ", ".join(f"Pass@{k + 1}: {v:.4f}" for k, v in enumerate(passk.any))
+                   + f" | eval {time.time() - t0:.1f}s")
+            wandb_run.log({"step": step, **{f"pass@{k + 1}": v for k, v in enumerate(passk.any)}})
+        if last_step:
+            break
+
+        # ---- rollouts
+        t0 = time.time()
+        indices = rank_example_indices(step, examples_per_rank, rank, world_size, len(train_task))
+        model.eval()
+        with autocast:
+            batches, _ = rollout_step(engine, train_task, indices, step, args)
+        t_rollout = time.time() - t0
+
+        # ---- policy gradient
+        t0 = time.time()
+        model.train()
+        objective, entropy = accumulate_policy_gradient(model, batches, args.device_batch_size, examples_per_rank,
+                                                        device, autocast)
+        gnorm = grad_norm(model)
+        lrm = lr_multiplier(step, num_steps)
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["initial_lr"] * lrm
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+        t_train = time.time() - t0
+
+        rewards = torch.cat([b.rewards for b in batches])
+        lengths = [n for b in batches for n in b.completion_lengths]
+        mean_reward = all_reduce_mean(rewards.mean().item(), device=device if device.type == "cuda" else "cpu")
+        mean_length = all_reduce_mean(sum(lengths) / len(lengths), device=device if device.type == "cuda" else "cpu")
+        print0(f"Step {step}/{num_steps} | Average reward: {mean_reward:.4f} | Average sequence length: {mean_length:.2f}"
+               f" | lrm {lrm:.3f} | entropy {entropy:.3f} | grad norm {gnorm:.3f}"
+               f" | rollout {t_rollout:.1f}s train {t_train:.1f}s")
+        wandb_run.log({"step": step, "reward": mean_reward, "sequence_length": mean_length, "lrm": lrm,
+                       "entropy": entropy, "grad_norm": gnorm, "time/rollout": t_rollout, "time/train": t_train})
+
+        # ---- checkpoint (model on rank 0; optimizer shards on every rank, for resume)
+        if (args.save_every > 0 and step > 0 and step % args.save_every == 0) or step == num_steps - 1:
+            save_checkpoint(checkpoint_dir, step, model.state_dict() if master else None,
+                            [opt.state_dict() for opt in optimizers],
+                            {"step": step, "model_config": asdict(model.config), "user_config": vars(args)},
+                            rank=rank)
+            print0(f"Saved checkpoint to {checkpoint_dir} (step {step})")
+
+    wandb_run.finish()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    run_main(main)
