@@ -1,0 +1,87 @@
+"""
+DistAdamW: AdamW with ZeRO-2 style sharding, for torch.distributed without a DDP wrapper.
+
+The update is torch.optim.AdamW's (bias-corrected moments, decoupled weight decay p *= 1 - lr*wd).
+What differs is where it runs:
+  - a parameter with >= 1024 elements whose dim 0 divides by the world size W is split along dim 0
+    into W shards; its gradient is reduce-scattered so rank r receives the average gradient of shard r,
+    updates only that shard (and keeps Adam moments only for it), then the shards are all-gathered;
+  - smaller or non-divisible parameters (per-layer scalars, an odd vocab) are not worth the bookkeeping:
+    their gradient is all-reduced (averaged, in place in .grad) and every rank updates the whole tensor.
+Without a process group it is plain AdamW. state_dict() holds this rank's shard of the state; load it
+back with the same world size. Works on NCCL and gloo (see nanochat/muon.py for the collectives).
+"""
+
+import torch
+
+from nanochat.muon import all_gather, all_reduce_sum, reduce_scatter_sum, dist_world
+
+MIN_SHARD_NUMEL = 1024  # below this, a reduce-scatter + all-gather pair costs more than it saves
+
+
+def adamw_update_(p, grad, state, lr, beta1, beta2, eps, weight_decay):
+    """One AdamW step in place on p (a whole parameter or a shard of it), same math as torch.optim.AdamW."""
+    if not state:
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(p)
+        state["exp_avg_sq"] = torch.zeros_like(p)
+    state["step"] += 1
+    t = state["step"]
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    p.mul_(1 - lr * weight_decay)  # decoupled: the decay does not pass through the Adam normalization
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    # the moments start at zero; dividing by (1 - beta^t) removes that bias during the first steps
+    bias_correction1 = 1 - beta1 ** t
+    bias_correction2 = 1 - beta2 ** t
+    denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
+class DistAdamW(torch.optim.Optimizer):
+    """ZeRO-2 AdamW (see the module docstring). Groups take lr, betas, eps, weight_decay; the RL loop
+    may change a group's 'lr' between steps, and the model records 'initial_lr' on each group.
+    A parameter with no gradient on a rank contributes zeros to the average and is still stepped."""
+
+    def __init__(self, param_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(param_groups, defaults)
+
+    @staticmethod
+    def _is_sharded(p, world):
+        return world > 1 and p.numel() >= MIN_SHARD_NUMEL and p.size(0) % world == 0
+
+    @torch.no_grad()
+    def step(self):
+        rank, world = dist_world()
+        # 1. launch every gradient's reduction so communication overlaps the updates below
+        pending = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = torch.zeros_like(p) if p.grad is None else p.grad.contiguous()
+                if self._is_sharded(p, world):
+                    shard_grad = torch.empty((p.size(0) // world, *p.shape[1:]), dtype=grad.dtype, device=grad.device)
+                    work = reduce_scatter_sum(shard_grad, grad)
+                else:
+                    shard_grad = grad
+                    work = all_reduce_sum(shard_grad)
+                pending.append((group, p, shard_grad, work))
+
+        # 2. average, update this rank's shard (or the whole small param), launch the all-gathers
+        gathers = []
+        for group, p, shard_grad, work in pending:
+            work.wait()
+            shard_grad.div_(world)
+            if self._is_sharded(p, world):
+                rows = p.size(0) // world
+                shard = p[rank * rows: (rank + 1) * rows]  # a view: updating it updates p
+            else:
+                shard = p
+            beta1, beta2 = group["betas"]
+            adamw_update_(shard, shard_grad, self.state[p], group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+            if self._is_sharded(p, world):
+                # in place: the input is p's own slice at offset rank * rows
+                gathers.append(all_gather(p, shard))
+
+        for work in gathers:
+            work.wait()
