@@ -1,0 +1,344 @@
+"""
+Saving and loading checkpoints, in nanochat's on-disk layout:
+
+    $NANOCHAT_BASE_DIR/{base,mid,chatsft,chatrl}_checkpoints/<tag>/
+        model_<step:06d>.pt            torch.save'd model state_dict            (rank 0)
+        meta_<step:06d>.json           json, indent 2, with "model_config"      (rank 0)
+        optim_<step:06d>_rank<r>.pt    optimizer state of rank r (optional)     (every rank)
+
+Writes are atomic: every file is written to a hidden temp file in the same directory, fsynced, and
+only then renamed over its final name, so a crash or a full disk never leaves a truncated
+`model_N.pt` for the loader to pick up, and never touches the files of another step.
+
+Commit order (per process): all of this process's files are staged as temp files first; then they are
+renamed optimizer shard -> meta -> model. The model file is renamed last because it is the file that
+step resolution looks for (`model_N.pt`, as upstream nanochat does): once it is visible, the meta it
+needs is already there. A failure while staging leaves no trace of the step at all.
+"""
+
+import dataclasses
+import errno
+import glob
+import json
+import os
+import pickle
+import re
+import warnings
+
+import torch
+
+from nanochat.common import UserError, get_base_dir, print0
+
+CHECKPOINT_DIRS = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
+# what writes each family; quoted in the error when a family has no checkpoints yet
+PRODUCERS = {"base": "scripts.base_train", "mid": "scripts.mid_train", "sft": "scripts.chat_sft", "rl": "scripts.chat_rl"}
+
+MODEL_FILE_RE = re.compile(r"^model_(\d+)\.pt$")
+TAG_RE = re.compile(r"^d(\d+)$")
+
+
+def model_path(checkpoint_dir, step):
+    return os.path.join(checkpoint_dir, f"model_{step:06d}.pt")
+
+
+def meta_path(checkpoint_dir, step):
+    return os.path.join(checkpoint_dir, f"meta_{step:06d}.json")
+
+
+def optim_path(checkpoint_dir, step, rank):
+    return os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt")
+
+
+# -----------------------------------------------------------------------------
+# saving
+
+def _temp_path(path):
+    # hidden and suffixed, so neither `model_N.pt` matching nor a glob for *.pt ever sees it
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+
+
+def _remove_if_exists(path):
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _stage(path, write_fn):
+    """Write a file's full contents to its temp path and fsync it; returns the temp path."""
+    directory, name = os.path.split(path)
+    # a temp file of the same target left by a killed process is garbage: only one process writes each name
+    for stale in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.tmp-*")):
+        _remove_if_exists(stale)
+    tmp = _temp_path(path)
+    with open(tmp, "wb") as f:
+        write_fn(f)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
+def _fsync_dir(directory):
+    """Make the renames themselves durable across a power loss. Best effort: Windows cannot open a
+    directory, and some network/FUSE filesystems refuse fsync on one (EINVAL); the files are in place
+    either way, so failing the save here would be wrong."""
+    if os.name != "posix":
+        return
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _write_error(directory, name, e):
+    reason = e.strerror or str(e)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free space or pass a different base dir (NANOCHAT_BASE_DIR)"
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "make it writable or set NANOCHAT_BASE_DIR to a writable directory"
+    else:
+        fix = "check the disk, or set NANOCHAT_BASE_DIR to another directory"
+    return UserError(f"could not write checkpoint {name} to {directory}: {reason}; {fix}")
+
+
+def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data, rank=0):
+    """Save one step. Rank 0 writes the model state dict and the meta json; every rank whose
+    optimizer_data is not None writes its own optimizer shard. Other ranks may pass model_data=None.
+
+    Disk errors (full disk, permissions) raise UserError after removing every temp file; an existing
+    checkpoint of this or any other step is left as it was. Errors that are bugs (unpicklable or
+    non-json data) are cleaned up the same way but re-raised unchanged.
+    """
+    if rank == 0 and model_data is None:
+        raise ValueError("rank 0 must pass model_data (the model's state_dict) to save_checkpoint")
+    # serialize the meta before touching the disk: a non-json value is a bug and must not leave files behind
+    meta_bytes = json.dumps(meta_data, indent=2).encode("utf-8") if rank == 0 else None
+    try:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"could not create checkpoint directory {checkpoint_dir}: {e.strerror or e}; "
+                        f"make its parent writable or set NANOCHAT_BASE_DIR to a writable directory") from e
+
+    # (final path, write function), committed in this order; the model file goes last (see module docstring)
+    files = []
+    if optimizer_data is not None:
+        files.append((optim_path(checkpoint_dir, step, rank), lambda f: torch.save(optimizer_data, f)))
+    if rank == 0:
+        files.append((meta_path(checkpoint_dir, step), lambda f: f.write(meta_bytes)))
+        files.append((model_path(checkpoint_dir, step), lambda f: torch.save(model_data, f)))
+
+    staged = []  # temp paths not yet renamed
+    current = None
+    try:
+        for path, write_fn in files:
+            current = path
+            staged.append(_temp_path(path))
+            _stage(path, write_fn)
+        for path, _ in files:
+            current = path
+            os.replace(staged[0], path)
+            staged.pop(0)
+        _fsync_dir(checkpoint_dir)
+    except BaseException as e:
+        for tmp in staged:
+            try:
+                _remove_if_exists(tmp)
+            except OSError:
+                pass  # the original error is the one worth reporting; a leftover hidden temp file is harmless
+        if isinstance(e, OSError):
+            raise _write_error(checkpoint_dir, os.path.basename(current or checkpoint_dir), e) from e
+        raise
+
+
+# -----------------------------------------------------------------------------
+# loading
+
+def list_steps(checkpoint_dir):
+    """Sorted steps N that have a file named exactly model_N.pt (backups and temp files are ignored)."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    steps = [int(m.group(1)) for m in map(MODEL_FILE_RE.match, os.listdir(checkpoint_dir)) if m]
+    return sorted(steps)
+
+
+def find_last_step(checkpoint_dir):
+    steps = list_steps(checkpoint_dir)
+    if not steps:
+        raise UserError(f"no model_<step>.pt files in {checkpoint_dir}; pick another --model-tag or train/copy a checkpoint there")
+    return steps[-1]
+
+
+def list_tags(checkpoints_dir):
+    if not os.path.isdir(checkpoints_dir):
+        return []
+    return sorted(d for d in os.listdir(checkpoints_dir) if os.path.isdir(os.path.join(checkpoints_dir, d)))
+
+
+def find_largest_model(checkpoints_dir):
+    """The tag `d<N>` with the largest N (as an integer: d12 beats d4), else the most recently modified directory."""
+    tags = list_tags(checkpoints_dir)
+    if not tags:
+        raise UserError(f"no model directories in {checkpoints_dir}; train a model or copy a <tag> directory there")
+    depths = {int(m.group(1)): tag for tag in tags if (m := TAG_RE.match(tag))}
+    if depths:
+        return depths[max(depths)]
+    return max(tags, key=lambda t: os.path.getmtime(os.path.join(checkpoints_dir, t)))
+
+
+def _torch_load(path, device):
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except PermissionError as e:
+        raise UserError(f"cannot read checkpoint file {path}: {e.strerror}; fix its permissions") from e
+    except pickle.UnpicklingError as e:
+        if "weights only" in str(e).lower():
+            raise UserError(f"checkpoint file {path} holds Python objects other than tensors and plain containers; "
+                            f"refusing to unpickle it (that could run arbitrary code); re-save it as a plain state_dict") from e
+        raise UserError(f"checkpoint file {path} is corrupted ({e}); delete it or pick another --model-step") from e
+    except Exception as e:
+        # truncated files surface as EOFError, RuntimeError (zip reader) or OSError(EINVAL), depending on where they end
+        first_line = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise UserError(f"checkpoint file {path} is corrupted or truncated ({first_line}); "
+                        f"delete it or pick another --model-step") from e
+
+
+def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=0):
+    """Returns (model_data, optimizer_data or None, meta_data); tensors are mapped onto `device`."""
+    mpath, jpath = model_path(checkpoint_dir, step), meta_path(checkpoint_dir, step)
+    if not os.path.exists(mpath):
+        raise UserError(f"no checkpoint file {mpath}; available steps: "
+                        f"{', '.join(map(str, list_steps(checkpoint_dir))) or 'none'}")
+    if not os.path.exists(jpath):
+        raise UserError(f"checkpoint step {step} in {checkpoint_dir} has a model file but no {os.path.basename(jpath)}; "
+                        f"copy the meta file too or pick another --model-step")
+    model_data = _torch_load(mpath, device)
+    optimizer_data = None
+    if load_optimizer:
+        opath = optim_path(checkpoint_dir, step, rank)
+        if not os.path.exists(opath):
+            raise UserError(f"no optimizer state {opath}: this checkpoint was saved without it (or with fewer ranks); "
+                            f"resume from a step saved with optimizer state, or start the optimizer fresh")
+        optimizer_data = _torch_load(opath, device)
+    try:
+        with open(jpath, encoding="utf-8") as f:
+            meta_data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"checkpoint file {jpath} is corrupted (not valid json: {e}); delete it or pick another --model-step") from e
+    return model_data, optimizer_data, meta_data
+
+
+def _patch_state_dict(model_data, device):
+    """Strip torch.compile's key prefix and move bf16 weights to fp32 where bf16 is a poor fit."""
+    prefix = "_orig_mod."  # left in the keys by saving a torch.compile'd module
+    model_data = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in model_data.items()}
+    if device.type in ("cpu", "mps"):
+        # bf16 weights are a CUDA training artifact; cpu/mps kernels for bf16 are slow or missing
+        model_data = {k: v.float() if v.dtype == torch.bfloat16 else v for k, v in model_data.items()}
+    return model_data
+
+
+def _patch_model_config(model_config, config_cls, source_file):
+    """Fill fields that older checkpoints lack; drop fields this code does not know (with a warning)."""
+    model_config = dict(model_config)
+    required = ("vocab_size", "n_layer", "n_head", "n_embd")
+    missing = [k for k in required if k not in model_config]
+    if missing:
+        raise UserError(f"{source_file}: model_config lacks {', '.join(missing)}; this is not a nanochat checkpoint meta file")
+    model_config.setdefault("window_pattern", "L")  # before sliding windows every layer attended fully
+    model_config.setdefault("n_kv_head", model_config["n_head"])  # before GQA: one kv head per query head
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(model_config) - known)
+    if unknown:
+        # Likely a newer nanochat. Dropping is safe for parameters (the strict load below refuses
+        # a state dict whose keys or shapes differ), not for behaviour-only switches, hence the warning.
+        warnings.warn(f"{source_file}: ignoring model_config fields this version does not know: {', '.join(unknown)}",
+                      stacklevel=3)
+        for k in unknown:
+            del model_config[k]
+    return model_config
+
+
+def build_model(checkpoint_dir, step, device, phase):
+    """Load step `step` of `checkpoint_dir` into a GPT on `device`. Returns (model, tokenizer, meta_data).
+    phase: "train" or "eval" (sets the module mode)."""
+    if phase not in ("train", "eval"):
+        raise ValueError(f"phase must be 'train' or 'eval', got {phase!r}")
+    from nanochat.gpt import GPT, GPTConfig
+    from nanochat.tokenizer import get_tokenizer
+
+    device = torch.device(device)
+    model_data, _, meta_data = load_checkpoint(checkpoint_dir, step, device)
+    if not isinstance(model_data, dict):
+        raise UserError(f"{model_path(checkpoint_dir, step)} holds a {type(model_data).__name__}, not a state_dict; "
+                        f"delete it or pick another --model-step")
+    jpath = meta_path(checkpoint_dir, step)
+    if not isinstance(meta_data, dict) or not isinstance(meta_data.get("model_config"), dict):
+        raise UserError(f"{jpath} has no \"model_config\" object; it is not a nanochat checkpoint meta file")
+    model_config = _patch_model_config(meta_data["model_config"], GPTConfig, jpath)
+    meta_data = {**meta_data, "model_config": model_config}
+    model_data = _patch_state_dict(model_data, device)
+
+    config = GPTConfig(**model_config)
+    with torch.device("meta"):
+        model = GPT(config)  # no memory, no init cost: every weight is replaced by the loaded one
+    model.to_empty(device=device)
+    model.init_weights()  # computes the non-persistent buffers (rotary cos/sin) that the state dict lacks
+    expected = model.state_dict()
+    # checkpoints from before the per-layer residual scalars: these values make the layers compute what they did then
+    for key, value in (("resid_lambdas", 1.0), ("x0_lambdas", 0.0)):
+        if key not in model_data and key in expected:
+            model_data[key] = torch.full_like(expected[key], value)
+    expected = set(expected)
+    missing, unexpected = sorted(expected - set(model_data)), sorted(set(model_data) - expected)
+    if missing or unexpected:
+        raise UserError(f"{model_path(checkpoint_dir, step)} does not match the GPT built from its meta "
+                        f"(missing keys: {missing[:5] or 'none'}, unexpected keys: {unexpected[:5] or 'none'}); "
+                        f"it was saved by an incompatible model version")
+    try:
+        model.load_state_dict(model_data, strict=True, assign=True)
+    except RuntimeError as e:  # shape mismatches
+        raise UserError(f"{model_path(checkpoint_dir, step)} does not match the GPT built from its meta: "
+                        f"{' '.join(str(e).split())[:300]}") from e
+    if phase == "train":
+        model.train()
+    else:
+        model.eval()
+
+    tokenizer = get_tokenizer()
+    if tokenizer.get_vocab_size() != config.vocab_size:
+        raise UserError(f"tokenizer vocab size {tokenizer.get_vocab_size()} != model vocab size {config.vocab_size} "
+                        f"({jpath}); the tokenizer in $NANOCHAT_BASE_DIR/tokenizer must be the one the model was trained with")
+    return model, tokenizer, meta_data
+
+
+def load_model(source, device, phase, model_tag=None, step=None):
+    """Load a checkpoint family's model: source in base|mid|sft|rl; model_tag None = the largest d<N>;
+    step None = the last one. Returns (model, tokenizer, meta_data)."""
+    if source not in CHECKPOINT_DIRS:
+        raise UserError(f"unknown checkpoint source {source!r}; valid sources: {', '.join(CHECKPOINT_DIRS)}")
+    dirname = CHECKPOINT_DIRS[source]
+    checkpoints_dir = os.path.join(get_base_dir(), dirname)
+    if not os.path.isdir(checkpoints_dir):
+        raise UserError(f"no {source} checkpoints: {checkpoints_dir} does not exist; create one with "
+                        f"`python -m {PRODUCERS[source]}`, or copy your nanochat {dirname}/<tag> directory there "
+                        f"(or set NANOCHAT_BASE_DIR to the directory that holds {dirname})")
+    if model_tag is None:
+        model_tag = find_largest_model(checkpoints_dir)
+    elif not os.path.isdir(os.path.join(checkpoints_dir, model_tag)):
+        raise UserError(f"no model tag {model_tag!r} in {checkpoints_dir}; available tags: "
+                        f"{', '.join(list_tags(checkpoints_dir)) or 'none'}")
+    checkpoint_dir = os.path.join(checkpoints_dir, model_tag)
+    if step is None:
+        step = find_last_step(checkpoint_dir)
+    elif step not in list_steps(checkpoint_dir):
+        raise UserError(f"no step {step} in {checkpoint_dir}; available steps: "
+                        f"{', '.join(map(str, list_steps(checkpoint_dir))) or 'none'}")
+    print0(f"Loading model from {checkpoint_dir} with step {step}")
+    return build_model(checkpoint_dir, step, device, phase)

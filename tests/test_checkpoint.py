@@ -1,0 +1,302 @@
+"""Checkpoint save/load: round trips through the real GPT, upstream-compatibility patches, step and tag
+resolution, and atomic writes (a failed save leaves nothing behind and never damages another step)."""
+
+import errno
+import json
+import os
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from nanochat.checkpoint_manager import (build_model, find_largest_model, find_last_step, list_steps, load_checkpoint,
+                                         load_model, save_checkpoint)
+from nanochat.common import UserError
+from nanochat.gpt import GPT, GPTConfig
+
+# `base_dir` (a fresh $NANOCHAT_BASE_DIR holding the tokenizer) and `tiny_tokenizer` come from conftest.py
+
+
+@pytest.fixture
+def vocab(tiny_tokenizer):
+    return tiny_tokenizer.get_vocab_size()
+
+
+def tiny_config(vocab_size, **kw):
+    cfg = dict(sequence_len=32, vocab_size=vocab_size, n_layer=2, n_head=2, n_kv_head=2, n_embd=64, window_pattern="L")
+    cfg.update(kw)
+    return GPTConfig(**cfg)
+
+
+def random_model(config, seed=0):
+    """A GPT whose every parameter is random (init_weights zeroes c_proj and fixes the lambdas, which
+    would let a loader that drops those tensors still produce the same logits)."""
+    torch.manual_seed(seed)
+    model = GPT(config)
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (0.5 if p.ndim == 1 else 0.0))
+    return model.eval()
+
+
+def fixed_input(vocab_size):
+    return (torch.arange(12).view(2, 6) * 37 + 5) % vocab_size  # (2, 6)
+
+
+def meta_for(config, step=5):
+    return {"step": step, "model_config": asdict(config)}
+
+
+def files_of(directory):
+    return sorted(os.listdir(directory))
+
+
+# ----------------------------------------------------------------------------- round trips
+
+@pytest.mark.parametrize("phase", ["eval", "train"])
+def test_round_trip_gives_identical_weights_and_logits(base_dir, phase, vocab):
+    config = tiny_config(vocab)
+    model = random_model(config)
+    ckpt = base_dir / "chatsft_checkpoints" / "d2"
+    save_checkpoint(str(ckpt), 5, model.state_dict(), None, meta_for(config))
+    assert files_of(ckpt) == ["meta_000005.json", "model_000005.pt"]
+    assert json.loads((ckpt / "meta_000005.json").read_text()) == meta_for(config)
+
+    loaded, tokenizer, meta = load_model("sft", "cpu", phase)
+    assert meta["step"] == 5 and meta["model_config"] == asdict(config)
+    assert tokenizer.get_vocab_size() == vocab
+    assert loaded.training == (phase == "train")
+    reference = model.state_dict()
+    got = loaded.state_dict()
+    assert got.keys() == reference.keys()
+    for k in reference:
+        assert got[k].dtype == reference[k].dtype and torch.equal(got[k], reference[k]), k
+    # loaded weights must be trainable leaves (RL trains the loaded model)
+    assert all(p.requires_grad and p.is_leaf for p in loaded.parameters())
+    loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(fixed_input(vocab)), model(fixed_input(vocab)))
+
+
+def test_build_model_rejects_unknown_phase(tmp_path):
+    with pytest.raises(ValueError, match="phase"):
+        build_model(str(tmp_path), 0, "cpu", "inference")
+
+
+def test_legacy_checkpoint_is_patched(base_dir, vocab):
+    """Upstream checkpoints: keys prefixed by torch.compile, no resid/x0 lambdas, no window_pattern."""
+    config = tiny_config(vocab)
+    model = random_model(config)
+    legacy = {"_orig_mod." + k: v for k, v in model.state_dict().items() if k not in ("resid_lambdas", "x0_lambdas")}
+    legacy_config = asdict(config)
+    del legacy_config["window_pattern"]
+    ckpt = base_dir / "mid_checkpoints" / "d2"
+    save_checkpoint(str(ckpt), 100, legacy, None, {"step": 100, "model_config": legacy_config})
+
+    loaded, _, meta = load_model("mid", "cpu", "eval")
+    assert meta["model_config"]["window_pattern"] == "L" and loaded.config.window_pattern == "L"
+    expected = dict(model.state_dict())
+    expected["resid_lambdas"] = torch.ones(config.n_layer)
+    expected["x0_lambdas"] = torch.zeros(config.n_layer)
+    got = loaded.state_dict()
+    assert got.keys() == expected.keys()
+    for k in expected:
+        assert torch.equal(got[k], expected[k].to(got[k].dtype)), k
+    reference = GPT(tiny_config(vocab, window_pattern="L"))
+    reference.init_weights()
+    reference.load_state_dict(expected)
+    reference.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(fixed_input(vocab)), reference(fixed_input(vocab)))
+
+
+def test_bf16_tensors_are_cast_to_fp32_on_cpu(base_dir, vocab):
+    config = tiny_config(vocab)
+    model = random_model(config)
+    bf16 = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    save_checkpoint(str(base_dir / "base_checkpoints" / "d2"), 3, bf16, None, meta_for(config, 3))
+    loaded, _, _ = load_model("base", torch.device("cpu"), "eval")
+    for k, v in loaded.state_dict().items():
+        assert v.dtype == torch.float32, k
+        assert torch.equal(v, bf16[k].float()), k
+
+
+def test_unknown_model_config_field_is_dropped_with_a_warning(base_dir, vocab):
+    config = tiny_config(vocab)
+    model = random_model(config)
+    meta = {"step": 1, "model_config": {**asdict(config), "some_future_flag": True}}
+    save_checkpoint(str(base_dir / "chatrl_checkpoints" / "d2"), 1, model.state_dict(), None, meta)
+    with pytest.warns(UserWarning, match="some_future_flag"):
+        loaded, _, meta = load_model("rl", "cpu", "eval")
+    assert "some_future_flag" not in meta["model_config"]
+    with torch.no_grad():
+        assert torch.equal(loaded(fixed_input(vocab)), model(fixed_input(vocab)))
+
+
+# ----------------------------------------------------------------------------- step and tag resolution
+
+def test_find_last_step_matches_exact_names_and_compares_as_ints(tmp_path):
+    for name in ["model_000999.pt", "model_001000.pt", "model_9.pt", "model_000200_backup.pt",
+                 "model_005000.pt.tmp", ".model_006000.pt.tmp-123", "optim_007000_rank0.pt", "meta_008000.json",
+                 "xmodel_009000.pt"]:
+        (tmp_path / name).write_bytes(b"")
+    assert list_steps(str(tmp_path)) == [9, 999, 1000]
+    assert find_last_step(str(tmp_path)) == 1000  # a string max would pick model_9.pt
+
+
+def test_find_last_step_without_model_files(tmp_path):
+    (tmp_path / "model_000200_backup.pt").write_bytes(b"")
+    with pytest.raises(UserError, match="no model_<step>.pt files in " + str(tmp_path)):
+        find_last_step(str(tmp_path))
+
+
+def test_find_largest_model(tmp_path):
+    for tag in ["d4", "d12", "latest"]:
+        (tmp_path / tag).mkdir()
+    (tmp_path / "d20").write_bytes(b"")  # a file, not a model directory
+    assert find_largest_model(str(tmp_path)) == "d12"  # a string max would pick d4
+
+    other = tmp_path / "other"
+    other.mkdir()
+    for tag, mtime in [("old", 1_000_000), ("new", 3_000_000), ("mid", 2_000_000)]:
+        (other / tag).mkdir()
+        os.utime(other / tag, (mtime, mtime))
+    assert find_largest_model(str(other)) == "new"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UserError, match="no model directories in " + str(empty)):
+        find_largest_model(str(empty))
+
+
+# ----------------------------------------------------------------------------- user errors
+
+def test_missing_checkpoints_dir_names_the_path(base_dir):
+    with pytest.raises(UserError) as e:
+        load_model("sft", "cpu", "eval")
+    msg = str(e.value)
+    assert str(base_dir / "chatsft_checkpoints") in msg and "scripts.chat_sft" in msg
+    assert "\n" not in msg
+
+
+def test_unknown_source_tag_and_step(base_dir, vocab):
+    with pytest.raises(UserError, match="valid sources: base, mid, sft, rl"):
+        load_model("pretrain", "cpu", "eval")
+    config = tiny_config(vocab)
+    ckpt = base_dir / "chatsft_checkpoints" / "d2"
+    save_checkpoint(str(ckpt), 7, random_model(config).state_dict(), None, meta_for(config, 7))
+    save_checkpoint(str(ckpt), 12, random_model(config).state_dict(), None, meta_for(config, 12))
+    with pytest.raises(UserError, match="available tags: d2"):
+        load_model("sft", "cpu", "eval", model_tag="d4")
+    with pytest.raises(UserError, match="available steps: 7, 12"):
+        load_model("sft", "cpu", "eval", step=8)
+    assert load_model("sft", "cpu", "eval", step=7)[2]["step"] == 7
+    assert load_model("sft", "cpu", "eval")[2]["step"] == 12
+
+
+def test_truncated_model_file(base_dir, vocab):
+    config = tiny_config(vocab)
+    ckpt = base_dir / "chatsft_checkpoints" / "d2"
+    save_checkpoint(str(ckpt), 5, random_model(config).state_dict(), None, meta_for(config))
+    path = ckpt / "model_000005.pt"
+    data = path.read_bytes()
+    for cut in (0, 10, len(data) // 2, len(data) - 10):
+        path.write_bytes(data[:cut])
+        with pytest.raises(UserError, match="corrupted") as e:
+            load_model("sft", "cpu", "eval")
+        assert str(path) in str(e.value) and "--model-step" in str(e.value)
+
+
+def test_vocab_mismatch(base_dir, vocab):
+    config = tiny_config(vocab + 3)
+    save_checkpoint(str(base_dir / "chatsft_checkpoints" / "d2"), 5, random_model(config).state_dict(), None,
+                    meta_for(config))
+    with pytest.raises(UserError, match=f"tokenizer vocab size {vocab} != model vocab size {vocab + 3}") as e:
+        load_model("sft", "cpu", "eval")
+    assert "must be the one the model was trained with" in str(e.value)
+
+
+def test_unwritable_checkpoint_dir(tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_bytes(b"")
+    target = blocker / "d2"
+    with pytest.raises(UserError, match="could not create checkpoint directory " + str(target)):
+        save_checkpoint(str(target), 1, {"w": torch.zeros(2)}, None, {"model_config": {}})
+
+
+# ----------------------------------------------------------------------------- atomic writes
+
+def disk_full_save(fail_on_call):
+    """A torch.save that writes some bytes and then fails like a full disk, on its `fail_on_call`-th call."""
+    real_save, calls = torch.save, []
+
+    def save(obj, f, *args, **kwargs):
+        calls.append(1)
+        if len(calls) < fail_on_call:
+            return real_save(obj, f, *args, **kwargs)
+        f.write(b"PK\x03\x04" + b"\0" * 4096)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return save
+
+
+@pytest.mark.parametrize("fail_on_call", [1, 2])  # 1: the optimizer shard fails; 2: the model fails after it
+@pytest.mark.parametrize("failed_step", [20, 10])  # a new step, or overwriting the existing one
+def test_disk_full_leaves_nothing_behind(base_dir, monkeypatch, fail_on_call, failed_step, vocab):
+    config = tiny_config(vocab)
+    model = random_model(config)
+    ckpt = base_dir / "chatsft_checkpoints" / "d2"
+    save_checkpoint(str(ckpt), 10, model.state_dict(), None, meta_for(config, 10))
+    before = {name: (ckpt / name).read_bytes() for name in files_of(ckpt)}
+
+    other = random_model(config, seed=1)
+    with monkeypatch.context() as m, pytest.raises(UserError) as e:
+        m.setattr(torch, "save", disk_full_save(fail_on_call))
+        save_checkpoint(str(ckpt), failed_step, other.state_dict(), {"state": {}, "param_groups": []},
+                        meta_for(config, failed_step))
+    msg = str(e.value)
+    assert "could not write checkpoint" in msg and str(ckpt) in msg and "No space left on device" in msg
+    assert "free space or pass a different base dir" in msg and "\n" not in msg
+    # no temp file, no file of the failed step, and the earlier step byte-for-byte as it was
+    assert {name: (ckpt / name).read_bytes() for name in files_of(ckpt)} == before
+    loaded, _, meta = load_model("sft", "cpu", "eval")
+    assert meta["step"] == 10
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+
+
+def test_non_json_meta_writes_nothing(tmp_path):
+    with pytest.raises(TypeError):
+        save_checkpoint(str(tmp_path), 1, {"w": torch.zeros(2)}, None, {"model_config": {}, "bad": object()})
+    assert files_of(tmp_path) == []
+
+
+def test_optimizer_shards_per_rank(tmp_path, vocab):
+    config = tiny_config(vocab)
+    model = random_model(config)
+    shards = []
+    for rank in range(2):
+        # a real optimizer state (step counters, moments) that differs per rank
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3 * (rank + 1))
+        model(fixed_input(vocab)).square().mean().backward()
+        opt.step()
+        model.zero_grad(set_to_none=True)
+        shards.append(opt.state_dict())
+    save_checkpoint(str(tmp_path), 42, model.state_dict(), shards[0], meta_for(config, 42), rank=0)
+    save_checkpoint(str(tmp_path), 42, None, shards[1], meta_for(config, 42), rank=1)
+    assert files_of(tmp_path) == ["meta_000042.json", "model_000042.pt", "optim_000042_rank0.pt", "optim_000042_rank1.pt"]
+    for rank in range(2):
+        model_data, optim_data, meta = load_checkpoint(str(tmp_path), 42, "cpu", load_optimizer=True, rank=rank)
+        assert meta["step"] == 42
+        assert optim_data["param_groups"] == shards[rank]["param_groups"]
+        for i, state in shards[rank]["state"].items():
+            for name, value in state.items():
+                assert torch.equal(optim_data["state"][i][name], value), (rank, i, name)
+    assert load_checkpoint(str(tmp_path), 42, "cpu")[1] is None
+    with pytest.raises(UserError, match="optim_000042_rank2.pt"):
+        load_checkpoint(str(tmp_path), 42, "cpu", load_optimizer=True, rank=2)
+
+
+def test_rank1_alone_writes_only_its_shard(tmp_path):
+    save_checkpoint(str(tmp_path), 3, None, {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}, {}, rank=1)
+    assert files_of(tmp_path) == ["optim_000003_rank1.pt"]
