@@ -79,8 +79,10 @@ def use_calculator(expr, timeout=3.0):
 
 
 def format_result(value):
-    """The text the engine forces after <|output_start|>: str(value), or None if it cannot be printed
-    (Python refuses int->str beyond 4300 digits)."""
+    """The text the engine forces after <|output_start|>: str(value), or None if there is no value or it
+    cannot be printed (Python refuses int->str beyond 4300 digits)."""
+    if value is None:
+        return None
     try:
         return str(value)
     except ValueError:

@@ -46,6 +46,7 @@ def test_huge_values_return_none_or_value_quickly():
     assert format_result(value) == str(value)
     assert time.monotonic() - t0 < 1.0
     assert format_result(10 ** 5000) is None
+    assert format_result(None) is None  # a refused call forces no output (not the text 'None')
 
 
 def test_deep_nesting_is_refused_quickly_from_a_worker_thread():

@@ -1,0 +1,120 @@
+"""
+Evaluate a chat checkpoint on a task's test split: greedy pass@1 and sampled pass@k.
+
+  1. greedy: one completion per question at temperature 0; pass@1 = fraction correct;
+  2. sampled: --num-samples completions per question at --temperature / --top-k; pass@k for every
+     k <= num_samples, both nanochat's ("a correct answer among the first k samples") and the unbiased
+     estimator 1 - C(n-c, k) / C(n, k).
+Prints a table and writes the numbers as JSON. Uses the same evaluation code as chat_rl's periodic eval.
+
+Launch:
+  python -m scripts.chat_eval --source=rl
+  torchrun --standalone --nproc_per_node=8 -m scripts.chat_eval -- --source=sft
+"""
+
+import argparse
+import json
+import os
+import time
+from contextlib import nullcontext
+
+import torch
+
+from nanochat.checkpoint_manager import load_model
+from nanochat.common import UserError, compute_cleanup, compute_init, get_base_dir, print0, run_main
+from nanochat.engine import Engine
+from nanochat.evaluation import evaluate_pass_at_k
+from tasks.registry import make_task
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="pass@k of a chat checkpoint on a task's test split")
+    # model
+    p.add_argument("--source", type=str, default="sft", help="checkpoint family: base|mid|sft|rl")
+    p.add_argument("--model-tag", type=str, default=None, help="model tag; default: the largest d<N>")
+    p.add_argument("--model-step", type=int, default=None, help="checkpoint step; default: the last one")
+    # task
+    p.add_argument("--task", type=str, default="gsm8k", help="gsm8k, arithmetic, or package.module:ClassName")
+    p.add_argument("--num-examples", type=int, default=-1, help="test questions to use (-1 = all)")
+    # sampling
+    p.add_argument("--num-samples", type=int, default=8, help="samples per question for pass@k")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="completion length cap in tokens")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for pass@k")
+    p.add_argument("--top-k", type=int, default=50, help="top-k for pass@k sampling (0 = disabled)")
+    p.add_argument("--max-rows", type=int, default=0, help="max rows per rollout batch (0 = from the memory budget)")
+    p.add_argument("--memory-budget-gb", type=float, default=4.0, help="KV-cache memory a rollout batch may use")
+    # runtime and output
+    p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
+    p.add_argument("--dtype", type=str, default="bfloat16", help="float32|bfloat16")
+    p.add_argument("--output", type=str, default="", help="JSON output path (default: $NANOCHAT_BASE_DIR/report/chat_eval_<source>.json)")
+    p.add_argument("--seed", type=int, default=0, help="base sampling seed (question i uses seed + i)")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    return p.parse_args(argv)
+
+
+def validate_args(args):
+    if args.source not in ("base", "mid", "sft", "rl"):
+        raise UserError(f"--source must be base, mid, sft or rl, got {args.source!r}")
+    if args.dtype not in ("float32", "bfloat16"):
+        raise UserError(f"--dtype must be float32 or bfloat16, got {args.dtype!r}")
+    if args.num_samples < 1 or args.max_new_tokens < 1:
+        raise UserError("--num-samples and --max-new-tokens must be >= 1")
+    if args.num_examples == 0 or args.num_examples < -1:
+        raise UserError(f"--num-examples must be >= 1, or -1 for all, got {args.num_examples}")
+    if args.temperature < 0 or args.top_k < 0:
+        raise UserError("--temperature and --top-k must be >= 0")
+
+
+def format_table(greedy, sampled):
+    """A plain-text table: one row per k."""
+    lines = [f"{'k':>4} | {'pass@k (any of first k)':>24} | {'pass@k (unbiased)':>18}",
+             f"{'-' * 4}-+-{'-' * 24}-+-{'-' * 18}"]
+    for k, (a, u) in enumerate(zip(sampled.any, sampled.unbiased), start=1):
+        lines.append(f"{k:>4} | {a:>24.4f} | {u:>18.4f}")
+    lines.append(f"greedy pass@1: {greedy.any[0]:.4f} on {greedy.num_questions} questions")
+    return "\n".join(lines)
+
+
+def main(argv):
+    args = parse_args(argv)
+    validate_args(args)
+    _, rank, _, world_size, device = compute_init(args.device_type)
+    try:
+        ptdtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+        autocast = torch.amp.autocast(device_type=device.type, dtype=ptdtype) if ptdtype != torch.float32 else nullcontext()
+        model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step)
+        engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb)
+        task = make_task(args.task, "test")
+        num_examples = len(task) if args.num_examples == -1 else min(args.num_examples, len(task))
+        common = dict(rank=rank, world_size=world_size, device=device, seed=args.seed, max_new_tokens=args.max_new_tokens)
+        t0 = time.time()
+        with autocast:
+            greedy, _ = evaluate_pass_at_k(engine, task, num_examples, 1, temperature=0.0, top_k=None, **common)
+            sampled, outcomes = evaluate_pass_at_k(engine, task, num_examples, args.num_samples,
+                                                   temperature=args.temperature, top_k=args.top_k or None, **common)
+        elapsed = time.time() - t0
+        print0(f"{args.task} test, {num_examples} questions, {args.num_samples} samples at T={args.temperature}, "
+               f"top-k {args.top_k} ({elapsed:.1f}s)")
+        print0(format_table(greedy, sampled))
+        result = {
+            "task": args.task, "source": args.source, "model_tag": args.model_tag, "model_step": meta.get("step"),
+            "num_questions": sampled.num_questions, "num_samples": args.num_samples,
+            "temperature": args.temperature, "top_k": args.top_k, "seconds": elapsed,
+            "greedy_pass@1": greedy.any[0],
+            "pass@k": {str(k): v for k, v in enumerate(sampled.any, start=1)},
+            "pass@k_unbiased": {str(k): v for k, v in enumerate(sampled.unbiased, start=1)},
+            "examples": [{"index": o.index, "completion": o.completions[0], "correct": o.correct[0]} for o in outcomes[:5]],
+        }
+        if rank == 0:
+            path = args.output or os.path.join(get_base_dir(), "report", f"chat_eval_{args.source}.json")
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(result, f, indent=2)
+            print0(f"wrote {path}")
+        return result
+    finally:
+        compute_cleanup()
+
+
+if __name__ == "__main__":
+    run_main(main)

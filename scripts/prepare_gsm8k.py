@@ -1,0 +1,82 @@
+"""
+Put GSM8K where tasks.gsm8k finds it without network: $NANOCHAT_BASE_DIR/data/gsm8k/{train,test}.jsonl.
+
+1. With `--from DIR`: validate DIR/train.jsonl and DIR/test.jsonl (one {"question", "answer"} object per
+   line) and copy them. Without it: download `openai/gsm8k` from the Hugging Face hub and write the two
+   files in the hub's row order (the order matters: the task shuffles with seed 42 on top of it).
+2. Print what was written and how to use it.
+
+    python -m scripts.prepare_gsm8k                      # download (needs the hub)
+    python -m scripts.prepare_gsm8k --from /path/to/gsm8k  # copy local files (offline machines)
+"""
+
+import argparse
+import json
+import os
+import shutil
+
+from nanochat.common import UserError, get_base_dir, run_main
+from tasks.gsm8k import HUB_NAME, SPLITS, hub_offline, hub_reachable, read_jsonl_rows, split_filename
+
+HUB_SIZES = {("main", "train"): 7473, ("main", "test"): 1319, ("socratic", "train"): 7473, ("socratic", "test"): 1319}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="Copy or download GSM8K into $NANOCHAT_BASE_DIR/data/gsm8k")
+    p.add_argument("--from", dest="source", type=str, default=None,
+                   help="directory holding train.jsonl and test.jsonl to copy; omitted = download from the hub")
+    p.add_argument("--subset", type=str, default="main", choices=["main", "socratic"],
+                   help="GSM8K subset; socratic goes to a socratic/ subdirectory")
+    p.add_argument("--output-dir", type=str, default=None,
+                   help="where to write (default: $NANOCHAT_BASE_DIR/data/gsm8k)")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks instead of one-line errors")
+    return p.parse_args(argv)
+
+
+def write_jsonl(path, rows):
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps({"question": row["question"], "answer": row["answer"]}, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    output_dir = args.output_dir or os.path.join(get_base_dir(), "data", "gsm8k")
+    if args.source is not None:
+        sources = {split: split_filename(args.source, args.subset, split) for split in SPLITS}
+        missing = [path for path in sources.values() if not os.path.isfile(path)]
+        if missing:
+            raise UserError(f"--from {args.source}: missing {', '.join(missing)}; the directory must hold train.jsonl and test.jsonl")
+        counts = {split: len(read_jsonl_rows(path)) for split, path in sources.items()}  # validate before copying anything
+    else:
+        import datasets
+        if not hub_offline() and not hub_reachable():
+            raise UserError(f"cannot reach the Hugging Face hub to download {HUB_NAME}; copy the jsonl files from elsewhere with --from DIR")
+        try:
+            tables = {split: datasets.load_dataset(HUB_NAME, args.subset, split=split) for split in SPLITS}
+        except (OSError, datasets.exceptions.DatasetsError) as e:
+            raise UserError(f"cannot download {HUB_NAME} ({e}); copy the jsonl files from elsewhere with --from DIR") from e
+        counts = {split: len(table) for split, table in tables.items()}
+
+    for split in SPLITS:
+        dest = split_filename(output_dir, args.subset, split)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        if args.source is not None:
+            if os.path.abspath(sources[split]) != os.path.abspath(dest):
+                shutil.copyfile(sources[split], dest + ".tmp")
+                os.replace(dest + ".tmp", dest)
+        else:
+            write_jsonl(dest, tables[split])
+        expected = HUB_SIZES[(args.subset, split)]
+        note = "" if counts[split] == expected else f" (the hub has {expected}: shuffled order and example ids will differ from nanochat's)"
+        print(f"{split}: {counts[split]} examples -> {dest}{note}")
+    if os.path.abspath(output_dir) == os.path.abspath(os.path.join(get_base_dir(), "data", "gsm8k")):
+        print(f"GSM8K {args.subset} ready in {output_dir}, where tasks.gsm8k looks when NANOCHAT_GSM8K_DIR is unset")
+    else:
+        print(f"GSM8K {args.subset} ready in {output_dir}; use it with NANOCHAT_GSM8K_DIR={output_dir}")
+
+
+if __name__ == "__main__":
+    run_main(main)

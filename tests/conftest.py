@@ -1,0 +1,64 @@
+"""Shared fixtures: the committed GSM8K sample, a tiny trained tokenizer, and a throwaway $NANOCHAT_BASE_DIR.
+
+The whole session runs with the Hugging Face hub offline and with empty HF / nanochat caches, so no test can
+touch the network or the user's real data, whatever the machine has cached."""
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TINY_VOCAB_SIZE = 400
+
+
+def pytest_configure(config):
+    # before any test module imports datasets / huggingface_hub: they read these once, at import
+    root = tempfile.mkdtemp(prefix="nanochat-tests-")
+    config._nanochat_tmp_root = root
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_HOME"] = os.path.join(root, "hf")
+    for var in ("HF_DATASETS_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "NANOCHAT_GSM8K_DIR"):
+        os.environ.pop(var, None)
+    os.environ["NANOCHAT_BASE_DIR"] = os.path.join(root, "nanochat")  # tests that need one use `base_dir`
+
+
+def pytest_unconfigure(config):
+    root = getattr(config, "_nanochat_tmp_root", None)
+    if root:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def fixture_texts():
+    """Every question and answer of the committed GSM8K sample."""
+    from tasks.gsm8k import read_jsonl_rows
+    rows = read_jsonl_rows(FIXTURES / "gsm8k" / "train.jsonl") + read_jsonl_rows(FIXTURES / "gsm8k" / "test.jsonl")
+    return [row["question"] + "\n" + row["answer"] for row in rows]
+
+
+@pytest.fixture(scope="session")
+def gsm8k_dir():
+    """tests/fixtures/gsm8k: 12 train and 8 test rows copied from GSM8K, in their original relative order."""
+    return FIXTURES / "gsm8k"
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """A 400-token BPE (391 bytes+merges, 9 specials) trained on the fixture text in a few milliseconds."""
+    from nanochat.tokenizer import Tokenizer
+    tokenizer = Tokenizer.train_from_iterator(iter(fixture_texts()), TINY_VOCAB_SIZE)
+    assert tokenizer.get_vocab_size() == TINY_VOCAB_SIZE  # the fixture text has enough pairs to merge
+    return tokenizer
+
+
+@pytest.fixture
+def base_dir(tmp_path, monkeypatch, tiny_tokenizer, gsm8k_dir):
+    """A fresh $NANOCHAT_BASE_DIR holding the tiny tokenizer, with $NANOCHAT_GSM8K_DIR at the fixture."""
+    base = tmp_path / "nanochat"
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    monkeypatch.setenv("NANOCHAT_GSM8K_DIR", str(gsm8k_dir))
+    tiny_tokenizer.save(base / "tokenizer")
+    return base
