@@ -1,0 +1,22 @@
+"""A user-style task (the `--task=package.module:ClassName` interface) with a reward a random tiny model
+earns about half of the time, so tests of the RL loop see non-zero advantages."""
+
+
+class ParityTask:
+    """Questions 'q0'..'qN'; reward 1.0 when the response has an even number of characters."""
+
+    def __init__(self, split="train"):
+        self.questions = [f"question {i}" for i in range(16 if split == "train" else 6)]
+
+    def __len__(self):
+        return len(self.questions)
+
+    def __getitem__(self, i):
+        return {"messages": [{"role": "user", "content": self.questions[i]},
+                             {"role": "assistant", "content": "even"}]}
+
+    def evaluate(self, conversation, response_text):
+        return int(len(response_text) % 2 == 0)
+
+    def reward(self, conversation, response_text):
+        return float(self.evaluate(conversation, response_text))
