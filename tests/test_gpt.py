@@ -1,0 +1,379 @@
+"""The GPT model: state-dict layout, numerics against an independent reference forward, the KV-cache
+path against full forwards (prefill, decode, per-row positions, sliding windows, GQA), optimizer groups,
+and the naive sampler."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nanochat.adamw import DistAdamW
+from nanochat.common import UserError
+from nanochat.engine import KVCache, row_seed, sample_next_token
+from nanochat.gpt import GPT, GPTConfig
+from nanochat.muon import DistMuon, Muon
+
+VOCAB = 300  # padded to 320
+
+
+def tiny_config(**kw):
+    cfg = dict(sequence_len=16, vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, window_pattern="L")
+    cfg.update(kw)
+    return GPTConfig(**cfg)
+
+
+def random_model(config, seed=0):
+    """init_weights zeroes both c_proj (attention and MLP would then contribute nothing) and sets the
+    lambdas to 1/0; perturb every parameter so each part of the forward shows in the logits."""
+    torch.manual_seed(seed)
+    model = GPT(config)
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model.eval()
+
+
+def new_cache(config, batch_size, max_len, dtype=torch.float32):
+    return KVCache(batch_size, config.n_kv_head, max_len, config.n_embd // config.n_head, config.n_layer, dtype=dtype)
+
+
+def random_tokens(shape, seed=1):
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------- an independent reference
+
+def reference_forward(model, idx):
+    """The spec's forward written out with plain tensor ops, reading only the model's weights."""
+    cfg = model.config
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    B, T = idx.shape
+    H, Hkv, C = cfg.n_head, cfg.n_kv_head, cfg.n_embd
+    D = C // H
+    eps = torch.finfo(torch.float32).eps
+
+    def rms(x):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+
+    # rotary angles theta[p, i] = p * 10000^(-2i/D), tables rounded to bf16 as nanochat trained with them
+    half = D // 2
+    theta = torch.arange(T, dtype=torch.float32)[:, None] * (10000.0 ** (-(2.0 * torch.arange(half)) / D))[None, :]
+    cos, sin = theta.cos().bfloat16().float(), theta.sin().bfloat16().float()
+
+    def rotate(x):  # (B, T, heads, D): channel i pairs with i + D/2
+        a, b = x[..., :half], x[..., half:]
+        c, s = cos[None, :, None, :], sin[None, :, None, :]
+        return torch.cat([a * c + b * s, b * c - a * s], dim=-1)
+
+    windows = []
+    for i in range(cfg.n_layer):
+        kind = cfg.window_pattern[i % len(cfg.window_pattern)] if i < cfg.n_layer - 1 else "L"
+        windows.append(cfg.sequence_len if kind == "L" else cfg.sequence_len // 2)
+
+    x = rms(sd["transformer.wte.weight"][idx])
+    x0 = x
+    for i in range(cfg.n_layer):
+        p = f"transformer.h.{i}."
+        x = sd["resid_lambdas"][i] * x + sd["x0_lambdas"][i] * x0
+        h = rms(x)
+        q = rms(rotate((h @ sd[p + "attn.c_q.weight"].T).view(B, T, H, D)))
+        k = rms(rotate((h @ sd[p + "attn.c_k.weight"].T).view(B, T, Hkv, D)))
+        v = (h @ sd[p + "attn.c_v.weight"].T).view(B, T, Hkv, D)
+        y = torch.zeros(B, T, H, D)
+        for head in range(H):
+            g = head // (H // Hkv)  # consecutive query heads share a key/value head
+            scores = torch.einsum("btd,bsd->bts", q[:, :, head], k[:, :, g]) / math.sqrt(D)
+            for t in range(T):
+                for s in range(T):
+                    if not (s <= t and t - s <= windows[i]):
+                        scores[:, t, s] = float("-inf")
+            y[:, :, head] = torch.einsum("bts,bsd->btd", scores.softmax(-1), v[:, :, g])
+        x = x + y.reshape(B, T, C) @ sd[p + "attn.c_proj.weight"].T
+        hidden = torch.clamp(rms(x) @ sd[p + "mlp.c_fc.weight"].T, min=0) ** 2
+        x = x + hidden @ sd[p + "mlp.c_proj.weight"].T
+    logits = (rms(x) @ sd["lm_head.weight"].T)[..., :cfg.vocab_size]
+    return 15 * torch.tanh(logits / 15)
+
+
+@pytest.mark.parametrize("pattern,n_layer,n_kv_head,T", [("L", 1, 4, 10), ("SL", 2, 2, 13), ("SSL", 3, 1, 20),
+                                                         ("S", 2, 2, 13)])
+def test_forward_matches_reference_math(pattern, n_layer, n_kv_head, T):
+    """T=13 and 20 exceed the short window (8) and T=20 also the long one (16): both windows bind.
+    Pattern "S" over 2 layers checks that the last layer is long whatever the pattern says."""
+    config = tiny_config(n_layer=n_layer, window_pattern=pattern, n_kv_head=n_kv_head, sequence_len=16)
+    model = random_model(config)
+    idx = random_tokens((2, T))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), reference_forward(model, idx), atol=1e-5, rtol=0)
+
+
+def test_window_pattern_changes_logits():
+    """Guards the reference check above against a window mask that never binds."""
+    model = random_model(tiny_config(window_pattern="SL"))
+    same_weights = GPT(tiny_config(window_pattern="L"))
+    same_weights.load_state_dict(model.state_dict())
+    idx = random_tokens((1, 14))
+    with torch.no_grad():
+        a, b = model(idx), same_weights(idx)
+    assert torch.equal(a[:, :9], b[:, :9])  # up to position 8 the short window (8) sees everything
+    assert (a[:, 9:] - b[:, 9:]).abs().max() > 1e-3
+
+
+# ----------------------------------------------------------------------------- state dict, shapes, loss
+
+def test_state_dict_keys_shapes_and_padding():
+    config = tiny_config(n_layer=3, n_head=4, n_kv_head=2, n_embd=64)
+    model = GPT(config)
+    hd = 64 // 4
+    expected = {"transformer.wte.weight": (320, 64), "lm_head.weight": (320, 64),
+                "resid_lambdas": (3,), "x0_lambdas": (3,)}
+    for i in range(3):
+        expected.update({
+            f"transformer.h.{i}.attn.c_q.weight": (4 * hd, 64),
+            f"transformer.h.{i}.attn.c_k.weight": (2 * hd, 64),
+            f"transformer.h.{i}.attn.c_v.weight": (2 * hd, 64),
+            f"transformer.h.{i}.attn.c_proj.weight": (64, 64),
+            f"transformer.h.{i}.mlp.c_fc.weight": (256, 64),
+            f"transformer.h.{i}.mlp.c_proj.weight": (64, 256),
+        })
+    state = model.state_dict()
+    assert {k: tuple(v.shape) for k, v in state.items()} == expected
+    buffers = dict(model.named_buffers())
+    assert set(buffers) == {"cos", "sin"} and buffers["cos"].shape == (10 * 16, hd // 2)
+    # a state dict with exactly the spec's keys loads strictly
+    GPT(config).load_state_dict({k: torch.zeros(s) for k, s in expected.items()}, strict=True)
+
+
+@pytest.mark.parametrize("vocab,padded", [(300, 320), (320, 320), (321, 384), (50304, 50304), (65537, 65600)])
+def test_vocab_padding(vocab, padded):
+    with torch.device("meta"):
+        model = GPT(tiny_config(vocab_size=vocab))
+    assert model.transformer.wte.weight.shape[0] == model.lm_head.weight.shape[0] == padded
+
+
+def test_meta_build_then_load_reproduces_logits():
+    """The checkpoint loader's path: build on meta, to_empty, init_weights (recomputes cos/sin), load."""
+    source = random_model(tiny_config(window_pattern="SL"))
+    with torch.device("meta"):
+        model = GPT(source.config)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    model.load_state_dict(source.state_dict(), strict=True, assign=True)
+    idx = random_tokens((2, 12))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(idx), source(idx))
+
+
+def test_forward_shapes_softcap_and_loss_reductions():
+    model = random_model(tiny_config())
+    idx = random_tokens((3, 7))
+    targets = random_tokens((3, 7), seed=2)
+    targets[0, :3] = -1
+    targets[2, 6] = -1
+    logits = model(idx)
+    assert logits.shape == (3, 7, VOCAB) and logits.dtype == torch.float32
+    assert logits.abs().max() < 15
+    per_token = model(idx, targets, loss_reduction="none")
+    assert per_token.shape == (21,)
+    valid = targets.view(-1) != -1
+    assert torch.all(per_token[~valid] == 0)
+    expected = -torch.log_softmax(logits.detach(), -1).view(-1, VOCAB)[valid, targets.view(-1)[valid]]
+    torch.testing.assert_close(per_token[valid].detach(), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(model(idx, targets).detach(), expected.mean(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(model(idx, targets, loss_reduction="sum").detach(), expected.sum(), atol=1e-4, rtol=0)
+
+
+def test_init_weights():
+    config = tiny_config(n_embd=128, n_head=4, vocab_size=5000)
+    model = GPT(config)
+    torch.manual_seed(0)
+    model.init_weights()
+    s = math.sqrt(3) / math.sqrt(128)
+    assert abs(model.transformer.wte.weight.std().item() - 1.0) < 0.02
+    assert abs(model.lm_head.weight.std().item() - 0.001) < 2e-5
+    for block in model.transformer.h:
+        for w in (block.attn.c_q.weight, block.attn.c_k.weight, block.attn.c_v.weight, block.mlp.c_fc.weight):
+            assert w.abs().max() <= s and w.abs().max() > 0.95 * s  # U(-s, s)
+        assert not block.attn.c_proj.weight.any() and not block.mlp.c_proj.weight.any()
+    assert torch.equal(model.resid_lambdas, torch.ones(2)) and torch.equal(model.x0_lambdas, torch.zeros(2))
+
+
+@pytest.mark.parametrize("kw", [dict(n_embd=60, n_head=4), dict(n_head=4, n_kv_head=3), dict(window_pattern="SX"),
+                                dict(window_pattern=""), dict(n_embd=36, n_head=4)])
+def test_invalid_config_is_a_user_error(kw):
+    with pytest.raises(UserError):
+        tiny_config(**kw)
+
+
+def test_estimate_flops():
+    config = tiny_config(sequence_len=16, n_layer=2, n_head=4, n_embd=64, window_pattern="SL")
+    model = GPT(config)
+    matrices = 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64 + 2 * 256 * 64) + 320 * 64  # blocks + lm_head
+    attention = 12 * 4 * 16 * (8 + 16)  # layer 0 short window (8 keys), layer 1 long (16)
+    assert model.estimate_flops() == 6 * matrices + attention
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+KV_CASES = [
+    dict(n_head=4, n_kv_head=2, window_pattern="L"),
+    dict(n_head=4, n_kv_head=2, window_pattern="SL"),
+    dict(n_head=4, n_kv_head=1, window_pattern="SSL", n_layer=3),
+]
+
+
+@pytest.mark.parametrize("cfg", KV_CASES)
+def test_prefill_then_decode_matches_full_forward(cfg):
+    """24 tokens with sequence_len 16: the short window (8) and the long one (16) both slide."""
+    config = tiny_config(sequence_len=16, **cfg)
+    model = random_model(config)
+    idx = random_tokens((1, 24))
+    with torch.no_grad():
+        full = model(idx)
+        cache = new_cache(config, 1, 24)
+        pieces = [model(idx[:, :10], kv_cache=cache)]
+        assert cache.pos.tolist() == [10]
+        for t in range(10, 24):
+            pieces.append(model(idx[:, t:t + 1], kv_cache=cache))
+    assert cache.pos.tolist() == [24]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("cfg", KV_CASES)
+def test_chunks_with_several_rows_match_full_forward(cfg):
+    """T > 1 with B > 1 in lockstep: prefill 5, then chunks of 4, 1 and 7 tokens."""
+    config = tiny_config(sequence_len=16, **cfg)
+    model = random_model(config)
+    idx = random_tokens((3, 17))
+    with torch.no_grad():
+        full = model(idx)
+        cache = new_cache(config, 3, 20)
+        pieces = [model(idx[:, a:b], kv_cache=cache) for a, b in ((0, 5), (5, 9), (9, 10), (10, 17))]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window_pattern", ["L", "SL"])
+def test_rows_at_different_positions(window_pattern):
+    """Two prompts of different lengths, each prefilled into its own row, then decoded together
+    (T=1 steps and a T=3 chunk): every row's logits equal a forward of that row alone."""
+    config = tiny_config(sequence_len=16, window_pattern=window_pattern)
+    model = random_model(config)
+    seqs = [random_tokens((1, 22), seed=3), random_tokens((1, 22), seed=4)]
+    prompt_lens = [5, 11]
+    with torch.no_grad():
+        alone = [model(s) for s in seqs]
+        cache = new_cache(config, 2, 24)
+        for b, (s, n) in enumerate(zip(seqs, prompt_lens)):
+            out = model(s[:, :n], kv_cache=cache.rows(b, b + 1))
+            torch.testing.assert_close(out, alone[b][:, :n], atol=1e-5, rtol=0)
+        assert cache.pos.tolist() == prompt_lens
+        offsets = [0, 1, 2, 5, 6, 8]  # tokens fed so far past each prompt
+        for a, b in zip(offsets, offsets[1:]):
+            chunk = torch.cat([s[:, n + a:n + b] for s, n in zip(seqs, prompt_lens)])  # (2, b - a)
+            out = model(chunk, kv_cache=cache)
+            for r, n in enumerate(prompt_lens):
+                torch.testing.assert_close(out[r], alone[r][0, n + a:n + b], atol=1e-5, rtol=0)
+    assert cache.pos.tolist() == [5 + 8, 11 + 8]
+
+
+def test_bf16_cache_stores_bf16_and_stays_close():
+    config = tiny_config(window_pattern="SL")
+    model = random_model(config)
+    idx = random_tokens((2, 12))
+    with torch.no_grad():
+        full = model(idx)
+        cache = new_cache(config, 2, 12, dtype=torch.bfloat16)
+        out = torch.cat([model(idx[:, :6], kv_cache=cache)] + [model(idx[:, t:t + 1], kv_cache=cache) for t in range(6, 12)], 1)
+    assert cache.k.dtype == torch.bfloat16 and out.dtype == torch.float32
+    assert cache.k[:, :, :12].abs().sum() > 0
+    torch.testing.assert_close(out, full, atol=0.1, rtol=0)
+
+
+def test_cache_overflow_and_row_mismatch_raise():
+    config = tiny_config()
+    model = random_model(config)
+    with torch.no_grad():
+        cache = new_cache(config, 1, 4)
+        with pytest.raises(ValueError, match="overflow"):
+            model(random_tokens((1, 5)), kv_cache=cache)
+        with pytest.raises(ValueError, match="rows"):
+            model(random_tokens((2, 2)), kv_cache=cache)
+
+
+# ----------------------------------------------------------------------------- naive sampler
+
+def test_generate_greedy_equals_repeated_argmax():
+    model = random_model(tiny_config(window_pattern="SL"))
+    prompt = random_tokens((12,)).tolist()
+    generated = list(model.generate(prompt, max_tokens=10, temperature=0.0))  # 22 tokens > sequence_len
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(10):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert generated == ids[len(prompt):]
+    assert list(model.generate(prompt, max_tokens=10, temperature=1.0, top_k=1)) == generated
+
+
+def test_generate_samples_with_the_engine_stream():
+    """Same seed, same tokens; the draws are row 0's stream of the engine's sampler."""
+    model = random_model(tiny_config())
+    prompt = [1, 2, 3]
+    a = list(model.generate(prompt, max_tokens=8, temperature=1.5, top_k=50, seed=7))
+    assert a == list(model.generate(prompt, max_tokens=8, temperature=1.5, top_k=50, seed=7))
+    assert a != list(model.generate(prompt, max_tokens=8, temperature=1.5, top_k=50, seed=8))
+    ids, seeds = list(prompt), torch.tensor([row_seed(7, 0)])
+    with torch.no_grad():
+        for step in range(8):
+            logits = model(torch.tensor([ids]))[:, -1]
+            ids.append(int(sample_next_token(logits, seeds, torch.tensor([step]), 1.5, 50)))
+    assert a == ids[3:]
+
+
+# ----------------------------------------------------------------------------- optimizers
+
+def check_optimizer_groups(model, optimizers, adamw_type, muon_type):
+    adamw, muon = optimizers
+    assert type(adamw) is adamw_type and type(muon) is muon_type
+    s = (64 / 768) ** -0.5
+    expected = [(model.lm_head.weight, 0.004 * s), (model.transformer.wte.weight, 0.2 * s),
+                (model.resid_lambdas, 0.5 * 0.01), (model.x0_lambdas, 0.5)]
+    assert len(adamw.param_groups) == 4
+    for group, (param, lr) in zip(adamw.param_groups, expected):
+        assert len(group["params"]) == 1 and group["params"][0] is param
+        assert group["lr"] == pytest.approx(lr) and group["initial_lr"] == group["lr"]
+        assert group["betas"] == (0.8, 0.95) and group["eps"] == 1e-10 and group["weight_decay"] == 0.0
+    for group in muon.param_groups:
+        assert group["lr"] == 0.02 and group["initial_lr"] == 0.02 and group["momentum"] == 0.95
+    muon_ids = [id(p) for g in muon.param_groups for p in g["params"]]
+    assert sorted(muon_ids) == sorted(id(p) for p in model.transformer.h.parameters())
+    all_ids = muon_ids + [id(p) for g in adamw.param_groups for p in g["params"]]
+    assert sorted(all_ids) == sorted(id(p) for p in model.parameters())  # each parameter exactly once
+
+
+def test_setup_optimizers_groups_and_a_step_moves_every_parameter():
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    model.init_weights()
+    optimizers = model.setup_optimizers()
+    check_optimizer_groups(model, optimizers, torch.optim.AdamW, Muon)
+    # c_proj start at zero, so the step after a zero update of the first: two steps reach every weight
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    idx, targets = random_tokens((2, 8)), random_tokens((2, 8), seed=5)
+    for _ in range(2):
+        model(idx, targets).backward()
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+    unchanged = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
+    assert unchanged == []
+
+
+def test_setup_optimizers_with_a_process_group_uses_distributed_optimizers(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = GPT(tiny_config())
+        check_optimizer_groups(model, model.setup_optimizers(), DistAdamW, DistMuon)
+    finally:
+        dist.destroy_process_group()
