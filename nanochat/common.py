@@ -7,6 +7,7 @@ process group. Everything else asks `torch.distributed.is_initialized()`; nothin
 """
 
 import os
+import signal
 import sys
 import traceback
 
@@ -134,3 +135,37 @@ class DummyWandb:
 
     def finish(self):
         pass
+
+
+class GracefulStop:
+    """SIGINT/SIGTERM handling for long runs: the first signal asks the loop to stop at the next step
+    boundary (it then saves and exits); a second signal exits at once."""
+
+    def __init__(self):
+        self.signum = None
+        self._previous = {}
+
+    def install(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            print(f"received {signal.Signals(signum).name} again: exiting now without saving", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        self.signum = signum
+        print0(f"received {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+               f"(send it again to exit at once)")
+
+    def requested(self, device="cpu"):
+        """True if any rank received a signal (all ranks must agree, or their collectives would hang)."""
+        flag = torch.tensor([0 if self.signum is None else 1], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

@@ -51,16 +51,20 @@ def make_question_batch(prompt, completions, rewards, pad_token):
                          completion_lengths=[len(toks) for toks, _ in completions])
 
 
-def pass_objective(logp, targets, advantages, num_passes, examples_per_rank):
+def pass_objective(logp, targets, advantages, num_passes, examples_per_rank, num_valid=None):
     """nanochat's per-pass policy-gradient objective (to be maximised).
 
     logp: (B, T) log-probabilities of the targets (any value where targets == -1; it is masked here).
     targets: (B, T) with -1 on positions that carry no gradient. advantages: (B,).
-    Returns sum(logp * adv over valid positions) / (num_valid * num_passes * examples_per_rank).
+    Returns sum(logp * adv over valid positions) / (num_valid * num_passes * examples_per_rank), where
+    num_valid defaults to the valid positions in these rows; pass the whole pass's count when the rows are
+    a chunk of a pass (so chunking a pass to save memory leaves the objective unchanged).
     A pass with no valid target (every row empty) contributes 0.
     """
     valid = targets >= 0
-    num_valid = valid.sum().clamp(min=1)
+    if num_valid is None:
+        num_valid = valid.sum()
+    num_valid = max(int(num_valid), 1)
     weighted = torch.where(valid, logp * advantages[:, None].to(logp.dtype), torch.zeros_like(logp))
     return weighted.sum() / (num_valid * num_passes * examples_per_rank)
 
@@ -86,26 +90,34 @@ def token_logprobs_and_entropy(logits, targets):
     return logp, mean_entropy
 
 
-def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_rank, device, autocast):
+def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_rank, device, autocast,
+                               micro_batch_rows=None):
     """Forward/backward every pass of every question, accumulating gradients into the model.
 
     batches: this rank's QuestionBatch list; each question's rows are split into passes of
-    device_batch_size rows (nanochat's normalization unit). `model(inputs)` must return (B, T, V) logits.
-    Returns (sum of the pass objectives, mean policy entropy over the passes) as python floats.
+    device_batch_size rows (nanochat's normalization unit). Each pass is computed in chunks of
+    micro_batch_rows rows (default: the whole pass) with the pass's own denominator, so a smaller chunk
+    (after an out-of-memory) gives the same gradient. `model(inputs)` must return (B, T, V) logits.
+    Returns (sum of the pass objectives, mean policy entropy over valid tokens) as python floats.
     """
-    total_objective, total_entropy, num_forwards = 0.0, 0.0, 0
+    micro = micro_batch_rows or device_batch_size
+    total_objective, entropy_sum, entropy_count = 0.0, 0.0, 0
     for batch in batches:
-        num_rows = batch.inputs.size(0)
-        num_passes = num_rows // device_batch_size
+        num_passes = batch.inputs.size(0) // device_batch_size
         for p in range(num_passes):
-            rows = slice(p * device_batch_size, (p + 1) * device_batch_size)
-            inputs, targets = batch.inputs[rows].to(device), batch.targets[rows].to(device)
-            with autocast:
-                logits = model(inputs)  # (B, T, V)
-            logp, entropy = token_logprobs_and_entropy(logits, targets)
-            objective = pass_objective(logp, targets, batch.advantages[rows].to(device), num_passes, examples_per_rank)
-            (-objective).backward()
-            total_objective += objective.item()
-            total_entropy += entropy.item()
-            num_forwards += 1
-    return total_objective, total_entropy / max(1, num_forwards)
+            pass_targets = batch.targets[p * device_batch_size:(p + 1) * device_batch_size]
+            num_valid = int((pass_targets >= 0).sum())
+            for lo in range(p * device_batch_size, (p + 1) * device_batch_size, micro):
+                rows = slice(lo, min(lo + micro, (p + 1) * device_batch_size))
+                inputs, targets = batch.inputs[rows].to(device), batch.targets[rows].to(device)
+                with autocast:
+                    logits = model(inputs)  # (B, T, V)
+                logp, entropy = token_logprobs_and_entropy(logits, targets)
+                objective = pass_objective(logp, targets, batch.advantages[rows].to(device), num_passes,
+                                           examples_per_rank, num_valid=num_valid)
+                (-objective).backward()
+                total_objective += objective.item()
+                chunk_valid = int((targets >= 0).sum())
+                entropy_sum += entropy.item() * chunk_valid
+                entropy_count += chunk_valid
+    return total_objective, entropy_sum / max(1, entropy_count)

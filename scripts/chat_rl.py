@@ -16,8 +16,10 @@ Launch:
 """
 
 import argparse
-import json
+import math
 import os
+import signal
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -25,9 +27,10 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from nanochat.checkpoint_manager import load_model, save_checkpoint
-from nanochat.common import (DummyWandb, UserError, all_reduce_mean, compute_cleanup, compute_init, get_base_dir,
-                             get_dist_info, print0, run_main)
+from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_last_step, list_tags, load_checkpoint, load_model,
+                                         save_checkpoint)
+from nanochat.common import (DummyWandb, GracefulStop, UserError, all_reduce_mean, compute_cleanup, compute_init,
+                             get_base_dir, get_dist_info, print0, run_main)
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.rl import accumulate_policy_gradient, lr_multiplier, make_question_batch
@@ -70,6 +73,13 @@ def parse_args(argv):
     p.add_argument("--eval-every", type=int, default=60, help="pass@k eval period in steps (-1 = never)")
     p.add_argument("--eval-examples", type=int, default=400, help="test questions used by the eval")
     p.add_argument("--save-every", type=int, default=60, help="checkpoint period in steps (-1 = only the last step)")
+    # robustness
+    p.add_argument("--resume", type=str, nargs="?", const="latest", default="",
+                   help="continue an RL run: --resume (the latest), --resume=TAG (its last step) or --resume=TAG:STEP")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing chatrl_checkpoints/<tag> run (without it, the run is refused)")
+    p.add_argument("--max-bad-steps", type=int, default=5,
+                   help="abort after this many consecutive steps with a non-finite loss or gradient")
     p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     return p.parse_args(argv)
 
@@ -100,6 +110,8 @@ def validate_args(args, world_size):
     need(args.eval_every == -1 or args.eval_every >= 1, f"--eval-every must be >= 1, or -1 to disable, got {args.eval_every}")
     need(args.save_every == -1 or args.save_every >= 1, f"--save-every must be >= 1, or -1 for the last step only, got {args.save_every}")
     need(args.num_steps == -1 or args.num_steps >= 1, f"--num-steps must be >= 1, or -1 to derive it from epochs, got {args.num_steps}")
+    need(args.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {args.max_bad_steps}")
+    need(not (args.resume and args.overwrite), "--resume continues a run and --overwrite replaces it; pass only one")
 
 
 def _largest_divisor_at_most(n, limit):
@@ -140,21 +152,86 @@ def grad_norm(model):
     return torch.stack(norms).norm().item() if norms else 0.0
 
 
+# flags that define the run; --resume restores them from the checkpoint so the continuation is exact
+RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows", "memory_budget_gb", "max_bad_steps")
+
+
+def resolve_resume(spec):
+    """--resume value -> (tag, step) of the RL checkpoint to continue from."""
+    rl_root = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"])
+    tag, _, step = spec.partition(":") if spec != "latest" else ("", "", "")
+    if not tag:
+        tags = list_tags(rl_root) if os.path.isdir(rl_root) else []
+        if not tags:
+            raise UserError(f"--resume: no RL run in {rl_root}; start one without --resume")
+        tag = max(tags, key=lambda t: os.path.getmtime(os.path.join(rl_root, t)))
+    directory = os.path.join(rl_root, tag)
+    if not os.path.isdir(directory):
+        raise UserError(f"--resume: no RL run {tag!r} in {rl_root}; available: {', '.join(list_tags(rl_root)) or 'none'}")
+    if step and not step.isdigit():
+        raise UserError(f"--resume={spec}: the step after ':' must be a number")
+    return tag, int(step) if step else find_last_step(directory)
+
+
+def prepare_output_dir(checkpoint_dir, overwrite, master):
+    """Refuse to silently mix a new run into an old run's directory; --overwrite clears the old run first
+    (so the loader's 'last step' cannot pick one of its checkpoints)."""
+    old = [f for f in (os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else [])
+           if f.startswith(("model_", "meta_", "optim_"))]
+    if not old:
+        return
+    if not overwrite:
+        raise UserError(f"{checkpoint_dir} already holds an RL run ({len(old)} files); continue it with --resume, "
+                        f"replace it with --overwrite, or choose another --model-tag")
+    if master:
+        for f in old:
+            os.remove(os.path.join(checkpoint_dir, f))
+
+
 def main(argv):
     args = parse_args(argv)
     _, rank, _, world_size = get_dist_info()
     validate_args(args, world_size)
     _, rank, _, world_size, device = compute_init(args.device_type)
+    stop = GracefulStop().install()
     try:
-        run(args, rank, world_size, device)
+        run(args, rank, world_size, device, stop)
     finally:
+        stop.uninstall()
         compute_cleanup()
 
 
-def run(args, rank, world_size, device):
+def run(args, rank, world_size, device, stop):
     master = rank == 0
+    start_step, optimizer_state = 0, None
+    if args.resume:
+        tag, resume_step = resolve_resume(args.resume)
+        model, tokenizer, meta = load_model("rl", device, phase="eval", model_tag=tag, step=resume_step)
+        saved = meta.get("user_config", {})
+        changed = {k: v for k, v in saved.items() if k not in RUNTIME_FLAGS and getattr(args, k, v) != v}
+        for k, v in saved.items():
+            if k not in RUNTIME_FLAGS:
+                setattr(args, k, v)
+        if changed:
+            print0(f"--resume: using the run's saved settings for {', '.join(sorted(changed))}")
+        _, optimizer_state, _ = load_checkpoint(os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], tag), resume_step,
+                                                device, load_optimizer=True, rank=rank)
+        if optimizer_state.get("world_size") != world_size:
+            raise UserError(f"--resume: the checkpoint was written by {optimizer_state.get('world_size')} ranks; "
+                            f"resume with the same number of ranks (got {world_size})")
+        validate_args(args, world_size)
+        start_step, model_tag = resume_step + 1, tag
+        print0(f"Resuming RL run {tag} after step {resume_step}")
+    else:
+        model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step)
+        model_tag = args.model_tag or f"d{model.config.n_layer}"
+    checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], model_tag)
+    if not args.resume:
+        prepare_output_dir(checkpoint_dir, args.overwrite, master)
+
     ptdtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     autocast = torch.amp.autocast(device_type=device.type, dtype=ptdtype) if ptdtype != torch.float32 else nullcontext()
+    reduce_device = device if device.type == "cuda" else "cpu"
 
     if args.run != "dummy" and master:
         import wandb
@@ -162,7 +239,6 @@ def run(args, rank, world_size, device):
     else:
         wandb_run = DummyWandb()
 
-    model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step)
     engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb)
     train_task, val_task = make_task(args.task, "train"), make_task(args.task, "test")
 
@@ -179,12 +255,22 @@ def run(args, rank, world_size, device):
         for group in opt.param_groups:
             group["lr"] = group["lr"] * args.init_lr_frac
             group["initial_lr"] = group["lr"]
+    if optimizer_state is not None:
+        for opt, state in zip(optimizers, optimizer_state["optimizers"]):
+            opt.load_state_dict(state)  # also restores each group's initial_lr and lr
 
-    model_tag = args.model_tag or f"d{model.config.n_layer}"
-    checkpoint_dir = os.path.join(get_base_dir(), "chatrl_checkpoints", model_tag)
+    def save(step):
+        save_checkpoint(checkpoint_dir, step, model.state_dict() if master else None,
+                        {"optimizers": [opt.state_dict() for opt in optimizers], "world_size": world_size},
+                        {"step": step, "model_config": asdict(model.config), "user_config": vars(args)},
+                        rank=rank)
+        print0(f"Saved checkpoint to {checkpoint_dir} (step {step})")
+
     eval_samples = args.device_batch_size
-
-    for step in range(num_steps + 1):
+    micro_rows = args.device_batch_size  # rows per training forward; halved on out-of-memory
+    consecutive_bad = 0
+    last_saved = start_step - 1 if args.resume else None
+    for step in range(start_step, num_steps + 1):
         last_step = step == num_steps
         # ---- eval: pass@k on the test split (also after the last update)
         if args.eval_every > 0 and (step % args.eval_every == 0 or last_step):
@@ -193,40 +279,71 @@ def run(args, rank, world_size, device):
             with autocast:
                 passk, _ = evaluate_pass_at_k(engine, val_task, args.eval_examples, eval_samples, max_new_tokens=256,
                                               temperature=1.0, top_k=50, rank=rank, world_size=world_size,
-                                              device=device, seed=0)
+                                              device=reduce_device, seed=0)
             print0(f"Step {step} | " + ", ".join(f"Pass@{k + 1}: {v:.4f}" for k, v in enumerate(passk.any))
                    + f" | eval {time.time() - t0:.1f}s")
             wandb_run.log({"step": step, **{f"pass@{k + 1}": v for k, v in enumerate(passk.any)}})
         if last_step:
             break
 
-        # ---- rollouts
+        # ---- rollouts (retried with half the rows on out-of-memory: per-row seeds make them identical)
         t0 = time.time()
         indices = rank_example_indices(step, examples_per_rank, rank, world_size, len(train_task))
         model.eval()
-        with autocast:
-            batches, _ = rollout_step(engine, train_task, indices, step, args)
+        while True:
+            try:
+                with autocast:
+                    batches, _ = rollout_step(engine, train_task, indices, step, args)
+                break
+            except torch.OutOfMemoryError:
+                rows = engine.last_stats.max_batch_rows or 1
+                if rows <= 1:
+                    raise
+                engine.max_rows = max(1, rows // 2)
+                print0(f"out of memory during rollouts: retrying with --max-rows={engine.max_rows}")
         t_rollout = time.time() - t0
 
-        # ---- policy gradient
+        # ---- policy gradient (retried with half the rows per forward on out-of-memory; same objective)
         t0 = time.time()
         model.train()
-        objective, entropy = accumulate_policy_gradient(model, batches, args.device_batch_size, examples_per_rank,
-                                                        device, autocast)
+        while True:
+            try:
+                objective, entropy = accumulate_policy_gradient(model, batches, args.device_batch_size, examples_per_rank,
+                                                                device, autocast, micro_batch_rows=micro_rows)
+                break
+            except torch.OutOfMemoryError:
+                model.zero_grad(set_to_none=True)
+                if micro_rows <= 1:
+                    raise
+                micro_rows //= 2
+                print0(f"out of memory during training: retrying with {micro_rows} rows per forward pass")
         gnorm = grad_norm(model)
         lrm = lr_multiplier(step, num_steps)
-        for opt in optimizers:
-            for group in opt.param_groups:
-                group["lr"] = group["initial_lr"] * lrm
-        for opt in optimizers:
-            opt.step()
+        finite = torch.tensor([float(math.isfinite(objective) and math.isfinite(gnorm))], device=reduce_device)
+        if dist.is_initialized():
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank must make the same choice
+        if finite.item() == 1.0:
+            consecutive_bad = 0
+            for opt in optimizers:
+                for group in opt.param_groups:
+                    group["lr"] = group["initial_lr"] * lrm
+            for opt in optimizers:
+                opt.step()
+        else:
+            consecutive_bad += 1
+            print0(f"warning: step {step} has a non-finite loss or gradient (objective {objective}, grad norm {gnorm}); "
+                   f"skipping the optimizer step ({consecutive_bad}/{args.max_bad_steps})")
+            if consecutive_bad >= args.max_bad_steps:
+                where = f"step {last_saved} in {checkpoint_dir}" if last_saved is not None else "none saved yet"
+                raise UserError(f"{consecutive_bad} consecutive steps had a non-finite loss or gradient; stopping "
+                                f"(last good checkpoint: {where}); lower the learning rates or use --dtype=float32")
         model.zero_grad(set_to_none=True)
         t_train = time.time() - t0
 
         rewards = torch.cat([b.rewards for b in batches])
         lengths = [n for b in batches for n in b.completion_lengths]
-        mean_reward = all_reduce_mean(rewards.mean().item(), device=device if device.type == "cuda" else "cpu")
-        mean_length = all_reduce_mean(sum(lengths) / len(lengths), device=device if device.type == "cuda" else "cpu")
+        mean_reward = all_reduce_mean(rewards.mean().item(), device=reduce_device)
+        mean_length = all_reduce_mean(sum(lengths) / len(lengths), device=reduce_device)
         print0(f"Step {step}/{num_steps} | Average reward: {mean_reward:.4f} | Average sequence length: {mean_length:.2f}"
                f" | lrm {lrm:.3f} | entropy {entropy:.3f} | grad norm {gnorm:.3f}"
                f" | rollout {t_rollout:.1f}s train {t_train:.1f}s")
@@ -234,12 +351,14 @@ def run(args, rank, world_size, device):
                        "entropy": entropy, "grad_norm": gnorm, "time/rollout": t_rollout, "time/train": t_train})
 
         # ---- checkpoint (model on rank 0; optimizer shards on every rank, for resume)
-        if (args.save_every > 0 and step > 0 and step % args.save_every == 0) or step == num_steps - 1:
-            save_checkpoint(checkpoint_dir, step, model.state_dict() if master else None,
-                            [opt.state_dict() for opt in optimizers],
-                            {"step": step, "model_config": asdict(model.config), "user_config": vars(args)},
-                            rank=rank)
-            print0(f"Saved checkpoint to {checkpoint_dir} (step {step})")
+        stopping = stop.requested(reduce_device)
+        if (args.save_every > 0 and step > 0 and step % args.save_every == 0) or step == num_steps - 1 or stopping:
+            save(step)
+            last_saved = step
+        if stopping:
+            wandb_run.finish()
+            print0(f"Stopped after step {step} on request. Resume with: python -m scripts.chat_rl --resume={model_tag}:{step}")
+            sys.exit(128 + (stop.signum or signal.SIGTERM))
 
     wandb_run.finish()
     if dist.is_initialized():

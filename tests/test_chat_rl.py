@@ -119,7 +119,7 @@ def test_two_ranks_end_with_the_same_weights_as_one(sft, base_dir, tmp_path):
     one = torch.load(rl_dir / "model_000001.pt", weights_only=True)
     (rl_dir / "model_000001.pt").rename(tmp_path / "one.pt")
     double = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                  "-m", "scripts.chat_rl", "--", *flags])
+                  "-m", "scripts.chat_rl", "--", *flags, "--overwrite"])
     assert double.returncode == 0, double.stderr[-3000:]
     two = torch.load(rl_dir / "model_000001.pt", weights_only=True)
     for key in one:

@@ -1,0 +1,152 @@
+"""Resume, preemption, overwrite protection, non-finite steps and out-of-memory retries in chat_rl."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanochat.common import run_main
+from scripts import chat_rl
+from test_chat_rl import REPO, TINY_RL_FLAGS, make_sft_checkpoint
+
+
+@pytest.fixture
+def sft(base_dir, tiny_tokenizer):
+    return make_sft_checkpoint(base_dir, tiny_tokenizer.get_vocab_size())
+
+
+def rl_dir(base_dir):
+    return base_dir / "chatrl_checkpoints" / "d2"
+
+
+def weights(path):
+    return torch.load(path, weights_only=True)
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_resumed_run_ends_with_the_same_weights(sft, base_dir):
+    """Stopped after step 2 and resumed, a CPU fp32 run is bitwise equal to the uninterrupted run: the
+    model and optimizer states are saved exactly, the data position and the sampling seeds are functions of
+    the step, and the run's flags are restored from the checkpoint."""
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=4", "--save-every=2"])
+    uninterrupted = weights(rl_dir(base_dir) / "model_000003.pt")
+    os.remove(rl_dir(base_dir) / "model_000003.pt")
+    chat_rl.main(["--resume=d2:2", "--device-type=cpu", "--num-steps=99"])  # --num-steps is restored from the run
+    assert_same_weights(weights(rl_dir(base_dir) / "model_000003.pt"), uninterrupted)
+
+
+def test_existing_run_is_not_overwritten_without_flag(sft, base_dir, capsys):
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=3", "--save-every=1"])
+    before = sorted(os.listdir(rl_dir(base_dir)))
+    with pytest.raises(SystemExit) as e:
+        run_main(chat_rl.main, TINY_RL_FLAGS + ["--num-steps=1"])
+    assert e.value.code == 2 and "already holds an RL run" in capsys.readouterr().err
+    assert sorted(os.listdir(rl_dir(base_dir))) == before
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1", "--overwrite"])
+    # the old run's later steps are gone, so "the last step" is the new run's
+    assert sorted(p.name for p in rl_dir(base_dir).glob("model_*.pt")) == ["model_000000.pt"]
+
+
+def test_resume_errors_are_one_line(sft, base_dir, capsys):
+    with pytest.raises(SystemExit) as e:
+        run_main(chat_rl.main, ["--resume", "--device-type=cpu"])
+    assert e.value.code == 2 and "no RL run in" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run_main(chat_rl.main, ["--resume", "--overwrite"])
+    assert "pass only one" in capsys.readouterr().err
+
+
+def test_non_finite_steps_are_skipped_then_abort(sft, base_dir, monkeypatch, capsys):
+    calls = []
+
+    def nan_gradient(model, *args, **kwargs):
+        calls.append(1)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, float("nan"))
+        return float("nan"), 0.0
+
+    monkeypatch.setattr(chat_rl, "accumulate_policy_gradient", nan_gradient)
+    with pytest.raises(SystemExit) as e:
+        run_main(chat_rl.main, TINY_RL_FLAGS + ["--num-steps=5", "--max-bad-steps=2"])
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and len(calls) == 2
+    assert captured.out.count("skipping the optimizer step") == 2
+    assert "2 consecutive steps had a non-finite loss or gradient" in captured.err
+    assert not list(rl_dir(base_dir).glob("model_*.pt"))  # nothing bad was saved
+
+
+def test_out_of_memory_halves_the_batch_and_gives_the_same_result(sft, base_dir, tmp_path, monkeypatch, capsys):
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1"])
+    reference = weights(rl_dir(base_dir) / "model_000001.pt")
+
+    real_generate, real_accumulate = chat_rl.Engine.generate_many, chat_rl.accumulate_policy_gradient
+    raised = {"rollout": 0, "train": 0}
+
+    def generate_many(self, *args, **kwargs):
+        if not raised["rollout"]:
+            raised["rollout"] += 1
+            self.last_stats.max_batch_rows = 8
+            raise torch.OutOfMemoryError("simulated")
+        return real_generate(self, *args, **kwargs)
+
+    def accumulate(*args, micro_batch_rows=None, **kwargs):
+        if micro_batch_rows == 2:
+            raised["train"] += 1
+            raise torch.OutOfMemoryError("simulated")
+        return real_accumulate(*args, micro_batch_rows=micro_batch_rows, **kwargs)
+
+    monkeypatch.setattr(chat_rl.Engine, "generate_many", generate_many)
+    monkeypatch.setattr(chat_rl, "accumulate_policy_gradient", accumulate)
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--overwrite"])
+    out = capsys.readouterr().out
+    assert "out of memory during rollouts: retrying with --max-rows=4" in out
+    assert "out of memory during training: retrying with 1 rows per forward pass" in out
+    assert raised == {"rollout": 1, "train": 1}
+    got = weights(rl_dir(base_dir) / "model_000001.pt")
+    for k in got:
+        assert torch.allclose(got[k], reference[k], atol=1e-6), k
+
+
+def test_sigterm_saves_and_resume_matches_uninterrupted_run(sft, base_dir, tmp_path, tiny_tokenizer):
+    """A real process: start, SIGTERM once a step has completed, check the saved checkpoint and the
+    message, resume to the end, and compare with an uninterrupted run in a copy of the base dir."""
+    other = tmp_path / "other"
+    shutil.copytree(base_dir, other)
+    flags = TINY_RL_FLAGS + ["--num-steps=6", "--save-every=-1"]
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.chat_rl", *flags], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    deadline = time.time() + 120
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("Step 1/6"):
+            proc.send_signal(signal.SIGTERM)
+            break
+        assert time.time() < deadline
+    out, err = proc.communicate(timeout=120)
+    out = "".join(lines) + out
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    saved = [p.name for p in rl_dir(base_dir).glob("model_*.pt")]
+    assert len(saved) == 1
+    step = int(saved[0][6:12])
+    assert step < 5 and f"--resume=d2:{step}" in out
+    resumed = subprocess.run([sys.executable, "-m", "scripts.chat_rl", "--resume", "--device-type=cpu"], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    full = subprocess.run([sys.executable, "-m", "scripts.chat_rl", *flags], cwd=REPO,
+                          env={**env, "NANOCHAT_BASE_DIR": str(other)}, capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr[-2000:]
+    assert_same_weights(weights(rl_dir(base_dir) / "model_000005.pt"), weights(rl_dir(other) / "model_000005.pt"))
