@@ -1,0 +1,161 @@
+"""
+Per-step RL metrics: what the rollouts of one step looked like, computed from plain python data and
+combined across ranks exactly (as if one process had seen every rank's samples).
+
+`rollout_metrics` summarizes one rank's step; `reduce_metrics` combines the ranks' summaries. Each
+metric declares in REDUCTIONS how it combines, so a mean is weighted by its count and a fraction sums
+its numerator and denominator, instead of averaging per-rank values (which is wrong for uneven ranks).
+
+Keys of a metrics dict (all floats):
+  reward_mean, reward_std    over every sample of the step (population std, ddof=0)
+  zero_std_fraction          questions whose samples all got the same reward: advantage 0, no gradient
+  seq_len_mean/min/max       generated tokens per sample (sampled and tool-forced; terminal token excluded)
+  truncated_fraction         samples cut at max_new_tokens instead of ending themselves
+  tool_calls_per_sample      calculator calls per sample
+  tool_success_fraction      calls that returned a value / calls (0.0 when there were no calls, see below)
+  num_samples, num_questions, num_tool_calls   the counts the other metrics are weighted by
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+# key -> (how it combines across ranks, the count key that weights it)
+#   "sum": add;  "mean": weighted by the count;  "std": population std of the union (needs the mean);
+#   "min"/"max": min/max over ranks
+REDUCTIONS = {
+    "num_samples": ("sum", None),
+    "num_questions": ("sum", None),
+    "num_tool_calls": ("sum", None),
+    "reward_mean": ("mean", "num_samples"),
+    "reward_std": ("std", "num_samples"),
+    "zero_std_fraction": ("mean", "num_questions"),
+    "seq_len_mean": ("mean", "num_samples"),
+    "seq_len_min": ("min", None),
+    "seq_len_max": ("max", None),
+    "truncated_fraction": ("mean", "num_samples"),
+    "tool_calls_per_sample": ("mean", "num_samples"),
+    "tool_success_fraction": ("mean", "num_tool_calls"),
+}
+_STD_MEAN = {"reward_std": "reward_mean"}  # a "std" metric and the mean it is taken around
+
+
+def rollout_metrics(rewards_per_question, completions_per_question, max_new_tokens):
+    """Summarize one rank's rollouts of one step.
+
+    rewards_per_question: [question][sample] float rewards.
+    completions_per_question: [question][sample] `nanochat.engine.Completion` (same shape as the rewards).
+    max_new_tokens: the length cap the rollouts were sampled with; a completion longer than it means the
+        arguments do not belong together, and is refused.
+    Returns a dict with the keys listed in this module's docstring.
+
+    tool_success_fraction is 0.0 when no sample called the tool: a rate of successes should not read as
+    perfect when nothing succeeded, and a plot stays free of NaN gaps; tool_calls_per_sample (0 then)
+    tells "no calls" apart from "every call failed". The cross-rank reduction weights it by
+    num_tool_calls, so a rank without calls does not pull the combined value toward 0.
+    """
+    if len(rewards_per_question) != len(completions_per_question):
+        raise ValueError(f"{len(rewards_per_question)} questions of rewards but {len(completions_per_question)} "
+                         f"of completions; pass both for the same questions")
+    if not rewards_per_question:
+        raise ValueError("rollout_metrics needs at least one question")
+    rewards, lengths = [], []
+    zero_std = truncated = calls = successes = 0
+    for q, (question_rewards, completions) in enumerate(zip(rewards_per_question, completions_per_question)):
+        if len(question_rewards) != len(completions) or not completions:
+            raise ValueError(f"question {q}: {len(question_rewards)} rewards for {len(completions)} completions; "
+                             f"need one reward per completion and at least one completion")
+        question_rewards = [float(r) for r in question_rewards]
+        zero_std += max(question_rewards) == min(question_rewards)
+        rewards.extend(question_rewards)
+        for c in completions:
+            if len(c.tokens) > max_new_tokens:
+                raise ValueError(f"question {q}: a completion has {len(c.tokens)} tokens, more than "
+                                 f"max_new_tokens={max_new_tokens}; pass the cap the rollouts were sampled with")
+            lengths.append(len(c.tokens))
+            truncated += not c.ended
+            calls += c.tool_calls
+            successes += c.tool_successes
+    n = len(rewards)
+    mean = sum(rewards) / n
+    return {
+        "num_samples": float(n),
+        "num_questions": float(len(rewards_per_question)),
+        "num_tool_calls": float(calls),
+        "reward_mean": mean,
+        "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / n),
+        "zero_std_fraction": zero_std / len(rewards_per_question),
+        "seq_len_mean": sum(lengths) / n,
+        "seq_len_min": float(min(lengths)),
+        "seq_len_max": float(max(lengths)),
+        "truncated_fraction": truncated / n,
+        "tool_calls_per_sample": calls / n,
+        "tool_success_fraction": successes / calls if calls else 0.0,
+    }
+
+
+def reduce_metrics(metrics, device="cpu"):
+    """Combine every rank's `metrics` (same keys on every rank) into the metrics of the union of their
+    samples, identical on every rank. Without a process group, returns `metrics` unchanged.
+
+    Means are weighted by their count key, fractions sum numerator and denominator, min/max use a
+    MIN/MAX all_reduce, and reward_std is rebuilt from per-rank sums of squares. Three collectives in
+    all, whatever the number of keys. `device` must be the rank's compute device under NCCL.
+    Every key must be in REDUCTIONS (an unknown key has no safe default), with its count key present.
+    """
+    if not dist.is_initialized():
+        return metrics
+    unknown = sorted(k for k in metrics if k not in REDUCTIONS)
+    if unknown:
+        raise ValueError(f"reduce_metrics does not know how to combine {unknown}; add them to "
+                         f"nanochat.metrics.REDUCTIONS, or reduce them yourself (e.g. common.all_reduce_mean)")
+    keys = [k for k in REDUCTIONS if k in metrics]  # a fixed order, the same on every rank
+    for k in keys:
+        kind, weight = REDUCTIONS[k]
+        needed = [weight] + ([_STD_MEAN[k]] if kind == "std" else [])
+        missing = [w for w in needed if w is not None and w not in metrics]
+        if missing:
+            raise ValueError(f"reduce_metrics: {k} needs {missing} in the same dict to be combined")
+
+    # per key, what to sum: counts as they are, a mean times its count, a std as its sum of squares
+    sums, mins, maxs = [], [], []
+    for k in keys:
+        kind, weight = REDUCTIONS[k]
+        v = float(metrics[k])
+        if kind == "sum":
+            sums.append(v)
+        elif kind == "mean":
+            sums.append(v * metrics[weight])
+        elif kind == "std":
+            m = float(metrics[_STD_MEAN[k]])
+            sums.append((v * v + m * m) * metrics[weight])  # n * E[x^2]
+        elif kind == "min":
+            mins.append(v)
+        else:
+            maxs.append(v)
+    out = {}
+    totals = _all_reduce(sums, dist.ReduceOp.SUM, device)
+    lows = _all_reduce(mins, dist.ReduceOp.MIN, device)
+    highs = _all_reduce(maxs, dist.ReduceOp.MAX, device)
+    for k in keys:
+        kind = REDUCTIONS[k][0]
+        out[k] = lows.pop(0) if kind == "min" else highs.pop(0) if kind == "max" else totals.pop(0)
+    # counts are final now; turn the weighted sums back into means
+    for k in keys:
+        kind, weight = REDUCTIONS[k]
+        if kind in ("mean", "std"):
+            out[k] = out[k] / out[weight] if out[weight] else 0.0
+    for k in keys:
+        if REDUCTIONS[k][0] == "std":
+            m = out[_STD_MEAN[k]]
+            out[k] = math.sqrt(max(out[k] - m * m, 0.0))  # max: rounding can make a zero variance slightly negative
+    return out
+
+
+def _all_reduce(values, op, device):
+    if not values:
+        return []
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()

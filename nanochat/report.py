@@ -1,0 +1,242 @@
+"""
+The run report: a markdown file per pipeline stage, assembled into one `report.md`.
+
+Each stage calls `report.log(section, data)` once when it finishes; that writes `<report_dir>/<slug>.md`
+(so re-running a stage replaces its section). `write_report()` joins the section files, in pipeline
+order, under a header with the date, the git commit and the platform. The RL stage's section
+("Chat RL": config, final metrics, pass@k table and plots) is built by `log_chat_rl`.
+
+Only rank 0 writes: `get_report()` returns a `DummyReport` elsewhere, as `DummyWandb` does for wandb.
+"""
+
+import datetime
+import math
+import os
+import platform
+import re
+import subprocess
+
+import torch
+
+from nanochat.common import get_base_dir
+
+# sections in pipeline order; a section not listed here goes after these, alphabetically
+SECTION_ORDER = [
+    "Tokenizer training", "Tokenizer evaluation",
+    "Base model training", "Base model evaluation",
+    "Midtraining", "Chat evaluation mid",
+    "Chat SFT", "Chat evaluation sft",
+    "Chat RL", "Chat evaluation rl",
+]
+REPORT_FILE = "report.md"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def slugify(section):
+    """'Chat RL' -> 'chat-rl': the section's file name stem."""
+    return re.sub(r"[^a-z0-9]+", "-", section.lower()).strip("-")
+
+
+def format_value(v):
+    """Floats with 4 decimals (scientific when tiny or huge), everything else as str."""
+    if isinstance(v, float):
+        if v != 0 and math.isfinite(v) and (abs(v) < 1e-3 or abs(v) >= 1e6):
+            return f"{v:.3e}"
+        return f"{v:.4f}"
+    return str(v)
+
+
+def markdown_table(header, rows):
+    """A markdown table; '|' inside cells is escaped so a value cannot split a row."""
+    def line(cells):
+        return "| " + " | ".join(format_value(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+    return "\n".join([line(header), "|" + "---|" * len(header)] + [line(r) for r in rows])
+
+
+def git_commit():
+    """Short commit of the code's checkout, '+dirty' if it has uncommitted changes; 'unknown' without git."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return "unknown"  # not a checkout (e.g. an installed copy)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):  # no git binary, or it hung
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
+
+
+def platform_summary():
+    """One line: OS, python, torch, and the accelerator if any."""
+    parts = [platform.platform(), f"python {platform.python_version()}", f"torch {torch.__version__}",
+             f"{os.cpu_count()} CPUs"]
+    if torch.cuda.is_available():
+        parts.append(f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}")
+    return ", ".join(parts)
+
+
+class Report:
+    """Markdown sections under `report_dir` (default: $NANOCHAT_BASE_DIR/report)."""
+
+    def __init__(self, report_dir=None):
+        self.report_dir = report_dir or os.path.join(get_base_dir(), "report")
+
+    def section_path(self, section):
+        return os.path.join(self.report_dir, slugify(section) + ".md")
+
+    def log(self, section, data):
+        """Write (replace) a section. data: a list whose items are markdown strings (written as they are)
+        or dicts (written as `- key: value` lines). Returns the section file's path."""
+        os.makedirs(self.report_dir, exist_ok=True)
+        parts = [f"## {section}", f"timestamp: {datetime.datetime.now():%Y-%m-%d %H:%M:%S}"]
+        for item in data:
+            if isinstance(item, dict):
+                parts.append("\n".join(f"- {k}: {format_value(v)}" for k, v in item.items()))
+            elif isinstance(item, str):
+                parts.append(item.rstrip())
+            else:
+                raise TypeError(f"Report.log items must be str or dict, got {type(item).__name__}")
+        path = self.section_path(section)
+        _write_atomic(path, "\n\n".join(parts) + "\n")
+        return path
+
+    def write_report(self):
+        """Assemble report.md from the section files present, in SECTION_ORDER then alphabetically.
+        Returns its path."""
+        os.makedirs(self.report_dir, exist_ok=True)
+        known = {slugify(s): i for i, s in enumerate(SECTION_ORDER)}
+        stems = [f[:-3] for f in os.listdir(self.report_dir) if f.endswith(".md") and f != REPORT_FILE]
+        stems.sort(key=lambda s: (known.get(s, len(known)), s))
+        header = "\n".join([
+            "# nanochat report",
+            "",
+            f"- Generated: {datetime.datetime.now():%Y-%m-%d %H:%M:%S}",
+            f"- Commit: {git_commit()}",
+            f"- Platform: {platform_summary()}",
+        ])
+        sections = []
+        for stem in stems:
+            with open(os.path.join(self.report_dir, stem + ".md"), encoding="utf-8") as f:
+                sections.append(f.read().rstrip())
+        path = os.path.join(self.report_dir, REPORT_FILE)
+        _write_atomic(path, "\n\n".join([header] + sections) + "\n")
+        return path
+
+
+class DummyReport:
+    """Stand-in on ranks other than 0: nothing is written."""
+
+    def log(self, section, data):
+        return None
+
+    def write_report(self):
+        return None
+
+
+def get_report(report_dir=None):
+    """`Report` on rank 0, `DummyReport` elsewhere (every rank runs the same code; one writes)."""
+    return Report(report_dir) if int(os.environ.get("RANK", 0)) == 0 else DummyReport()
+
+
+def _write_atomic(path, text):
+    """Write via a temporary file and rename, so a crash never leaves a half-written section."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+# -----------------------------------------------------------------------------
+# The "Chat RL" section
+
+CHAT_RL_SECTION = "Chat RL"
+
+
+def log_chat_rl(report, config, history, eval_history, section=CHAT_RL_SECTION):
+    """Write the RL section: the run config, the final step's metrics, pass@k at the first and last eval,
+    and plots of reward, sequence length and pass@1 against step (PNGs next to the markdown).
+
+    config: dict (e.g. vars(args)), shown whole, in its order.
+    history: list of per-step dicts, each with "step", "reward_mean" and "seq_len_mean" (the keys of
+        nanochat.metrics.rollout_metrics; "seq_len_min"/"seq_len_max" draw a band when present).
+    eval_history: list of (step, {"pass@1": ..., "pass@2": ..., ...}) (e.g. PassAtK.as_dict()).
+    Returns the section's path, or None from a DummyReport.
+    """
+    if isinstance(report, DummyReport):
+        return None
+    for i, h in enumerate(history):
+        missing = [k for k in ("step", "reward_mean", "seq_len_mean") if k not in h]
+        if missing:
+            raise ValueError(f"history[{i}] lacks {missing}; log the rollout_metrics keys and 'step' every step")
+    for step, passk in eval_history:
+        if "pass@1" not in passk:
+            raise ValueError(f"the eval at step {step} has no 'pass@1' (keys: {sorted(passk)})")
+
+    stem = slugify(section)
+    os.makedirs(report.report_dir, exist_ok=True)  # the plots are saved before the section is
+    data = ["### Config", markdown_table(["option", "value"], list(config.items()))]
+
+    data.append("### Final metrics")
+    if history:
+        last = history[-1]
+        rows = [("steps logged", len(history))] + [(k, v) for k, v in last.items()]
+        if eval_history:
+            rows += [(f"{k} (step {eval_history[-1][0]})", v) for k, v in eval_history[-1][1].items()]
+        data.append(markdown_table(["metric", f"value (step {last['step']})"], rows))
+    else:
+        data.append("No training step was logged.")
+
+    data.append("### pass@k")
+    if eval_history:
+        evals = [eval_history[0]] if len(eval_history) == 1 else [eval_history[0], eval_history[-1]]
+        keys = list(dict.fromkeys(k for _, d in evals for k in d))  # union, first-seen order
+        rows = [[k] + [d.get(k, "") for _, d in evals] for k in keys]
+        data.append(markdown_table(["metric"] + [f"step {s}" for s, _ in evals], rows))
+    else:
+        data.append("No evaluation was run (--eval-every=-1).")
+
+    data.append("### Plots")
+    steps = [h["step"] for h in history]
+    plots = []
+    if history:
+        plots.append(("reward", _plot(os.path.join(report.report_dir, f"{stem}-reward.png"), "mean reward",
+                                      [(steps, [h["reward_mean"] for h in history], "reward_mean")])))
+        band = None
+        if all("seq_len_min" in h and "seq_len_max" in h for h in history):
+            band = ([h["seq_len_min"] for h in history], [h["seq_len_max"] for h in history])
+        plots.append(("sequence length", _plot(os.path.join(report.report_dir, f"{stem}-seq-len.png"),
+                                               "generated tokens",
+                                               [(steps, [h["seq_len_mean"] for h in history], "seq_len_mean")],
+                                               band=band)))
+    if eval_history:
+        plots.append(("pass@1", _plot(os.path.join(report.report_dir, f"{stem}-pass1.png"), "pass@1",
+                                      [([s for s, _ in eval_history], [d["pass@1"] for _, d in eval_history],
+                                        "pass@1")], marker="o")))
+    data += [f"![{name}]({os.path.basename(path)})" for name, path in plots] or ["Nothing to plot."]
+    return report.log(section, data)
+
+
+def _plot(path, ylabel, series, band=None, marker=None):
+    """Save a line plot of series [(xs, ys, label)] against step as a PNG; returns the path.
+    band: optional (lows, highs) shaded under the first series (e.g. min/max sequence length)."""
+    # Figure + its own Agg canvas: no pyplot, so no global backend switch and no GUI in a headless job
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for xs, ys, label in series:
+        ax.plot(xs, ys, label=label, marker=marker)
+    if band is not None:
+        ax.fill_between(series[0][0], band[0], band[1], alpha=0.2, label="min-max")
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = f"{path}.tmp{os.getpid()}.png"
+    fig.savefig(tmp)
+    os.replace(tmp, path)
+    return path

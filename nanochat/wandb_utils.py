@@ -1,0 +1,41 @@
+"""
+wandb for the training scripts: one function that opens a run on rank 0 (or hands back the no-op
+`DummyWandb`), and one that logs sampled completions as a table.
+
+Online or offline is wandb's own choice, read from the environment: WANDB_MODE=offline writes the run
+under $WANDB_DIR/wandb/offline-run-* without touching the network (upload it later with `wandb sync`);
+WANDB_MODE=disabled turns every call into a no-op. WANDB_SILENT=true quiets its console output.
+"""
+
+from nanochat.common import DummyWandb, UserError
+
+SAMPLE_COLUMNS = ["step", "question", "completion", "reward"]
+
+
+def init_wandb(run_name, project, config, rank=0):
+    """A wandb run named `run_name` in `project` with `config` (the parsed CLI args, as a dict) recorded
+    whole; `DummyWandb()` when run_name == "dummy" or on a rank other than 0 (one run per job)."""
+    if run_name == "dummy" or rank != 0:
+        return DummyWandb()
+    import wandb  # imported here: a dummy run (and every test that uses one) never pays for it
+    try:
+        return wandb.init(project=project, name=run_name, config=dict(config))
+    except wandb.errors.UsageError as e:  # e.g. online mode without an API key
+        raise UserError(f"wandb could not start run {run_name!r}: {e}; run `wandb login`, set WANDB_MODE=offline "
+                        f"to log locally, or pass --run=dummy to turn wandb off") from e
+
+
+def log_samples_table(wandb_run, rows, step=None, key="samples"):
+    """Log (question, completion, reward) triples as a wandb.Table under `key`; no-op for DummyWandb.
+
+    rows: iterable of (question: str, completion: str, reward: float). `step`, if given, fills the
+    table's step column and is logged as the "step" key alongside, like the scripts' other metrics.
+    """
+    if isinstance(wandb_run, DummyWandb):
+        return
+    import wandb
+    data = [[step, str(q), str(c), float(r)] for q, c, r in rows]
+    entry = {key: wandb.Table(columns=SAMPLE_COLUMNS, data=data)}
+    if step is not None:
+        entry["step"] = step
+    wandb_run.log(entry)

@@ -1,0 +1,142 @@
+"""Per-step RL metrics on hand-built rollouts, and their cross-rank reduction on 2 gloo processes
+against the metrics of the union of both ranks' samples."""
+
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nanochat.engine import Completion
+from nanochat.metrics import REDUCTIONS, reduce_metrics, rollout_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def comp(n_tokens, ended=True, calls=0, successes=0):
+    return Completion(tokens=list(range(n_tokens)), masks=[1] * n_tokens, ended=ended,
+                      tool_calls=calls, tool_successes=successes)
+
+
+def batch():
+    """3 questions x 3 samples: q0 all right, q1 mixed, q2 all wrong (q0 and q2 give no gradient)."""
+    rewards = [[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+    completions = [
+        [comp(5), comp(7, calls=1, successes=1), comp(9)],
+        [comp(10, ended=False), comp(3, calls=2, successes=1), comp(4)],
+        [comp(10, ended=False), comp(2, calls=1, successes=0), comp(8)],
+    ]
+    return rewards, completions
+
+
+def test_rollout_metrics_known_values():
+    rewards, completions = batch()
+    m = rollout_metrics(rewards, completions, max_new_tokens=10)
+    flat = [r for q in rewards for r in q]
+    assert m["num_samples"] == 9 and m["num_questions"] == 3 and m["num_tool_calls"] == 4
+    assert m["reward_mean"] == pytest.approx(4 / 9)
+    assert m["reward_std"] == pytest.approx(statistics.pstdev(flat))
+    assert m["reward_std"] == pytest.approx(math.sqrt(4 / 9 * 5 / 9))  # Bernoulli: sqrt(p (1 - p))
+    assert m["zero_std_fraction"] == pytest.approx(2 / 3)
+    assert m["seq_len_mean"] == pytest.approx((5 + 7 + 9 + 10 + 3 + 4 + 10 + 2 + 8) / 9)
+    assert m["seq_len_min"] == 2 and m["seq_len_max"] == 10
+    assert m["truncated_fraction"] == pytest.approx(2 / 9)
+    assert m["tool_calls_per_sample"] == pytest.approx(4 / 9)
+    assert m["tool_success_fraction"] == pytest.approx(2 / 4)
+    assert set(m) == set(REDUCTIONS)  # every metric knows how to combine across ranks
+
+
+def test_rollout_metrics_no_tool_calls_and_single_sample():
+    """No calls -> success fraction 0.0 (documented), not NaN; one sample -> std 0 and zero_std 1."""
+    m = rollout_metrics([[0.5]], [[comp(3)]], max_new_tokens=3)
+    assert m["tool_success_fraction"] == 0.0 and m["tool_calls_per_sample"] == 0.0
+    assert m["reward_std"] == 0.0 and m["zero_std_fraction"] == 1.0 and m["truncated_fraction"] == 0.0
+
+
+def test_rollout_metrics_rejects_mismatched_inputs():
+    rewards, completions = batch()
+    with pytest.raises(ValueError, match="questions"):
+        rollout_metrics(rewards[:2], completions, 10)
+    with pytest.raises(ValueError, match="question 1"):
+        rollout_metrics([rewards[0], rewards[1][:2], rewards[2]], completions, 10)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        rollout_metrics(rewards, completions, max_new_tokens=9)
+
+
+def test_reduce_metrics_without_process_group_is_identity():
+    rewards, completions = batch()
+    m = rollout_metrics(rewards, completions, 10)
+    assert reduce_metrics(m) is m
+
+
+# Uneven ranks: rank 0 has 1 question x 4 samples, all of them long and no tool calls; rank 1 has
+# 3 questions x 2 samples, short, with calls. A per-rank average would be wrong on every metric.
+RANK_DATA = [
+    {"rewards": [[1.0, 0.0, 1.0, 1.0]],
+     "completions": [[[20, True, 0, 0], [30, False, 0, 0], [25, True, 0, 0], [22, True, 0, 0]]]},
+    {"rewards": [[0.0, 0.0], [1.0, 0.0], [0.5, 0.5]],
+     "completions": [[[3, True, 1, 1], [4, True, 0, 0]], [[5, True, 2, 0], [30, False, 0, 0]],
+                     [[6, True, 1, 1], [2, True, 0, 0]]]},
+]
+
+WORKER = """
+import json, sys
+import torch.distributed as dist
+from nanochat.engine import Completion
+from nanochat.metrics import reduce_metrics, rollout_metrics
+data, out = json.loads(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo")
+completions = [[Completion(list(range(n)), [1] * n, ended, calls, ok) for n, ended, calls, ok in q]
+               for q in data["completions"]]
+local = rollout_metrics(data["rewards"], completions, max_new_tokens=30)
+reduced = reduce_metrics(local, "cpu")
+dist.destroy_process_group()
+json.dump({"local": local, "reduced": reduced}, open(out, "w"))
+"""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def to_completions(rows):
+    return [[comp(n, ended, calls, ok) for n, ended, calls, ok in q] for q in rows]
+
+
+def test_reduce_metrics_two_ranks_equals_union(tmp_path):
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), PYTHONPATH=str(REPO))
+        cmd = [sys.executable, "-c", WORKER, json.dumps(RANK_DATA[rank]), str(tmp_path / f"rank{rank}.json")]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert proc.returncode == 0, f"worker failed:\n{out}\n{err}"
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+    union = rollout_metrics(RANK_DATA[0]["rewards"] + RANK_DATA[1]["rewards"],
+                            to_completions(RANK_DATA[0]["completions"]) + to_completions(RANK_DATA[1]["completions"]),
+                            max_new_tokens=30)
+    assert results[0]["reduced"] == results[1]["reduced"]  # every rank gets the same numbers
+    for key, want in union.items():
+        assert results[0]["reduced"][key] == pytest.approx(want, rel=1e-12, abs=1e-12), key
+
+    # the data is uneven enough that averaging per-rank values would have been caught
+    naive = {k: (results[0]["local"][k] + results[1]["local"][k]) / 2 for k in union}
+    for key in ("reward_mean", "reward_std", "zero_std_fraction", "seq_len_mean", "truncated_fraction",
+                "tool_calls_per_sample", "tool_success_fraction"):
+        assert naive[key] != pytest.approx(union[key], abs=1e-6), key

@@ -1,0 +1,113 @@
+"""The run report: section files, report.md assembly order and header, and the Chat RL section
+(config table, pass@k at first and last eval, plots that decode as images)."""
+
+import platform
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from nanochat.report import (PNG_SIGNATURE, DummyReport, Report, get_report, log_chat_rl, markdown_table,
+                             slugify)
+
+CONFIG = {"run": "test_run", "task": "arithmetic", "num_samples": 4, "matrix_lr": 0.02, "eval_every": 2}
+
+
+def fake_history(num_steps=5):
+    return [{"step": s, "reward_mean": 0.1 * s, "reward_std": 0.05, "seq_len_mean": 20.0 - s,
+             "seq_len_min": 10.0, "seq_len_max": 30.0, "truncated_fraction": 0.0} for s in range(num_steps)]
+
+
+EVALS = [
+    (0, {"pass@1": 0.125, "pass@2": 0.25}),
+    (2, {"pass@1": 0.2, "pass@2": 0.3}),
+    (5, {"pass@1": 0.5, "pass@2": 0.75}),
+]
+
+
+def test_slugify_and_table_escaping():
+    assert slugify("Chat RL") == "chat-rl"
+    assert slugify("Chat evaluation (sft)") == "chat-evaluation-sft"
+    table = markdown_table(["a", "b"], [["x|y", 0.5]])
+    assert table.splitlines() == ["| a | b |", "|---|---|", "| x\\|y | 0.5000 |"]
+
+
+def test_chat_rl_section_and_plots(tmp_path):
+    report = Report(tmp_path / "report")
+    path = log_chat_rl(report, CONFIG, fake_history(), EVALS)
+    assert path == str(tmp_path / "report" / "chat-rl.md")
+    md = (tmp_path / "report" / "chat-rl.md").read_text()
+    assert md.startswith("## Chat RL\n")
+
+    lines = md.splitlines()
+    for key, value in [("run", "test_run"), ("task", "arithmetic"), ("num_samples", "4"), ("matrix_lr", "0.0200")]:
+        assert f"| {key} | {value} |" in lines
+    # pass@k at the first (step 0) and last (step 5) eval, not the middle one
+    assert "| metric | step 0 | step 5 |" in lines
+    assert "| pass@1 | 0.1250 | 0.5000 |" in lines
+    assert "| pass@2 | 0.2500 | 0.7500 |" in lines
+    # final metrics are the last step's
+    assert "| reward_mean | 0.4000 |" in lines and "| steps logged | 5 |" in lines
+
+    for name, file in [("reward", "chat-rl-reward.png"), ("sequence length", "chat-rl-seq-len.png"),
+                       ("pass@1", "chat-rl-pass1.png")]:
+        assert f"![{name}]({file})" in lines
+        png = tmp_path / "report" / file
+        assert png.read_bytes()[:8] == PNG_SIGNATURE
+        with Image.open(png) as im:
+            im.load()
+            width, height = im.size
+        assert width > 0 and height > 0
+        pixels = np.asarray(Image.open(png).convert("L"))
+        assert pixels.min() < pixels.max()  # something was drawn, not a blank canvas
+
+
+def test_chat_rl_section_without_evals(tmp_path):
+    """--eval-every=-1: no pass@k table or pass@1 plot, and the section says why."""
+    report = Report(tmp_path)
+    log_chat_rl(report, CONFIG, fake_history(3), [])
+    md = (tmp_path / "chat-rl.md").read_text()
+    assert "No evaluation was run" in md and "pass1.png" not in md
+    assert not (tmp_path / "chat-rl-pass1.png").exists()
+    assert (tmp_path / "chat-rl-reward.png").exists()
+
+
+def test_chat_rl_section_rejects_history_without_metrics(tmp_path):
+    with pytest.raises(ValueError, match="reward_mean"):
+        log_chat_rl(Report(tmp_path), CONFIG, [{"step": 0, "reward": 0.1}], [])
+
+
+def test_write_report_order_and_header(tmp_path):
+    report = Report(tmp_path)
+    log_chat_rl(report, CONFIG, fake_history(), EVALS)
+    report.log("Chat SFT", [{"val_loss": 1.25}, "sft notes"])
+    report.log("Zeta extras", ["unlisted section"])
+    path = report.write_report()
+    assert path == str(tmp_path / "report.md")
+    text = (tmp_path / "report.md").read_text()
+    head = text.split("## ")[0]
+    assert head.startswith("# nanochat report")
+    for field in ("- Generated: ", "- Commit: ", "- Platform: "):
+        assert field in head
+    assert platform.python_version() in head
+    # pipeline order (SFT before RL) whatever the logging order; unlisted sections last
+    assert text.index("## Chat SFT") < text.index("## Chat RL") < text.index("## Zeta extras")
+    assert "- val_loss: 1.2500" in text and "| pass@1 | 0.1250 | 0.5000 |" in text
+    assert "![reward](chat-rl-reward.png)" in text  # relative link still valid: same directory
+
+    # re-logging a section replaces it rather than appending
+    report.log("Chat SFT", [{"val_loss": 0.5}])
+    text = (tmp_path / report.write_report()).read_text()
+    assert text.count("## Chat SFT") == 1 and "- val_loss: 0.5000" in text and "1.2500" not in text
+
+
+def test_default_dir_and_non_master_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
+    monkeypatch.setenv("RANK", "0")
+    assert get_report().report_dir == str(tmp_path / "base" / "report")
+    monkeypatch.setenv("RANK", "1")
+    other = get_report()
+    assert isinstance(other, DummyReport)
+    assert log_chat_rl(other, CONFIG, fake_history(), EVALS) is None
+    assert other.write_report() is None
+    assert not (tmp_path / "base").exists()
