@@ -127,6 +127,16 @@ def all_reduce_mean(x, device="cpu"):
     return t.item() if t.numel() == 1 else t
 
 
+def format_duration(seconds):
+    """12.3 -> '12s', 754 -> '12m34s', 7500 -> '2h05m'."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 class DummyWandb:
     """Stand-in for a wandb run when logging is off (`--run=dummy`): every call is a no-op."""
 

@@ -29,10 +29,13 @@ import torch.distributed as dist
 
 from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_last_step, list_tags, load_checkpoint, load_model,
                                          save_checkpoint)
-from nanochat.common import (DummyWandb, GracefulStop, UserError, all_reduce_mean, compute_cleanup, compute_init,
-                             get_base_dir, get_dist_info, print0, run_main)
+from nanochat.common import (GracefulStop, UserError, compute_cleanup, compute_init, format_duration, get_base_dir,
+                             get_dist_info, print0, run_main)
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
+from nanochat.metrics import reduce_metrics, rollout_metrics
+from nanochat.report import get_report, log_chat_rl
+from nanochat.wandb_utils import init_wandb, log_samples_table
 from nanochat.rl import accumulate_policy_gradient, lr_multiplier, make_question_batch
 from tasks.registry import make_task
 
@@ -233,11 +236,7 @@ def run(args, rank, world_size, device, stop):
     autocast = torch.amp.autocast(device_type=device.type, dtype=ptdtype) if ptdtype != torch.float32 else nullcontext()
     reduce_device = device if device.type == "cuda" else "cpu"
 
-    if args.run != "dummy" and master:
-        import wandb
-        wandb_run = wandb.init(project="nanochat-rl", name=args.run, config=vars(args))
-    else:
-        wandb_run = DummyWandb()
+    wandb_run = init_wandb(args.run, "nanochat-rl", vars(args), rank)
 
     engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb)
     train_task, val_task = make_task(args.task, "train"), make_task(args.task, "test")
@@ -259,10 +258,14 @@ def run(args, rank, world_size, device, stop):
         for opt, state in zip(optimizers, optimizer_state["optimizers"]):
             opt.load_state_dict(state)  # also restores each group's initial_lr and lr
 
+    history = list(meta.get("history", [])) if args.resume else []          # per-step metrics, for the report
+    eval_history = [tuple(e) for e in meta.get("eval_history", [])] if args.resume else []
+
     def save(step):
         save_checkpoint(checkpoint_dir, step, model.state_dict() if master else None,
                         {"optimizers": [opt.state_dict() for opt in optimizers], "world_size": world_size},
-                        {"step": step, "model_config": asdict(model.config), "user_config": vars(args)},
+                        {"step": step, "model_config": asdict(model.config), "user_config": vars(args),
+                         "history": history, "eval_history": eval_history},
                         rank=rank)
         print0(f"Saved checkpoint to {checkpoint_dir} (step {step})")
 
@@ -270,6 +273,7 @@ def run(args, rank, world_size, device, stop):
     micro_rows = args.device_batch_size  # rows per training forward; halved on out-of-memory
     consecutive_bad = 0
     last_saved = start_step - 1 if args.resume else None
+    run_start = time.time()
     for step in range(start_step, num_steps + 1):
         last_step = step == num_steps
         # ---- eval: pass@k on the test split (also after the last update)
@@ -280,9 +284,11 @@ def run(args, rank, world_size, device, stop):
                 passk, _ = evaluate_pass_at_k(engine, val_task, args.eval_examples, eval_samples, max_new_tokens=256,
                                               temperature=1.0, top_k=50, rank=rank, world_size=world_size,
                                               device=reduce_device, seed=0)
+            t_eval = time.time() - t0
             print0(f"Step {step} | " + ", ".join(f"Pass@{k + 1}: {v:.4f}" for k, v in enumerate(passk.any))
-                   + f" | eval {time.time() - t0:.1f}s")
-            wandb_run.log({"step": step, **{f"pass@{k + 1}": v for k, v in enumerate(passk.any)}})
+                   + f" | eval {t_eval:.1f}s")
+            wandb_run.log({"step": step, **passk.as_dict(), "time/eval": t_eval})
+            eval_history.append((step, passk.as_dict()))
         if last_step:
             break
 
@@ -293,7 +299,7 @@ def run(args, rank, world_size, device, stop):
         while True:
             try:
                 with autocast:
-                    batches, _ = rollout_step(engine, train_task, indices, step, args)
+                    batches, results = rollout_step(engine, train_task, indices, step, args)
                 break
             except torch.OutOfMemoryError:
                 rows = engine.last_stats.max_batch_rows or 1
@@ -340,15 +346,28 @@ def run(args, rank, world_size, device, stop):
         model.zero_grad(set_to_none=True)
         t_train = time.time() - t0
 
-        rewards = torch.cat([b.rewards for b in batches])
-        lengths = [n for b in batches for n in b.completion_lengths]
-        mean_reward = all_reduce_mean(rewards.mean().item(), device=reduce_device)
-        mean_length = all_reduce_mean(sum(lengths) / len(lengths), device=reduce_device)
-        print0(f"Step {step}/{num_steps} | Average reward: {mean_reward:.4f} | Average sequence length: {mean_length:.2f}"
-               f" | lrm {lrm:.3f} | entropy {entropy:.3f} | grad norm {gnorm:.3f}"
-               f" | rollout {t_rollout:.1f}s train {t_train:.1f}s")
-        wandb_run.log({"step": step, "reward": mean_reward, "sequence_length": mean_length, "lrm": lrm,
-                       "entropy": entropy, "grad_norm": gnorm, "time/rollout": t_rollout, "time/train": t_train})
+        metrics = reduce_metrics(rollout_metrics([b.rewards.tolist() for b in batches], results, args.max_new_tokens),
+                                 reduce_device)
+        num_tokens = metrics["seq_len_mean"] * metrics["num_samples"]  # generated this step, all ranks
+        done, elapsed = step + 1 - start_step, time.time() - run_start
+        eta = elapsed / done * (num_steps - step - 1)
+        print0(f"Step {step}/{num_steps} | Average reward: {metrics['reward_mean']:.4f} | "
+               f"Average sequence length: {metrics['seq_len_mean']:.2f} | "
+               f"reward std {metrics['reward_std']:.3f} | no-signal {metrics['zero_std_fraction']:.2f} | "
+               f"len {metrics['seq_len_min']:.0f}-{metrics['seq_len_max']:.0f} cut {metrics['truncated_fraction']:.2f} | "
+               f"tool {metrics['tool_calls_per_sample']:.2f}/ok {metrics['tool_success_fraction']:.2f} | "
+               f"entropy {entropy:.3f} | gnorm {gnorm:.3f} | lrm {lrm:.3f} | "
+               f"rollout {t_rollout:.1f}s train {t_train:.1f}s {num_tokens / t_rollout:.0f} tok/s | "
+               f"elapsed {format_duration(elapsed)} eta {format_duration(eta)}")
+        record = {"step": step, **metrics, "reward": metrics["reward_mean"], "sequence_length": metrics["seq_len_mean"],
+                  "lrm": lrm, "entropy": entropy, "grad_norm": gnorm, "time/rollout": t_rollout,
+                  "time/train": t_train, "rollout_tokens_per_s": num_tokens / max(t_rollout, 1e-9)}
+        history.append(record)
+        wandb_run.log(record)
+        if args.eval_every > 0 and step % args.eval_every == 0:  # a few completions to read, from rank 0's first question
+            question = train_task[indices[0]]["messages"][0]["content"]
+            log_samples_table(wandb_run, [(question, tokenizer.decode(c.tokens), r)
+                                          for c, r in zip(results[0], batches[0].rewards.tolist())], step=step)
 
         # ---- checkpoint (model on rank 0; optimizer shards on every rank, for resume)
         stopping = stop.requested(reduce_device)
@@ -360,6 +379,11 @@ def run(args, rank, world_size, device, stop):
             print0(f"Stopped after step {step} on request. Resume with: python -m scripts.chat_rl --resume={model_tag}:{step}")
             sys.exit(128 + (stop.signum or signal.SIGTERM))
 
+    report = get_report()
+    log_chat_rl(report, vars(args), history, eval_history)
+    path = report.write_report()
+    if path:
+        print0(f"Report: {path}")
     wandb_run.finish()
     if dist.is_initialized():
         dist.barrier()
