@@ -1,0 +1,321 @@
+"""
+Supervised finetuning (SFT) on a mixture of chat tasks, the stage before RL: the model learns to answer
+in the chat format, tool calls included, by imitating the tasks' reference conversations.
+
+Algorithm:
+  1. start from a checkpoint (--source base|mid|sft), or with --depth N from a freshly initialized model;
+  2. the train splits of --tasks are concatenated and shuffled once with --seed; every step takes the next
+     --examples-per-step conversations (ranks take every world_size-th), cycling for --num-epochs;
+  3. each conversation is tokenized with its mask (1 = assistant tokens, tool calls included; 0 = <|bos|>,
+     user turns and tool outputs), truncated to --max-seq-len + 1 tokens; targets are the next tokens
+     where the mask is 1, -1 elsewhere and on padding;
+  4. loss = mean cross-entropy over the step's targets on all ranks (explicit denominator, see
+     nanochat/sft.py), accumulated over micro-batches of --device-batch-size rows;
+  5. one Muon (matrices) + AdamW (embeddings, unembedding, scalars) step with every lr scaled by
+     --init-lr-frac and decaying linearly to 0 over the run; steps with a non-finite loss or gradient
+     are skipped;
+  6. every --eval-every steps, the loss on the test splits' trained-on tokens; at the end the model goes to
+     $NANOCHAT_BASE_DIR/chatsft_checkpoints/<tag>/model_<steps>.pt (+ meta), where chat_rl's
+     `--source=sft` finds it.
+
+Launch:
+  python -m scripts.chat_sft                                                       # 1 GPU: finetune mid_checkpoints
+  torchrun --standalone --nproc_per_node=8 -m scripts.chat_sft -- --run=my_run     # 8 GPUs
+  python -m scripts.chat_sft --device-type=cpu --depth=4 --tasks=arithmetic --num-steps=150 \\
+      --examples-per-step=32 --device-batch-size=32                               # CPU, a d4 model from scratch
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from nanochat.checkpoint_manager import list_steps, load_model, save_checkpoint
+from nanochat.common import (DummyWandb, UserError, all_reduce_mean, compute_cleanup, compute_init, get_base_dir,
+                             get_dist_info, print0, run_main)
+from nanochat.gpt import GPT, GPTConfig
+from nanochat.rl import lr_multiplier
+from nanochat.sft import (accumulate_gradient, count_targets, grad_norm, loss_sums, make_micro_batches,
+                          mixture_order, rank_positions)
+from nanochat.tokenizer import get_tokenizer
+from tasks.registry import make_task, resolve_task_class
+
+HEAD_DIM = 64        # from-scratch models: n_embd = 64 * depth (nanochat's aspect ratio), so depth heads of 64
+DEFAULT_SEQUENCE_LEN = 512
+# Finetuning a pretrained model wants small steps (nanochat's SFT uses 0.02 of the pretraining lrs);
+# a model trained from scratch here needs the full lrs.
+INIT_LR_FRAC_FINETUNE = 0.02
+INIT_LR_FRAC_SCRATCH = 1.0
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="Supervised finetuning on a mixture of chat tasks")
+    # logging
+    p.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' disables wandb)")
+    # runtime
+    p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
+    p.add_argument("--dtype", type=str, default="bfloat16", help="float32|bfloat16 compute dtype (autocast)")
+    p.add_argument("--seed", type=int, default=42, help="seed for the model init and the example order")
+    # model to start from
+    p.add_argument("--source", type=str, default="mid", help="checkpoint family to finetune: base|mid|sft (unused with --depth)")
+    p.add_argument("--model-tag", type=str, default=None, help="model tag (subdirectory) to load; default: the largest d<N>")
+    p.add_argument("--model-step", type=int, default=None, help="checkpoint step to load; default: the last one")
+    p.add_argument("--depth", type=int, default=0,
+                   help=f"> 0: train a fresh model with this many layers, width {HEAD_DIM}*depth, heads of {HEAD_DIM} "
+                        f"(0 = load --source)")
+    p.add_argument("--sequence-len", type=int, default=None,
+                   help=f"context length of a fresh --depth model (default {DEFAULT_SEQUENCE_LEN})")
+    # data
+    p.add_argument("--tasks", type=str, default="gsm8k",
+                   help="comma-separated tasks to mix: gsm8k, arithmetic, or package.module:ClassName")
+    p.add_argument("--arithmetic-difficulty", type=int, default=None,
+                   help="difficulty (1-4) of the arithmetic task (default: the task's own default)")
+    p.add_argument("--num-epochs", type=int, default=1, help="epochs over the mixture's train examples")
+    p.add_argument("--num-steps", type=int, default=-1, help="override the number of steps (-1 = from epochs)")
+    p.add_argument("--max-seq-len", type=int, default=0,
+                   help="train on at most this many tokens per conversation (0 = the model's sequence_len)")
+    # batch sizes
+    p.add_argument("--device-batch-size", type=int, default=4, help="conversations (rows) per forward pass")
+    p.add_argument("--examples-per-step", type=int, default=32,
+                   help="conversations per optimizer step, summed over ranks (gradient accumulation)")
+    # optimization
+    p.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW lr for the token embedding")
+    p.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW lr for lm_head")
+    p.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr for the transformer matrices")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="Muon weight decay")
+    p.add_argument("--init-lr-frac", type=float, default=None,
+                   help=f"every lr is multiplied by this at the start (default {INIT_LR_FRAC_FINETUNE} when finetuning "
+                        f"a checkpoint, {INIT_LR_FRAC_SCRATCH} with --depth); lrs then decay linearly to 0")
+    # eval and output
+    p.add_argument("--eval-every", type=int, default=100,
+                   help="val loss period in steps, also before the first and after the last step (-1 = never)")
+    p.add_argument("--eval-examples", type=int, default=400, help="test conversations used for the val loss")
+    p.add_argument("--output-tag", type=str, default=None, help="checkpoint subdirectory to write (default d<n_layer>)")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    return p.parse_args(argv)
+
+
+def parse_task_names(spec):
+    names = [name.strip() for name in spec.split(",")]
+    if not spec.strip() or any(not name for name in names):
+        raise UserError(f"--tasks={spec!r} has an empty entry; give a comma-separated list such as gsm8k,arithmetic")
+    return names
+
+
+def validate_args(args, world_size):
+    """Refuse flag values that would fail late or silently train on the wrong thing; fill in the
+    defaults that depend on other flags, so the logged config is the effective one."""
+    def need(ok, message):
+        if not ok:
+            raise UserError(message)
+    need(args.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, got {args.dtype!r}")
+    need(args.depth >= 0, f"--depth must be >= 1 for a fresh model, or 0 to load --source, got {args.depth}")
+    if args.depth > 0:
+        need(args.model_tag is None and args.model_step is None,
+             "--model-tag/--model-step choose a checkpoint to load; they do not apply with --depth (a fresh model)")
+        args.sequence_len = DEFAULT_SEQUENCE_LEN if args.sequence_len is None else args.sequence_len
+        need(args.sequence_len >= 2, f"--sequence-len must be >= 2, got {args.sequence_len}")
+    else:
+        need(args.source in ("base", "mid", "sft"), f"--source must be base, mid or sft, got {args.source!r}")
+        need(args.sequence_len is None, "--sequence-len sets the context of a fresh --depth model; a loaded "
+                                        "checkpoint keeps its own (use --max-seq-len to train on shorter rows)")
+    names = parse_task_names(args.tasks)
+    for name in names:
+        resolve_task_class(name)  # an unknown task fails now, not after the model is loaded
+    if args.arithmetic_difficulty is not None:
+        need("arithmetic" in names, f"--arithmetic-difficulty applies to the arithmetic task, which is not in --tasks={args.tasks!r}")
+    for name in ("device_batch_size", "examples_per_step", "num_epochs", "eval_examples"):
+        need(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    per_step = args.device_batch_size * world_size
+    need(args.examples_per_step % per_step == 0,
+         f"--examples-per-step ({args.examples_per_step}) must be a multiple of --device-batch-size ({args.device_batch_size})"
+         f" x ranks ({world_size}) = {per_step}; e.g. --examples-per-step={max(1, args.examples_per_step // per_step) * per_step}")
+    need(args.num_steps == -1 or args.num_steps >= 1, f"--num-steps must be >= 1, or -1 to derive it from epochs, got {args.num_steps}")
+    need(args.max_seq_len >= 0, f"--max-seq-len must be >= 1, or 0 for the model's sequence_len, got {args.max_seq_len}")
+    for name in ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay"):
+        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.init_lr_frac is None:
+        args.init_lr_frac = INIT_LR_FRAC_SCRATCH if args.depth > 0 else INIT_LR_FRAC_FINETUNE
+    need(0 < args.init_lr_frac <= 1, f"--init-lr-frac must be in (0, 1], got {args.init_lr_frac}")
+    need(args.eval_every == -1 or args.eval_every >= 1, f"--eval-every must be >= 1, or -1 to disable, got {args.eval_every}")
+    return names
+
+
+def load_tasks(names, split, arithmetic_difficulty):
+    """One task object per name, for `split`."""
+    tasks = []
+    for name in names:
+        if name == "arithmetic" and arithmetic_difficulty is not None:
+            from tasks.arithmetic import Arithmetic  # the registry builds Cls(split=...) only
+            tasks.append(Arithmetic(split=split, difficulty=arithmetic_difficulty))
+        else:
+            tasks.append(make_task(name, split))
+    return tasks
+
+
+def build_fresh_model(depth, sequence_len, vocab_size, device):
+    """A randomly initialized GPT of nanochat's shape for `depth` (see HEAD_DIM)."""
+    n_embd = depth * HEAD_DIM
+    n_head = n_embd // HEAD_DIM
+    config = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
+                       n_kv_head=n_head, n_embd=n_embd, window_pattern="L")
+    with device:
+        model = GPT(config)  # allocated on the target device directly (a meta-device build costs a torch._dynamo import)
+    model.init_weights()
+    return model
+
+
+def setup_optimizers(model, args):
+    optimizers = model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
+                                        matrix_lr=args.matrix_lr, weight_decay=args.weight_decay)
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * args.init_lr_frac
+            group["initial_lr"] = group["lr"]
+    return optimizers
+
+
+def conversations_at(tasks, order, positions):
+    """The conversations at these positions of the mixture order, which repeats once per epoch."""
+    return [tasks[t][i] for t, i in (order[pos % len(order)] for pos in positions)]
+
+
+def evaluate_val_loss(model, val_batches, device, reduce_device, autocast):
+    """Mean CE over the trained-on tokens of every rank's val micro-batches."""
+    model.eval()
+    total, count = loss_sums(model, val_batches, device, autocast)
+    # the ratio of the rank means is the ratio of the sums
+    total, count = all_reduce_mean(total, reduce_device), all_reduce_mean(count, reduce_device)
+    return total / count if count > 0 else float("nan")
+
+
+def train_step(model, optimizers, micro_batches, lrm, device, reduce_device, autocast):
+    """One optimizer step on this rank's micro-batches. Returns (loss, grad norm, updated): the loss is
+    the step's token-mean over all ranks; on a non-finite loss or gradient (on any rank) nothing is updated."""
+    model.train()
+    denominator = all_reduce_mean(count_targets(micro_batches), reduce_device)
+    if denominator == 0:  # every conversation of the step truncated before its answer
+        return float("nan"), 0.0, False
+    local_loss = accumulate_gradient(model, micro_batches, denominator, device, autocast)
+    gnorm = grad_norm(model)
+    finite = math.isfinite(local_loss) and math.isfinite(gnorm)
+    # every rank must agree to step: the distributed optimizers' collectives need all of them
+    loss, all_finite = all_reduce_mean(torch.tensor([local_loss if finite else 0.0, float(finite)]), reduce_device).tolist()
+    if all_finite < 1.0:
+        model.zero_grad(set_to_none=True)
+        return local_loss, gnorm, False
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * lrm
+    for opt in optimizers:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return loss, gnorm, True
+
+
+def main(argv):
+    args = parse_args(argv)
+    _, _, _, world_size = get_dist_info()
+    task_names = validate_args(args, world_size)
+    _, rank, _, world_size, device = compute_init(args.device_type, seed=args.seed)
+    try:
+        run(args, task_names, rank, world_size, device)
+    finally:
+        compute_cleanup()
+
+
+def run(args, task_names, rank, world_size, device):
+    master = rank == 0
+    ptdtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    autocast = torch.amp.autocast(device_type=device.type, dtype=ptdtype) if ptdtype != torch.float32 else nullcontext()
+    reduce_device = device if device.type == "cuda" else "cpu"  # NCCL reduces CUDA tensors only
+
+    if args.depth > 0:
+        tokenizer = get_tokenizer()
+        model = build_fresh_model(args.depth, args.sequence_len, tokenizer.get_vocab_size(), device)
+    else:
+        model, tokenizer, _ = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step)
+    config = model.config
+    if args.max_seq_len == 0:
+        args.max_seq_len = config.sequence_len
+    if args.max_seq_len > config.sequence_len:
+        raise UserError(f"--max-seq-len ({args.max_seq_len}) exceeds the model's sequence_len ({config.sequence_len}), "
+                        f"beyond which its attention windows slide; use at most {config.sequence_len}")
+    print0(f"config: {json.dumps(vars(args))}")
+    print0(f"model: {asdict(config)} | {model.num_params():,} parameters")
+
+    if args.run != "dummy" and master:
+        import wandb
+        wandb_run = wandb.init(project="nanochat-sft", name=args.run, config=vars(args))
+    else:
+        wandb_run = DummyWandb()
+
+    train_tasks = load_tasks(task_names, "train", args.arithmetic_difficulty)
+    train_order = mixture_order([len(t) for t in train_tasks], args.seed)
+    num_steps = args.num_steps if args.num_steps > 0 else len(train_order) * args.num_epochs // args.examples_per_step
+    if num_steps < 1:
+        raise UserError(f"--tasks={args.tasks} has {len(train_order)} train conversations, fewer than --examples-per-step "
+                        f"({args.examples_per_step}) x --num-epochs ({args.num_epochs}); lower --examples-per-step or pass --num-steps")
+    print0(f"train: {len(train_order):,} conversations from {', '.join(task_names)} | {num_steps} steps of "
+           f"{args.examples_per_step} | lr x{args.init_lr_frac}")
+
+    output_tag = args.output_tag or f"d{config.n_layer}"
+    checkpoint_dir = os.path.join(get_base_dir(), "chatsft_checkpoints", output_tag)
+    newer = [s for s in list_steps(checkpoint_dir) if s > num_steps]
+    if newer:  # found before training, not after: loading the "last step" of the tag would skip this run's model
+        raise UserError(f"{checkpoint_dir} already holds model_{newer[-1]:06d}.pt, a later step than the {num_steps} this run "
+                        f"will save, so `--source=sft` would keep loading that one; pass --output-tag=<new tag> or move it away")
+
+    pad_token = tokenizer.encode_special("<|assistant_end|>")  # any id works: padded positions have target -1
+    val_batches = []
+    if args.eval_every > 0:
+        val_tasks = load_tasks(task_names, "test", args.arithmetic_difficulty)
+        val_order = mixture_order([len(t) for t in val_tasks], args.seed)
+        num_val = min(args.eval_examples, len(val_order))
+        val_convs = conversations_at(val_tasks, val_order, range(rank, num_val, world_size))
+        # rendered once: the val set does not change during the run
+        val_batches = make_micro_batches(tokenizer, val_convs, args.max_seq_len, args.device_batch_size, pad_token)
+
+    optimizers = setup_optimizers(model, args)
+    val_loss = None
+    for step in range(num_steps + 1):  # `step` updates done so far
+        last_step = step == num_steps
+        if args.eval_every > 0 and (step % args.eval_every == 0 or last_step):
+            val_loss = evaluate_val_loss(model, val_batches, device, reduce_device, autocast)
+            print0(f"step {step}/{num_steps} | val loss {val_loss:.4f}")
+            wandb_run.log({"step": step, "val_loss": val_loss})
+        if last_step:
+            break
+
+        t0 = time.time()
+        convs = conversations_at(train_tasks, train_order, rank_positions(step, args.examples_per_step, rank, world_size))
+        micro_batches = make_micro_batches(tokenizer, convs, args.max_seq_len, args.device_batch_size, pad_token)
+        lrm = lr_multiplier(step, num_steps)
+        loss, gnorm, updated = train_step(model, optimizers, micro_batches, lrm, device, reduce_device, autocast)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = (time.time() - t0) * 1000
+        if not updated:
+            print0(f"step {step + 1}/{num_steps} | non-finite loss or gradient (loss {loss:.4f}, grad norm {gnorm:.4f}), "
+                   f"or no trained-on tokens; update skipped")
+            continue
+        print0(f"step {step + 1}/{num_steps} | loss {loss:.4f} | lrm {lrm:.3f} | dt {dt:.0f}ms | grad norm {gnorm:.3f}")
+        wandb_run.log({"step": step + 1, "loss": loss, "lrm": lrm, "grad_norm": gnorm, "dt_ms": dt})
+
+    if master:
+        meta = {"step": num_steps, "model_config": asdict(config), "user_config": vars(args), "val_loss": val_loss}
+        save_checkpoint(checkpoint_dir, num_steps, model.state_dict(), None, meta, rank=rank)
+        print0(f"Saved checkpoint to {checkpoint_dir} (model_{num_steps:06d}.pt)")
+    wandb_run.finish()
+    if dist.is_initialized():
+        dist.barrier()  # no rank tears down the process group while rank 0 is still writing
+
+
+if __name__ == "__main__":
+    run_main(main)
