@@ -127,6 +127,12 @@ def all_reduce_mean(x, device="cpu"):
     return t.item() if t.numel() == 1 else t
 
 
+def grad_norm(model):
+    """L2 norm of this rank's gradients (before the distributed optimizers average them); inf/nan if any is."""
+    norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
+    return torch.stack(norms).norm().item() if norms else 0.0
+
+
 def format_duration(seconds):
     """12.3 -> '12s', 754 -> '12m34s', 7500 -> '2h05m'."""
     seconds = int(round(seconds))

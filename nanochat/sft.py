@@ -100,7 +100,3 @@ def loss_sums(model, micro_batches, device, autocast):
     return total, count
 
 
-def grad_norm(model):
-    """L2 norm of this rank's gradients (before the distributed optimizers average them); inf/nan if any is."""
-    norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
-    return torch.stack(norms).norm().item() if norms else 0.0

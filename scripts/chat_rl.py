@@ -30,7 +30,7 @@ import torch.distributed as dist
 from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_last_step, list_tags, load_checkpoint, load_model,
                                          save_checkpoint)
 from nanochat.common import (GracefulStop, UserError, compute_cleanup, compute_init, format_duration, get_base_dir,
-                             get_dist_info, print0, run_main)
+                             get_dist_info, grad_norm, print0, run_main)
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.metrics import reduce_metrics, rollout_metrics
@@ -147,12 +147,6 @@ def rollout_step(engine, task, indices, step, args):
         rewards = [float(task.reward(conv, tokenizer.decode(c.tokens))) for c in completions]
         batches.append(make_question_batch(prompt, [(c.tokens, c.masks) for c in completions], rewards, pad))
     return batches, results
-
-
-def grad_norm(model):
-    """L2 norm of this rank's gradients (before the optimizers average them over ranks)."""
-    norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
-    return torch.stack(norms).norm().item() if norms else 0.0
 
 
 # flags that define the run; --resume restores them from the checkpoint so the continuation is exact

@@ -37,13 +37,14 @@ import torch
 import torch.distributed as dist
 
 from nanochat.checkpoint_manager import list_steps, load_model, save_checkpoint
-from nanochat.common import (DummyWandb, UserError, all_reduce_mean, compute_cleanup, compute_init, get_base_dir,
-                             get_dist_info, print0, run_main)
+from nanochat.common import (UserError, all_reduce_mean, compute_cleanup, compute_init, get_base_dir, get_dist_info,
+                             grad_norm, print0, run_main)
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.rl import lr_multiplier
-from nanochat.sft import (accumulate_gradient, count_targets, grad_norm, loss_sums, make_micro_batches,
+from nanochat.sft import (accumulate_gradient, count_targets, loss_sums, make_micro_batches,
                           mixture_order, rank_positions)
 from nanochat.tokenizer import get_tokenizer
+from nanochat.wandb_utils import init_wandb
 from tasks.registry import make_task, resolve_task_class
 
 HEAD_DIM = 64        # from-scratch models: n_embd = 64 * depth (nanochat's aspect ratio), so depth heads of 64
@@ -250,11 +251,7 @@ def run(args, task_names, rank, world_size, device):
     print0(f"config: {json.dumps(vars(args))}")
     print0(f"model: {asdict(config)} | {model.num_params():,} parameters")
 
-    if args.run != "dummy" and master:
-        import wandb
-        wandb_run = wandb.init(project="nanochat-sft", name=args.run, config=vars(args))
-    else:
-        wandb_run = DummyWandb()
+    wandb_run = init_wandb(args.run, "nanochat-sft", vars(args), rank)
 
     train_tasks = load_tasks(task_names, "train", args.arithmetic_difficulty)
     train_order = mixture_order([len(t) for t in train_tasks], args.seed)
