@@ -106,6 +106,15 @@ def _write_error(directory, name, e):
     return UserError(f"could not write checkpoint {name} to {directory}: {reason}; {fix}")
 
 
+def make_checkpoint_dir(checkpoint_dir):
+    """Create the directory, or say in one line why it cannot be (so a run can check before it trains)."""
+    try:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"could not create checkpoint directory {checkpoint_dir}: {e.strerror or e}; "
+                        f"make its parent writable or set NANOCHAT_BASE_DIR to a writable directory") from e
+
+
 def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data, rank=0):
     """Save one step. Rank 0 writes the model state dict and the meta json; every rank whose
     optimizer_data is not None writes its own optimizer shard. Other ranks may pass model_data=None.
@@ -118,11 +127,7 @@ def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data,
         raise ValueError("rank 0 must pass model_data (the model's state_dict) to save_checkpoint")
     # serialize the meta before touching the disk: a non-json value is a bug and must not leave files behind
     meta_bytes = json.dumps(meta_data, indent=2).encode("utf-8") if rank == 0 else None
-    try:
-        os.makedirs(checkpoint_dir, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"could not create checkpoint directory {checkpoint_dir}: {e.strerror or e}; "
-                        f"make its parent writable or set NANOCHAT_BASE_DIR to a writable directory") from e
+    make_checkpoint_dir(checkpoint_dir)
 
     # (final path, write function), committed in this order; the model file goes last (see module docstring)
     files = []
@@ -198,13 +203,13 @@ def _torch_load(path, device):
     except PermissionError as e:
         raise UserError(f"cannot read checkpoint file {path}: {e.strerror}; fix its permissions") from e
     except pickle.UnpicklingError as e:
-        if "weights only" in str(e).lower():
+        if "unsupported global" in str(e).lower():  # a real pickle of non-tensor objects, not damage
             raise UserError(f"checkpoint file {path} holds Python objects other than tensors and plain containers; "
                             f"refusing to unpickle it (that could run arbitrary code); re-save it as a plain state_dict") from e
-        raise UserError(f"checkpoint file {path} is corrupted ({e}); delete it or pick another --model-step") from e
+        raise UserError(f"checkpoint file {path} is corrupted (not a torch checkpoint); delete it or pick another --model-step") from e
     except Exception as e:
         # truncated files surface as EOFError, RuntimeError (zip reader) or OSError(EINVAL), depending on where they end
-        first_line = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        first_line = str(e).splitlines()[0].split(". ")[0] if str(e) else type(e).__name__
         raise UserError(f"checkpoint file {path} is corrupted or truncated ({first_line}); "
                         f"delete it or pick another --model-step") from e
 

@@ -6,6 +6,7 @@ rank-0 printing, the base directory, a no-op wandb, and the one-line error conve
 process group. Everything else asks `torch.distributed.is_initialized()`; nothing keeps a second flag.
 """
 
+import argparse
 import os
 import signal
 import sys
@@ -17,6 +18,18 @@ import torch.distributed as dist
 
 class UserError(Exception):
     """A problem the user can fix (bad flag, missing file, ...). Scripts print it as one line, no traceback."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with nanochat's error convention: a bad flag is one line (and exit 2), not the usage block;
+    and no silent prefix matching (`--num-step` must not quietly mean `--num-steps`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        raise UserError(f"{message} (see --help)")
 
 
 def run_main(main, argv=None):

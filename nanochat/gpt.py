@@ -109,13 +109,15 @@ class CausalSelfAttention(nn.Module):
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
-        q, k = norm(apply_rotary(q, *rope)), norm(apply_rotary(k, *rope))
+        # autocast runs rms_norm in fp32; attend in the projections' dtype (bf16 under autocast), so a bf16
+        # KV cache is read as it is instead of being converted to fp32 at every layer of every step
+        q, k = norm(apply_rotary(q, *rope)).to(v.dtype), norm(apply_rotary(k, *rope)).to(v.dtype)
         if cache is not None:
             kv_cache, rows, positions, Tk = cache
             k_store, v_store = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]  # (B, T_max, Hkv, D)
             k_store[rows, positions] = k.to(k_store.dtype)
             v_store[rows, positions] = v.to(v_store.dtype)
-            k, v = k_store[:, :Tk].to(q.dtype), v_store[:, :Tk].to(q.dtype)  # (B, Tk, Hkv, D)
+            k, v = k_store[:, :Tk].to(q.dtype), v_store[:, :Tk].to(q.dtype)  # (B, Tk, Hkv, D); no copy if same dtype
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, D)

@@ -12,7 +12,6 @@ Launch:
   torchrun --standalone --nproc_per_node=8 -m scripts.chat_eval -- --source=sft
 """
 
-import argparse
 import json
 import os
 import time
@@ -21,14 +20,14 @@ from contextlib import nullcontext
 import torch
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import UserError, compute_cleanup, compute_init, get_base_dir, print0, run_main
+from nanochat.common import ArgumentParser, UserError, compute_cleanup, compute_init, get_base_dir, print0, run_main
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
 from tasks.registry import make_task
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="pass@k of a chat checkpoint on a task's test split")
+    p = ArgumentParser(description="pass@k of a chat checkpoint on a task's test split")
     # model
     p.add_argument("--source", type=str, default="sft", help="checkpoint family: base|mid|sft|rl")
     p.add_argument("--model-tag", type=str, default=None, help="model tag; default: the largest d<N>")

@@ -15,7 +15,6 @@ Launch:
   python -m scripts.chat_rl --device-type=cpu --dtype=float32 --task=arithmetic --num-steps=50
 """
 
-import argparse
 import math
 import os
 import signal
@@ -28,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_last_step, list_tags, load_checkpoint, load_model,
-                                         save_checkpoint)
-from nanochat.common import (GracefulStop, UserError, compute_cleanup, compute_init, format_duration, get_base_dir,
-                             get_dist_info, grad_norm, print0, run_main)
+                                         make_checkpoint_dir, save_checkpoint)
+from nanochat.common import (ArgumentParser, GracefulStop, UserError, compute_cleanup, compute_init, format_duration,
+                             get_base_dir, get_dist_info, grad_norm, print0, run_main)
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.metrics import reduce_metrics, rollout_metrics
@@ -41,7 +40,7 @@ from tasks.registry import make_task
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="RL on GSM8K (or --task) with on-policy policy gradients")
+    p = ArgumentParser(description="RL on GSM8K (or --task) with on-policy policy gradients")
     # logging
     p.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' disables wandb)")
     # runtime
@@ -175,6 +174,7 @@ def prepare_output_dir(checkpoint_dir, overwrite, master):
     (so the loader's 'last step' cannot pick one of its checkpoints)."""
     old = [f for f in (os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else [])
            if f.startswith(("model_", "meta_", "optim_"))]
+    make_checkpoint_dir(checkpoint_dir)  # fail now, not after an hour of training, if it cannot be written
     if not old:
         return
     if not overwrite:
@@ -223,8 +223,6 @@ def run(args, rank, world_size, device, stop):
         model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step)
         model_tag = args.model_tag or f"d{model.config.n_layer}"
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], model_tag)
-    if not args.resume:
-        prepare_output_dir(checkpoint_dir, args.overwrite, master)
 
     ptdtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     autocast = torch.amp.autocast(device_type=device.type, dtype=ptdtype) if ptdtype != torch.float32 else nullcontext()
@@ -241,6 +239,8 @@ def run(args, rank, world_size, device, stop):
         raise UserError(f"the {args.task} train split has {len(train_task)} questions, fewer than --examples-per-step "
                         f"({args.examples_per_step}); lower --examples-per-step or pass --num-steps")
     print0(f"Calculated number of steps: {num_steps}")
+    if not args.resume:
+        prepare_output_dir(checkpoint_dir, args.overwrite, master)
 
     optimizers = model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
                                         matrix_lr=args.matrix_lr, weight_decay=args.weight_decay)

@@ -25,7 +25,6 @@ Launch:
       --examples-per-step=32 --device-batch-size=32                               # CPU, a d4 model from scratch
 """
 
-import argparse
 import json
 import math
 import os
@@ -37,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from nanochat.checkpoint_manager import list_steps, load_model, save_checkpoint
-from nanochat.common import (UserError, all_reduce_mean, compute_cleanup, compute_init, get_base_dir, get_dist_info,
-                             grad_norm, print0, run_main)
+from nanochat.common import (ArgumentParser, UserError, all_reduce_mean, compute_cleanup, compute_init, get_base_dir,
+                             get_dist_info, grad_norm, print0, run_main)
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.rl import lr_multiplier
 from nanochat.sft import (accumulate_gradient, count_targets, loss_sums, make_micro_batches,
@@ -56,7 +55,7 @@ INIT_LR_FRAC_SCRATCH = 1.0
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Supervised finetuning on a mixture of chat tasks")
+    p = ArgumentParser(description="Supervised finetuning on a mixture of chat tasks")
     # logging
     p.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' disables wandb)")
     # runtime

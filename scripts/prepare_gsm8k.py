@@ -10,19 +10,18 @@ Put GSM8K where tasks.gsm8k finds it without network: $NANOCHAT_BASE_DIR/data/gs
     python -m scripts.prepare_gsm8k --from /path/to/gsm8k  # copy local files (offline machines)
 """
 
-import argparse
 import json
 import os
 import shutil
 
-from nanochat.common import UserError, get_base_dir, run_main
+from nanochat.common import ArgumentParser, UserError, get_base_dir, run_main
 from tasks.gsm8k import HUB_NAME, SPLITS, hub_offline, hub_reachable, read_jsonl_rows, split_filename
 
 HUB_SIZES = {("main", "train"): 7473, ("main", "test"): 1319, ("socratic", "train"): 7473, ("socratic", "test"): 1319}
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Copy or download GSM8K into $NANOCHAT_BASE_DIR/data/gsm8k")
+    p = ArgumentParser(description="Copy or download GSM8K into $NANOCHAT_BASE_DIR/data/gsm8k")
     p.add_argument("--from", dest="source", type=str, default=None,
                    help="directory holding train.jsonl and test.jsonl to copy; omitted = download from the hub")
     p.add_argument("--subset", type=str, default="main", choices=["main", "socratic"],

@@ -16,11 +16,10 @@ Models are tied to the tokenizer they were trained with. To fine-tune a nanochat
 run's tokenizer directory instead of training a new one (nanochat uses 65,536 tokens).
 """
 
-import argparse
 import os
 import time
 
-from nanochat.common import UserError, get_base_dir, print0, run_main
+from nanochat.common import ArgumentParser, UserError, get_base_dir, print0, run_main
 from nanochat.tokenizer import Tokenizer
 
 HELD_OUT_FRACTION = 0.05  # of the --input text, kept out of training to measure compression
@@ -28,7 +27,7 @@ CHUNK_CHARS = 1 << 16  # the --input text reaches rustbpe in pieces of about thi
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Train the BPE tokenizer (rustbpe) and save it for nanochat")
+    p = ArgumentParser(description="Train the BPE tokenizer (rustbpe) and save it for nanochat")
     # what to learn
     p.add_argument("--vocab-size", type=int, default=2048,
                    help="tokens including the 9 special ones; 2048 keeps embedding and softmax cheap for small "
