@@ -146,6 +146,23 @@ def grad_norm(model):
     return torch.stack(norms).norm().item() if norms else 0.0
 
 
+class _NoProgress:
+    def update(self, n=1):
+        pass
+
+    def close(self):
+        pass
+
+
+def progress_bar(total, desc):
+    """A tqdm bar on rank 0 when stderr is a terminal; a no-op otherwise (CI and log files get the plain
+    per-step lines instead of carriage-return noise)."""
+    if int(os.environ.get("RANK", 0)) != 0 or not sys.stderr.isatty():
+        return _NoProgress()
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
+
+
 def format_duration(seconds):
     """12.3 -> '12s', 754 -> '12m34s', 7500 -> '2h05m'."""
     seconds = int(round(seconds))

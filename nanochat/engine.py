@@ -202,9 +202,10 @@ class Engine:
 
     # -- batched rollouts ------------------------------------------------------------
     def generate_many(self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42,
-                      seeds=None, max_rows=None):
+                      seeds=None, max_rows=None, progress=None):
         """Sample `num_samples` completions for each prompt. Returns a list (per prompt) of lists (per
-        sample) of Completion. `seeds[i]` seeds prompt i (default: seed + i)."""
+        sample) of Completion. `seeds[i]` seeds prompt i (default: seed + i). `progress(n)`, if given, is
+        called with the number of rows that just finished (e.g. a progress bar's update)."""
         seeds = [seed + i for i in range(len(prompts))] if seeds is None else list(seeds)
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
@@ -213,6 +214,8 @@ class Engine:
                                    max_rows=max_rows, emit_finished=True):
             for row in events:
                 results[row.request][row.sample] = row.out
+            if progress is not None:
+                progress(len(events))
         return results
 
     def rows_for_budget(self, max_seq_len, dtype):

@@ -13,6 +13,8 @@ from math import comb
 import torch
 import torch.distributed as dist
 
+from nanochat.common import progress_bar
+
 
 @dataclass
 class QuestionOutcome:
@@ -52,8 +54,11 @@ def sample_outcomes(engine, task, indices, num_samples, max_new_tokens, temperat
     tokenizer = engine.tokenizer
     conversations = [task[i] for i in indices]
     prompts = [tokenizer.render_for_completion(conv) for conv in conversations]
+    bar = progress_bar(len(prompts) * num_samples, "eval")
     results = engine.generate_many(prompts, num_samples=num_samples, max_tokens=max_new_tokens,
-                                   temperature=temperature, top_k=top_k, seeds=[seed + i for i in indices])
+                                   temperature=temperature, top_k=top_k, seeds=[seed + i for i in indices],
+                                   progress=bar.update)
+    bar.close()
     outcomes = []
     for index, conv, completions in zip(indices, conversations, results):
         texts = [tokenizer.decode(c.tokens) for c in completions]

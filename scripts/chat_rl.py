@@ -29,7 +29,7 @@ import torch.distributed as dist
 from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_last_step, list_tags, load_checkpoint, load_model,
                                          make_checkpoint_dir, save_checkpoint)
 from nanochat.common import (ArgumentParser, GracefulStop, UserError, compute_cleanup, compute_init, format_duration,
-                             get_base_dir, get_dist_info, grad_norm, print0, run_main)
+                             get_base_dir, get_dist_info, grad_norm, print0, progress_bar, run_main)
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.metrics import reduce_metrics, rollout_metrics
@@ -137,9 +137,11 @@ def rollout_step(engine, task, indices, step, args):
     tokenizer = engine.tokenizer
     conversations = [task[i] for i in indices]
     prompts = [tokenizer.render_for_completion(conv) for conv in conversations]
+    bar = progress_bar(len(prompts) * args.num_samples, f"step {step} rollouts")
     results = engine.generate_many(prompts, num_samples=args.num_samples, max_tokens=args.max_new_tokens,
                                    temperature=args.temperature, top_k=args.top_k or None,
-                                   seeds=[question_seed(step, i) for i in indices])
+                                   seeds=[question_seed(step, i) for i in indices], progress=bar.update)
+    bar.close()
     pad = tokenizer.encode_special("<|assistant_end|>")
     batches = []
     for conv, prompt, completions in zip(conversations, prompts, results):

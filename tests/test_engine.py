@@ -203,3 +203,11 @@ def test_sampled_outputs_do_not_depend_on_batch_grouping(tiny_model, tiny_tokeni
     # and a prompt's samples are the same when it is rolled out alone
     alone = engine.generate_many(prompts[1:2], num_samples=4, max_tokens=15, temperature=1.0, top_k=20, seeds=[12])
     assert [(c.tokens, c.masks) for c in alone[0]] == runs[0][1]
+
+
+def test_progress_reports_every_finished_row(tiny_model, tiny_tokenizer):
+    engine = Engine(tiny_model, tiny_tokenizer)
+    prompts = [prompt_of(tiny_tokenizer, q) for q in ("a", "bb", "ccc")]
+    counts = []
+    engine.generate_many(prompts, num_samples=3, max_tokens=6, temperature=1.0, max_rows=4, progress=counts.append)
+    assert sum(counts) == 9 and all(c > 0 for c in counts)
