@@ -4,7 +4,7 @@ The calculator tool the model calls between <|python_start|> and <|python_end|>.
 nanochat `eval`s the expression with empty builtins under a SIGALRM timeout. SIGALRM only works in the
 main thread, and `eval` of model output is a sandbox that has to be right every time. Here the expression
 is parsed with `ast` and a tiny interpreter evaluates only what the tool allows:
-  - arithmetic: numbers, + - * /, unary +/-, parentheses (characters `0-9*+-/.() `; `**` is refused),
+  - arithmetic: numbers, + - * / //, unary +/-, parentheses (characters `0-9*+-/.() `; `**` is refused),
   - `'text'.count('t')` on string literals.
 Anything else (names, attributes other than `.count`, calls, subscripts, comprehensions...) is refused.
 Values match what Python's eval would give for the same text (int/int division gives a float, etc.),
@@ -21,7 +21,8 @@ ARITHMETIC_CHARS = frozenset("0123456789*+-/.() ")
 STRING_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789'\"()._ ")
 MAX_EXPRESSION_CHARS = 1000  # far beyond any real tool call; keeps parse time and recursion bounded
 
-_BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+               ast.FloorDiv: operator.floordiv}  # the tool's characters allow `//`, and nanochat's eval computes it
 _UNARY_OPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 

@@ -21,8 +21,8 @@ nothing to do. The intent for the default difficulty is a model that, after a fe
 partial credit (roughly 20-60% pass@1 sampled at temperature 1) so RL has room to improve; the default is
 meant to be tuned against the SFT script's measurements.
 
-Division: the engine forces str(eval(expr)) after a tool call, and Python's "48/4" gives 12.0 (the
-calculator refuses "//"). So a division's python_output is "12.0", exactly what the model will see at RL
+Division: the engine forces str(eval(expr)) after a tool call, and Python's "48/4" gives 12.0 (as in
+GSM8K's own solutions, which write "/"). So a division's python_output is "12.0", exactly what the model will see at RL
 time, and the text after it and the final "#### 12" use the integer. Every division is exact, every
 expression is written with integers, and every value stays in 2..9999.
 

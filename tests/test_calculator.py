@@ -15,6 +15,8 @@ from nanochat.calculator import format_result, use_calculator
     ("-(3+4)*2", -14),
     ("0.2*50", 0.2 * 50),
     ("  7 - 10 ", -3),
+    ("7//2", 3),                    # floor division: nanochat's character set allows it and eval computes it
+    ("-7.5//2", -4.0),
     ("'strawberry'.count('r')", 3),
     ('"banana".count("an")', 2),
 ])

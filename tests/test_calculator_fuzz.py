@@ -76,7 +76,7 @@ def _number(rng, max_digits=6, allow_float=True):
 
 
 def _arith_tree(rng, depth):
-    """A random expression over the pure-arithmetic alphabet; `//` sometimes (the calculator refuses it)."""
+    """A random expression over the pure-arithmetic alphabet; `//` sometimes (floor division, as nanochat's eval)."""
     if depth == 0 or rng.random() < 0.3:
         return _number(rng)
     kind = rng.random()
@@ -290,8 +290,8 @@ def reference(expr, known):
     if m and "__" not in text:
         return True, m.group(2).count(m.group(4))
     if set(text) <= PURE_ARITHMETIC and text.strip():
-        if "**" in text or "//" in text:
-            return True, None  # both refused by design: ** can exhaust memory; // is outside the tool's + - * /
+        if "**" in text:
+            return True, None  # refused by design (as nanochat does): a power can exhaust memory
         if len(text) < 200 and paren_depth(text) < 50:
             try:
                 with warnings.catch_warnings():
