@@ -192,7 +192,7 @@ def full_disk_save(real_save, step, on_fail=None):
 def _full_disk_child():
     """Entry of the full-disk subprocess: argv = step, then chat_rl's flags."""
     import torch
-    from nanochat.common import ArgumentParser, run_main
+    from nanochat.common import run_main
     from scripts import chat_rl
     torch.save = full_disk_save(torch.save, int(sys.argv[1]))
     run_main(chat_rl.main, sys.argv[2:])
@@ -240,6 +240,7 @@ def shown_message(stderr):
 
 
 def main(argv=None):
+    from nanochat.common import ArgumentParser
     p = ArgumentParser(description="print a markdown table of chat_rl's answers to bad input")
     p.add_argument("--only", type=str, default="", help="run only cases whose name contains this text")
     args = p.parse_args(argv)

@@ -6,9 +6,6 @@ import io
 import json
 import os
 import re
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +18,7 @@ from nanochat.sft import (accumulate_gradient, collate_rows, count_targets, loss
                           mixture_order, rank_positions, render_rows)
 from scripts.chat_sft import build_fresh_model, main, train_step
 from tasks.arithmetic import Arithmetic
+from gloo_ranks import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -242,12 +240,6 @@ def test_from_scratch_run_writes_a_checkpoint_that_sft_loading_finds_and_learns(
     assert final_loss < 0.6 * initial_loss, (initial_loss, final_loss)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_gloo_ranks_finetune_to_the_same_weights_as_one_process(scratch_run):
     """Finetuning the scratch run's checkpoint (--source=sft, default --init-lr-frac): each of 2 ranks takes
     half of every step's examples and the distributed optimizers average the gradients; with the token-mean
@@ -259,22 +251,7 @@ def test_two_gloo_ranks_finetune_to_the_same_weights_as_one_process(scratch_run)
               "--device-batch-size=2", "--eval-every=-1", "--dtype=float32", "--device-type=cpu", "--seed=9"]
     run_main(main, common + ["--output-tag=single"])
 
-    world, port = 2, _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, "-m", "scripts.chat_sft", *common, "--output-tag=two"]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        assert proc.returncode == 0, f"rank failed:\n{out}\n{err}"
+    run_ranks(lambda rank: ["-m", "scripts.chat_sft", *common, "--output-tag=two"])
 
     checkpoints = base / "chatsft_checkpoints"
     start = torch.load(checkpoints / "d2" / f"model_{SCRATCH_STEPS:06d}.pt")

@@ -3,17 +3,14 @@ against the metrics of the union of both ranks' samples."""
 
 import json
 import math
-import os
-import socket
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from nanochat.engine import Completion
 from nanochat.metrics import REDUCTIONS, reduce_metrics, rollout_metrics
+from gloo_ranks import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -100,32 +97,12 @@ json.dump({"local": local, "reduced": reduced}, open(out, "w"))
 """
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def to_completions(rows):
     return [[comp(n, ended, calls, ok) for n, ended, calls, ok in q] for q in rows]
 
 
 def test_reduce_metrics_two_ranks_equals_union(tmp_path):
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=str(REPO))
-        cmd = [sys.executable, "-c", WORKER, json.dumps(RANK_DATA[rank]), str(tmp_path / f"rank{rank}.json")]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        assert proc.returncode == 0, f"worker failed:\n{out}\n{err}"
+    run_ranks(lambda rank: ["-c", WORKER, json.dumps(RANK_DATA[rank]), str(tmp_path / f"rank{rank}.json")], timeout=30)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
     union = rollout_metrics(RANK_DATA[0]["rewards"] + RANK_DATA[1]["rewards"],

@@ -5,10 +5,6 @@ resume, and DistMuon / DistAdamW on 2 gloo processes against the single-process 
 import importlib.util
 import io
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +12,7 @@ import torch
 
 from nanochat.adamw import DistAdamW
 from nanochat.muon import NS_COEFFS, DistMuon, Muon, orthogonalize
+from gloo_ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -203,32 +200,13 @@ def test_single_process_dist_optimizers_match_plain_ones():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_distributed_two_gloo_ranks_match_single_process(tmp_path):
     """DistMuon / DistAdamW on 2 gloo ranks, each with its own gradients, end where Muon /
     torch.optim.AdamW fed the averaged gradients end; both ranks agree; resuming from the per-rank
     optimizer shards matches the uninterrupted run; optimizer state is sharded across ranks."""
-    world, port = 2, _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, str(Path(__file__).with_name("dist_optim_worker.py")), str(tmp_path / f"rank{rank}.pt")]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        assert proc.returncode == 0, f"worker failed:\n{out}\n{err}"
+    world = 2
+    run_ranks(lambda rank: [str(Path(__file__).with_name("dist_optim_worker.py")), str(tmp_path / f"rank{rank}.pt")],
+              world_size=world)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(world))
 
     # both ranks hold bit-identical weights
