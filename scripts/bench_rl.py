@@ -1,0 +1,603 @@
+"""
+Benchmark of one chat_rl step, several ways, in one process, on the same model and the same questions.
+
+One step of chat_rl at its default shape: --num-questions GSM8K train questions x --num-samples samples x up to
+--max-new-tokens tokens, then the policy-gradient forward/backward in passes of --device-batch-size rows, then
+the Muon + AdamW step. Configurations (--configs):
+  baseline      nanochat-style: one question per engine call, `Engine.generate_batch(prompt,
+                num_samples=device_batch_size)` repeated num_samples / device_batch_size times; fp32
+  batched_fp32  chat_rl's `rollout_step`: every question in one `Engine.generate_many` call; fp32
+  batched_bf16  the same with rollouts and training under bf16 autocast
+Each runs twice: as is ("full": a random-init model almost never ends a row, so rows run to the cap) and with
+"+early": a wrapper ends every row at a geometric random length (mean --early-stop-mean), to show that finished
+rows stop costing compute (the engine's row_steps against rows x longest row).
+
+Per configuration: rollout tokens/s (completion tokens / rollout wall time, rewards and batch building
+included), training tokens/s (every input position of the padded passes / forward+backward time), step time
+(rollout + training + grad norm + optimizer step), FLOP/s and MFU against this machine's matmul peak for the
+dtype (a 2048x2048 matmul timed at start), and peak memory (see PeakMemory). Every configuration starts from
+the same weights and fresh optimizers, after an untimed warm-up on one question.
+
+Launch (one process; the benchmark has no multi-GPU mode):
+  python -m scripts.bench_rl                                   # CPU or 1 GPU: random-init d4, vocab 8192
+  python -m scripts.bench_rl --depth=6 --output=bench_d6.json
+  python -m scripts.bench_rl --source=sft                      # a trained checkpoint from $NANOCHAT_BASE_DIR
+  python -m scripts.bench_rl --configs=batched_bf16 --profile=batched_bf16   # where rollout time goes
+"""
+
+import argparse
+import cProfile
+import ctypes
+import gc
+import hashlib
+import io
+import json
+import math
+import os
+import platform
+import pstats
+import re
+import resource
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from nanochat.common import ArgumentParser, UserError, compute_cleanup, compute_init, get_base_dir, get_dist_info, print0, run_main
+from nanochat.engine import Engine, mix32
+from nanochat.rl import accumulate_policy_gradient, make_question_batch
+from nanochat.tokenizer import Tokenizer
+from scripts.chat_rl import grad_norm, rollout_step
+from tasks.gsm8k import GSM8K
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    batched: bool        # all questions in one generate_many call, else one generate_batch call per pass
+    dtype: torch.dtype   # compute dtype (bf16 = autocast; weights stay fp32)
+
+
+CONFIGS = {c.name: c for c in (BenchConfig("baseline", False, torch.float32),
+                                BenchConfig("batched_fp32", True, torch.float32),
+                                BenchConfig("batched_bf16", True, torch.bfloat16))}
+BENCH_STEP = 0           # the chat_rl step whose questions and seeds the benchmark uses
+FORCED_END_LOGIT = 1e4   # beats any softcapped logit (|x| <= 15) plus Gumbel noise (< 20)
+
+
+def parse_args(argv):
+    p = ArgumentParser(description="Benchmark one chat_rl step: baseline vs batched fp32 vs batched bf16")
+    # runtime
+    p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
+    p.add_argument("--configs", type=str, default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
+    p.add_argument("--output", type=str, default="bench_rl.json", help="where to write every number as JSON")
+    p.add_argument("--seed", type=int, default=42, help="seed of the random-init model")
+    # model
+    p.add_argument("--source", type=str, default="", help="empty = a random-init model of --depth; sft|rl = load that checkpoint")
+    p.add_argument("--model-tag", type=str, default=None, help="with --source: model tag to load (default: the largest d<N>)")
+    p.add_argument("--model-step", type=int, default=None, help="with --source: checkpoint step (default: the last one)")
+    p.add_argument("--depth", type=int, default=4, help="layers of the random-init model (width 64 * depth, heads of 64)")
+    p.add_argument("--vocab-size", type=int, default=8192,
+                   help="vocabulary of the random-init model; its tokenizer is $NANOCHAT_BASE_DIR/tokenizer if that "
+                        "has this size, else one trained on GSM8K train text (cached under $NANOCHAT_BASE_DIR/bench_rl)")
+    p.add_argument("--sequence-len", type=int, default=1024, help="context length of the random-init model")
+    # the work (chat_rl's defaults)
+    p.add_argument("--num-questions", type=int, default=16, help="questions in the step (chat_rl --examples-per-step)")
+    p.add_argument("--num-samples", type=int, default=16, help="completions sampled per question")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="completion length cap in tokens")
+    p.add_argument("--device-batch-size", type=int, default=8, help="rows per training pass (and per baseline engine call)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--top-k", type=int, default=50, help="top-k sampling (0 = whole vocabulary)")
+    p.add_argument("--max-rows", type=int, default=0, help="batched configs: max rows decoded together (0 = memory budget)")
+    p.add_argument("--memory-budget-gb", type=float, default=4.0, help="KV-cache memory a rollout batch may use")
+    p.add_argument("--init-lr-frac", type=float, default=0.05, help="chat_rl's initial lr fraction (the optimizer step runs with it)")
+    # measurement
+    p.add_argument("--early-stop-mean", type=float, default=64.0,
+                   help="mean completion length of the +early runs (0 = skip them)")
+    p.add_argument("--peak-matmul-size", type=int, default=2048, help="n of the n x n matmul timed for the FLOP/s peak")
+    p.add_argument("--profile", type=str, default="",
+                   help="after the measurements, profile the rollout of this config (torch.profiler and cProfile)")
+    p.add_argument("--profile-rows", type=int, default=25, help="rows of each profile table")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    return p.parse_args(argv)
+
+
+def validate_args(args):
+    def need(ok, message):
+        if not ok:
+            raise UserError(message)
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    need(names and all(n in CONFIGS for n in names),
+         f"--configs={args.configs!r}: give a comma-separated subset of {', '.join(CONFIGS)}")
+    need(len(set(names)) == len(names), f"--configs={args.configs!r} names a config twice")
+    need(args.source in ("", "sft", "rl"), f"--source must be empty (random init), sft or rl, got {args.source!r}")
+    need(args.source or (args.model_tag is None and args.model_step is None),
+         "--model-tag/--model-step choose a checkpoint; pass --source=sft|rl with them")
+    for name in ("depth", "vocab_size", "sequence_len", "num_questions", "num_samples", "max_new_tokens",
+                 "device_batch_size", "peak_matmul_size", "profile_rows"):
+        need(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    need(args.num_samples % args.device_batch_size == 0,
+         f"--num-samples ({args.num_samples}) must be a multiple of --device-batch-size ({args.device_batch_size})")
+    need(args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}")
+    need(args.top_k >= 0, f"--top-k must be >= 0, got {args.top_k}")
+    need(args.max_rows >= 0, f"--max-rows must be >= 0, got {args.max_rows}")
+    need(args.memory_budget_gb > 0, f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
+    need(0 < args.init_lr_frac <= 1, f"--init-lr-frac must be in (0, 1], got {args.init_lr_frac}")
+    need(args.early_stop_mean == 0 or args.early_stop_mean >= 1,
+         f"--early-stop-mean must be >= 1 (a mean length in tokens) or 0 to skip the +early runs, got {args.early_stop_mean}")
+    need(not args.profile or args.profile in CONFIGS, f"--profile must be one of {', '.join(CONFIGS)}, got {args.profile!r}")
+    return [CONFIGS[n] for n in names]
+
+
+# -----------------------------------------------------------------------------
+# Machine: matmul peak, memory, description
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def matmul_peak_flops(device, dtype, size, reps=10, warmup=2):
+    """Best FLOP/s of an n x n @ n x n matmul (2 n^3 FLOPs) over `reps` timed runs after `warmup` runs."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    for _ in range(warmup):
+        a @ b
+    synchronize(device)
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size ** 3 / best
+
+
+def _proc_status_kb(field):
+    match = re.search(rf"^{field}:\s+(\d+) kB", open("/proc/self/status").read(), re.MULTILINE)
+    return int(match.group(1)) if match else None
+
+
+class PeakMemory:
+    """Peak memory over a stretch of work, resettable between configurations.
+
+    CUDA: the caching allocator's peak (torch.cuda.max_memory_allocated). Elsewhere the peak resident set:
+    on Linux VmHWM from /proc/self/status, whose peak is reset to the current RSS by writing "5" to
+    /proc/self/clear_refs; glibc's malloc_trim first returns the previous configuration's freed heap to the
+    OS, so the peak is this configuration's working set plus what stays resident (weights, data, imports).
+    Without clear_refs (macOS, locked-down kernels) it is ru_maxrss: the peak since the process started.
+    torch's CPU allocations bypass Python's allocator, so tracemalloc cannot see them."""
+
+    def __init__(self, device):
+        self.device = device
+        self._trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if platform.system() == "Linux" else None
+        if device.type == "cuda":
+            self.method = "torch.cuda.max_memory_allocated, reset per config"
+        elif self._can_reset_rss():
+            self.method = ("peak RSS (VmHWM), reset per config via /proc/self/clear_refs"
+                           + (" after malloc_trim" if self._trim else ""))
+        else:
+            self.method = "ru_maxrss: peak RSS since process start (this OS cannot reset it)"
+
+    def _can_reset_rss(self):
+        if not os.path.exists("/proc/self/status") or _proc_status_kb("VmHWM") is None:
+            return False
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            return False
+        return True
+
+    def reset(self):
+        """Start a new peak; returns the memory in use now, in MB."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return torch.cuda.memory_allocated(self.device) / 2 ** 20
+        if self.method.startswith("peak RSS"):
+            if self._trim:
+                self._trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return _proc_status_kb("VmRSS") / 1024
+        return self.peak_mb()
+
+    def peak_mb(self):
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2 ** 20
+        if self.method.startswith("peak RSS"):
+            return _proc_status_kb("VmHWM") / 1024
+        scale = 1 if platform.system() == "Darwin" else 1024  # ru_maxrss is bytes on macOS, KB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2 ** 20
+
+
+def machine_info(device):
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        match = re.search(r"^model name\s*:\s*(.+)$", open("/proc/cpuinfo").read(), re.MULTILINE)
+        cpu = match.group(1).strip() if match else cpu
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "cpu": cpu,
+            "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "platform": platform.platform(), "python": platform.python_version()}
+
+
+def load_average():
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+# -----------------------------------------------------------------------------
+# Model, tokenizer, questions
+
+
+def bench_tokenizer(vocab_size, task):
+    """$NANOCHAT_BASE_DIR/tokenizer if it has vocab_size tokens, else a BPE trained on the GSM8K train text
+    (cached per vocab size and text, since the same one is wanted run after run)."""
+    base = get_base_dir()
+    standard = os.path.join(base, "tokenizer")
+    if os.path.isfile(os.path.join(standard, "tokenizer.pkl")):
+        tokenizer = Tokenizer.from_directory(standard)
+        if tokenizer.get_vocab_size() == vocab_size:
+            return tokenizer, standard
+        print0(f"{standard} has {tokenizer.get_vocab_size()} tokens, not --vocab-size={vocab_size}; using a GSM8K-trained one")
+    texts = [row["question"] + "\n" + row["answer"] for row in task.rows]
+    digest = hashlib.sha1("\0".join(texts).encode("utf-8")).hexdigest()[:12]
+    cached = os.path.join(base, "bench_rl", f"tokenizer_v{vocab_size}_{digest}")
+    if os.path.isfile(os.path.join(cached, "tokenizer.pkl")):
+        return Tokenizer.from_directory(cached), cached
+    tokenizer = Tokenizer.train_from_iterator(iter(texts), vocab_size)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise UserError(f"the GSM8K train text only supports a {tokenizer.get_vocab_size()}-token BPE; "
+                        f"pass --vocab-size={tokenizer.get_vocab_size()} or less")
+    tokenizer.save(cached)
+    return tokenizer, cached
+
+
+def build_bench_model(args, task, device):
+    """(model in eval mode, tokenizer, description dict)."""
+    if args.source:
+        from nanochat.checkpoint_manager import load_model
+        model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step)
+        return model, tokenizer, {"source": args.source, "model_tag": args.model_tag, "step": meta.get("step")}
+    from scripts.chat_sft import build_fresh_model  # nanochat's sizing for a given depth lives there
+    tokenizer, tokenizer_dir = bench_tokenizer(args.vocab_size, task)
+    torch.manual_seed(args.seed)
+    model = build_fresh_model(args.depth, args.sequence_len, args.vocab_size, device)
+    return model.eval(), tokenizer, {"source": "random init", "tokenizer": tokenizer_dir}
+
+
+class EarlyStopModel(nn.Module):
+    """A GPT whose decode forwards end rows at random lengths, without touching the engine.
+
+    The engine moves rows between batch slots, so a row cannot be told by its slot. Instead, after a row's
+    input token x at position p, <|assistant_end|> is forced when hash(x, p) < 2**32 / mean_length: each
+    decode step ends a row with probability 1 / mean_length, so completions have geometric lengths (at least
+    one token), the same way in every configuration. Prefills are left alone: all samples of a prompt share
+    the prefill's logits, so a stop there would end them all together. Uncached forwards (training) are the
+    inner model's, untouched."""
+
+    def __init__(self, model, end_token, mean_length):
+        super().__init__()
+        self.model = model
+        self.config = model.config
+        self.end_token = end_token
+        self.threshold = round(2 ** 32 / mean_length)
+
+    def get_device(self):
+        return self.model.get_device()
+
+    def ends(self, tokens, positions):
+        """tokens, positions: (B,) int64 -> (B,) bool: does the row end after this input."""
+        return mix32(mix32(tokens) ^ mix32(positions + 0x5BD1E995)) < self.threshold
+
+    def forward(self, idx, kv_cache=None, **kwargs):
+        if kv_cache is None or idx.size(1) != 1:  # training, or a prefill
+            return self.model(idx, kv_cache=kv_cache, **kwargs)
+        positions = kv_cache.pos.clone()  # (B,), read before the model advances the cache
+        logits = self.model(idx, kv_cache=kv_cache, **kwargs)  # (B, 1, V) float32
+        end = logits[:, 0, self.end_token]
+        logits[:, 0, self.end_token] = torch.where(self.ends(idx[:, 0], positions), FORCED_END_LOGIT, end)
+        return logits
+
+
+# -----------------------------------------------------------------------------
+# FLOPs. Training follows GPT.estimate_flops (6 per matmul weight; attention 12 * n_head * head_dim * keys per
+# layer with every query seeing all T keys of its row, the PaLM convention) but with the real row length T
+# instead of sequence_len. Rollouts count forward FLOPs (a third of that) with the keys each query really sees.
+
+
+def _attention_unit(model):
+    """Forward FLOPs of one query against one key in one layer: QK^T and the weighted sum of V, 2 each."""
+    cfg = model.config
+    return 4 * cfg.n_head * (cfg.n_embd // cfg.n_head)
+
+
+def _sum_min(w, a, b):
+    """sum_{k=a}^{b} min(w, k) for integers 1 <= a, a - 1 <= b."""
+    if b < a:
+        return 0
+    below = min(b, w)
+    total = (a + below) * (below - a + 1) // 2 if below >= a else 0
+    return total + w * (b - max(below, a - 1))
+
+
+def matmul_flops_per_token(model):
+    """6 x the weights used in matmuls: GPT.estimate_flops without its attention term."""
+    return model.estimate_flops() - 3 * _attention_unit(model) * sum(min(w, model.config.sequence_len)
+                                                                     for w in model.window_sizes)
+
+
+def train_flops_per_token(model, T):
+    """Forward + backward FLOPs per position of a T-long training row (estimate_flops at sequence_len T)."""
+    return matmul_flops_per_token(model) + 3 * _attention_unit(model) * sum(min(w, T) for w in model.window_sizes)
+
+
+def train_flops(model, batches):
+    return sum(b.inputs.numel() * train_flops_per_token(model, b.inputs.size(1)) for b in batches)
+
+
+def rollout_flops(model, prompt_len, num_prefills, row_steps):
+    """Forward FLOPs of one question's rollouts: num_prefills prefills of the prompt (query i sees keys
+    1..i), and per row, steps - 1 decode forwards (the first token comes from the prefill) whose queries
+    see prompt_len + 1 .. prompt_len + steps - 1 keys."""
+    per_token, unit = matmul_flops_per_token(model) // 3, _attention_unit(model)
+    prefill = prompt_len * per_token + unit * sum(_sum_min(w, 1, prompt_len) for w in model.window_sizes)
+    decode = sum((s - 1) * per_token + unit * sum(_sum_min(w, prompt_len + 1, prompt_len + s - 1) for w in model.window_sizes)
+                 for s in row_steps)
+    return num_prefills * prefill + decode
+
+
+# -----------------------------------------------------------------------------
+# One RL step, measured
+
+
+def row_steps_of(tokens, max_tokens):
+    """Engine steps a completion took: its tokens, plus the terminal token if it ended before the cap
+    (a row is cut only when it reaches max_tokens; ending at the last step leaves max_tokens - 1 tokens)."""
+    return len(tokens) + (len(tokens) < max_tokens)
+
+
+def baseline_rollouts(engine, task, indices, args):
+    """nanochat's rollout loop: per question, num_samples / device_batch_size generate_batch calls of
+    device_batch_size rows. Returns (batches, [(prompt_len, num_prefills, row steps)], engine work)."""
+    tokenizer = engine.tokenizer
+    pad = tokenizer.encode_special("<|assistant_end|>")
+    batches, rows, work = [], [], {"prefill_tokens": 0, "decode_forwards": 0, "row_steps": 0, "rows_x_longest": 0}
+    passes = args.num_samples // args.device_batch_size
+    for i in indices:
+        conversation = task[i]
+        prompt = tokenizer.render_for_completion(conversation)
+        completions = []
+        for j in range(passes):
+            seqs, masks = engine.generate_batch(prompt, num_samples=args.device_batch_size, max_tokens=args.max_new_tokens,
+                                                temperature=args.temperature, top_k=args.top_k or None,
+                                                seed=hash((BENCH_STEP, i, j)) & 0x7FFFFFFF)
+            call = [(s[len(prompt):], m[len(prompt):]) for s, m in zip(seqs, masks)]
+            completions += call
+            stats = engine.last_stats
+            work["prefill_tokens"] += stats.prefill_tokens
+            work["decode_forwards"] += stats.decode_forwards
+            work["row_steps"] += stats.row_steps
+            # without compaction every row of the call would be decoded until the call's longest row ends
+            work["rows_x_longest"] += len(call) * max(row_steps_of(t, args.max_new_tokens) - 1 for t, _ in call)
+        rewards = [task.reward(conversation, tokenizer.decode(t)) for t, _ in completions]
+        batches.append(make_question_batch(prompt, completions, rewards, pad))
+        rows.append((len(prompt), passes, [row_steps_of(t, args.max_new_tokens) for t, _ in completions]))
+    return batches, rows, work
+
+
+def batched_rollouts(engine, task, indices, args):
+    """chat_rl's rollout_step (one generate_many call for all questions), with the same outputs as baseline_rollouts."""
+    batches, results = rollout_step(engine, task, indices, BENCH_STEP, args)
+    tokenizer, stats = engine.tokenizer, engine.last_stats
+    rows = [(len(tokenizer.render_for_completion(task[i])), 1, [row_steps_of(c.tokens, args.max_new_tokens) for c in cs])
+            for i, cs in zip(indices, results)]
+    longest = max(s for _, _, steps in rows for s in steps) - 1
+    work = {"prefill_tokens": stats.prefill_tokens, "decode_forwards": stats.decode_forwards, "row_steps": stats.row_steps,
+            "rows_x_longest": sum(len(steps) for _, _, steps in rows) * longest}
+    return batches, rows, work
+
+
+def autocast_for(config, device):
+    return torch.amp.autocast(device_type=device.type, dtype=config.dtype) if config.dtype != torch.float32 else nullcontext()
+
+
+def rl_step(model, rollout_model, tokenizer, optimizers, task, indices, config, args, device):
+    """One chat_rl step (rollouts, forward/backward, grad norm, optimizer step), timed by phase."""
+    engine = Engine(rollout_model, tokenizer, max_rows=(args.max_rows or None) if config.batched else None,
+                    memory_budget_gb=args.memory_budget_gb)
+    autocast = autocast_for(config, device)
+    synchronize(device)
+    t0 = time.perf_counter()
+    model.eval()
+    with autocast:
+        rollouts = batched_rollouts if config.batched else baseline_rollouts
+        batches, rows, work = rollouts(engine, task, indices, args)
+    synchronize(device)
+    t1 = time.perf_counter()
+    model.train()
+    accumulate_policy_gradient(model, batches, args.device_batch_size, len(indices), device, autocast)
+    synchronize(device)
+    t2 = time.perf_counter()
+    grad_norm(model)
+    for opt in optimizers:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    synchronize(device)
+    t3 = time.perf_counter()
+    return {"rollout_seconds": t1 - t0, "train_seconds": t2 - t1, "optimizer_seconds": t3 - t2, "step_seconds": t3 - t0,
+            "batches": batches, "rows": rows, "work": work}
+
+
+def fresh_optimizers(model, init_lr_frac):
+    """chat_rl's optimizers at step 0 (the lr multiplier is 1 there)."""
+    optimizers = model.setup_optimizers()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] = group["lr"] * init_lr_frac
+    return optimizers
+
+
+def measure(model, initial_state, tokenizer, task, indices, config, early_stop_mean, args, device, memory, peaks):
+    """Run one configuration from the initial weights: an untimed warm-up, then the measured step."""
+    model.load_state_dict(initial_state)
+    rollout_model = model
+    if early_stop_mean:
+        rollout_model = EarlyStopModel(model, tokenizer.encode_special("<|assistant_end|>"), early_stop_mean)
+    optimizers = fresh_optimizers(model, args.init_lr_frac)
+    # warm-up: kernels and allocator pools for this dtype, one question, a few tokens, no optimizer step
+    warm = argparse.Namespace(**{**vars(args), "num_samples": args.device_batch_size, "max_new_tokens": min(4, args.max_new_tokens)})
+    rl_step(model, rollout_model, tokenizer, [], task, indices[:1], config, warm, device)
+    model.load_state_dict(initial_state)
+
+    resident_mb = memory.reset()
+    m = rl_step(model, rollout_model, tokenizer, optimizers, task, indices, config, args, device)
+    peak_mb = memory.peak_mb()
+    del optimizers
+
+    batches, rows, work = m.pop("batches"), m.pop("rows"), m.pop("work")
+    peak = peaks[str(config.dtype).removeprefix("torch.")]
+    r_tokens = sum(n for b in batches for n in b.completion_lengths)
+    r_flops = sum(rollout_flops(model, plen, prefills, steps) for plen, prefills, steps in rows)
+    t_tokens, t_flops = sum(b.inputs.numel() for b in batches), train_flops(model, batches)
+    return {**m,
+            "rollout_tokens": r_tokens, "rollout_tokens_per_s": r_tokens / m["rollout_seconds"],
+            "rollout_flops": r_flops, "rollout_flops_per_s": r_flops / m["rollout_seconds"],
+            "rollout_mfu": r_flops / m["rollout_seconds"] / peak,
+            "train_tokens": t_tokens, "train_tokens_per_s": t_tokens / m["train_seconds"],
+            "train_flops": t_flops, "train_flops_per_s": t_flops / m["train_seconds"],
+            "train_mfu": t_flops / m["train_seconds"] / peak,
+            "rows": sum(len(steps) for _, _, steps in rows), **work,
+            "resident_mb_at_start": resident_mb, "peak_memory_mb": peak_mb}
+
+
+def add_ratios(results):
+    """Each run against the baseline of its variant: throughput ratios and step-time speedup (> 1 = faster)."""
+    for name, r in results.items():
+        base = results.get("baseline" + ("+early" if name.endswith("+early") else ""))
+        if base is not None:
+            # None when the baseline did no such work (every row ended at once): there is nothing to compare
+            r["rollout_tokens_per_s_x"] = _ratio(r["rollout_tokens_per_s"], base["rollout_tokens_per_s"])
+            r["train_tokens_per_s_x"] = _ratio(r["train_tokens_per_s"], base["train_tokens_per_s"])
+            r["step_speedup_x"] = _ratio(base["step_seconds"], r["step_seconds"])
+
+
+def _ratio(a, b):
+    return a / b if b > 0 else None
+
+
+def format_table(results):
+    def ratio(r, key):
+        return f"{r[key]:6.2f}" if r.get(key) is not None else "     -"
+    lines = [f"{'config':<20} {'roll tok/s':>10} {'x':>6} {'train tok/s':>11} {'x':>6} {'roll MFU':>8} {'train MFU':>9} "
+             f"{'step s':>8} {'speedup':>7} {'peak MB':>8}"]
+    for name, r in results.items():
+        lines.append(f"{name:<20} {r['rollout_tokens_per_s']:10.1f} {ratio(r, 'rollout_tokens_per_s_x')} "
+                     f"{r['train_tokens_per_s']:11.1f} {ratio(r, 'train_tokens_per_s_x')} {100 * r['rollout_mfu']:7.2f}% "
+                     f"{100 * r['train_mfu']:8.2f}% {r['step_seconds']:8.2f} {ratio(r, 'step_speedup_x'):>7} "
+                     f"{r['peak_memory_mb']:8.0f}")
+    lines.append("")
+    lines.append(f"{'config':<20} {'tokens':>7} {'rows':>5} {'row_steps':>9} {'rows x longest':>14} "
+                 f"{'rollout s':>9} {'train s':>8} {'optim s':>8}")
+    for name, r in results.items():
+        lines.append(f"{name:<20} {r['rollout_tokens']:7d} {r['rows']:5d} {r['row_steps']:9d} {r['rows_x_longest']:14d} "
+                     f"{r['rollout_seconds']:9.2f} {r['train_seconds']:8.2f} {r['optimizer_seconds']:8.2f}")
+    return "\n".join(lines)
+
+
+def profile_rollout(model, tokenizer, task, indices, config, args, device):
+    """Print where one rollout of `config` spends its time: torch ops (torch.profiler), then Python functions
+    (cProfile). Two separate runs, so neither profiler's overhead shows in the other's table."""
+    engine = Engine(model, tokenizer, max_rows=(args.max_rows or None) if config.batched else None,
+                    memory_budget_gb=args.memory_budget_gb)
+    rollouts = batched_rollouts if config.batched else baseline_rollouts
+
+    def run():
+        with autocast_for(config, device):
+            rollouts(engine, task, indices, args)
+
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        run()
+    print0(f"\ntorch.profiler, rollout of {config.name} (self time per op):")
+    print0(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.profile_rows)
+    print0(f"cProfile, rollout of {config.name} (sorted by own time):")
+    print0(out.getvalue())
+
+
+def main(argv):
+    args = parse_args(argv)
+    configs = validate_args(args)
+    if get_dist_info()[3] > 1:
+        raise UserError("bench_rl measures one process; run it with python -m scripts.bench_rl, not torchrun")
+    _, _, _, _, device = compute_init(args.device_type)
+    try:
+        return run(args, configs, device)
+    finally:
+        compute_cleanup()
+
+
+def run(args, configs, device):
+    load_before = load_average()
+    info = machine_info(device)
+    print0(f"torch {info['torch']}, {info['threads']} threads, {info['cpu']}, load average {load_before}")
+    peaks = {name: matmul_peak_flops(device, dtype, args.peak_matmul_size)
+             for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    print0(f"matmul peak ({args.peak_matmul_size}^2): fp32 {peaks['float32'] / 1e12:.3f} TFLOP/s, "
+           f"bf16 {peaks['bfloat16'] / 1e12:.3f} TFLOP/s")
+
+    task = GSM8K(split="train")
+    if args.num_questions > len(task):
+        raise UserError(f"--num-questions={args.num_questions} but the GSM8K train split has {len(task)} questions")
+    indices = list(range(args.num_questions))  # chat_rl's step 0 on one rank
+    model, tokenizer, model_info = build_bench_model(args, task, device)
+    cfg = model.config
+    model_info.update(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, vocab_size=cfg.vocab_size,
+                      sequence_len=cfg.sequence_len, num_params=model.num_params(),
+                      matmul_flops_per_token=matmul_flops_per_token(model))
+    print0(f"model: {model_info}")
+    initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    memory = PeakMemory(device)
+
+    variants = [("", 0)] + ([("+early", args.early_stop_mean)] if args.early_stop_mean else [])
+    results = {}
+    for suffix, mean_length in variants:
+        for config in configs:
+            name = config.name + suffix
+            print0(f"running {name} ...", end=" ")
+            results[name] = measure(model, initial_state, tokenizer, task, indices, config, mean_length, args, device,
+                                    memory, peaks)
+            r = results[name]
+            print0(f"step {r['step_seconds']:.1f}s (rollout {r['rollout_seconds']:.1f}s, train {r['train_seconds']:.1f}s, "
+                   f"optimizer {r['optimizer_seconds']:.1f}s)")
+    add_ratios(results)
+    print0()
+    print0(format_table(results))
+
+    report = {"machine": {**info, "load_average_before": load_before, "load_average_after": load_average()},
+              "settings": vars(args), "model": model_info, "peak_flops": peaks, "memory_method": memory.method,
+              "results": results}
+    with open(args.output, "w") as f:
+        json.dump(report, f, indent=2)
+    print0(f"\nwrote {args.output} (memory: {memory.method})")
+
+    if args.profile:
+        model.load_state_dict(initial_state)
+        profile_rollout(model, tokenizer, task, indices, CONFIGS[args.profile], args, device)
+    return report
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,167 @@
+"""scripts/bench_rl: the report it writes, the early-stop wrapper, the FLOP accounting and the memory probe."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from nanochat.common import UserError
+from nanochat.engine import Engine, KVCache
+from nanochat.gpt import GPT, GPTConfig
+from scripts import bench_rl
+
+TINY_FLAGS = ["--device-type=cpu", "--depth=1", "--vocab-size=400", "--num-questions=2", "--num-samples=4",
+              "--device-batch-size=2", "--max-new-tokens=8", "--early-stop-mean=3", "--peak-matmul-size=256"]
+METRICS = ["rollout_seconds", "train_seconds", "optimizer_seconds", "step_seconds", "rollout_tokens",
+           "rollout_tokens_per_s", "rollout_flops", "rollout_flops_per_s", "rollout_mfu", "train_tokens",
+           "train_tokens_per_s", "train_flops", "train_flops_per_s", "train_mfu", "rows", "prefill_tokens",
+           "decode_forwards", "row_steps", "rows_x_longest", "resident_mb_at_start", "peak_memory_mb",
+           "rollout_tokens_per_s_x", "train_tokens_per_s_x", "step_speedup_x"]
+
+
+def tiny_gpt(n_layer=1, window_pattern="L", sequence_len=128, vocab_size=400):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=n_layer, n_head=1, n_kv_head=1,
+                          n_embd=64, window_pattern=window_pattern))
+    model.init_weights()
+    with torch.no_grad():  # break the zero-init projections so outputs depend on the context
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model.eval()
+
+
+def test_report_has_every_config_and_metric(base_dir, tmp_path, capsys):
+    output = tmp_path / "bench.json"
+    bench_rl.main(TINY_FLAGS + [f"--output={output}"])
+    report = json.loads(output.read_text())
+    names = ["baseline", "batched_fp32", "batched_bf16", "baseline+early", "batched_fp32+early", "batched_bf16+early"]
+    assert list(report["results"]) == names
+    for name in names:
+        r = report["results"][name]
+        for key in METRICS:
+            assert key in r, (name, key)
+            assert math.isfinite(r[key]) and r[key] > 0, (name, key, r[key])
+        assert r["rows"] == 2 * 4
+        assert r["rollout_tokens"] <= r["rows"] * 8
+        assert r["row_steps"] <= r["rows_x_longest"] <= r["rows"] * (8 - 1)  # the first token comes from the prefill
+        # every position of the padded passes is trained on: prompt + longest completion - 1, per question
+        assert r["train_tokens"] >= r["rollout_tokens"]
+    for name in ("baseline", "baseline+early"):
+        assert report["results"][name]["step_speedup_x"] == 1.0
+    for name in names[3:]:
+        assert report["results"][name]["row_steps"] < 2 * 4 * 8
+    # the batched configs prefill each prompt once; the baseline once per engine call (2 passes of 2 rows)
+    base, batched = report["results"]["baseline"], report["results"]["batched_fp32"]
+    assert base["prefill_tokens"] == 2 * batched["prefill_tokens"]
+    assert set(report["peak_flops"]) == {"float32", "bfloat16"} and all(v > 0 for v in report["peak_flops"].values())
+    assert report["machine"]["torch"] == torch.__version__ and report["machine"]["threads"] >= 1
+    assert report["model"]["n_layer"] == 1 and report["model"]["n_embd"] == 64 and report["model"]["vocab_size"] == 400
+    out = capsys.readouterr().out
+    assert all(name in out for name in names)
+
+
+def test_config_subset_without_baseline_has_no_ratios(base_dir, tmp_path):
+    output = tmp_path / "bench.json"
+    bench_rl.main(TINY_FLAGS + ["--configs=batched_fp32", "--early-stop-mean=0", f"--output={output}"])
+    results = json.loads(output.read_text())["results"]
+    assert list(results) == ["batched_fp32"]
+    assert "step_speedup_x" not in results["batched_fp32"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--configs=baseline,fast"], "--configs"),
+    (["--num-samples=6", "--device-batch-size=4"], "multiple of --device-batch-size"),
+    (["--early-stop-mean=0.5"], "--early-stop-mean"),
+    (["--model-tag=d4"], "--source"),
+])
+def test_bad_flags_are_user_errors(flags, message):
+    with pytest.raises(UserError, match=message):
+        bench_rl.main(["--device-type=cpu"] + flags)
+
+
+def test_early_stop_ends_rows_exactly_where_the_hash_fires(tiny_tokenizer):
+    """A row must end at its first step whose (input token, position) hash fires and never before,
+    whichever rows share its batch."""
+    model = tiny_gpt()
+    end = tiny_tokenizer.encode_special("<|assistant_end|>")
+    wrapped = bench_rl.EarlyStopModel(model, end, mean_length=4)
+    prompts = [tiny_tokenizer.encode("two plus", prepend="<|bos|>"), tiny_tokenizer.encode("seven", prepend="<|bos|>")]
+    results = Engine(wrapped, tiny_tokenizer).generate_many(prompts, num_samples=6, max_tokens=20, temperature=1.0, seed=3)
+    lengths = []
+    for prompt, completions in zip(prompts, results):
+        for c in completions:
+            # decode step s >= 1 feeds token s - 1 at position len(prompt) + s - 1 (the prefill is never
+            # stopped); a row cut at the cap never fed its last token
+            inputs = c.tokens if c.ended else c.tokens[:-1]
+            positions = torch.arange(len(prompt), len(prompt) + len(inputs))
+            fires = wrapped.ends(torch.tensor(inputs), positions).tolist()
+            if c.ended:
+                assert fires[-1] and not any(fires[:-1])
+            else:
+                assert len(c.tokens) == 20 and not any(fires)
+            lengths.append(len(c.tokens))
+    assert min(lengths) < 20 and len(set(lengths)) > 2  # rows really end, at different lengths
+
+
+def test_early_stop_wrapper_leaves_logits_alone_unless_it_fires(tiny_tokenizer):
+    model = tiny_gpt()
+    end = tiny_tokenizer.encode_special("<|assistant_end|>")
+    idx = torch.randint(0, 300, (3, 10))
+    never = bench_rl.EarlyStopModel(model, end, mean_length=2 ** 40)  # threshold 0: never fires
+    always = bench_rl.EarlyStopModel(model, end, mean_length=1)
+    assert torch.equal(always(idx), model(idx))  # training forwards are the model's
+
+    def prefill_then_decode(m):
+        """Logits of a 10-token prefill, then of one decode step, through a fresh cache."""
+        cache = KVCache(3, 1, 16, 64, 1)
+        return m(idx, kv_cache=cache), m(idx[:, :1], kv_cache=cache)
+
+    prefill, decode = prefill_then_decode(model)
+    never_prefill, never_decode = prefill_then_decode(never)
+    assert torch.equal(never_prefill, prefill) and torch.equal(never_decode, decode)
+    always_prefill, always_decode = prefill_then_decode(always)
+    assert torch.equal(always_prefill, prefill)  # samples share the prefill: it is never stopped
+    assert torch.all(always_decode[:, 0].argmax(-1) == end)
+    others = torch.arange(decode.size(-1)) != end
+    assert torch.equal(always_decode[..., others], decode[..., others])
+    # mean length 1: every row ends at its first decode step, after the token sampled from the prefill
+    prompt = tiny_tokenizer.encode("hi", prepend="<|bos|>")
+    completions = Engine(always, tiny_tokenizer).generate_many([prompt], num_samples=3, max_tokens=5)[0]
+    assert [(len(c.tokens), c.ended) for c in completions] == [(1, True)] * 3
+
+
+def test_flops_match_hand_computed_values():
+    # one layer, width 64, one head; vocab 400 padded to 448. Matmul weights: q, k, v, proj 4 * 64^2,
+    # MLP 2 * 64 * 256, lm_head 448 * 64 = 77824 -> 6 * 77824 = 466944 per trained token.
+    model = tiny_gpt()
+    assert bench_rl.matmul_flops_per_token(model) == 466944
+    assert bench_rl.train_flops_per_token(model, 100) == 466944 + 12 * 64 * 100
+    assert bench_rl.train_flops_per_token(model, 128) == model.estimate_flops()  # T = sequence_len
+    # two layers with windows S (64 keys back) and L: 2 * 466944 - 448 * 64 * 6 of the shared lm_head
+    windowed = tiny_gpt(n_layer=2, window_pattern="SL")
+    assert bench_rl.train_flops_per_token(windowed, 100) == 2 * 466944 - 448 * 64 * 6 + 12 * 64 * (64 + 100)
+    # rollouts, forward only (155648 per token): a 3-token prompt prefilled once (queries see 1, 2, 3 keys),
+    # a row of 1 step (no decode) and a row of 3 steps (decode queries see 4 and 5 keys); 4 * 64 per key
+    assert bench_rl.rollout_flops(model, 3, 1, [1, 3]) == (3 * 155648 + 256 * 6) + (2 * 155648 + 256 * 9)
+    assert bench_rl.rollout_flops(model, 3, 2, [1]) == 2 * (3 * 155648 + 256 * 6)
+    assert bench_rl._sum_min(5, 3, 7) == 3 + 4 + 5 + 5 + 5
+    assert bench_rl._sum_min(5, 6, 8) == 15 and bench_rl._sum_min(9, 2, 4) == 9 and bench_rl._sum_min(9, 4, 3) == 0
+
+
+def test_row_steps_count_the_terminal_token_only_before_the_cap():
+    assert bench_rl.row_steps_of([1, 2], 8) == 3      # ended: two tokens then <|assistant_end|>
+    assert bench_rl.row_steps_of([1] * 7, 8) == 8     # ended at the last step
+    assert bench_rl.row_steps_of([1] * 8, 8) == 8     # cut at the cap
+
+
+def test_peak_memory_is_reset_between_measurements():
+    memory = bench_rl.PeakMemory(torch.device("cpu"))
+    assert memory.method.startswith("peak RSS")  # Linux: resettable
+    start = memory.reset()
+    block = torch.ones(64 * 2 ** 20, dtype=torch.uint8)  # 64 MB, every page touched
+    high = memory.peak_mb()
+    assert high >= start + 60
+    del block
+    memory.reset()
+    assert memory.peak_mb() < high - 40
