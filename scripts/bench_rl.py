@@ -511,6 +511,30 @@ def format_table(results):
     return "\n".join(lines)
 
 
+def greedy_agreement(model, tokenizer, prompts, max_tokens, device):
+    """How far bf16 rollouts follow fp32 ones under greedy decoding, on the same prompts.
+
+    Both decodes run through the engine (the bf16 one under autocast, with a bf16 KV cache). A row agrees up
+    to its first differing token; after that the two continuations see different contexts, so later tokens
+    are not compared. Returns rows, rows identical end to end, fp32 tokens, and tokens before the first
+    difference (their ratio is the agreement)."""
+    engine = Engine(model, tokenizer)
+    fp32 = engine.generate_many(prompts, num_samples=1, max_tokens=max_tokens, temperature=0.0)
+    with torch.amp.autocast(device_type=device.type, dtype=torch.bfloat16):
+        bf16 = engine.generate_many(prompts, num_samples=1, max_tokens=max_tokens, temperature=0.0)
+    rows = identical = tokens = agreeing = 0
+    for (a,), (b,) in zip(fp32, bf16):
+        prefix = 0
+        while prefix < min(len(a.tokens), len(b.tokens)) and a.tokens[prefix] == b.tokens[prefix]:
+            prefix += 1
+        rows += 1
+        identical += a.tokens == b.tokens
+        tokens += len(a.tokens)
+        agreeing += prefix
+    return {"rows": rows, "identical_rows": identical, "tokens": tokens, "tokens_before_first_difference": agreeing,
+            "agreement": agreeing / max(tokens, 1)}
+
+
 def profile_rollout(model, tokenizer, task, indices, config, args, device):
     """Print where one rollout of `config` spends its time: torch ops (torch.profiler), then Python functions
     (cProfile). Two separate runs, so neither profiler's overhead shows in the other's table."""
@@ -583,12 +607,17 @@ def run(args, configs, device):
             print0(f"step {r['step_seconds']:.1f}s (rollout {r['rollout_seconds']:.1f}s, train {r['train_seconds']:.1f}s, "
                    f"optimizer {r['optimizer_seconds']:.1f}s)")
     add_ratios(results)
+    model.load_state_dict(initial_state)
+    prompts = [tokenizer.render_for_completion(task[i]) for i in indices]
+    agreement = greedy_agreement(model, tokenizer, prompts, args.max_new_tokens, device)
     print0()
     print0(format_table(results))
+    print0(f"\ngreedy bf16 vs fp32 on the {agreement['rows']} questions: {agreement['identical_rows']} identical rows, "
+           f"{100 * agreement['agreement']:.1f}% of fp32 tokens before the first difference")
 
     report = {"machine": {**info, "load_average_before": load_before, "load_average_after": load_average()},
               "settings": vars(args), "model": model_info, "peak_flops": peaks, "memory_method": memory.method,
-              "results": results}
+              "results": results, "greedy_bf16_vs_fp32": agreement}
     with open(args.output, "w") as f:
         json.dump(report, f, indent=2)
     print0(f"\nwrote {args.output} (memory: {memory.method})")

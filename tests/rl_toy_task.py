@@ -1,6 +1,8 @@
 """A user-style task (the `--task=package.module:ClassName` interface) with a reward a random tiny model
 earns about half of the time, so tests of the RL loop see non-zero advantages."""
 
+from tasks.arithmetic import Arithmetic
+
 
 class ParityTask:
     """Questions 'q0'..'qN'; reward 1.0 when the response has an even number of characters."""
@@ -20,3 +22,12 @@ class ParityTask:
 
     def reward(self, conversation, response_text):
         return float(self.evaluate(conversation, response_text))
+
+
+
+class OneStepArithmetic(Arithmetic):
+    """The arithmetic task at difficulty 1 (one calculator call), as --task=rl_toy_task:OneStepArithmetic: small
+    enough for a 2-layer model to reach partial credit after seconds of SFT (the learning test)."""
+
+    def __init__(self, split="train"):
+        super().__init__(split=split, difficulty=1)
