@@ -245,6 +245,21 @@ class GPT(nn.Module):
         With kv_cache (see nanochat.engine.KVCache), row b's tokens sit at positions pos[b] .. pos[b]+T-1;
         every layer writes its keys/values there and attends to the row's cached keys; the cache then
         advances by T."""
+        logits = self.logits(self.hidden_states(idx, kv_cache))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                               reduction=loss_reduction)
+
+    def logits(self, hidden):
+        """(..., n_embd) final hidden states -> float32 softcapped logits (..., vocab_size). Split from
+        forward so a caller can take logits at some positions only: in RL most positions (prompt, tool
+        outputs, padding) have no target, and the vocabulary-wide work dominates a small model's step."""
+        logits = self.lm_head(hidden)[..., :self.config.vocab_size].float()
+        return LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
+
+    def hidden_states(self, idx, kv_cache=None):
+        """idx: (B, T) int64 -> (B, T, n_embd): the normalized output of the last block (see forward)."""
         B, T = idx.shape
         if kv_cache is None:
             if T > self.rotary_len:
@@ -275,13 +290,7 @@ class GPT(nn.Module):
             x = block(x, rope, masks[self.window_sizes[i]], cache)
         if kv_cache is not None:
             kv_cache.advance(T)
-
-        logits = self.lm_head(norm(x))[..., :self.config.vocab_size].float()
-        logits = LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
-                               reduction=loss_reduction)
+        return norm(x)
 
     def _sequence_masks(self, T, device):
         """Masks for positions 0..T-1 per window: None (plain causal, the fast kernel) when the window

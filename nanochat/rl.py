@@ -77,8 +77,8 @@ def lr_multiplier(step, num_steps):
 def token_logprobs_and_entropy(logits, targets):
     """From one forward's logits, the log-probability of each target and the policy's entropy.
 
-    logits: (B, T, V) float; targets: (B, T) with -1 for positions without a target.
-    Returns logp (B, T) (0 where target == -1) and the mean entropy over valid positions (a detached
+    logits: (..., V) float; targets: (...) with -1 for positions without a target.
+    Returns logp (...) (0 where target == -1) and the mean entropy over valid positions (a detached
     scalar; the entropy is a diagnostic only, so it needs no second forward and no gradient).
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
@@ -97,7 +97,8 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
     batches: this rank's QuestionBatch list; each question's rows are split into passes of
     device_batch_size rows (nanochat's normalization unit). Each pass is computed in chunks of
     micro_batch_rows rows (default: the whole pass) with the pass's own denominator, so a smaller chunk
-    (after an out-of-memory) gives the same gradient. `model(inputs)` must return (B, T, V) logits.
+    (after an out-of-memory) gives the same gradient. The model provides `hidden_states(inputs)` (B, T, C)
+    and `logits(hidden)` (..., V), as GPT does.
     Returns (sum of the pass objectives, mean policy entropy over valid tokens) as python floats.
     """
     micro = micro_batch_rows or device_batch_size
@@ -110,9 +111,13 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
             for lo in range(p * device_batch_size, (p + 1) * device_batch_size, micro):
                 rows = slice(lo, min(lo + micro, (p + 1) * device_batch_size))
                 inputs, targets = batch.inputs[rows].to(device), batch.targets[rows].to(device)
+                valid = targets >= 0  # (B, T)
                 with autocast:
-                    logits = model(inputs)  # (B, T, V)
-                logp, entropy = token_logprobs_and_entropy(logits, targets)
+                    # logits only where there is a target (sampled tokens): no vocabulary-wide work for
+                    # prompt, forced tool-output and padding positions
+                    logits = model.logits(model.hidden_states(inputs)[valid])  # (N, V)
+                logp_valid, entropy = token_logprobs_and_entropy(logits, targets[valid])  # (N,)
+                logp = torch.zeros(targets.shape, dtype=logp_valid.dtype, device=device).masked_scatter(valid, logp_valid)
                 objective = pass_objective(logp, targets, batch.advantages[rows].to(device), num_passes,
                                            examples_per_rank, num_valid=num_valid)
                 (-objective).backward()

@@ -67,8 +67,11 @@ class TableModel(torch.nn.Module):
         super().__init__()
         self.table = torch.nn.Parameter(torch.randn(vocab, vocab))
 
-    def forward(self, idx):
-        return self.table[idx]  # (B, T, V)
+    def hidden_states(self, idx):
+        return self.table[idx]  # (B, T, V): the "hidden state" is already the logits row
+
+    def logits(self, hidden):
+        return hidden
 
 
 def test_train_step_gradient_equals_hand_assembled_objective():

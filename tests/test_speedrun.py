@@ -54,6 +54,12 @@ def test_stages_run_in_order_and_leave_their_files(first_run, gsm8k_dir):
         assert f"{source:>3}: greedy pass@1 {result['greedy_pass@1']:.4f}, sampled pass@1 {pass1:.4f}" in out
     report = base / "report" / "report.md"
     assert "## Chat RL" in report.read_text()
+    from PIL import Image
+    for plot in ("chat-rl-reward.png", "chat-rl-seq-len.png"):  # no pass@k plot: this tiny run never evaluates
+        assert f"]({plot})" in report.read_text()
+        with Image.open(base / "report" / plot) as image:
+            image.load()
+            assert image.size[0] > 0 and image.size[1] > 0
     assert f"report: {report} (total " in out
 
 
