@@ -7,7 +7,8 @@ the Muon + AdamW step. Configurations (--configs):
   baseline      nanochat-style: one question per engine call, `Engine.generate_batch(prompt,
                 num_samples=device_batch_size)` repeated num_samples / device_batch_size times; fp32
   batched_fp32  chat_rl's `rollout_step`: every question in one `Engine.generate_many` call; fp32
-  batched_bf16  the same with rollouts and training under bf16 autocast
+  batched_bf16  the same with rollouts and training under bf16 autocast (by default only where bf16 is native:
+                a GPU, or a CPU with AVX512-BF16/AMX; elsewhere chat_rl computes in fp32, see compute_dtype)
 Each runs twice: as is ("full": a random-init model almost never ends a row, so rows run to the cap) and with
 "+early": a wrapper ends every row at a geometric random length (mean --early-stop-mean), to show that finished
 rows stop costing compute (the engine's row_steps against rows x longest row).
@@ -39,13 +40,13 @@ import pstats
 import re
 import resource
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from nanochat.common import ArgumentParser, UserError, compute_cleanup, compute_init, get_base_dir, get_dist_info, print0, run_main
+from nanochat.common import (ArgumentParser, UserError, autocast_context, compute_cleanup, compute_init, cpu_has_native_bf16,
+                             get_base_dir, get_dist_info, print0, run_main)
 from nanochat.engine import Engine, mix32
 from nanochat.rl import accumulate_policy_gradient, make_question_batch
 from nanochat.tokenizer import Tokenizer
@@ -71,7 +72,8 @@ def parse_args(argv):
     p = ArgumentParser(description="Benchmark one chat_rl step: baseline vs batched fp32 vs batched bf16")
     # runtime
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
-    p.add_argument("--configs", type=str, default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
+    p.add_argument("--configs", type=str, default="",
+                   help=f"comma-separated subset of {', '.join(CONFIGS)} (empty = all that run at speed on this device)")
     p.add_argument("--output", type=str, default="bench_rl.json", help="where to write every number as JSON")
     p.add_argument("--seed", type=int, default=42, help="seed of the random-init model")
     # model
@@ -109,7 +111,7 @@ def validate_args(args):
         if not ok:
             raise UserError(message)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    need(names and all(n in CONFIGS for n in names),
+    need(not args.configs.strip() or (names and all(n in CONFIGS for n in names)),
          f"--configs={args.configs!r}: give a comma-separated subset of {', '.join(CONFIGS)}")
     need(len(set(names)) == len(names), f"--configs={args.configs!r} names a config twice")
     need(args.source in ("", "sft", "rl"), f"--source must be empty (random init), sft or rl, got {args.source!r}")
@@ -128,7 +130,17 @@ def validate_args(args):
     need(args.early_stop_mean == 0 or args.early_stop_mean >= 1,
          f"--early-stop-mean must be >= 1 (a mean length in tokens) or 0 to skip the +early runs, got {args.early_stop_mean}")
     need(not args.profile or args.profile in CONFIGS, f"--profile must be one of {', '.join(CONFIGS)}, got {args.profile!r}")
-    return [CONFIGS[n] for n in names]
+    return [CONFIGS[n] for n in names] or None  # None: default_configs chooses for the device
+
+
+def default_configs(device):
+    """Every config, except bf16 on a CPU without native bf16: there a bf16 matmul is ~100x slower than fp32,
+    so measuring it would take hours, and chat_rl computes in fp32 on such a CPU anyway."""
+    if device.type == "cpu" and not cpu_has_native_bf16():
+        print0("note: no native bf16 on this CPU (no AVX512-BF16 or AMX): skipping batched_bf16 "
+               "(chat_rl runs in fp32 here; --configs=batched_bf16 measures it anyway)")
+        return [c for c in CONFIGS.values() if c.dtype != torch.bfloat16]
+    return list(CONFIGS.values())
 
 
 # -----------------------------------------------------------------------------
@@ -404,15 +416,11 @@ def batched_rollouts(engine, task, indices, args):
     return batches, rows, work
 
 
-def autocast_for(config, device):
-    return torch.amp.autocast(device_type=device.type, dtype=config.dtype) if config.dtype != torch.float32 else nullcontext()
-
-
 def rl_step(model, rollout_model, tokenizer, optimizers, task, indices, config, args, device):
     """One chat_rl step (rollouts, forward/backward, grad norm, optimizer step), timed by phase."""
     engine = Engine(rollout_model, tokenizer, max_rows=(args.max_rows or None) if config.batched else None,
                     memory_budget_gb=args.memory_budget_gb)
-    autocast = autocast_for(config, device)
+    autocast = autocast_context(device, config.dtype)
     synchronize(device)
     t0 = time.perf_counter()
     model.eval()
@@ -543,7 +551,7 @@ def profile_rollout(model, tokenizer, task, indices, config, args, device):
     rollouts = batched_rollouts if config.batched else baseline_rollouts
 
     def run():
-        with autocast_for(config, device):
+        with autocast_context(device, config.dtype):
             rollouts(engine, task, indices, args)
 
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -568,7 +576,7 @@ def main(argv):
         raise UserError("bench_rl measures one process; run it with python -m scripts.bench_rl, not torchrun")
     _, _, _, _, device = compute_init(args.device_type)
     try:
-        return run(args, configs, device)
+        return run(args, configs or default_configs(device), device)
     finally:
         compute_cleanup()
 
@@ -577,10 +585,9 @@ def run(args, configs, device):
     load_before = load_average()
     info = machine_info(device)
     print0(f"torch {info['torch']}, {info['threads']} threads, {info['cpu']}, load average {load_before}")
-    peaks = {name: matmul_peak_flops(device, dtype, args.peak_matmul_size)
-             for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
-    print0(f"matmul peak ({args.peak_matmul_size}^2): fp32 {peaks['float32'] / 1e12:.3f} TFLOP/s, "
-           f"bf16 {peaks['bfloat16'] / 1e12:.3f} TFLOP/s")
+    dtypes = sorted({str(c.dtype).removeprefix("torch.") for c in configs}, reverse=True)  # float32 first
+    peaks = {name: matmul_peak_flops(device, getattr(torch, name), args.peak_matmul_size) for name in dtypes}
+    print0(f"matmul peak ({args.peak_matmul_size}^2): " + ", ".join(f"{n} {p / 1e12:.3f} TFLOP/s" for n, p in peaks.items()))
 
     task = GSM8K(split="train")
     if args.num_questions > len(task):
@@ -608,12 +615,15 @@ def run(args, configs, device):
                    f"optimizer {r['optimizer_seconds']:.1f}s)")
     add_ratios(results)
     model.load_state_dict(initial_state)
-    prompts = [tokenizer.render_for_completion(task[i]) for i in indices]
-    agreement = greedy_agreement(model, tokenizer, prompts, args.max_new_tokens, device)
+    agreement = None
+    if any(c.dtype == torch.bfloat16 for c in configs):
+        prompts = [tokenizer.render_for_completion(task[i]) for i in indices]
+        agreement = greedy_agreement(model, tokenizer, prompts, args.max_new_tokens, device)
     print0()
     print0(format_table(results))
-    print0(f"\ngreedy bf16 vs fp32 on the {agreement['rows']} questions: {agreement['identical_rows']} identical rows, "
-           f"{100 * agreement['agreement']:.1f}% of fp32 tokens before the first difference")
+    if agreement:
+        print0(f"\ngreedy bf16 vs fp32 on the {agreement['rows']} questions: {agreement['identical_rows']} identical rows, "
+               f"{100 * agreement['agreement']:.1f}% of fp32 tokens before the first difference")
 
     report = {"machine": {**info, "load_average_before": load_before, "load_average_after": load_average()},
               "settings": vars(args), "model": model_info, "peak_flops": peaks, "memory_method": memory.method,

@@ -15,12 +15,11 @@ Launch:
 import json
 import os
 import time
-from contextlib import nullcontext
 
-import torch
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import ArgumentParser, UserError, compute_cleanup, compute_init, get_base_dir, print0, run_main
+from nanochat.common import (ArgumentParser, UserError, autocast_context, compute_cleanup, compute_dtype, compute_init,
+                             get_base_dir, print0, run_main)
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
 from tasks.registry import make_task
@@ -79,8 +78,7 @@ def main(argv):
     validate_args(args)
     _, rank, _, world_size, device = compute_init(args.device_type)
     try:
-        ptdtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-        autocast = torch.amp.autocast(device_type=device.type, dtype=ptdtype) if ptdtype != torch.float32 else nullcontext()
+        autocast = autocast_context(device, compute_dtype(device, args.dtype))
         model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step)
         engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb)
         task = make_task(args.task, "test")

@@ -20,7 +20,6 @@ import os
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict
 
 import torch
@@ -28,8 +27,8 @@ import torch.distributed as dist
 
 from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_last_step, list_tags, load_checkpoint, load_model,
                                          make_checkpoint_dir, save_checkpoint)
-from nanochat.common import (ArgumentParser, GracefulStop, UserError, compute_cleanup, compute_init, format_duration,
-                             get_base_dir, get_dist_info, grad_norm, print0, progress_bar, run_main)
+from nanochat.common import (ArgumentParser, GracefulStop, UserError, autocast_context, compute_cleanup, compute_dtype,
+                             compute_init, format_duration, get_base_dir, get_dist_info, grad_norm, print0, progress_bar, run_main)
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.metrics import reduce_metrics, rollout_metrics
@@ -226,8 +225,7 @@ def run(args, rank, world_size, device, stop):
         model_tag = args.model_tag or f"d{model.config.n_layer}"
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], model_tag)
 
-    ptdtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    autocast = torch.amp.autocast(device_type=device.type, dtype=ptdtype) if ptdtype != torch.float32 else nullcontext()
+    autocast = autocast_context(device, compute_dtype(device, args.dtype))
     reduce_device = device if device.type == "cuda" else "cpu"
 
     wandb_run = init_wandb(args.run, "nanochat-rl", vars(args), rank)

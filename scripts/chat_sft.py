@@ -29,14 +29,14 @@ import json
 import math
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 from nanochat.checkpoint_manager import list_steps, load_model, save_checkpoint
-from nanochat.common import (ArgumentParser, UserError, all_reduce_mean, compute_cleanup, compute_init, get_base_dir,
+from nanochat.common import (ArgumentParser, UserError, all_reduce_mean, autocast_context, compute_cleanup, compute_dtype,
+                             compute_init, get_base_dir,
                              get_dist_info, grad_norm, print0, run_main)
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.rl import lr_multiplier
@@ -232,8 +232,7 @@ def main(argv):
 
 def run(args, task_names, rank, world_size, device):
     master = rank == 0
-    ptdtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    autocast = torch.amp.autocast(device_type=device.type, dtype=ptdtype) if ptdtype != torch.float32 else nullcontext()
+    autocast = autocast_context(device, compute_dtype(device, args.dtype))
     reduce_device = device if device.type == "cuda" else "cpu"  # NCCL reduces CUDA tensors only
 
     if args.depth > 0:

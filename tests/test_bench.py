@@ -33,7 +33,7 @@ def tiny_gpt(n_layer=1, window_pattern="L", sequence_len=128, vocab_size=400):
 
 def test_report_has_every_config_and_metric(base_dir, tmp_path, capsys):
     output = tmp_path / "bench.json"
-    bench_rl.main(TINY_FLAGS + [f"--output={output}"])
+    bench_rl.main(TINY_FLAGS + ["--configs=baseline,batched_fp32,batched_bf16", f"--output={output}"])
     report = json.loads(output.read_text())
     names = ["baseline", "batched_fp32", "batched_bf16", "baseline+early", "batched_fp32+early", "batched_bf16+early"]
     assert list(report["results"]) == names
@@ -67,6 +67,16 @@ def test_config_subset_without_baseline_has_no_ratios(base_dir, tmp_path):
     results = json.loads(output.read_text())["results"]
     assert list(results) == ["batched_fp32"]
     assert "step_speedup_x" not in results["batched_fp32"]
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_default_configs_measure_bf16_only_where_it_is_native(native_bf16, monkeypatch, capsys):
+    monkeypatch.setattr(bench_rl, "cpu_has_native_bf16", lambda: native_bf16)
+    assert bench_rl.validate_args(bench_rl.parse_args([])) is None  # no --configs: the device decides
+    names = [c.name for c in bench_rl.default_configs(torch.device("cpu"))]
+    expected = ["baseline", "batched_fp32"] + (["batched_bf16"] if native_bf16 else [])
+    assert names == expected
+    assert ("skipping batched_bf16" in capsys.readouterr().out) == (not native_bf16)
 
 
 @pytest.mark.parametrize("flags, message", [
