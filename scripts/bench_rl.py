@@ -524,14 +524,17 @@ def greedy_agreement(model, tokenizer, prompts, max_tokens, device):
 
     Both decodes run through the engine (the bf16 one under autocast, with a bf16 KV cache). A row agrees up
     to its first differing token; after that the two continuations see different contexts, so later tokens
-    are not compared. Returns rows, rows identical end to end, fp32 tokens, and tokens before the first
-    difference (their ratio is the agreement)."""
+    are not compared. Returns rows, rows identical end to end, fp32 tokens, tokens before the first
+    difference (their ratio is the agreement), and for each differing row the fp32 logit margin between the
+    fp32 choice and the bf16 choice at the first difference: bf16 rounding should only flip near-ties."""
     engine = Engine(model, tokenizer)
     fp32 = engine.generate_many(prompts, num_samples=1, max_tokens=max_tokens, temperature=0.0)
     with torch.amp.autocast(device_type=device.type, dtype=torch.bfloat16):
         bf16 = engine.generate_many(prompts, num_samples=1, max_tokens=max_tokens, temperature=0.0)
+    end = tokenizer.encode_special("<|assistant_end|>")
     rows = identical = tokens = agreeing = 0
-    for (a,), (b,) in zip(fp32, bf16):
+    margins = []
+    for prompt, (a,), (b,) in zip(prompts, fp32, bf16):
         prefix = 0
         while prefix < min(len(a.tokens), len(b.tokens)) and a.tokens[prefix] == b.tokens[prefix]:
             prefix += 1
@@ -539,8 +542,15 @@ def greedy_agreement(model, tokenizer, prompts, max_tokens, device):
         identical += a.tokens == b.tokens
         tokens += len(a.tokens)
         agreeing += prefix
+        if a.tokens != b.tokens:
+            # the token each decode chose next; a row that stopped there chose the end token
+            choice_fp32 = a.tokens[prefix] if prefix < len(a.tokens) else end
+            choice_bf16 = b.tokens[prefix] if prefix < len(b.tokens) else end
+            with torch.no_grad():
+                logits = model(torch.tensor([list(prompt) + a.tokens[:prefix]], device=device))[0, -1].float()
+            margins.append(float(logits[choice_fp32] - logits[choice_bf16]))
     return {"rows": rows, "identical_rows": identical, "tokens": tokens, "tokens_before_first_difference": agreeing,
-            "agreement": agreeing / max(tokens, 1)}
+            "agreement": agreeing / max(tokens, 1), "fp32_margins_at_differences": margins}
 
 
 def profile_rollout(model, tokenizer, task, indices, config, args, device):
@@ -623,7 +633,9 @@ def run(args, configs, device):
     print0(format_table(results))
     if agreement:
         print0(f"\ngreedy bf16 vs fp32 on the {agreement['rows']} questions: {agreement['identical_rows']} identical rows, "
-               f"{100 * agreement['agreement']:.1f}% of fp32 tokens before the first difference")
+               f"{100 * agreement['agreement']:.1f}% of fp32 tokens before the first difference"
+               + (f", largest fp32 logit margin at a difference {max(map(abs, agreement['fp32_margins_at_differences'])):.3f}"
+                  if agreement['fp32_margins_at_differences'] else ""))
 
     report = {"machine": {**info, "load_average_before": load_before, "load_average_after": load_average()},
               "settings": vars(args), "model": model_info, "peak_flops": peaks, "memory_method": memory.method,

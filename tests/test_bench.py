@@ -177,15 +177,20 @@ def test_peak_memory_is_reset_between_measurements():
     assert memory.peak_mb() < high - 40
 
 
-BF16_MIN_AGREEMENT = 0.95  # measured 1.0: see the test's docstring
+# bf16 keeps 8 significant bits: a logit between 8 and 16 (the softcap is 15) is rounded to a multiple of 1/16,
+# so two fp32 logits closer than two such steps can swap order under bf16.
+BF16_NEAR_TIE = 0.125
+BF16_MIN_AGREEMENT = 0.9  # measured 0.95; a guard against bf16 going wrong wholesale, not the main check
 
 
 def test_bf16_greedy_rollouts_follow_fp32_on_a_trained_model(one_step_sft, monkeypatch):
     """bf16 sampling (autocast + bf16 KV cache) against fp32, greedy, on a trained 2-layer model and 64 held-out
-    one-step arithmetic questions: the fraction of fp32 tokens produced before a row's first difference.
+    one-step arithmetic questions. The property: bf16 only changes a greedy decision where fp32 itself had a
+    near-tie, i.e. at each row's first difference the fp32 logits of the two choices are within BF16_NEAR_TIE.
     A trained model is needed: a random one has near-uniform logits, where any rounding flips the argmax.
-    Measured on the development machine: 64 of 64 rows identical end to end (1681 tokens, agreement 1.0);
-    the 0.95 floor leaves room for other CPUs' bf16 kernels."""
+    Measured (identical on an AVX2 EPYC and on the CI machine): 59 of 64 rows identical, agreement 0.950, the
+    5 differences at fp32 margins 0.0005-0.018; only 6.7% of the 1698 fp32 greedy decisions have a top-2
+    margin under 0.125, so five differences at random decisions would all land there with probability ~1e-6."""
     from nanochat.checkpoint_manager import load_model
     from rl_toy_task import OneStepArithmetic
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(one_step_sft))
@@ -194,4 +199,7 @@ def test_bf16_greedy_rollouts_follow_fp32_on_a_trained_model(one_step_sft, monke
     prompts = [tokenizer.render_for_completion(task[i]) for i in range(64)]
     agreement = bench_rl.greedy_agreement(model, tokenizer, prompts, 64, torch.device("cpu"))
     assert agreement["rows"] == 64 and agreement["tokens"] > 64 * 10
+    margins = agreement["fp32_margins_at_differences"]
+    assert len(margins) == agreement["rows"] - agreement["identical_rows"]
+    assert all(abs(m) <= BF16_NEAR_TIE for m in margins), agreement
     assert agreement["agreement"] >= BF16_MIN_AGREEMENT, agreement

@@ -244,7 +244,7 @@ def hostile_corpus(rng, sentinel):
     for _ in range(40):
         num = _arith_tree(rng, 1)
         corpus.append(rng.choice([f"{num}/0", f"{num}/0.0", f"{num}/(1-1)", f"{num} / (2*0)", f"{num}/-0",
-                                  f"{num}/(0.5-0.5)", f"{num}/.0", f"{num}//0", f"0/0"]))
+                                  f"{num}/(0.5-0.5)", f"{num}/.0", f"{num}//0", "0/0"]))
 
     # ---- plain .count calls (checked against str.count) and their look-alike mutations
     counts = []
