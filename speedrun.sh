@@ -21,7 +21,8 @@
 #   SPEEDRUN_SKIP_INSTALL  1: use the current Python environment, create no venv
 #   SPEEDRUN_DEVICE        cpu|cuda|mps (default: cuda if nvidia-smi sees a GPU, else cpu)
 #   SPEEDRUN_VOCAB_SIZE, SPEEDRUN_DEPTH, SPEEDRUN_SFT_STEPS      the bootstrap tokenizer and model
-#   SPEEDRUN_RL_STEPS, SPEEDRUN_EVAL_EXAMPLES, SPEEDRUN_EVAL_EVERY the arithmetic RL run and its evals
+#   SPEEDRUN_RL_STEPS, SPEEDRUN_EVAL_EVERY, SPEEDRUN_RL_EVAL_EXAMPLES  the arithmetic RL run and its evals
+#   SPEEDRUN_EVAL_EXAMPLES  questions of the chat_eval before and after RL (400)
 set -euo pipefail
 cd "$(dirname "$0")"
 SECONDS=0
@@ -76,7 +77,7 @@ else
     if [ "$DEVICE" = cuda ]; then
         DEPTH="${SPEEDRUN_DEPTH:-8}"; SFT_STEPS="${SPEEDRUN_SFT_STEPS:-600}"; VOCAB="${SPEEDRUN_VOCAB_SIZE:-8192}"
     else
-        DEPTH="${SPEEDRUN_DEPTH:-4}"; SFT_STEPS="${SPEEDRUN_SFT_STEPS:-100}"; VOCAB="${SPEEDRUN_VOCAB_SIZE:-2048}"
+        DEPTH="${SPEEDRUN_DEPTH:-4}"; SFT_STEPS="${SPEEDRUN_SFT_STEPS:-120}"; VOCAB="${SPEEDRUN_VOCAB_SIZE:-2048}"
     fi
     echo "no SFT checkpoint in $NANOCHAT_BASE_DIR/chatsft_checkpoints: bootstrapping a d$DEPTH model on the arithmetic task"
     if [ ! -f "$NANOCHAT_BASE_DIR/tokenizer/tokenizer.pkl" ]; then
@@ -100,12 +101,13 @@ else
     EVAL_EXAMPLES="${SPEEDRUN_EVAL_EXAMPLES:-400}"
     EVAL_FLAGS=(--task=arithmetic --num-examples="$EVAL_EXAMPLES" --max-new-tokens=128 --device-type="$DEVICE")
     # nanochat's learning rates and 16 questions per step, with 8 samples each (not 16) and completions capped
-    # at 128 tokens (solutions take ~50) so a step takes ~3 s on 2 CPU cores. Larger lrs make the tiny
-    # model's reward collapse (measured: init-lr-frac 0.15 and 0.5).
+    # at 128 tokens (solutions take ~50), so a step takes ~5.5 s on 2 CPU cores in fp32; 100 steps, with
+    # pass@k on 100 test questions every 50, keep the whole speedrun under 20 minutes there. Larger lrs make
+    # the tiny model's reward collapse (measured: init-lr-frac 0.15 and 0.5).
     RL=(python -m scripts.chat_rl --run="${WANDB_RUN:-dummy}" --task=arithmetic --device-type="$DEVICE"
         --examples-per-step=16 --num-samples=8 --device-batch-size=8 --max-new-tokens=128
-        --num-steps="${SPEEDRUN_RL_STEPS:-200}"
-        --eval-every="${SPEEDRUN_EVAL_EVERY:-100}" --eval-examples="$EVAL_EXAMPLES" --save-every=-1 --overwrite)
+        --num-steps="${SPEEDRUN_RL_STEPS:-100}" --eval-every="${SPEEDRUN_EVAL_EVERY:-50}"
+        --eval-examples="${SPEEDRUN_RL_EVAL_EXAMPLES:-100}" --save-every=-1 --overwrite)
     EVAL=(python -m scripts.chat_eval)
 fi
 

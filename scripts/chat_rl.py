@@ -225,7 +225,8 @@ def run(args, rank, world_size, device, stop):
         model_tag = args.model_tag or f"d{model.config.n_layer}"
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], model_tag)
 
-    autocast = autocast_context(device, compute_dtype(device, args.dtype))
+    args.dtype = str(compute_dtype(device, args.dtype)).removeprefix("torch.")  # the config records what runs
+    autocast = autocast_context(device, getattr(torch, args.dtype))
     reduce_device = device if device.type == "cuda" else "cpu"
 
     wandb_run = init_wandb(args.run, "nanochat-rl", vars(args), rank)

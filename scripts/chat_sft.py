@@ -232,7 +232,8 @@ def main(argv):
 
 def run(args, task_names, rank, world_size, device):
     master = rank == 0
-    autocast = autocast_context(device, compute_dtype(device, args.dtype))
+    args.dtype = str(compute_dtype(device, args.dtype)).removeprefix("torch.")  # the config records what runs
+    autocast = autocast_context(device, getattr(torch, args.dtype))
     reduce_device = device if device.type == "cuda" else "cpu"  # NCCL reduces CUDA tensors only
 
     if args.depth > 0:
