@@ -200,8 +200,12 @@ def log_chat_rl(report, config, history, eval_history, section=CHAT_RL_SECTION):
     steps = [h["step"] for h in history]
     plots = []
     if history:
+        rewards = [h["reward_mean"] for h in history]
+        # one step's reward is noisy (16 questions): the trailing mean shows the trend
         plots.append(("reward", _plot(os.path.join(report.report_dir, f"{stem}-reward.png"), "mean reward",
-                                      [(steps, [h["reward_mean"] for h in history], "reward_mean")])))
+                                      [(steps, rewards, "reward_mean"),
+                                       (steps, trailing_mean(rewards, REWARD_TREND_WINDOW),
+                                        f"mean of the last {REWARD_TREND_WINDOW} steps")])))
         band = None
         if all("seq_len_min" in h and "seq_len_max" in h for h in history):
             band = ([h["seq_len_min"] for h in history], [h["seq_len_max"] for h in history])
@@ -215,6 +219,20 @@ def log_chat_rl(report, config, history, eval_history, section=CHAT_RL_SECTION):
                                         "pass@1")], marker="o")))
     data += [f"![{name}]({os.path.basename(path)})" for name, path in plots] or ["Nothing to plot."]
     return report.log(section, data)
+
+
+REWARD_TREND_WINDOW = 10
+
+
+def trailing_mean(values, window):
+    """At each position, the mean of the last `window` values up to and including it (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def _plot(path, ylabel, series, band=None, marker=None):

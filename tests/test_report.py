@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from nanochat.report import (PNG_SIGNATURE, DummyReport, Report, get_report, log_chat_rl, markdown_table,
+from nanochat.report import (PNG_SIGNATURE, DummyReport, Report, get_report, log_chat_rl, markdown_table, trailing_mean,
                              slugify)
 
 CONFIG = {"run": "test_run", "task": "arithmetic", "num_samples": 4, "matrix_lr": 0.02, "eval_every": 2}
@@ -111,3 +111,12 @@ def test_default_dir_and_non_master_rank(tmp_path, monkeypatch):
     assert log_chat_rl(other, CONFIG, fake_history(), EVALS) is None
     assert other.write_report() is None
     assert not (tmp_path / "base").exists()
+
+
+def test_trailing_mean_against_a_direct_computation():
+    values = [0.5, 0.25, 1.0, 0.0, 0.75, 0.5, 0.125]
+    for window in (1, 3, 10):
+        expected = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+                    for i in range(len(values))]
+        assert trailing_mean(values, window) == pytest.approx(expected, abs=1e-12)
+    assert trailing_mean([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
