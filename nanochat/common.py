@@ -33,6 +33,14 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UserError(f"{message} (see --help)")
 
 
+def add_optimizer_flags(parser):
+    """The learning-rate flags chat_rl and chat_sft share (nanochat's defaults; --init-lr-frac differs)."""
+    parser.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW lr for the token embedding")
+    parser.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW lr for lm_head")
+    parser.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr for the transformer matrices")
+    parser.add_argument("--weight-decay", type=float, default=0.0, help="Muon weight decay")
+
+
 def run_main(main, argv=None):
     """Run a script's `main(argv)`; turn a UserError into one line on stderr and exit code 2.
 

@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_last_step, list_tags, load_checkpoint, load_model,
                                          make_checkpoint_dir, save_checkpoint)
-from nanochat.common import (ArgumentParser, GracefulStop, UserError, autocast_context, compute_cleanup, compute_dtype,
-                             compute_init, format_duration, get_base_dir, get_dist_info, grad_norm, print0, progress_bar, run_main)
+from nanochat.common import (ArgumentParser, GracefulStop, UserError, add_optimizer_flags, autocast_context,
+                             compute_cleanup, compute_dtype, compute_init, format_duration, get_base_dir, get_dist_info, grad_norm, print0, progress_bar, run_main)
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.metrics import reduce_metrics, rollout_metrics
@@ -65,10 +65,7 @@ def parse_args(argv):
                    help="max rows decoded together in one rollout batch (0 = as many as --memory-budget-gb allows)")
     p.add_argument("--memory-budget-gb", type=float, default=4.0, help="KV-cache memory the rollout batch may use")
     # optimization
-    p.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW lr for the token embedding")
-    p.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW lr for lm_head")
-    p.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr for the transformer matrices")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="Muon weight decay")
+    add_optimizer_flags(p)
     p.add_argument("--init-lr-frac", type=float, default=0.05, help="every lr is multiplied by this at the start")
     # eval and checkpoints
     p.add_argument("--eval-every", type=int, default=60, help="pass@k eval period in steps (-1 = never)")

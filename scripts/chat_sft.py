@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from nanochat.checkpoint_manager import list_steps, load_model, save_checkpoint
-from nanochat.common import (ArgumentParser, UserError, all_reduce_mean, autocast_context, compute_cleanup, compute_dtype,
-                             compute_init, get_base_dir,
-                             get_dist_info, grad_norm, print0, run_main)
+from nanochat.common import (ArgumentParser, UserError, add_optimizer_flags, all_reduce_mean, autocast_context,
+                             compute_cleanup, compute_dtype, compute_init, get_base_dir, get_dist_info, grad_norm,
+                             print0, run_main)
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.rl import lr_multiplier
 from nanochat.sft import (accumulate_gradient, count_targets, loss_sums, make_micro_batches,
@@ -85,10 +85,7 @@ def parse_args(argv):
     p.add_argument("--examples-per-step", type=int, default=32,
                    help="conversations per optimizer step, summed over ranks (gradient accumulation)")
     # optimization
-    p.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW lr for the token embedding")
-    p.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW lr for lm_head")
-    p.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr for the transformer matrices")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="Muon weight decay")
+    add_optimizer_flags(p)
     p.add_argument("--init-lr-frac", type=float, default=None,
                    help=f"every lr is multiplied by this at the start (default {INIT_LR_FRAC_FINETUNE} when finetuning "
                         f"a checkpoint, {INIT_LR_FRAC_SCRATCH} with --depth); lrs then decay linearly to 0")

@@ -6,22 +6,15 @@ import pytest
 import torch
 
 from nanochat.engine import Engine
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.gpt import GPTConfig
+from test_gpt import random_model
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_tokenizer):
-    torch.manual_seed(0)
     config = GPTConfig(sequence_len=64, vocab_size=tiny_tokenizer.get_vocab_size(), n_layer=2, n_head=4,
                        n_kv_head=2, n_embd=64, window_pattern="SL")
-    model = GPT(config)
-    model.init_weights()
-    # init_weights gives near-uniform logits (lm_head ~ 0.001) and zero residual projections; give the
-    # model some structure so greedy decoding is not trivial
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return model.eval()
+    return random_model(config)  # perturbed weights: greedy decoding is not trivial
 
 
 def prompt_of(tokenizer, question):
