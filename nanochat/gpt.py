@@ -315,3 +315,13 @@ class GPT(nn.Module):
             token = sample_next_token(logits, seeds, steps, temperature, top_k)  # (1,)
             ids = torch.cat([ids, token[:, None]], dim=1)
             yield int(token.item())
+
+
+def scale_initial_lr(optimizers, init_lr_frac):
+    """Start every param group at init_lr_frac of its lr and record that as the group's `initial_lr`, which
+    the scripts' schedules multiply by lrm (nanochat's init_lr_frac). Returns the optimizers."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * init_lr_frac
+            group["initial_lr"] = group["lr"]
+    return optimizers

@@ -31,6 +31,7 @@ from nanochat.common import (ArgumentParser, GracefulStop, UserError, add_optimi
                              compute_cleanup, compute_dtype, compute_init, format_duration, get_base_dir, get_dist_info, grad_norm, print0, progress_bar, run_main)
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
+from nanochat.gpt import scale_initial_lr
 from nanochat.metrics import reduce_metrics, rollout_metrics
 from nanochat.report import get_report, log_chat_rl
 from nanochat.wandb_utils import init_wandb, log_samples_table
@@ -240,12 +241,9 @@ def run(args, rank, world_size, device, stop):
     if not args.resume:
         prepare_output_dir(checkpoint_dir, args.overwrite, master)
 
-    optimizers = model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
-                                        matrix_lr=args.matrix_lr, weight_decay=args.weight_decay)
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["lr"] * args.init_lr_frac
-            group["initial_lr"] = group["lr"]
+    optimizers = scale_initial_lr(model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
+                                                         matrix_lr=args.matrix_lr, weight_decay=args.weight_decay),
+                                  args.init_lr_frac)
     if optimizer_state is not None:
         for opt, state in zip(optimizers, optimizer_state["optimizers"]):
             opt.load_state_dict(state)  # also restores each group's initial_lr and lr

@@ -38,7 +38,7 @@ from nanochat.checkpoint_manager import list_steps, load_model, save_checkpoint
 from nanochat.common import (ArgumentParser, UserError, add_optimizer_flags, all_reduce_mean, autocast_context,
                              compute_cleanup, compute_dtype, compute_init, get_base_dir, get_dist_info, grad_norm,
                              print0, run_main)
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.gpt import GPT, GPTConfig, scale_initial_lr
 from nanochat.rl import lr_multiplier
 from nanochat.sft import (accumulate_gradient, count_targets, loss_sums, make_micro_batches,
                           mixture_order, rank_positions)
@@ -171,11 +171,7 @@ def build_fresh_model(depth, sequence_len, vocab_size, device):
 def setup_optimizers(model, args):
     optimizers = model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
                                         matrix_lr=args.matrix_lr, weight_decay=args.weight_decay)
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["lr"] * args.init_lr_frac
-            group["initial_lr"] = group["lr"]
-    return optimizers
+    return scale_initial_lr(optimizers, args.init_lr_frac)
 
 
 def conversations_at(tasks, order, positions):

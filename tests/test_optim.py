@@ -232,3 +232,13 @@ def test_distributed_two_gloo_ranks_match_single_process(tmp_path):
         sharded = math.prod(shape) >= 1024 and shape[0] % world == 0
         expected = (shape[0] // world, *shape[1:]) if sharded else shape
         assert r0["adam_state_shapes"][pos] == expected == r1["adam_state_shapes"][pos]
+
+
+def test_scale_initial_lr_starts_every_group_at_the_fraction():
+    from nanochat.gpt import scale_initial_lr
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
+    optimizers = [torch.optim.SGD([{"params": [params[0]], "lr": 0.2}, {"params": [params[1]], "lr": 0.004}])]
+    assert scale_initial_lr(optimizers, 0.05) is optimizers
+    groups = optimizers[0].param_groups
+    assert [g["lr"] for g in groups] == [0.2 * 0.05, 0.004 * 0.05]
+    assert [g["initial_lr"] for g in groups] == [g["lr"] for g in groups]
