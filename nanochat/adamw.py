@@ -10,6 +10,7 @@ What differs is where it runs:
     their gradient is all-reduced (averaged, in place in .grad) and every rank updates the whole tensor.
 Without a process group it is plain AdamW. state_dict() holds this rank's shard of the state; load it
 back with the same world size. Works on NCCL and gloo (see nanochat/muon.py for the collectives).
+The per-parameter pieces (`launch_adamw_reduce`, `adamw_shard_step_`) also serve MuonAdamW.
 """
 
 import torch
@@ -20,7 +21,8 @@ MIN_SHARD_NUMEL = 1024  # below this, a reduce-scatter + all-gather pair costs m
 
 
 def adamw_update_(p, grad, state, lr, beta1, beta2, eps, weight_decay):
-    """One AdamW step in place on p (a whole parameter or a shard of it), same math as torch.optim.AdamW."""
+    """One AdamW step in place on p (a whole parameter or a shard of it), same math as torch.optim.AdamW
+    and as both nanochat recipes (the denominator is sqrt(v / (1 - beta2^t)) + eps)."""
     if not state:
         state["step"] = 0
         state["exp_avg"] = torch.zeros_like(p)
@@ -34,8 +36,39 @@ def adamw_update_(p, grad, state, lr, beta1, beta2, eps, weight_decay):
     # the moments start at zero; dividing by (1 - beta^t) removes that bias during the first steps
     bias_correction1 = 1 - beta1 ** t
     bias_correction2 = 1 - beta2 ** t
-    denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
+    denom = (exp_avg_sq / bias_correction2).sqrt_().add_(eps)
     p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
+def is_sharded(p, world):
+    """Whether `p` is split over the ranks (else its gradient is all-reduced and every rank updates it)."""
+    return world > 1 and p.numel() >= MIN_SHARD_NUMEL and p.size(0) % world == 0
+
+
+def launch_adamw_reduce(p, world):
+    """Launch the reduction of p's gradient. Returns (shard_grad, work): after work.wait(), shard_grad is
+    the SUM over ranks of the gradient of this rank's shard of p (all of p when not sharded)."""
+    grad = torch.zeros_like(p) if p.grad is None else p.grad.contiguous()
+    if is_sharded(p, world):
+        shard_grad = torch.empty((p.size(0) // world, *p.shape[1:]), dtype=grad.dtype, device=grad.device)
+        return shard_grad, reduce_scatter_sum(shard_grad, grad)
+    return grad, all_reduce_sum(grad)
+
+
+def adamw_shard_step_(p, shard_grad, state, group, rank, world):
+    """Average the reduced gradient, update this rank's shard of p with the group's lr, betas, eps and
+    weight_decay; for a sharded p, launch the all-gather of the shards and return its work (else None)."""
+    shard_grad.div_(world)
+    sharded = is_sharded(p, world)
+    if sharded:
+        rows = p.size(0) // world
+        shard = p[rank * rows: (rank + 1) * rows]  # a view: updating it updates p
+    else:
+        shard = p
+    beta1, beta2 = group["betas"]
+    adamw_update_(shard, shard_grad, state, group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+    # in place: the input is p's own slice at offset rank * rows
+    return all_gather(p, shard) if sharded else None
 
 
 class DistAdamW(torch.optim.Optimizer):
@@ -47,41 +80,19 @@ class DistAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(param_groups, defaults)
 
-    @staticmethod
-    def _is_sharded(p, world):
-        return world > 1 and p.numel() >= MIN_SHARD_NUMEL and p.size(0) % world == 0
-
     @torch.no_grad()
     def step(self):
         rank, world = dist_world()
         # 1. launch every gradient's reduction so communication overlaps the updates below
-        pending = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                grad = torch.zeros_like(p) if p.grad is None else p.grad.contiguous()
-                if self._is_sharded(p, world):
-                    shard_grad = torch.empty((p.size(0) // world, *p.shape[1:]), dtype=grad.dtype, device=grad.device)
-                    work = reduce_scatter_sum(shard_grad, grad)
-                else:
-                    shard_grad = grad
-                    work = all_reduce_sum(shard_grad)
-                pending.append((group, p, shard_grad, work))
+        pending = [(group, p, *launch_adamw_reduce(p, world)) for group in self.param_groups for p in group["params"]]
 
         # 2. average, update this rank's shard (or the whole small param), launch the all-gathers
         gathers = []
         for group, p, shard_grad, work in pending:
             work.wait()
-            shard_grad.div_(world)
-            if self._is_sharded(p, world):
-                rows = p.size(0) // world
-                shard = p[rank * rows: (rank + 1) * rows]  # a view: updating it updates p
-            else:
-                shard = p
-            beta1, beta2 = group["betas"]
-            adamw_update_(shard, shard_grad, self.state[p], group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
-            if self._is_sharded(p, world):
-                # in place: the input is p's own slice at offset rank * rows
-                gathers.append(all_gather(p, shard))
+            gather = adamw_shard_step_(p, shard_grad, self.state[p], group, rank, world)
+            if gather is not None:
+                gathers.append(gather)
 
         for work in gathers:
             work.wait()

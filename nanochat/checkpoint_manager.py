@@ -34,7 +34,7 @@ CHECKPOINT_DIRS = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": 
 PRODUCERS = {"base": "scripts.base_train", "mid": "scripts.mid_train", "sft": "scripts.chat_sft", "rl": "scripts.chat_rl"}
 
 MODEL_FILE_RE = re.compile(r"^model_(\d+)\.pt$")
-TAG_RE = re.compile(r"^d(\d+)$")
+TAG_RE = re.compile(r"d(\d+)")  # used with .match: a prefix, as nanochat's re.match(r"d(\d+)", tag): d32_long is 32
 
 
 def model_path(checkpoint_dir, step):
@@ -185,14 +185,18 @@ def list_tags(checkpoints_dir):
 
 
 def find_largest_model(checkpoints_dir):
-    """The tag `d<N>` with the largest N (as an integer: d12 beats d4), else the most recently modified directory."""
+    """nanochat's default tag: the largest depth N among tags starting with `d<N>` (as an integer: d12 beats d4;
+    `d32_long` counts as 32), else, with no such tag, the most recently modified directory.
+    nanochat breaks a tie in depth (d32, d32_long) by directory listing order, which the filesystem decides;
+    here the most recently modified of the tied directories wins, so the choice is reproducible."""
     tags = list_tags(checkpoints_dir)
     if not tags:
         raise UserError(f"no model directories in {checkpoints_dir}; train a model or copy a <tag> directory there")
-    depths = {int(m.group(1)): tag for tag in tags if (m := TAG_RE.match(tag))}
+    mtime = lambda t: os.path.getmtime(os.path.join(checkpoints_dir, t))
+    depths = {tag: int(m.group(1)) for tag in tags if (m := TAG_RE.match(tag))}
     if depths:
-        return depths[max(depths)]
-    return max(tags, key=lambda t: os.path.getmtime(os.path.join(checkpoints_dir, t)))
+        return max(depths, key=lambda t: (depths[t], mtime(t)))
+    return max(tags, key=mtime)
 
 
 def _torch_load(path, device):
@@ -270,51 +274,61 @@ def _patch_model_config(model_config, config_cls, source_file):
     return model_config
 
 
-def build_model(checkpoint_dir, step, device, phase):
+def build_model(checkpoint_dir, step, device, phase, generation=None):
     """Load step `step` of `checkpoint_dir` into a GPT on `device`. Returns (model, tokenizer, meta_data).
-    phase: "train" or "eval" (sets the module mode)."""
+    phase: "train" or "eval" (sets the module mode). generation: None to detect it from the files (see
+    nanochat.generations), or a name to choose among the generations the files cannot tell apart."""
     if phase not in ("train", "eval"):
         raise ValueError(f"phase must be 'train' or 'eval', got {phase!r}")
+    from nanochat.generations import UnknownCheckpoint, detect_generation, summarize_keys, supported_generations
     from nanochat.gpt import GPT, GPTConfig
     from nanochat.tokenizer import get_tokenizer
 
     device = torch.device(device)
     model_data, _, meta_data = load_checkpoint(checkpoint_dir, step, device)
+    mpath, jpath = model_path(checkpoint_dir, step), meta_path(checkpoint_dir, step)
     if not isinstance(model_data, dict):
-        raise UserError(f"{model_path(checkpoint_dir, step)} holds a {type(model_data).__name__}, not a state_dict; "
+        raise UserError(f"{mpath} holds a {type(model_data).__name__}, not a state_dict; "
                         f"delete it or pick another --model-step")
-    jpath = meta_path(checkpoint_dir, step)
     if not isinstance(meta_data, dict) or not isinstance(meta_data.get("model_config"), dict):
         raise UserError(f"{jpath} has no \"model_config\" object; it is not a nanochat checkpoint meta file")
+    model_data = _patch_state_dict(model_data, device)
+    try:
+        gen, how = detect_generation(model_data, meta_data, requested=generation)
+    except UnknownCheckpoint as e:
+        raise UserError(f"{mpath}: {e}") from e
+    except ValueError as e:
+        raise UserError(f"{mpath}: {e}") from e
     model_config = _patch_model_config(meta_data["model_config"], GPTConfig, jpath)
     meta_data = {**meta_data, "model_config": model_config}
-    model_data = _patch_state_dict(model_data, device)
 
     config = GPTConfig(**model_config)
     with torch.device("meta"):
-        model = GPT(config)  # no memory, no init cost: every weight is replaced by the loaded one
+        model = GPT(config, gen)  # no memory, no init cost: every weight is replaced by the loaded one
     model.to_empty(device=device)
     model.init_weights()  # computes the non-persistent buffers (rotary cos/sin) that the state dict lacks
     expected = model.state_dict()
-    # checkpoints from before the per-layer residual scalars: these values make the layers compute what they did then
-    for key, value in (("resid_lambdas", 1.0), ("x0_lambdas", 0.0)):
-        if key not in model_data and key in expected:
-            model_data[key] = torch.full_like(expected[key], value)
-    expected = set(expected)
-    missing, unexpected = sorted(expected - set(model_data)), sorted(set(model_data) - expected)
+    if gen.lambdas:  # a window_pattern without lambdas: nanochat's loader fills them with these values
+        for key, value in (("resid_lambdas", 1.0), ("x0_lambdas", 0.0)):
+            if key not in model_data:
+                model_data[key] = torch.full_like(expected[key], value)
+    missing, unexpected = sorted(set(expected) - set(model_data)), sorted(set(model_data) - set(expected))
     if missing or unexpected:
-        raise UserError(f"{model_path(checkpoint_dir, step)} does not match the GPT built from its meta "
-                        f"(missing keys: {missing[:5] or 'none'}, unexpected keys: {unexpected[:5] or 'none'}); "
-                        f"it was saved by an incompatible model version")
+        found = "; ".join(part for part in (
+            f"unexpected keys: {', '.join(summarize_keys(unexpected))}" if unexpected else "",
+            f"missing keys: {', '.join(summarize_keys(missing))}" if missing else "") if part)
+        raise UserError(f"{mpath} does not match nanochat generation {gen.name} ({how}): {found}; it was written by "
+                        f"a nanochat version this project does not know; supported: {supported_generations()}")
     try:
         model.load_state_dict(model_data, strict=True, assign=True)
     except RuntimeError as e:  # shape mismatches
-        raise UserError(f"{model_path(checkpoint_dir, step)} does not match the GPT built from its meta: "
-                        f"{' '.join(str(e).split())[:300]}") from e
+        raise UserError(f"{mpath} does not match the GPT built from its meta (generation {gen.name}): "
+                        f"{' '.join(str(e).split())}") from e
     if phase == "train":
         model.train()
     else:
         model.eval()
+    print0(f"nanochat generation: {gen.label} [{gen.name}: {how}]")
 
     tokenizer = get_tokenizer()
     if tokenizer.get_vocab_size() != config.vocab_size:
@@ -323,9 +337,9 @@ def build_model(checkpoint_dir, step, device, phase):
     return model, tokenizer, meta_data
 
 
-def load_model(source, device, phase, model_tag=None, step=None):
-    """Load a checkpoint family's model: source in base|mid|sft|rl; model_tag None = the largest d<N>;
-    step None = the last one. Returns (model, tokenizer, meta_data)."""
+def find_checkpoint(source, model_tag=None, step=None):
+    """Which checkpoint load_model would read: source in base|mid|sft|rl; model_tag None = find_largest_model;
+    step None = the last one. Returns (checkpoint_dir, model_tag, step); a UserError says what is missing."""
     if source not in CHECKPOINT_DIRS:
         raise UserError(f"unknown checkpoint source {source!r}; valid sources: {', '.join(CHECKPOINT_DIRS)}")
     dirname = CHECKPOINT_DIRS[source]
@@ -345,5 +359,12 @@ def load_model(source, device, phase, model_tag=None, step=None):
     elif step not in list_steps(checkpoint_dir):
         raise UserError(f"no step {step} in {checkpoint_dir}; available steps: "
                         f"{', '.join(map(str, list_steps(checkpoint_dir))) or 'none'}")
+    return checkpoint_dir, model_tag, step
+
+
+def load_model(source, device, phase, model_tag=None, step=None, generation=None):
+    """Load a checkpoint family's model (arguments as find_checkpoint; generation as in build_model).
+    Returns (model, tokenizer, meta_data)."""
+    checkpoint_dir, _, step = find_checkpoint(source, model_tag, step)
     print0(f"Loading model from {checkpoint_dir} with step {step}")
-    return build_model(checkpoint_dir, step, device, phase)
+    return build_model(checkpoint_dir, step, device, phase, generation)

@@ -39,6 +39,18 @@ def add_optimizer_flags(parser):
     parser.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW lr for lm_head")
     parser.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr for the transformer matrices")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="Muon weight decay")
+    parser.add_argument("--recipe", type=str, default="2026-01", choices=("2026-01", "2026-07"),
+                        help="optimizer recipe: 2026-01 (nanochat of January 2026: AdamW + Muon) or 2026-07 "
+                             "(nanochat of July 2026: MuonAdamW with per-group betas and weight decay)")
+
+
+def add_model_generation_flag(parser):
+    """--model-generation, for every script that loads a checkpoint (see nanochat/generations.py)."""
+    from nanochat.generations import VE_ERA_WITH_NEW_META
+    parser.add_argument("--model-generation", type=str, default=None, choices=VE_ERA_WITH_NEW_META,
+                        help="which forward a value-embedding checkpoint with nanochat's 2026-01-31+ meta layout was "
+                             "trained with (its files cannot tell): ve (to 2026-03-01), ve_mar2 (03-02..03-03), "
+                             "ve_late (03-04..03-08, the default); every other checkpoint's generation is detected")
 
 
 def run_main(main, argv=None):
@@ -140,6 +152,24 @@ def cpu_has_native_bf16():
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
+DTYPES = ("float32", "bfloat16")
+
+
+def requested_dtype(flag):
+    """The precision a run asks for: --dtype when given (flag not None), else $NANOCHAT_DTYPE (how current
+    nanochat sets it), else bfloat16. A value other than float32/bfloat16 is a UserError naming its origin."""
+    env = os.environ.get("NANOCHAT_DTYPE")
+    if flag is not None:
+        value, origin = flag, "--dtype"
+    elif env:
+        value, origin = env, "NANOCHAT_DTYPE"
+    else:
+        return "bfloat16"
+    if value not in DTYPES:
+        raise UserError(f"{origin} must be float32 or bfloat16, got {value!r}")
+    return value
+
+
 def compute_dtype(device, requested):
     """The autocast dtype for `requested` ('bfloat16' | 'float32') on `device`. bf16 is kept where it is
     fast; a CPU without native bf16 computes in float32 instead (a note says so), since bf16 there would
@@ -206,6 +236,16 @@ def format_duration(seconds):
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def remaining_seconds(step_seconds, steps_left, eval_seconds=(), evals_left=0):
+    """Time left in a run, as (training, eval) seconds: steps_left steps at the mean of step_seconds (each
+    step's rollout + training + optimizer time, evals excluded), and evals_left evals at the mean of
+    eval_seconds (0 until an eval has been timed). An eval takes far longer than a step, so counting it as
+    step time would inflate the estimate many times over at the start of a run."""
+    train = steps_left * sum(step_seconds) / len(step_seconds) if step_seconds else 0.0
+    evals = evals_left * sum(eval_seconds) / len(eval_seconds) if eval_seconds else 0.0
+    return train, evals
 
 
 class DummyWandb:

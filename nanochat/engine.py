@@ -18,6 +18,8 @@ class KVCache:
 
     k, v: (n_layer, B, T_max, n_kv_head, head_dim)
     pos:  (B,) int64, how many tokens of each row are cached (rows may differ).
+    prev_embedding: (B, 1, embed_dim) or None: the normed embedding of each row's last cached token, for
+          generations that smear it into the next position (zeros for an empty row: adds nothing).
 
     Contract with `GPT.forward(idx, kv_cache=cache)` for idx of shape (B, T): row b's new tokens sit at
     positions pos[b] .. pos[b]+T-1 (rotary uses these); each layer writes its k, v there and attends to
@@ -26,11 +28,23 @@ class KVCache:
     storage starts zeroed so masked entries are finite (0 * garbage must not make NaN).
     """
 
-    def __init__(self, batch_size, num_heads, seq_len, head_dim, num_layers, device="cpu", dtype=torch.float32):
+    def __init__(self, batch_size, num_heads, seq_len, head_dim, num_layers, device="cpu", dtype=torch.float32,
+                 embed_dim=None, embed_dtype=torch.float32):
         shape = (num_layers, batch_size, seq_len, num_heads, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.prev_embedding = (None if embed_dim is None else
+                               torch.zeros(batch_size, 1, embed_dim, device=device, dtype=embed_dtype))
+
+    @classmethod
+    def for_model(cls, model, batch_size, seq_len, dtype=None):
+        """An empty cache shaped for `model`, with the per-row state its generation carries between steps
+        (a model without a `generation`, such as a test double, carries none)."""
+        cfg, param_dtype = model.config, next(model.parameters()).dtype
+        smear = getattr(getattr(model, "generation", None), "smear", False)
+        return cls(batch_size, cfg.n_kv_head, seq_len, cfg.n_embd // cfg.n_head, cfg.n_layer, device=model.get_device(),
+                   dtype=dtype or param_dtype, embed_dim=cfg.n_embd if smear else None, embed_dtype=param_dtype)
 
     @property
     def batch_size(self):
@@ -42,6 +56,8 @@ class KVCache:
 
     def reset(self):
         self.pos.zero_()
+        if self.prev_embedding is not None:
+            self.prev_embedding.zero_()
 
     def get_pos(self):
         """The largest row position (equal to every row's position when rows move in lockstep)."""
@@ -54,13 +70,25 @@ class KVCache:
         """A cache over rows [start, stop) that shares storage with this one (writes land here)."""
         view = KVCache.__new__(KVCache)
         view.k, view.v, view.pos = self.k[:, start:stop], self.v[:, start:stop], self.pos[start:stop]
+        view.prev_embedding = None if self.prev_embedding is None else self.prev_embedding[start:stop]
         return view
 
     def copy_rows(self, dst, src):
-        """Row dst[i] becomes a copy of row src[i] (keys, values and position). dst, src: (N,) long."""
+        """Row dst[i] becomes a copy of row src[i] (keys, values, position, smear state). dst, src: (N,) long."""
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
         self.pos[dst] = self.pos[src]
+        if self.prev_embedding is not None:
+            self.prev_embedding[dst] = self.prev_embedding[src]
+
+    def fill_rows_from(self, start, stop, prompt_cache):
+        """Rows [start, stop) become copies of the single row of `prompt_cache` (a prefilled prompt)."""
+        length = prompt_cache.max_seq_len
+        self.k[:, start:stop, :length] = prompt_cache.k[:, 0:1]
+        self.v[:, start:stop, :length] = prompt_cache.v[:, 0:1]
+        self.pos[start:stop] = prompt_cache.pos[0]
+        if self.prev_embedding is not None:
+            self.prev_embedding[start:stop] = prompt_cache.prev_embedding[0:1]
 
 
 # -----------------------------------------------------------------------------
@@ -251,8 +279,7 @@ class Engine:
         total_rows = len(prompts) * num_samples
         cap = max_rows or self.max_rows or self.rows_for_budget(seq_cap, dtype)
         B = max(1, min(cap, total_rows))
-        head_dim = cfg.n_embd // cfg.n_head
-        cache = KVCache(B, cfg.n_kv_head, seq_cap, head_dim, cfg.n_layer, device=device, dtype=dtype)
+        cache = KVCache.for_model(model, B, seq_cap, dtype)
         stats = self.last_stats = RolloutStats()
 
         slots = []                                            # slot i holds slots[i]: _Row; slots are a dense prefix
@@ -322,17 +349,15 @@ class Engine:
                 if pending is None:
                     request = waiting.popleft()
                     prompt = prompts[request]
-                    pcache = KVCache(1, cfg.n_kv_head, len(prompt), head_dim, cfg.n_layer, device=device, dtype=dtype)
+                    pcache = KVCache.for_model(model, 1, len(prompt), dtype)
                     ids = torch.tensor([prompt], dtype=torch.long, device=device)
                     logits = model(ids, kv_cache=pcache)[:, -1, :]  # (1, V)
                     stats.prefill_tokens += len(prompt)
                     pending = (request, pcache, logits, 0)
                 request, pcache, logits, first = pending
                 take = min(B - len(slots), num_samples - first)
-                lo, hi, plen = len(slots), len(slots) + take, pcache.max_seq_len
-                cache.k[:, lo:hi, :plen] = pcache.k[:, 0:1]
-                cache.v[:, lo:hi, :plen] = pcache.v[:, 0:1]
-                cache.pos[lo:hi] = plen
+                lo, hi = len(slots), len(slots) + take
+                cache.fill_rows_from(lo, hi, pcache)
                 seeds_list = [row_seed(seeds[request] & _M32, s) for s in range(first, first + take)]
                 slot_seeds[lo:hi] = torch.tensor(seeds_list, dtype=torch.long, device=device)
                 slot_steps[lo:hi] = 0

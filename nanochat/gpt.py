@@ -1,35 +1,42 @@
 """
-The GPT model, state-dict compatible with nanochat checkpoints.
+The GPT model, state-dict compatible with the checkpoints of every nanochat generation (see
+nanochat/generations.py for what each one computes; the switches below are named after its fields).
 
 - token embedding, RMSNorm (no learnable weight) right after it; untied lm_head; no biases
-- per layer: x = resid_lambdas[i] * x + x0_lambdas[i] * x0 (x0 = the normed embedding), then
-  x += attn(norm(x)); x += mlp(norm(x))
-- attention: rotary embeddings (base 10000, split halves), then QK RMSNorm; grouped-query attention
-  (n_kv_head <= n_head); sliding windows per layer from `window_pattern`
+- [smear] every position t >= 1 adds smear_lambda * sigmoid(smear_gate(e_t[:24])) * e_{t-1} (e = the
+  normed embeddings before smearing)
+- per layer: [lambdas] x = resid_lambdas[i] * x + x0_lambdas[i] * x0 (x0 = the normed, smeared embedding),
+  then x += attn(norm(x)); x += mlp(norm(x))
+- attention: rotary embeddings (split halves), then QK RMSNorm, then [qk_scale] q, k scaled; grouped-query
+  attention (n_kv_head <= n_head); sliding windows per layer from `window_pattern`
+- [value_embeds] on alternate layers (always the last), v += gate * value_embeds[i](idx), gate =
+  ve_gate_scale * sigmoid(ve_gate(h[:ve_gate_channels])) per kv head, h = the block's normed input
 - MLP: 4x hidden, relu(x)^2
-- logits: norm, lm_head, crop the padded vocab rows, float32, softcap 15 * tanh(x / 15)
+- [backout] after the last block, x -= backout_lambda * (the residual right after block n_layer // 2)
+- logits: norm, lm_head, crop the padded vocab rows, float32, softcap * tanh(x / softcap)
 
 Windows. A layer with window w lets a query at position p see key j iff j <= p and p - j <= w, i.e. w
-tokens of left context plus itself. "L" layers use w = sequence_len, "S" layers w = sequence_len // 2;
-the pattern is tiled over the layers and the last layer is always "L". Within a training sequence
+tokens of left context plus itself. "L" layers use w = sequence_len, "S" layers the generation's short
+window; the pattern is tiled over the layers and the last layer is always "L". Within a training sequence
 (T <= sequence_len) an "L" layer is plain causal attention; in rollouts longer than sequence_len it
-slides too, the same way in the cached and uncached paths.
+slides too, the same way in the cached and uncached paths. Generations before sliding windows (oct2025,
+dec2025) attend to every earlier token however long the sequence.
 """
 
 import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat.common import UserError
+from nanochat.generations import (DEFAULT_GENERATION, SMEAR_GATE_CHANNELS, get_generation, has_value_embedding,
+                                  model_config_fields)
 
 VOCAB_PAD = 64          # wte and lm_head rows are padded up to a multiple of this (matmul-friendly shapes)
-LOGIT_SOFTCAP = 15.0
-ROTARY_BASE = 10000
 ROTARY_OVERSIZE = 10    # rotary tables cover 10 * sequence_len positions, so rollouts may outgrow training length
+UNLIMITED_WINDOW = 1 << 62  # generations without sliding windows: every earlier token is visible
 
 
 @dataclass
@@ -62,11 +69,27 @@ def padded_vocab_size(vocab_size):
     return (vocab_size + VOCAB_PAD - 1) // VOCAB_PAD * VOCAB_PAD
 
 
-def layer_windows(config):
+def short_window(sequence_len, generation):
+    """The "S" window: half of sequence_len up to the value-embedding era; from mar9 on a third, then a
+    quarter, rounded up to a multiple of 128 (FlashAttention's tile): 2048 -> 768 (mar9), 512 (smear)."""
+    divisor = generation.short_window_divisor
+    if divisor == 2:
+        return sequence_len // 2
+    return _ceil_div(_ceil_div(sequence_len, divisor), 128) * 128
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def layer_windows(config, generation=DEFAULT_GENERATION):
     """Left context (tokens before the query it may see) of each layer."""
-    long_window, short_window = config.sequence_len, config.sequence_len // 2
+    generation = get_generation(generation)
+    if generation.short_window_divisor == 0:
+        return [UNLIMITED_WINDOW] * config.n_layer
+    long_window, short = config.sequence_len, short_window(config.sequence_len, generation)
     pattern = config.window_pattern.upper()
-    windows = [long_window if pattern[i % len(pattern)] == "L" else short_window for i in range(config.n_layer)]
+    windows = [long_window if pattern[i % len(pattern)] == "L" else short for i in range(config.n_layer)]
     windows[-1] = long_window
     return windows
 
@@ -75,53 +98,98 @@ def norm(x):
     return F.rms_norm(x, (x.size(-1),))
 
 
-def rotary_tables(num_positions, head_dim, device=None):
-    """cos, sin: (num_positions, head_dim // 2) float32. The values are rounded to bfloat16 because
-    nanochat keeps its tables in bf16: checkpoints were trained with exactly these angles."""
-    inv_freq = 1.0 / (ROTARY_BASE ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+def rotary_tables(num_positions, head_dim, base=10000, bf16_rounded=True, device=None):
+    """cos, sin: (num_positions, head_dim // 2) float32. Generations up to ve kept their tables in bf16 on
+    every device, so with bf16_rounded the values are rounded to bf16: those checkpoints were trained with
+    exactly these angles. Later ones keep them in the compute dtype (apply_rotary casts to it)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
     angles = torch.outer(torch.arange(num_positions, dtype=torch.float32, device=device), inv_freq)
-    return angles.cos().bfloat16().float(), angles.sin().bfloat16().float()
+    cos, sin = angles.cos(), angles.sin()
+    if bf16_rounded:
+        cos, sin = cos.bfloat16().float(), sin.bfloat16().float()
+    return cos, sin
 
 
 def apply_rotary(x, cos, sin):
     """x: (B, T, H, D); cos, sin: broadcastable to (B, T, 1, D/2). Rotates channel i with channel i + D/2."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # exact (bf16-rounded tables); computes in x's precision
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # computes in x's precision
     d = x.size(-1) // 2
     x1, x2 = x[..., :d], x[..., d:]
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config, layer_idx):
+    def __init__(self, config, layer_idx, generation):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_dim = config.n_embd // config.n_head
+        self.qk_scale = generation.qk_scale
         self.c_q = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
         self.c_k = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
         self.c_v = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.ve_gate = None
+        if has_value_embedding(generation, layer_idx, config.n_layer):
+            self.ve_gate_channels, self.ve_gate_scale = generation.ve_gate_channels, generation.ve_gate_scale
+            self.ve_gate = nn.Linear(self.ve_gate_channels, self.n_kv_head, bias=False)
 
-    def forward(self, x, rope, mask, cache):
-        """x: (B, T, C); rope: (cos, sin); mask: None = causal, else bool (T, T) or (B, 1, T, Tk), True =
-        visible; cache: None, or (kv_cache, rows (B, 1), positions (B, T), Tk) to write to and read from."""
+    def forward(self, x, ve, rope, mask, context):
+        """x: (B, T, C); ve: None or this layer's value embeddings (B, T, n_kv_head * head_dim); rope: (cos,
+        sin); mask: None = causal, else bool (T, Tk) or (B, 1, T, Tk), True = visible; context: None, or an
+        object whose keys_values(layer_idx, k, v) returns the keys/values (B, Tk, Hkv, D) to attend to,
+        these included (a KV cache, or a prompt shared by every row)."""
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        if ve is not None:
+            gate = self.ve_gate_scale * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate_channels]))  # (B, T, n_kv_head)
+            v = v + (gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)).to(v.dtype)
         # autocast runs rms_norm in fp32; attend in the projections' dtype (bf16 under autocast), so a bf16
         # KV cache is read as it is instead of being converted to fp32 at every layer of every step
-        q, k = norm(apply_rotary(q, *rope)).to(v.dtype), norm(apply_rotary(k, *rope)).to(v.dtype)
-        if cache is not None:
-            kv_cache, rows, positions, Tk = cache
-            k_store, v_store = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]  # (B, T_max, Hkv, D)
-            k_store[rows, positions] = k.to(k_store.dtype)
-            v_store[rows, positions] = v.to(v_store.dtype)
-            k, v = k_store[:, :Tk].to(q.dtype), v_store[:, :Tk].to(q.dtype)  # (B, Tk, Hkv, D); no copy if same dtype
+        q, k = norm(apply_rotary(q, *rope)), norm(apply_rotary(k, *rope))
+        if self.qk_scale != 1.0:  # scaled separately, as nanochat does, so the rounding matches
+            q, k = q * self.qk_scale, k * self.qk_scale
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        if context is not None:
+            k, v = context.keys_values(self.layer_idx, k, v)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, D)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class _CachedKeys:
+    """A KV-cached forward's attention context: each layer stores its new keys/values at the rows'
+    positions and attends to the rows' cached keys 0..Tk-1 (masks hide what a row does not have)."""
+
+    def __init__(self, kv_cache, positions, Tk):
+        self.kv_cache, self.positions, self.Tk = kv_cache, positions, Tk  # positions: (B, T)
+        self.rows = torch.arange(positions.size(0), device=positions.device)[:, None]  # (B, 1)
+
+    def keys_values(self, layer_idx, k, v):
+        k_store, v_store = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]  # (B, T_max, Hkv, D)
+        k_store[self.rows, self.positions] = k.to(k_store.dtype)
+        v_store[self.rows, self.positions] = v.to(v_store.dtype)
+        return k_store[:, :self.Tk].to(k.dtype), v_store[:, :self.Tk].to(v.dtype)  # no copy if same dtype
+
+
+class _SharedPrefixKeys:
+    """Training rows that all start with the same prompt: the prompt's forward (one row) records every
+    layer's keys/values, autograd history included; the rows' forward then attends to those followed by
+    its own, so the prompt is computed once and its gradient gathers every row's contribution."""
+
+    def __init__(self):
+        self.k, self.v, self.recording = {}, {}, True
+
+    def keys_values(self, layer_idx, k, v):
+        if self.recording:
+            self.k[layer_idx], self.v[layer_idx] = k, v
+            return k, v
+        B = k.size(0)
+        return (torch.cat([self.k[layer_idx].expand(B, -1, -1, -1), k], dim=1),
+                torch.cat([self.v[layer_idx].expand(B, -1, -1, -1), v], dim=1))
 
 
 class MLP(nn.Module):
@@ -135,13 +203,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config, layer_idx):
+    def __init__(self, config, layer_idx, generation):
         super().__init__()
-        self.attn = CausalSelfAttention(config, layer_idx)
+        self.attn = CausalSelfAttention(config, layer_idx, generation)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, mask, cache):
-        x = x + self.attn(norm(x), rope, mask, cache)
+    def forward(self, x, ve, rope, mask, context):
+        x = x + self.attn(norm(x), ve, rope, mask, context)
         return x + self.mlp(norm(x))
 
 
@@ -152,27 +220,53 @@ def _window_mask(query_pos, num_keys, window):
 
 
 class GPT(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, generation=DEFAULT_GENERATION):
+        """config: the GPTConfig of a nanochat meta; generation: a name in nanochat.generations.GENERATIONS
+        (or a Generation), which decides which parameters exist and what the forward computes."""
         super().__init__()
         self.config = config
-        self.window_sizes = layer_windows(config)
-        vocab = padded_vocab_size(config.vocab_size)
+        self.generation = gen = get_generation(generation)
+        self.window_sizes = layer_windows(config, gen)
+        vocab = padded_vocab_size(config.vocab_size) if gen.pad_vocab else config.vocab_size
+        # registration order follows nanochat's, so state_dict() and named_parameters() list keys as it does
         self.transformer = nn.ModuleDict({
             "wte": nn.Embedding(vocab, config.n_embd),
-            "h": nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            "h": nn.ModuleList([Block(config, i, gen) for i in range(config.n_layer)]),
         })
         self.lm_head = nn.Linear(config.n_embd, vocab, bias=False)
-        self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
-        self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
+        if gen.lambdas:
+            self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
+            self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
+        if gen.smear:
+            self.smear_gate = nn.Linear(SMEAR_GATE_CHANNELS, 1, bias=False)
+            self.smear_lambda = nn.Parameter(torch.zeros(1))
+        if gen.backout:
+            self.backout_lambda = nn.Parameter(torch.full((1,), 0.2))
+        if gen.value_embeds:
+            kv_dim = config.n_kv_head * (config.n_embd // config.n_head)
+            self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(vocab, kv_dim) for i in range(config.n_layer)
+                                               if has_value_embedding(gen, i, config.n_layer)})
         self.rotary_len = ROTARY_OVERSIZE * config.sequence_len
         # not in the state dict (recomputed by init_weights, e.g. after building on the meta device)
-        cos, sin = rotary_tables(self.rotary_len, config.n_embd // config.n_head)
+        cos, sin = self._rotary_tables()
         self.register_buffer("cos", cos, persistent=False)  # (rotary_len, head_dim // 2)
         self.register_buffer("sin", sin, persistent=False)
 
+    def _rotary_tables(self, device=None):
+        gen = self.generation
+        return rotary_tables(self.rotary_len, self.config.n_embd // self.config.n_head, gen.rotary_base,
+                             gen.bf16_rotary_tables, device)
+
+    def meta_model_config(self):
+        """The model_config to write into a checkpoint meta: exactly the fields this generation's nanochat
+        has, because it builds GPTConfig(**model_config) and refuses any field it does not know."""
+        return {name: getattr(self.config, name) for name in model_config_fields(self.generation)}
+
     @torch.no_grad()
     def init_weights(self):
-        """Initialization for training from scratch; also (re)computes the rotary tables on the model's device."""
+        """Initialization for training from scratch (the generation's nanochat init, as far as this project
+        trains from scratch); also (re)computes the rotary tables on the model's device."""
+        gen = self.generation
         torch.nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=1.0)
         torch.nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
         s = math.sqrt(3) / math.sqrt(self.config.n_embd)  # uniform with std 1/sqrt(n_embd)
@@ -181,9 +275,20 @@ class GPT(nn.Module):
                 torch.nn.init.uniform_(linear.weight, -s, s)
             torch.nn.init.zeros_(block.attn.c_proj.weight)
             torch.nn.init.zeros_(block.mlp.c_proj.weight)
-        self.resid_lambdas.fill_(1.0)
-        self.x0_lambdas.fill_(0.0)
-        self.cos, self.sin = rotary_tables(self.rotary_len, self.config.n_embd // self.config.n_head, self.get_device())
+            if block.attn.ve_gate is not None:
+                torch.nn.init.zeros_(block.attn.ve_gate.weight)  # gate starts at scale * 1/2
+        if gen.lambdas:
+            self.resid_lambdas.fill_(1.0)
+            self.x0_lambdas.fill_(0.0)
+        if gen.value_embeds:
+            for embedding in self.value_embeds.values():
+                torch.nn.init.uniform_(embedding.weight, -s, s)
+        if gen.smear:
+            torch.nn.init.uniform_(self.smear_gate.weight, 0.0, 0.02)
+            self.smear_lambda.fill_(0.0)
+        if gen.backout:
+            self.backout_lambda.fill_(0.2)
+        self.cos, self.sin = self._rotary_tables(self.get_device())
 
     def get_device(self):
         return self.transformer.wte.weight.device
@@ -191,52 +296,71 @@ class GPT(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 
+    def _lookup_params(self):
+        """Parameters that are read by lookup or as scalars, not multiplied as matrices."""
+        params = [self.transformer.wte.weight]
+        if self.generation.value_embeds:
+            params += [e.weight for e in self.value_embeds.values()]
+        params += [getattr(self, name) for name in ("resid_lambdas", "x0_lambdas", "smear_lambda", "backout_lambda")
+                   if hasattr(self, name)]
+        if self.generation.smear:
+            params.append(self.smear_gate.weight)  # a 24-wide gate: nanochat counts it with the scalars
+        return params
+
     def estimate_flops(self):
         """FLOPs per token of a forward + backward pass at sequence_len.
 
-        Matmuls: 6 per weight (2 forward, 4 backward) for every weight except the embedding (a lookup)
-        and the per-layer scalars; lm_head counts with its padded rows. Attention scores and the weighted
-        sum of values: 12 * n_head * head_dim * keys per layer, with keys = min(window, sequence_len),
-        ignoring that causality halves the average (the PaLM convention nanochat reports MFU with).
+        Matmuls: 6 per weight (2 forward, 4 backward) for every weight except the embeddings (lookups),
+        the per-layer scalars and the smear gate; lm_head counts with its padded rows. Attention scores and
+        the weighted sum of values: 12 * n_head * head_dim * keys per layer, with keys = min(window,
+        sequence_len), ignoring that causality halves the average (the PaLM convention nanochat reports
+        MFU with).
         """
         cfg = self.config
-        excluded = self.transformer.wte.weight.numel() + self.resid_lambdas.numel() + self.x0_lambdas.numel()
+        excluded = sum(p.numel() for p in self._lookup_params())
         head_dim = cfg.n_embd // cfg.n_head
         attention = sum(12 * cfg.n_head * head_dim * min(w, cfg.sequence_len) for w in self.window_sizes)
         return 6 * (self.num_params() - excluded) + attention
 
     def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,
-                         adam_betas=(0.8, 0.95), scalar_lr=0.5):
-        """[AdamW for lm_head, wte and the per-layer scalars, Muon for the transformer matrices].
-        With a process group, their distributed versions (which also average the gradients)."""
-        from nanochat.adamw import DistAdamW
-        from nanochat.muon import DistMuon, Muon
+                         adam_betas=(0.8, 0.95), scalar_lr=0.5, recipe="2026-01", ortho_dtype=None):
+        """The optimizers of a nanochat recipe (see nanochat/optim.py) over this model's parameters: AdamW for
+        lm_head, the embeddings and the scalars, Muon for the block matrices (value-embedding gates included,
+        as in nanochat). With a process group, their distributed versions (which also average the gradients).
 
-        matrix_params = list(self.transformer.h.parameters())
-        # AdamW lrs were tuned at width 768; scale them like 1/sqrt(width)
-        scale = (self.config.n_embd / 768) ** -0.5
-        adam_groups = [
-            dict(params=list(self.lm_head.parameters()), lr=unembedding_lr * scale),
-            dict(params=list(self.transformer.wte.parameters()), lr=embedding_lr * scale),
+        "2026-01" (nanochat 7312ec9, the seed's): one AdamW betas `adam_betas`, no AdamW weight decay. Its
+        nanochat had no value embeddings or smear: those get the settings of their own generation's
+        nanochat (value embeddings at the embedding lr, halved with betas (0.8, 0.995) from mar9 on; smear
+        and backout at lr 0.2). "2026-07" (nanochat 92d63d4): per-group betas and weight decay, Muon beta2
+        0.9. A generation's missing parameters (oct2025 has no lambdas) simply have no group."""
+        from nanochat.optim import build_optimizers
+
+        gen = self.generation
+        late = recipe == "2026-07"
+        scale = (self.config.n_embd / 768) ** -0.5  # AdamW lrs were tuned at width 768; scale like 1/sqrt(width)
+
+        def adamw(params, lr, betas=adam_betas, wd=0.0):
+            return dict(kind="adamw", params=params, lr=lr, betas=betas, eps=1e-10, weight_decay=wd if late else 0.0)
+
+        groups = [adamw(list(self.lm_head.parameters()), unembedding_lr * scale, (0.8, 0.96) if late else adam_betas, 0.01),
+                  adamw(list(self.transformer.wte.parameters()), embedding_lr * scale,
+                        (0.8, 0.995) if late else adam_betas, 0.001)]
+        if gen.value_embeds:
+            halved = late or gen.short_window_divisor > 2  # mar9 on
+            groups.append(adamw(list(self.value_embeds.parameters()), embedding_lr * scale * (0.5 if halved else 1.0),
+                                (0.8, 0.995) if halved else adam_betas, 0.01))
+        if gen.lambdas:
             # resid_lambdas multiply the whole residual stream at every layer: far more sensitive
-            dict(params=[self.resid_lambdas], lr=scalar_lr * 0.01),
-            dict(params=[self.x0_lambdas], lr=scalar_lr),
-        ]
-        grouped = [id(p) for p in matrix_params] + [id(p) for g in adam_groups for p in g["params"]]
+            groups += [adamw([self.resid_lambdas], scalar_lr * 0.01, (0.8, 0.95) if late else adam_betas, 0.05),
+                       adamw([self.x0_lambdas], scalar_lr, (0.96, 0.95) if late else adam_betas)]
+        if gen.smear:
+            groups.append(adamw([self.smear_gate.weight, self.smear_lambda, self.backout_lambda], 0.2, (0.8, 0.95)))
+        groups.append(dict(kind="muon", params=list(self.transformer.h.parameters()), lr=matrix_lr, momentum=0.95,
+                           ns_steps=5, beta2=0.9 if late else 0.95, weight_decay=weight_decay))
+        grouped = [id(p) for g in groups for p in g["params"]]
         if sorted(grouped) != sorted(id(p) for p in self.parameters()):
             raise RuntimeError("setup_optimizers: the optimizer groups do not cover every parameter exactly once")
-        # weight decay applies to the Muon matrices only
-        if dist.is_available() and dist.is_initialized():
-            adamw = DistAdamW(adam_groups, betas=adam_betas, eps=1e-10, weight_decay=0.0)
-            muon = DistMuon(matrix_params, lr=matrix_lr, momentum=0.95, weight_decay=weight_decay)
-        else:
-            adamw = torch.optim.AdamW(adam_groups, betas=adam_betas, eps=1e-10, weight_decay=0.0, fused=False)
-            muon = Muon(matrix_params, lr=matrix_lr, momentum=0.95, weight_decay=weight_decay)
-        optimizers = [adamw, muon]
-        for opt in optimizers:
-            for group in opt.param_groups:
-                group["initial_lr"] = group["lr"]
-        return optimizers
+        return build_optimizers(recipe, groups, ortho_dtype)
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
         """idx: (B, T) int64. Returns float32 logits (B, T, vocab_size), or with targets (B, T) the
@@ -256,7 +380,9 @@ class GPT(nn.Module):
         forward so a caller can take logits at some positions only: in RL most positions (prompt, tool
         outputs, padding) have no target, and the vocabulary-wide work dominates a small model's step."""
         logits = self.lm_head(hidden)[..., :self.config.vocab_size].float()
-        return LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
+        softcap = self.generation.softcap
+        return softcap * torch.tanh(logits / softcap)
+
 
     def hidden_states(self, idx, kv_cache=None):
         """idx: (B, T) int64 -> (B, T, n_embd): the normalized output of the last block (see forward)."""
@@ -264,33 +390,80 @@ class GPT(nn.Module):
         if kv_cache is None:
             if T > self.rotary_len:
                 raise ValueError(f"sequence of {T} tokens is longer than the rotary tables ({self.rotary_len} positions)")
-            rope = (self.cos[None, :T, None, :], self.sin[None, :T, None, :])  # (1, T, 1, D/2)
+            return self._trunk(idx, self._rope(torch.arange(T, device=idx.device)), self._sequence_masks(T, idx.device))
+        if kv_cache.batch_size != B:
+            raise ValueError(f"idx has {B} rows but the KV cache has {kv_cache.batch_size}")
+        Tk = int(kv_cache.pos.max()) + T  # the forward's one host sync: keys 0..Tk-1 cover every row
+        if Tk > kv_cache.max_seq_len or Tk > self.rotary_len:
+            raise ValueError(f"KV cache overflow: {Tk} positions needed, the cache holds {kv_cache.max_seq_len} "
+                             f"and the rotary tables {self.rotary_len}")
+        positions = kv_cache.pos[:, None] + torch.arange(T, device=idx.device)  # (B, T)
+        if Tk == T:  # every row starts at 0 (a prefill): the uncached masks apply, causal kernels included
             masks = self._sequence_masks(T, idx.device)
-            cache = None
         else:
-            if kv_cache.batch_size != B:
-                raise ValueError(f"idx has {B} rows but the KV cache has {kv_cache.batch_size}")
-            Tk = int(kv_cache.pos.max()) + T  # the forward's one host sync: keys 0..Tk-1 cover every row
-            if Tk > kv_cache.max_seq_len or Tk > self.rotary_len:
-                raise ValueError(f"KV cache overflow: {Tk} positions needed, the cache holds {kv_cache.max_seq_len} "
-                                 f"and the rotary tables {self.rotary_len}")
-            positions = kv_cache.pos[:, None] + torch.arange(T, device=idx.device)  # (B, T)
-            rope = (self.cos[positions][:, :, None, :], self.sin[positions][:, :, None, :])  # (B, T, 1, D/2)
-            if Tk == T:  # every row starts at 0 (a prefill): the uncached masks apply, causal kernels included
-                masks = self._sequence_masks(T, idx.device)
-            else:
-                masks = {w: _window_mask(positions, Tk, w)[:, None] for w in set(self.window_sizes)}  # (B, 1, T, Tk)
-            rows = torch.arange(B, device=idx.device)[:, None]  # (B, 1)
-            cache = (kv_cache, rows, positions, Tk)
+            masks = {w: _window_mask(positions, Tk, w)[:, None] for w in set(self.window_sizes)}  # (B, 1, T, Tk)
+        previous = None
+        if self.generation.smear:
+            previous = kv_cache.prev_embedding.clone() if T == 1 else None  # a chunk smears inside itself only
+            kv_cache.prev_embedding.copy_(norm(self.transformer.wte(idx[:, -1:])))  # for the next step
+        hidden = self._trunk(idx, self._rope(positions), masks, _CachedKeys(kv_cache, positions, Tk), previous)
+        kv_cache.advance(T)
+        return hidden
 
+    def hidden_states_shared_prefix(self, prefix, rows):
+        """prefix: (1, P) tokens that every row starts with; rows: (B, S) each row's tokens after them.
+        Returns (hidden of the prefix (1, P, n_embd), hidden of the rows (B, S, n_embd)): the same values as
+        hidden_states on each row's whole sequence, but the prefix goes through the model once (in training
+        its gradient collects every row's contribution)."""
+        P, S = prefix.size(1), rows.size(1)
+        if P + S > self.rotary_len:
+            raise ValueError(f"sequence of {P + S} tokens is longer than the rotary tables ({self.rotary_len} positions)")
+        context = _SharedPrefixKeys()
+        device = prefix.device
+        prefix_hidden = self._trunk(prefix, self._rope(torch.arange(P, device=device)), self._sequence_masks(P, device),
+                                    context)
+        context.recording = False
+        positions = P + torch.arange(S, device=device)  # (S,)
+        masks = {w: _window_mask(positions, P + S, w) for w in set(self.window_sizes)}  # (S, P + S)
+        previous = norm(self.transformer.wte(prefix[:, -1:])) if self.generation.smear else None  # (1, 1, C)
+        return prefix_hidden, self._trunk(rows, self._rope(positions), masks, context, previous)
+
+    def _rope(self, positions):
+        """positions (T,) or (B, T) -> cos, sin broadcastable to (B, T, 1, D/2)."""
+        if positions.dim() == 1:
+            return self.cos[None, positions, None, :], self.sin[None, positions, None, :]
+        return self.cos[positions][:, :, None, :], self.sin[positions][:, :, None, :]
+
+    def _trunk(self, idx, rope, masks, context=None, smear_previous=None):
+        """Embedding, blocks and final norm for tokens idx (B, T) at the positions `rope` encodes.
+        masks: window -> attention mask; context: see CausalSelfAttention.forward; smear_previous: None, or
+        the normed embedding (B or 1, 1, C) of the token before idx[:, 0], which smear mixes into it."""
         x = norm(self.transformer.wte(idx))
+        if self.generation.smear:
+            x = self._smear(x, smear_previous)
         x0 = x
+        backout_layer = self.config.n_layer // 2 if self.generation.backout else None
         for i, block in enumerate(self.transformer.h):
-            x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
-            x = block(x, rope, masks[self.window_sizes[i]], cache)
-        if kv_cache is not None:
-            kv_cache.advance(T)
+            if self.generation.lambdas:
+                x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
+            ve = self.value_embeds[str(i)](idx) if block.attn.ve_gate is not None else None
+            x = block(x, ve, rope, masks[self.window_sizes[i]], context)
+            if i == backout_layer:
+                x_backout = x
+        if backout_layer is not None:
+            x = x - self.backout_lambda * x_backout
         return norm(x)
+
+    def _smear(self, x, previous=None):
+        """x: (B, T, C) normed embeddings -> each position t >= 1 plus gate_t * x[t - 1], gate_t =
+        smear_lambda * sigmoid(smear_gate(x_t[:24])); position 0 likewise with `previous` when given (the
+        token before it, e.g. from a KV cache), else left alone."""
+        def gate(e):
+            return self.smear_lambda * torch.sigmoid(self.smear_gate(e[..., :SMEAR_GATE_CHANNELS]))
+        first = x[:, :1] if previous is None else x[:, :1] + gate(x[:, :1]) * previous
+        if x.size(1) == 1:
+            return first
+        return torch.cat([first, x[:, 1:] + gate(x[:, 1:]) * x[:, :-1]], dim=1)
 
     def _sequence_masks(self, T, device):
         """Masks for positions 0..T-1 per window: None (plain causal, the fast kernel) when the window

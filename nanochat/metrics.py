@@ -9,7 +9,8 @@ its numerator and denominator, instead of averaging per-rank values (which is wr
 Keys of a metrics dict (all floats):
   reward_mean, reward_std    over every sample of the step (population std, ddof=0)
   zero_std_fraction          questions whose samples all got the same reward: advantage 0, no gradient
-  seq_len_mean/min/max       generated tokens per sample (sampled and tool-forced; terminal token excluded)
+  seq_len_mean               prompt + generated tokens per sample: nanochat's "sequence length"
+  completion_len_mean/min/max   generated tokens per sample (sampled and tool-forced; terminal token excluded)
   truncated_fraction         samples cut at max_new_tokens instead of ending themselves
   tool_calls_per_sample      calculator calls per sample
   tool_success_fraction      calls that returned a value / calls (0.0 when there were no calls, see below)
@@ -32,8 +33,9 @@ REDUCTIONS = {
     "reward_std": ("std", "num_samples"),
     "zero_std_fraction": ("mean", "num_questions"),
     "seq_len_mean": ("mean", "num_samples"),
-    "seq_len_min": ("min", None),
-    "seq_len_max": ("max", None),
+    "completion_len_mean": ("mean", "num_samples"),
+    "completion_len_min": ("min", None),
+    "completion_len_max": ("max", None),
     "truncated_fraction": ("mean", "num_samples"),
     "tool_calls_per_sample": ("mean", "num_samples"),
     "tool_success_fraction": ("mean", "num_tool_calls"),
@@ -41,13 +43,14 @@ REDUCTIONS = {
 _STD_MEAN = {"reward_std": "reward_mean"}  # a "std" metric and the mean it is taken around
 
 
-def rollout_metrics(rewards_per_question, completions_per_question, max_new_tokens):
+def rollout_metrics(rewards_per_question, completions_per_question, max_new_tokens, prompt_lengths):
     """Summarize one rank's rollouts of one step.
 
     rewards_per_question: [question][sample] float rewards.
     completions_per_question: [question][sample] `nanochat.engine.Completion` (same shape as the rewards).
     max_new_tokens: the length cap the rollouts were sampled with; a completion longer than it means the
         arguments do not belong together, and is refused.
+    prompt_lengths: [question] prompt tokens; nanochat's sequence length counts them with the completion.
     Returns a dict with the keys listed in this module's docstring.
 
     tool_success_fraction is 0.0 when no sample called the tool: a rate of successes should not read as
@@ -60,7 +63,10 @@ def rollout_metrics(rewards_per_question, completions_per_question, max_new_toke
                          f"of completions; pass both for the same questions")
     if not rewards_per_question:
         raise ValueError("rollout_metrics needs at least one question")
-    rewards, lengths = [], []
+    if len(prompt_lengths) != len(rewards_per_question):
+        raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(rewards_per_question)} questions; "
+                         f"pass one per question")
+    rewards, lengths, prompt_tokens = [], [], 0
     zero_std = truncated = calls = successes = 0
     for q, (question_rewards, completions) in enumerate(zip(rewards_per_question, completions_per_question)):
         if len(question_rewards) != len(completions) or not completions:
@@ -69,6 +75,7 @@ def rollout_metrics(rewards_per_question, completions_per_question, max_new_toke
         question_rewards = [float(r) for r in question_rewards]
         zero_std += max(question_rewards) == min(question_rewards)
         rewards.extend(question_rewards)
+        prompt_tokens += prompt_lengths[q] * len(completions)
         for c in completions:
             if len(c.tokens) > max_new_tokens:
                 raise ValueError(f"question {q}: a completion has {len(c.tokens)} tokens, more than "
@@ -86,9 +93,10 @@ def rollout_metrics(rewards_per_question, completions_per_question, max_new_toke
         "reward_mean": mean,
         "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / n),
         "zero_std_fraction": zero_std / len(rewards_per_question),
-        "seq_len_mean": sum(lengths) / n,
-        "seq_len_min": float(min(lengths)),
-        "seq_len_max": float(max(lengths)),
+        "seq_len_mean": (prompt_tokens + sum(lengths)) / n,
+        "completion_len_mean": sum(lengths) / n,
+        "completion_len_min": float(min(lengths)),
+        "completion_len_max": float(max(lengths)),
         "truncated_fraction": truncated / n,
         "tool_calls_per_sample": calls / n,
         "tool_success_fraction": successes / calls if calls else 0.0,

@@ -155,18 +155,18 @@ CHAT_RL_SECTION = "Chat RL"
 
 def log_chat_rl(report, config, history, eval_history, section=CHAT_RL_SECTION):
     """Write the RL section: the run config, the final step's metrics, pass@k at the first and last eval,
-    and plots of reward, sequence length and pass@1 against step (PNGs next to the markdown).
+    and plots of reward, completion length and pass@1 against step (PNGs next to the markdown).
 
     config: dict (e.g. vars(args)), shown whole, in its order.
-    history: list of per-step dicts, each with "step", "reward_mean" and "seq_len_mean" (the keys of
-        nanochat.metrics.rollout_metrics; "seq_len_min"/"seq_len_max" draw a band when present).
+    history: list of per-step dicts, each with "step", "reward_mean" and "completion_len_mean" (the keys of
+        nanochat.metrics.rollout_metrics; "completion_len_min"/"completion_len_max" draw a band when present).
     eval_history: list of (step, {"pass@1": ..., "pass@2": ..., ...}) (e.g. PassAtK.as_dict()).
     Returns the section's path, or None from a DummyReport.
     """
     if isinstance(report, DummyReport):
         return None
     for i, h in enumerate(history):
-        missing = [k for k in ("step", "reward_mean", "seq_len_mean") if k not in h]
+        missing = [k for k in ("step", "reward_mean", "completion_len_mean") if k not in h]
         if missing:
             raise ValueError(f"history[{i}] lacks {missing}; log the rollout_metrics keys and 'step' every step")
     for step, passk in eval_history:
@@ -207,12 +207,12 @@ def log_chat_rl(report, config, history, eval_history, section=CHAT_RL_SECTION):
                                        (steps, trailing_mean(rewards, REWARD_TREND_WINDOW),
                                         f"mean of the last {REWARD_TREND_WINDOW} steps")])))
         band = None
-        if all("seq_len_min" in h and "seq_len_max" in h for h in history):
-            band = ([h["seq_len_min"] for h in history], [h["seq_len_max"] for h in history])
-        plots.append(("sequence length", _plot(os.path.join(report.report_dir, f"{stem}-seq-len.png"),
-                                               "generated tokens",
-                                               [(steps, [h["seq_len_mean"] for h in history], "seq_len_mean")],
-                                               band=band)))
+        if all("completion_len_min" in h and "completion_len_max" in h for h in history):
+            band = ([h["completion_len_min"] for h in history], [h["completion_len_max"] for h in history])
+        plots.append(("completion length", _plot(os.path.join(report.report_dir, f"{stem}-completion-len.png"),
+                                                 "generated tokens",
+                                                 [(steps, [h["completion_len_mean"] for h in history],
+                                                   "completion_len_mean")], band=band)))
     if eval_history:
         plots.append(("pass@1", _plot(os.path.join(report.report_dir, f"{stem}-pass1.png"), "pass@1",
                                       [([s for s, _ in eval_history], [d["pass@1"] for _, d in eval_history],

@@ -22,6 +22,7 @@ class QuestionBatch:
     rewards: torch.Tensor      # (R,) float
     advantages: torch.Tensor   # (R,) float: rewards - rewards.mean()
     completion_lengths: list   # (R,) number of generated tokens per row (terminal token excluded)
+    prompt_length: int         # tokens of the prompt every row starts with
 
 
 def advantages_from_rewards(rewards):
@@ -48,7 +49,7 @@ def make_question_batch(prompt, completions, rewards, pad_token):
     rewards = torch.tensor(rewards, dtype=torch.float32)
     return QuestionBatch(inputs=inputs, targets=targets, rewards=rewards,
                          advantages=advantages_from_rewards(rewards),
-                         completion_lengths=[len(toks) for toks, _ in completions])
+                         completion_lengths=[len(toks) for toks, _ in completions], prompt_length=len(prompt))
 
 
 def pass_objective(logp, targets, advantages, num_passes, examples_per_rank, num_valid=None):

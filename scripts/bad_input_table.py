@@ -138,6 +138,12 @@ def _existing_rl_run(base):
     return {}
 
 
+def _empty_base_dir(base):
+    empty = base / "empty-base-dir"
+    empty.mkdir()
+    return {"NANOCHAT_BASE_DIR": str(empty)}
+
+
 def _three_ranks(base):
     return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}
 
@@ -158,7 +164,8 @@ CASES = [
     Case("--max-new-tokens=0", flags=["--max-new-tokens=0"]),
     Case("--init-lr-frac out of range", flags=["--init-lr-frac=2"]),
     Case("unknown --device-type", flags=["--device-type=tpu"]),
-    Case("--source=base (RL starts from mid or sft)", flags=["--source=base"]),
+    Case("unknown --source", flags=["--source=pretrain"]),
+    Case("--source=rl writing into the run it reads", flags=["--source=rl", "--model-tag=d2", "--output-tag=d2"]),
     Case("--num-steps not a number", flags=["--num-steps=abc"]),
     Case("misspelled flag", flags=["--num-stpes=3"]),
     Case("unknown --model-tag", flags=["--model-tag=d99"]),
@@ -168,6 +175,7 @@ CASES = [
     Case("disk full while saving a checkpoint", flags=["--num-steps=3", "--save-every=1"], full_disk_at_step=2),
     Case("3 ranks do not divide --examples-per-step=2", setup=_three_ranks),
     Case("task does not exist", flags=["--task=nosuchtask"]),
+    Case("task does not exist, and no checkpoint either", flags=["--task=nosuchtask"], setup=_empty_base_dir),
     Case("task class does not exist", flags=["--task=tasks.gsm8k:NoSuchClass"]),
 ]
 

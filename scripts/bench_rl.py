@@ -45,9 +45,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from nanochat.common import (ArgumentParser, UserError, autocast_context, compute_cleanup, compute_init, cpu_has_native_bf16,
+from nanochat.common import (ArgumentParser, UserError, add_model_generation_flag, autocast_context, compute_cleanup, compute_init, cpu_has_native_bf16,
                              get_base_dir, get_dist_info, print0, run_main)
 from nanochat.engine import Engine, mix32
+from nanochat.gpt import scale_initial_lr
 from nanochat.rl import accumulate_policy_gradient, make_question_batch
 from nanochat.tokenizer import Tokenizer
 from scripts.chat_rl import grad_norm, rollout_step
@@ -80,6 +81,7 @@ def parse_args(argv):
     p.add_argument("--source", type=str, default="", help="empty = a random-init model of --depth; sft|rl = load that checkpoint")
     p.add_argument("--model-tag", type=str, default=None, help="with --source: model tag to load (default: the largest d<N>)")
     p.add_argument("--model-step", type=int, default=None, help="with --source: checkpoint step (default: the last one)")
+    add_model_generation_flag(p)
     p.add_argument("--depth", type=int, default=4, help="layers of the random-init model (width 64 * depth, heads of 64)")
     p.add_argument("--vocab-size", type=int, default=8192,
                    help="vocabulary of the random-init model; its tokenizer is $NANOCHAT_BASE_DIR/tokenizer if that "
@@ -275,7 +277,8 @@ def build_bench_model(args, task, device):
     """(model in eval mode, tokenizer, description dict)."""
     if args.source:
         from nanochat.checkpoint_manager import load_model
-        model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step)
+        model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step,
+                                            generation=args.model_generation)
         return model, tokenizer, {"source": args.source, "model_tag": args.model_tag, "step": meta.get("step")}
     from scripts.chat_sft import build_fresh_model  # nanochat's sizing for a given depth lives there
     tokenizer, tokenizer_dir = bench_tokenizer(args.vocab_size, task)
@@ -445,11 +448,7 @@ def rl_step(model, rollout_model, tokenizer, optimizers, task, indices, config, 
 
 def fresh_optimizers(model, init_lr_frac):
     """chat_rl's optimizers at step 0 (the lr multiplier is 1 there)."""
-    optimizers = model.setup_optimizers()
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] = group["lr"] * init_lr_frac
-    return optimizers
+    return scale_initial_lr(model.setup_optimizers(ortho_dtype=torch.float32), init_lr_frac)
 
 
 def measure(model, initial_state, tokenizer, task, indices, config, early_stop_mean, args, device, memory, peaks):

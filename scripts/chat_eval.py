@@ -18,8 +18,8 @@ import time
 
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import (ArgumentParser, UserError, autocast_context, compute_cleanup, compute_dtype, compute_init,
-                             get_base_dir, print0, run_main)
+from nanochat.common import (ArgumentParser, UserError, add_model_generation_flag, autocast_context, compute_cleanup, compute_dtype, compute_init,
+                             get_base_dir, print0, requested_dtype, run_main)
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
 from tasks.registry import make_task
@@ -31,6 +31,7 @@ def parse_args(argv):
     p.add_argument("--source", type=str, default="sft", help="checkpoint family: base|mid|sft|rl")
     p.add_argument("--model-tag", type=str, default=None, help="model tag; default: the largest d<N>")
     p.add_argument("--model-step", type=int, default=None, help="checkpoint step; default: the last one")
+    add_model_generation_flag(p)
     # task
     p.add_argument("--task", type=str, default="gsm8k", help="gsm8k, arithmetic, or package.module:ClassName")
     p.add_argument("--num-examples", type=int, default=-1, help="test questions to use (-1 = all)")
@@ -43,7 +44,7 @@ def parse_args(argv):
     p.add_argument("--memory-budget-gb", type=float, default=4.0, help="KV-cache memory a rollout batch may use")
     # runtime and output
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
-    p.add_argument("--dtype", type=str, default="bfloat16", help="float32|bfloat16")
+    p.add_argument("--dtype", type=str, default=None, help="float32|bfloat16; default: $NANOCHAT_DTYPE, else bfloat16")
     p.add_argument("--output", type=str, default="", help="JSON output path (default: $NANOCHAT_BASE_DIR/report/chat_eval_<source>.json)")
     p.add_argument("--seed", type=int, default=0, help="base sampling seed (question i uses seed + i)")
     p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
@@ -53,8 +54,7 @@ def parse_args(argv):
 def validate_args(args):
     if args.source not in ("base", "mid", "sft", "rl"):
         raise UserError(f"--source must be base, mid, sft or rl, got {args.source!r}")
-    if args.dtype not in ("float32", "bfloat16"):
-        raise UserError(f"--dtype must be float32 or bfloat16, got {args.dtype!r}")
+    args.dtype = requested_dtype(args.dtype)
     if args.num_samples < 1 or args.max_new_tokens < 1:
         raise UserError("--num-samples and --max-new-tokens must be >= 1")
     if args.num_examples == 0 or args.num_examples < -1:
@@ -79,7 +79,8 @@ def main(argv):
     _, rank, _, world_size, device = compute_init(args.device_type)
     try:
         autocast = autocast_context(device, compute_dtype(device, args.dtype))
-        model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step)
+        model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step,
+                                            generation=args.model_generation)
         engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb)
         task = make_task(args.task, "test")
         num_examples = len(task) if args.num_examples == -1 else min(args.num_examples, len(task))

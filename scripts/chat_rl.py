@@ -13,6 +13,7 @@ Launch:
   python -m scripts.chat_rl                                                   # 1 GPU, or CPU
   torchrun --standalone --nproc_per_node=8 -m scripts.chat_rl -- --run=my_run # 8 GPUs
   python -m scripts.chat_rl --device-type=cpu --dtype=float32 --task=arithmetic --num-steps=50
+  python -m scripts.chat_rl --source=rl                  # a new run from the last RL checkpoint -> <tag>_cont
 """
 
 import math
@@ -20,15 +21,15 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
-from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_last_step, list_tags, load_checkpoint, load_model,
-                                         make_checkpoint_dir, save_checkpoint)
-from nanochat.common import (ArgumentParser, GracefulStop, UserError, add_optimizer_flags, autocast_context,
-                             compute_cleanup, compute_dtype, compute_init, format_duration, get_base_dir, get_dist_info, grad_norm, print0, progress_bar, run_main)
+from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_checkpoint, find_last_step, list_tags, load_checkpoint,
+                                         load_model, make_checkpoint_dir, save_checkpoint)
+from nanochat.common import (ArgumentParser, GracefulStop, UserError, add_model_generation_flag, add_optimizer_flags, autocast_context,
+                             compute_cleanup, compute_dtype, compute_init, format_duration, get_base_dir, get_dist_info,
+                             grad_norm, print0, progress_bar, remaining_seconds, requested_dtype, run_main)
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.gpt import scale_initial_lr
@@ -36,7 +37,7 @@ from nanochat.metrics import reduce_metrics, rollout_metrics
 from nanochat.report import get_report, log_chat_rl
 from nanochat.wandb_utils import init_wandb, log_samples_table
 from nanochat.rl import accumulate_policy_gradient, lr_multiplier, make_question_batch
-from tasks.registry import make_task
+from tasks.registry import make_task, resolve_task_class
 
 
 def parse_args(argv):
@@ -45,11 +46,17 @@ def parse_args(argv):
     p.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' disables wandb)")
     # runtime
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
-    p.add_argument("--dtype", type=str, default="bfloat16", help="float32|bfloat16 compute dtype (autocast)")
-    # model to start from
-    p.add_argument("--source", type=str, default="sft", help="checkpoint family to start from: mid|sft")
+    p.add_argument("--dtype", type=str, default=None,
+                   help="float32|bfloat16 compute dtype (autocast); default: $NANOCHAT_DTYPE, else bfloat16")
+    # model to start from, and where the run is written
+    p.add_argument("--source", type=str, default="sft",
+                   help="checkpoint family to start from: base|mid|sft|rl (rl: a new run from an RL checkpoint)")
     p.add_argument("--model-tag", type=str, default=None, help="model tag (subdirectory) to load; default: the largest d<N>")
     p.add_argument("--model-step", type=int, default=None, help="checkpoint step to load; default: the last one")
+    add_model_generation_flag(p)
+    p.add_argument("--output-tag", type=str, default=None,
+                   help="write the run to chatrl_checkpoints/<tag>; default: the model tag (d<depth> without "
+                        "--model-tag), or <model tag>_cont with --source=rl")
     # data
     p.add_argument("--task", type=str, default="gsm8k",
                    help="task to train and evaluate on: gsm8k, arithmetic, or package.module:ClassName")
@@ -89,8 +96,16 @@ def validate_args(args, world_size):
     def need(ok, message):
         if not ok:
             raise UserError(message)
-    need(args.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, got {args.dtype!r}")
-    need(args.source in ("mid", "sft"), f"--source must be mid or sft, got {args.source!r}")
+    args.dtype = requested_dtype(args.dtype)
+    need(args.source in CHECKPOINT_DIRS, f"--source must be {', '.join(CHECKPOINT_DIRS)}, got {args.source!r}")
+    resolve_task_class(args.task)  # an unknown --task is reported now, not after the checkpoint has loaded
+    if args.output_tag is not None:
+        need(args.output_tag not in ("", ".", "..") and "/" not in args.output_tag and os.sep not in args.output_tag,
+             f"--output-tag must be a directory name (no '/'), got {args.output_tag!r}")
+        need(not args.resume, "--resume continues a run in its own directory and --output-tag names a new run's; "
+                              "pass only one")
+    if args.source == "rl" and args.model_tag is not None:
+        resolve_output_tag(args, args.model_tag, depth=None)  # refuses the run it reads
     for name in ("device_batch_size", "examples_per_step", "num_samples", "max_new_tokens", "num_epochs", "eval_examples"):
         need(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     need(args.num_samples % args.device_batch_size == 0,
@@ -148,7 +163,8 @@ def rollout_step(engine, task, indices, step, args):
 
 
 # flags that define the run; --resume restores them from the checkpoint so the continuation is exact
-RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows", "memory_budget_gb", "max_bad_steps")
+RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows", "memory_budget_gb", "max_bad_steps",
+                 "output_tag")  # a resumed run writes to its own directory
 
 
 def resolve_resume(spec):
@@ -166,6 +182,26 @@ def resolve_resume(spec):
     if step and not step.isdigit():
         raise UserError(f"--resume={spec}: the step after ':' must be a number")
     return tag, int(step) if step else find_last_step(directory)
+
+
+def resolve_output_tag(args, source_tag, depth):
+    """The chatrl_checkpoints/<tag> a new run writes: --output-tag; else, from an RL checkpoint, <source_tag>_cont
+    (never the run it reads); else nanochat's rule: --model-tag, or d<depth> of the loaded model."""
+    if args.output_tag is not None:
+        tag = args.output_tag
+    elif args.source == "rl":
+        tag = f"{source_tag}_cont"
+    else:
+        tag = args.model_tag or f"d{depth}"
+    if args.source == "rl" and tag == source_tag:
+        raise UserError(f"--output-tag={tag} is the RL run --source=rl reads; a new run needs another --output-tag "
+                        f"(to continue that run, use --resume={tag})")
+    return tag
+
+
+def is_eval_step(step, num_steps, eval_every):
+    """pass@k is evaluated every eval_every steps from step 0, and after the last update (step num_steps)."""
+    return eval_every > 0 and (step % eval_every == 0 or step == num_steps)
 
 
 def prepare_output_dir(checkpoint_dir, overwrite, master):
@@ -219,8 +255,14 @@ def run(args, rank, world_size, device, stop):
         start_step, model_tag = resume_step + 1, tag
         print0(f"Resuming RL run {tag} after step {resume_step}")
     else:
-        model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step)
-        model_tag = args.model_tag or f"d{model.config.n_layer}"
+        _, source_tag, source_step = find_checkpoint(args.source, args.model_tag, args.model_step)
+        if args.source == "rl":
+            resolve_output_tag(args, source_tag, depth=None)  # refuse writing into the source run before loading it
+        model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=source_tag, step=source_step,
+                                            generation=args.model_generation)
+        model_tag = resolve_output_tag(args, source_tag, model.config.n_layer)
+        print0(f"Starting a new RL run from {args.source} {source_tag} step {source_step}; writing to {model_tag}")
+    args.output_tag = model_tag  # the config records where the run is written
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], model_tag)
 
     args.dtype = str(compute_dtype(device, args.dtype)).removeprefix("torch.")  # the config records what runs
@@ -241,8 +283,10 @@ def run(args, rank, world_size, device, stop):
     if not args.resume:
         prepare_output_dir(checkpoint_dir, args.overwrite, master)
 
+    # Muon orthogonalizes in the run's compute dtype: bf16 where it is native (nanochat's numerics), fp32 otherwise
     optimizers = scale_initial_lr(model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
-                                                         matrix_lr=args.matrix_lr, weight_decay=args.weight_decay),
+                                                         matrix_lr=args.matrix_lr, weight_decay=args.weight_decay,
+                                                         recipe=args.recipe, ortho_dtype=getattr(torch, args.dtype)),
                                   args.init_lr_frac)
     if optimizer_state is not None:
         for opt, state in zip(optimizers, optimizer_state["optimizers"]):
@@ -254,7 +298,8 @@ def run(args, rank, world_size, device, stop):
     def save(step):
         save_checkpoint(checkpoint_dir, step, model.state_dict() if master else None,
                         {"optimizers": [opt.state_dict() for opt in optimizers], "world_size": world_size},
-                        {"step": step, "model_config": asdict(model.config), "user_config": vars(args),
+                        {"step": step, "model_config": model.meta_model_config(), "generation": model.generation.name,
+                         "user_config": vars(args),
                          "history": history, "eval_history": eval_history},
                         rank=rank)
         print0(f"Saved checkpoint to {checkpoint_dir} (step {step})")
@@ -264,10 +309,11 @@ def run(args, rank, world_size, device, stop):
     consecutive_bad = 0
     last_saved = start_step - 1 if args.resume else None
     run_start = time.time()
+    step_seconds, eval_seconds = [], []  # this process's timings, for the ETA
     for step in range(start_step, num_steps + 1):
         last_step = step == num_steps
         # ---- eval: pass@k on the test split (also after the last update)
-        if args.eval_every > 0 and (step % args.eval_every == 0 or last_step):
+        if is_eval_step(step, num_steps, args.eval_every):
             model.eval()
             t0 = time.time()
             with autocast:
@@ -275,6 +321,7 @@ def run(args, rank, world_size, device, stop):
                                               temperature=1.0, top_k=50, rank=rank, world_size=world_size,
                                               device=reduce_device, seed=0)
             t_eval = time.time() - t0
+            eval_seconds.append(t_eval)
             print0(f"Step {step} | " + ", ".join(f"Pass@{k + 1}: {v:.4f}" for k, v in enumerate(passk.any))
                    + f" | eval {t_eval:.1f}s")
             wandb_run.log({"step": step, **passk.as_dict(), "time/eval": t_eval})
@@ -336,20 +383,26 @@ def run(args, rank, world_size, device, stop):
         model.zero_grad(set_to_none=True)
         t_train = time.time() - t0
 
-        metrics = reduce_metrics(rollout_metrics([b.rewards.tolist() for b in batches], results, args.max_new_tokens),
-                                 reduce_device)
-        num_tokens = metrics["seq_len_mean"] * metrics["num_samples"]  # generated this step, all ranks
-        done, elapsed = step + 1 - start_step, time.time() - run_start
-        eta = elapsed / done * (num_steps - step - 1)
+        metrics = reduce_metrics(rollout_metrics([b.rewards.tolist() for b in batches], results, args.max_new_tokens,
+                                                 prompt_lengths=[b.prompt_length for b in batches]), reduce_device)
+        num_tokens = metrics["completion_len_mean"] * metrics["num_samples"]  # generated this step, all ranks
+        step_seconds.append(t_rollout + t_train)
+        eta_train, eta_eval = remaining_seconds(
+            step_seconds, num_steps - step - 1, eval_seconds,
+            sum(is_eval_step(s, num_steps, args.eval_every) for s in range(step + 1, num_steps + 1)))
         print0(f"Step {step}/{num_steps} | Average reward: {metrics['reward_mean']:.4f} | "
                f"Average sequence length: {metrics['seq_len_mean']:.2f} | "
+               f"Average completion length: {metrics['completion_len_mean']:.2f} | "
                f"reward std {metrics['reward_std']:.3f} | no-signal {metrics['zero_std_fraction']:.2f} | "
-               f"len {metrics['seq_len_min']:.0f}-{metrics['seq_len_max']:.0f} cut {metrics['truncated_fraction']:.2f} | "
+               f"len {metrics['completion_len_min']:.0f}-{metrics['completion_len_max']:.0f} "
+               f"cut {metrics['truncated_fraction']:.2f} | "
                f"tool {metrics['tool_calls_per_sample']:.2f}/ok {metrics['tool_success_fraction']:.2f} | "
                f"entropy {entropy:.3f} | gnorm {gnorm:.3f} | lrm {lrm:.3f} | "
                f"rollout {t_rollout:.1f}s train {t_train:.1f}s {num_tokens / t_rollout:.0f} tok/s | "
-               f"elapsed {format_duration(elapsed)} eta {format_duration(eta)}")
+               f"elapsed {format_duration(time.time() - run_start)} eta {format_duration(eta_train)}"
+               + (f" + eval {format_duration(eta_eval)}" if eta_eval else ""))
         record = {"step": step, **metrics, "reward": metrics["reward_mean"], "sequence_length": metrics["seq_len_mean"],
+                  "completion_length": metrics["completion_len_mean"],
                   "lrm": lrm, "entropy": entropy, "grad_norm": gnorm, "time/rollout": t_rollout,
                   "time/train": t_train, "rollout_tokens_per_s": num_tokens / max(t_rollout, 1e-9)}
         history.append(record)

@@ -29,15 +29,14 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 from nanochat.checkpoint_manager import list_steps, load_model, save_checkpoint
-from nanochat.common import (ArgumentParser, UserError, add_optimizer_flags, all_reduce_mean, autocast_context,
+from nanochat.common import (ArgumentParser, UserError, add_model_generation_flag, add_optimizer_flags, all_reduce_mean, autocast_context,
                              compute_cleanup, compute_dtype, compute_init, get_base_dir, get_dist_info, grad_norm,
-                             print0, run_main)
+                             print0, requested_dtype, run_main)
 from nanochat.gpt import GPT, GPTConfig, scale_initial_lr
 from nanochat.rl import lr_multiplier
 from nanochat.sft import (accumulate_gradient, count_targets, loss_sums, make_micro_batches,
@@ -60,12 +59,14 @@ def parse_args(argv):
     p.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' disables wandb)")
     # runtime
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
-    p.add_argument("--dtype", type=str, default="bfloat16", help="float32|bfloat16 compute dtype (autocast)")
+    p.add_argument("--dtype", type=str, default=None,
+                   help="float32|bfloat16 compute dtype (autocast); default: $NANOCHAT_DTYPE, else bfloat16")
     p.add_argument("--seed", type=int, default=42, help="seed for the model init and the example order")
     # model to start from
     p.add_argument("--source", type=str, default="mid", help="checkpoint family to finetune: base|mid|sft (unused with --depth)")
     p.add_argument("--model-tag", type=str, default=None, help="model tag (subdirectory) to load; default: the largest d<N>")
     p.add_argument("--model-step", type=int, default=None, help="checkpoint step to load; default: the last one")
+    add_model_generation_flag(p)
     p.add_argument("--depth", type=int, default=0,
                    help=f"> 0: train a fresh model with this many layers, width {HEAD_DIM}*depth, heads of {HEAD_DIM} "
                         f"(0 = load --source)")
@@ -111,7 +112,7 @@ def validate_args(args, world_size):
     def need(ok, message):
         if not ok:
             raise UserError(message)
-    need(args.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, got {args.dtype!r}")
+    args.dtype = requested_dtype(args.dtype)
     need(args.depth >= 0, f"--depth must be >= 1 for a fresh model, or 0 to load --source, got {args.depth}")
     if args.depth > 0:
         need(args.model_tag is None and args.model_step is None,
@@ -169,8 +170,10 @@ def build_fresh_model(depth, sequence_len, vocab_size, device):
 
 
 def setup_optimizers(model, args):
+    # Muon orthogonalizes in the run's compute dtype: bf16 where it is native (nanochat's numerics), fp32 otherwise
     optimizers = model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
-                                        matrix_lr=args.matrix_lr, weight_decay=args.weight_decay)
+                                        matrix_lr=args.matrix_lr, weight_decay=args.weight_decay,
+                                        recipe=args.recipe, ortho_dtype=getattr(torch, args.dtype))
     return scale_initial_lr(optimizers, args.init_lr_frac)
 
 
@@ -233,7 +236,8 @@ def run(args, task_names, rank, world_size, device):
         tokenizer = get_tokenizer()
         model = build_fresh_model(args.depth, args.sequence_len, tokenizer.get_vocab_size(), device)
     else:
-        model, tokenizer, _ = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step)
+        model, tokenizer, _ = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step,
+                                         generation=args.model_generation)
     config = model.config
     if args.max_seq_len == 0:
         args.max_seq_len = config.sequence_len
@@ -241,7 +245,7 @@ def run(args, task_names, rank, world_size, device):
         raise UserError(f"--max-seq-len ({args.max_seq_len}) exceeds the model's sequence_len ({config.sequence_len}), "
                         f"beyond which its attention windows slide; use at most {config.sequence_len}")
     print0(f"config: {json.dumps(vars(args))}")
-    print0(f"model: {asdict(config)} | {model.num_params():,} parameters")
+    print0(f"model: {model.meta_model_config()} ({model.generation.name}) | {model.num_params():,} parameters")
 
     wandb_run = init_wandb(args.run, "nanochat-sft", vars(args), rank)
 
@@ -298,7 +302,8 @@ def run(args, task_names, rank, world_size, device):
         wandb_run.log({"step": step + 1, "loss": loss, "lrm": lrm, "grad_norm": gnorm, "dt_ms": dt})
 
     if master:
-        meta = {"step": num_steps, "model_config": asdict(config), "user_config": vars(args), "val_loss": val_loss}
+        meta = {"step": num_steps, "model_config": model.meta_model_config(), "generation": model.generation.name,
+                "user_config": vars(args), "val_loss": val_loss}
         save_checkpoint(checkpoint_dir, num_steps, model.state_dict(), None, meta, rank=rank)
         print0(f"Saved checkpoint to {checkpoint_dir} (model_{num_steps:06d}.pt)")
     wandb_run.finish()

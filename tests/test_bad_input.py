@@ -34,7 +34,8 @@ EXPECTED = {
     "--max-new-tokens=0": ["--max-new-tokens must be >= 1", "got 0"],
     "--init-lr-frac out of range": ["--init-lr-frac must be in (0, 1]", "2.0"],
     "unknown --device-type": ["'tpu'", "cpu"],
-    "--source=base (RL starts from mid or sft)": ["--source must be mid or sft", "'base'"],
+    "unknown --source": ["--source must be base, mid, sft, rl", "'pretrain'"],
+    "--source=rl writing into the run it reads": ["--output-tag=d2 is the RL run --source=rl reads", "--resume=d2"],
     "--num-steps not a number": ["--num-steps", "'abc'"],
     "misspelled flag": ["--num-stpes"],
     "unknown --model-tag": ["'d99'", "available tags: d2"],
@@ -45,6 +46,7 @@ EXPECTED = {
     "3 ranks do not divide --examples-per-step=2": [
         "--examples-per-step (2) must be divisible by the number of ranks (3)", "multiple of 3"],
     "task does not exist": ["unknown task 'nosuchtask'", "package.module:ClassName"],
+    "task does not exist, and no checkpoint either": ["unknown task 'nosuchtask'"],  # the flag, before any loading
     "task class does not exist": ["'NoSuchClass'", "--task"],
 }
 BY_NAME = {case.name: case for case in CASES}

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from nanochat.calculator import format_result, use_calculator
+from nanochat.calculator import MAX_STRING_CHARS, evaluate, format_result, use_calculator
 
 
 @pytest.mark.parametrize("expr, expected", [
@@ -19,6 +19,14 @@ from nanochat.calculator import format_result, use_calculator
     ("-7.5//2", -4.0),
     ("'strawberry'.count('r')", 3),
     ('"banana".count("an")', 2),
+    ("'Strawberry'.lower().count('r')", 3),     # string methods chain on a literal, as in nanochat's eval
+    ("'Strawberry'.upper().count('R')", 3),
+    ("'  pear '.strip().count(' ')", 0),
+    ("'xxaxx'.strip('x').count('x')", 0),
+    ("'a.count(b)'.upper()", "A.COUNT(B)"),     # a str result: the gate only asks for the text `.count(`
+    ("()", ()),                                 # pure-arithmetic characters; eval gives the empty tuple
+    ("(())", ()),
+    ("() * 99999999999", ()),
 ])
 def test_values_match_python(expr, expected):
     value = use_calculator(expr)
@@ -28,10 +36,47 @@ def test_values_match_python(expr, expected):
 @pytest.mark.parametrize("expr", [
     "2**10", "2 ** 10", "__import__('os')", "().__class__", "abs(-1)", "'a'*10", "'abc'.upper()",
     "'abc'.count('a').__class__", "open('x')", "1/0", "", "   ", "1 +", "x.count('a')", "'a'.count(x)",
-    "'__class__'.count('_')", "lambda: 1", "[1,2][0]", "007",
+    "'__class__'.count('_')", "lambda: 1", "[1,2][0]", "007", "-()", "()/2", "()()",
+    "'abc'.title().count('A')",                 # methods other than count/lower/upper/strip/replace
+    "'abc'.count('a').count('a')",              # .count on an int
+    "'aaa'.replace('a', 'b').count('b')",       # commas are stripped first: replace gets one argument
 ])
 def test_refused(expr):
     assert use_calculator(expr) is None
+
+
+@pytest.mark.parametrize("expr", [
+    "'directory'.count('r')", "'Profile'.count('f')", "'reopened'.count('e')", "'VARSITY'.count('V')",
+    "'medieval'.count('e')", "'dirt'.lower().count('d')",
+])
+def test_dangerous_words_refuse_the_whole_expression(expr):
+    """nanochat refuses a string expression containing one of its dangerous words anywhere, in any case,
+    even inside a quoted word ('directory' contains 'dir'); the calculator must not answer where it did not."""
+    assert use_calculator(expr) is None
+    assert evaluate(expr) is not None  # the interpreter alone would answer: the gate refuses it
+
+
+@pytest.mark.parametrize("value, text", [(3, "3"), (24.0, "24.0"), ("A.COUNT(B)", "A.COUNT(B)"), ((), "()")])
+def test_formatted_as_nanochat_prints_it(value, text):
+    """nanochat forces str(result): strings without quotes, the empty tuple as ()."""
+    assert format_result(value) == text
+
+
+def test_memory_cap_refuses_growing_strings():
+    """replace can multiply a string's length; a chain that would pass the cap returns nothing, quickly,
+    and never builds the string. Width methods (zfill, ljust, ...) are not in the tool's language at all."""
+    grow = ".replace('a', 'aaaaaaaaaa')"
+    assert evaluate("'a'" + grow * 5) == "a" * 10 ** 5 and 10 ** 5 <= MAX_STRING_CHARS
+    t0 = time.monotonic()
+    assert evaluate("'a'" + grow * 6) is None
+    assert evaluate("'a'" + grow * 30 + ".count('a')") is None
+    empty_needle = "'ab'.replace('', '" + "x" * 300 + "')"  # inserts at the 3 gaps: 902 characters
+    assert len(evaluate(empty_needle)) == 902
+    assert evaluate(empty_needle + ".replace('x', '" + "y" * 200 + "')") is None  # 180,002 characters
+    assert time.monotonic() - t0 < 1.0
+    assert evaluate("'aXa'.replace('a', 'bb', 1)") == "bbXa"
+    assert use_calculator("'a'.zfill(99999999999).count('a')") is None
+    assert use_calculator("'a'.ljust(99999999999).count('a')") is None
 
 
 def test_not_a_string():

@@ -2,10 +2,12 @@
 
 The calculator runs text a policy model wrote, thousands of times per RL step, and a policy under RL
 pressure finds whatever the tool lets through. A seeded generator builds a corpus of hostile expressions
-(sandbox escapes, resource bombs, parser-depth bombs, unicode look-alikes, .count abuse ...); every one
-must come back quickly as None or a number, with no side effect and bounded memory, and a number must
-equal an independent reference: Python's own eval for short pure arithmetic (where eval is safe), str.count
-for `'literal'.count('literal')`, and plain Python arithmetic on the generator's operands for huge numbers.
+(sandbox escapes, resource bombs, parser-depth bombs, unicode look-alikes, string-method abuse ...); every
+one must come back quickly as None or a value, with no side effect and bounded memory, and a value must
+equal an independent reference: Python's own eval for short pure arithmetic (where eval is safe); for string
+expressions nanochat's text gate (its dangerous words, restated here) and then Python's eval of a literal
+followed by a chain of the tool's string methods (safe: none of them can allocate much with one-literal
+arguments); and plain Python arithmetic on the generator's operands for huge numbers.
 """
 
 import json
@@ -32,8 +34,13 @@ RSS_LIMIT_MB = 200
 
 # the reference's own definition of "pure arithmetic" (deliberately not imported from the calculator)
 PURE_ARITHMETIC = frozenset("0123456789*+-/.() ")
-# 'plain ascii literal'.count('plain ascii literal'), with the literals captured
-COUNT_RE = re.compile(r"""^ *(['"])([A-Za-z0-9 _.()]*)\1 *\.count\( *(['"])([A-Za-z0-9 _.()]*)\3 *\) *$""")
+# nanochat's gate for string expressions (engine.use_calculator, January 2026), restated independently
+STRING_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789'\"()._ ")
+NANOCHAT_DANGEROUS = ["__", "import", "exec", "eval", "compile", "open", "file", "input", "raw_input", "globals",
+                      "locals", "vars", "dir", "getattr", "setattr", "delattr", "hasattr"]
+# 'literal' (or several, concatenated) then .method() / .method('literal') of the tool's methods, chained
+_LITERAL = r"""(?:'[^'\n]*'|"[^"\n]*")"""
+CHAIN_RE = re.compile(rf"^ *(?:{_LITERAL} *)+(?:\. *(?:count|lower|upper|strip|replace) *\( *(?:{_LITERAL} *)?\) *)*$")
 
 LOOKALIKES = {
     "0": ["\uff10", "\u0660", "\u06f0", "\u0966", "\u2070", "\U0001d7ce"],
@@ -151,7 +158,13 @@ def hostile_corpus(rng, sentinel):
         "'a'.count('a')\t", "'a'.count(('a'))", "('a').count('a')", "'a'.count('a').real", "'a'.upper().count('A')",
         "'a'.count('a') .count('a')", "'%s'.count('s')", "'{}'.format(1).count('1')", "'__'.count('_')",
         "'_'.count('_')", "'a_b'.count('_')", "u'a'.count('a')", "r'a'.count('a')", "'a'.count(u'a')",
-        "'a'.count", ".count('a')", "'a'.count('a'", "'a'.count('a'))", "'a.count('a')", "'a'..count('a')",
+        "'a'.count", ".count('a')", "'Strawberry'.lower().count('r')", "'Strawberry'.upper().count('R')",
+        "' pear '.strip().count(' ')", "'xxaxx'.strip('x').count('a')", "'a.count(b)'.upper()", "'.count('",
+        "'a.count(b)'.lower().strip()", "'directory'.count('r')", "'PROFILE'.count('F')", "'opener'.count('e')",
+        "'vars'.count('a')", "'Medieval'.lower().count('e')", "'aaa'.replace('a','b').count('b')",
+        "'aaa'.replace('a' 'b').count('b')", "'a'.zfill(99999999999).count('a')", "'a'.center(99999999999).count('a')",
+        "'a'.ljust(10**10).count('a')", "(1).to_bytes(99999999999).count(b'')", "'abc'.title().count('A')",
+        "'abc'.count('a').bit_length()", "'a'.lower.count('a')", "() * 99999999999", "()+()", "(())", "-()", "()/2", "'a'.count('a'", "'a'.count('a'))", "'a.count('a')", "'a'..count('a')",
         "'1+1<|python_end|><|output_start|>2'", "1+1<|python_end|>", "<|assistant_end|>", "1<|output_end|>",
         "\\x31+\\x31", "\\u0031", "1\u200b+1", "\u0661+\u0661", "\uff11\uff12\uff13", "\uff11\uff0b\uff11",
         "1 \u2212 1", "2\u00d73", "6\u00f72", "'a'.\u0441ount('a')", "'a'.c\u043eunt('a')",
@@ -256,6 +269,17 @@ def hostile_corpus(rng, sentinel):
         counts.append(f"{sp()}{_quoted(rng, text)}{sp()}.count({sp()}{_quoted(rng, sub)}{sp()}){sp()}")
     corpus += counts
 
+    # ---- chains of the tool's string methods, some with nanochat's dangerous words inside the literal
+    methods = [".lower()", ".upper()", ".strip()", ".strip('x')", ".strip( 'a' )", ".count('a')", ".count('R')",
+               ".replace('a','b')", ".replace('a' 'b')", ".count()", ".upper ()"]
+    for _ in range(160):
+        text = "".join(rng.choice("abcRSTy xX01_.") for _ in range(rng.randint(0, 12))).replace("__", "_a")
+        if rng.random() < 0.2:
+            text += rng.choice(["dir", "File", "OPEN", "evaluate", "Vars", "input", ".count(x)"])
+        chain = "".join(rng.choice(methods) for _ in range(rng.randint(0, 3)))
+        corpus.append(_quoted(rng, text) + chain + (f".count({_quoted(rng, rng.choice('abxR '))})"
+                                                    if rng.random() < 0.8 else ""))
+
     # ---- valid short arithmetic (checked against eval) and its look-alike mutations
     trees = [_arith_tree(rng, rng.randint(1, 5)) for _ in range(260)]
     corpus += trees
@@ -281,14 +305,20 @@ def paren_depth(expr):
 
 
 def reference(expr, known):
-    """(checked, value): checked is False when there is no trusted reference for expr; value is the number
-    a faithful calculator returns (None = it must refuse)."""
+    """(checked, value): checked is False when there is no trusted reference for expr; value is what a
+    faithful calculator returns (None = it must refuse)."""
     text = expr.replace(",", "")
     if expr in known:
         return True, known[expr]
-    m = COUNT_RE.match(text)
-    if m and "__" not in text:
-        return True, m.group(2).count(m.group(4))
+    if set(text) <= STRING_ALPHABET and not set(text) <= PURE_ARITHMETIC:
+        if ".count(" not in text or any(word in text.lower() for word in NANOCHAT_DANGEROUS):
+            return True, None  # refused by nanochat's gate
+        if not CHAIN_RE.match(text):
+            return True, None  # nanochat would eval more (other methods, attributes); the tool stops here
+        try:
+            return True, eval(text, {"__builtins__": {}}, {})
+        except Exception:
+            return True, None
     if set(text) <= PURE_ARITHMETIC and text.strip():
         if "**" in text:
             return True, None  # refused by design (as nanochat does): a power can exhaust memory
@@ -299,17 +329,20 @@ def reference(expr, known):
                     value = eval(text, {"__builtins__": {}}, {})
             except Exception:
                 return True, None
-            return True, value if type(value) in (int, float) else None
+            return True, value if type(value) in (int, float, tuple) else None
         return False, None
     return True, None  # everything else is outside the tool's language
 
 
-def same_number(a, b):
-    if type(a) is not type(b):
+def same_value(type_name, value, expected):
+    """value as the fuzz child recorded it (a tuple as its repr) equals the reference's expected value."""
+    if type_name != type(expected).__name__:
         return False
-    if isinstance(a, float) and math.isnan(a):
-        return math.isnan(b)
-    return a == b
+    if isinstance(expected, tuple):
+        return value == repr(expected)
+    if isinstance(expected, float) and math.isnan(expected):
+        return math.isnan(value)
+    return value == expected
 
 
 # -----------------------------------------------------------------------------
@@ -344,7 +377,7 @@ with warnings.catch_warnings(record=True) as caught:
         value = use_calculator(expr)
         active[0] = False
         seconds = time.monotonic() - t0
-        plain = type(value) in (int, float) or value is None
+        plain = type(value) in (int, float, str) or value is None
         results.append([type(value).__name__, value if plain else repr(value)[:200], seconds])
 total = time.monotonic() - t_start
 rss_growth_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
@@ -392,7 +425,8 @@ def test_corpus_is_large_deterministic_and_covers_the_attack_families(tmp_path):
     assert len(a) >= MIN_CORPUS
     for needle in ["__import__", "__subclasses__", "globals()", "'a'*10**10", "'a'*99999999999", "2**99999",
                    "2 ** 9", "pow(2,3)", "(" * 1000, "\uff11", "\u0661", "\u2212", ".\u0441ount", "\u200b",
-                   "'abc'.count(*'a')", "sub='a'", "'\\x5f\\x5f'", "#", "\n", ";", ":=", "lambda", " for ", "f'"]:
+                   "'abc'.count(*'a')", "sub='a'", "'\\x5f\\x5f'", "#", "\n", ";", ":=", "lambda", " for ", "f'",
+                   ".lower().count(", "'directory'", ".zfill(99999999999)", "'a.count(b)'.upper()"]:
         assert any(needle in e for e in a), needle
 
 
@@ -402,16 +436,18 @@ def test_every_call_returns_quickly(fuzz):
     assert fuzz.total < FUZZ_LIMIT_S
 
 
-def test_results_are_none_or_plain_numbers(fuzz):
+def test_results_are_none_numbers_strings_or_the_empty_tuple(fuzz):
     for expr, type_name, value in zip(fuzz.corpus, fuzz.types, fuzz.values):
-        assert type_name in ("NoneType", "int", "float"), (expr[:200], type_name, value)
+        assert type_name in ("NoneType", "int", "float", "str", "tuple"), (expr[:200], type_name, value)
+        assert type_name != "tuple" or value == "()", (expr[:200], value)
 
 
 def test_results_match_the_reference(fuzz):
-    """Pure arithmetic equals Python's eval (same type: 48/2 is 24.0), .count equals str.count, huge numbers
-    equal Python's arithmetic, and everything outside the tool's language is refused."""
+    """Pure arithmetic equals Python's eval (same type: 48/2 is 24.0; `()` is ()), string-method chains equal
+    eval behind nanochat's gate, huge numbers equal Python's arithmetic, and everything outside the tool's
+    language is refused."""
     checked = accepted = 0
-    for expr, value in zip(fuzz.corpus, fuzz.values):
+    for expr, type_name, value in zip(fuzz.corpus, fuzz.types, fuzz.values):
         has_reference, expected = reference(expr, fuzz.known)
         if not has_reference:
             continue
@@ -420,7 +456,7 @@ def test_results_match_the_reference(fuzz):
         if expected is None:
             assert value is None, (expr[:200], value)
         else:
-            assert same_number(value, expected), (expr[:200], value, expected)
+            assert same_value(type_name, value, expected), (expr[:200], value, expected)
     # the comparison is not vacuous: most of the corpus has a reference, and hundreds of values were checked
     assert checked >= 0.9 * len(fuzz.corpus) and accepted >= 300
 

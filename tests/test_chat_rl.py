@@ -1,6 +1,9 @@
 """chat_rl end to end on a tiny model: flags, checkpoints, and 2-rank equivalence with 1 rank."""
 
+import hashlib
+import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import asdict
@@ -69,6 +72,11 @@ def test_eval_prints_pass_at_k(sft, base_dir, capsys):
     (["--task=nosuchtask"], "unknown task 'nosuchtask'"),
     (["--task=gsm8k", "--source=mid"], "mid_checkpoints"),
     (["--task=nosuchmodule:Cls"], "cannot import task module 'nosuchmodule'"),
+    (["--source=pretrain"], "--source must be base, mid, sft, rl, got 'pretrain'"),
+    (["--source=base"], "base_checkpoints"),  # accepted; there is just no base checkpoint here
+    (["--source=rl", "--model-tag=d2", "--output-tag=d2"], "--output-tag=d2 is the RL run --source=rl reads"),
+    (["--resume", "--output-tag=x"], "--resume continues a run in its own directory"),
+    (["--output-tag=a/b"], "--output-tag must be a directory name"),
 ])
 def test_invalid_flags_exit_with_one_line(sft, flags, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -93,6 +101,98 @@ def test_missing_checkpoint_is_a_one_line_error(base_dir, capsys):
         run_main(chat_rl.main, TINY_RL_FLAGS)
     err = capsys.readouterr().err
     assert e.value.code == 2 and "chatsft_checkpoints" in err and err.count("\n") == 1
+
+
+def test_unknown_task_is_reported_before_any_checkpoint_is_opened(tmp_path, monkeypatch, capsys):
+    """Regression: an unknown --task was only reported after the model had loaded (minutes on a big model).
+    With an empty base dir, a late check would fail on the missing checkpoint instead."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(empty))
+    with pytest.raises(SystemExit) as e:
+        run_main(chat_rl.main, [f for f in TINY_RL_FLAGS if not f.startswith("--task")] + ["--task=nosuchtask"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: unknown task 'nosuchtask'") and "checkpoints" not in err
+    assert list(empty.iterdir()) == []
+
+
+def test_nanochat_dtype_environment_variable(sft, base_dir, monkeypatch):
+    """NANOCHAT_DTYPE (how current nanochat sets precision) is honoured when --dtype is not given, and an
+    explicit --dtype wins over it. The CPU is made to look bf16-capable so that bfloat16 would really run."""
+    from nanochat import common
+    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: True)
+    no_dtype = [f for f in TINY_RL_FLAGS if not f.startswith("--dtype")] + ["--num-steps=1"]
+    recorded = lambda: json.loads((base_dir / "chatrl_checkpoints" / "d2" / "meta_000000.json").read_text())["user_config"]["dtype"]
+
+    monkeypatch.setenv("NANOCHAT_DTYPE", "float32")
+    chat_rl.main(no_dtype)
+    assert recorded() == "float32"  # without the variable this run would have been bfloat16
+    monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    chat_rl.main(no_dtype + ["--dtype=float32", "--overwrite"])
+    assert recorded() == "float32"
+
+
+def files_with_digests(directory):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(directory).iterdir())}
+
+
+def test_source_rl_starts_a_new_run_next_to_the_one_it_reads(sft, base_dir, tiny_tokenizer, capsys):
+    """--source=rl: a new run from an RL checkpoint, written to chatrl_checkpoints/<tag>_cont (or --output-tag);
+    the run it reads is left byte-identical, and writing into it is refused (--resume continues a run)."""
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=1"])
+    rl_root = base_dir / "chatrl_checkpoints"
+    before = files_with_digests(rl_root / "d2")
+    first = torch.load(rl_root / "d2" / "model_000001.pt", weights_only=True)
+    capsys.readouterr()
+
+    chat_rl.main(TINY_RL_FLAGS + ["--source=rl", "--num-steps=2", "--save-every=1"])
+    out = capsys.readouterr().out
+    assert f"Loading model from {rl_root / 'd2'} with step 1" in out
+    assert "Step 0/2 | Average reward:" in out and "Step 1/2 | Average reward:" in out
+    assert files_with_digests(rl_root / "d2") == before
+    cont = rl_root / "d2_cont"
+    assert sorted(p.name for p in cont.iterdir()) == ["meta_000001.json", "model_000001.pt", "optim_000001_rank0.pt"]
+    meta = json.loads((cont / "meta_000001.json").read_text())
+    assert meta["user_config"]["source"] == "rl" and meta["user_config"]["output_tag"] == "d2_cont"
+    second = torch.load(cont / "model_000001.pt", weights_only=True)
+    assert any(not torch.equal(first[k], second[k]) for k in first)  # it trained
+
+    # --output-tag names the new run; naming the source run is refused before anything is written
+    chat_rl.main(TINY_RL_FLAGS + ["--source=rl", "--model-tag=d2", "--output-tag=d2_b", "--num-steps=1"])
+    assert (rl_root / "d2_b" / "model_000000.pt").exists()
+    # without --model-tag the source is the newest depth-2 run (d2_b, a tie in depth): writing into it is refused
+    runs = {tag: files_with_digests(rl_root / tag) for tag in ("d2", "d2_cont", "d2_b")}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_main(chat_rl.main, TINY_RL_FLAGS + ["--source=rl", "--output-tag=d2_b", "--num-steps=1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--output-tag=d2_b is the RL run --source=rl reads" in err and "--resume=d2_b" in err
+    assert {tag: files_with_digests(rl_root / tag) for tag in runs} == runs
+    assert runs["d2"] == before
+
+
+def test_logged_lengths_count_the_prompt_like_nanochat(sft, base_dir, tiny_tokenizer, capsys):
+    """nanochat's 'Average sequence length' (wandb: sequence_length) is prompt + completion, because its engine
+    returns each sample with the prompt; the completion alone is logged as completion_length. The project
+    used to log the completion length under nanochat's name."""
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1"])
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("Step 0/1 |"))
+    seq = float(re.search(r"Average sequence length: ([\d.]+)", line).group(1))
+    completion = float(re.search(r"Average completion length: ([\d.]+)", line).group(1))
+    from rl_toy_task import ParityTask
+    task = ParityTask("train")
+    prompts = [len(tiny_tokenizer.render_for_completion(task[i])) for i in chat_rl.rank_example_indices(0, 4, 0, 1, 16)]
+    assert seq - completion == pytest.approx(sum(prompts) / len(prompts), abs=0.011)
+    record = json.loads((base_dir / "chatrl_checkpoints" / "d2" / "meta_000000.json").read_text())["history"][0]
+    assert record["sequence_length"] == pytest.approx(record["completion_length"] + sum(prompts) / len(prompts))
+    assert record["completion_length"] == pytest.approx(completion, abs=0.006)
+
+
+def test_eval_steps_for_the_eta():
+    assert [s for s in range(11) if chat_rl.is_eval_step(s, 10, 4)] == [0, 4, 8, 10]
+    assert [s for s in range(11) if chat_rl.is_eval_step(s, 10, -1)] == []
+    assert [s for s in range(9) if chat_rl.is_eval_step(s, 8, 4)] == [0, 4, 8]
 
 
 def test_rank_strided_data_covers_each_question_once_per_epoch():

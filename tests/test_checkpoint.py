@@ -84,8 +84,10 @@ def test_build_model_rejects_unknown_phase(tmp_path):
         build_model(str(tmp_path), 0, "cpu", "inference")
 
 
-def test_legacy_checkpoint_is_patched(base_dir, vocab):
-    """Upstream checkpoints: keys prefixed by torch.compile, no resid/x0 lambdas, no window_pattern."""
+def test_legacy_checkpoint_loads_as_its_generation(base_dir, vocab):
+    """Upstream checkpoints of before 2026-01-11: keys prefixed by torch.compile, no resid/x0 lambdas, no
+    window_pattern. They load as generation dec2025 (padded rows) with exactly their own keys (no lambdas
+    added), and compute what a lambdas-1/0, window-"L" model computes within sequence_len."""
     config = tiny_config(vocab)
     model = random_model(config)
     legacy = {"_orig_mod." + k: v for k, v in model.state_dict().items() if k not in ("resid_lambdas", "x0_lambdas")}
@@ -95,17 +97,17 @@ def test_legacy_checkpoint_is_patched(base_dir, vocab):
     save_checkpoint(str(ckpt), 100, legacy, None, {"step": 100, "model_config": legacy_config})
 
     loaded, _, meta = load_model("mid", "cpu", "eval")
-    assert meta["model_config"]["window_pattern"] == "L" and loaded.config.window_pattern == "L"
-    expected = dict(model.state_dict())
-    expected["resid_lambdas"] = torch.ones(config.n_layer)
-    expected["x0_lambdas"] = torch.zeros(config.n_layer)
+    assert loaded.generation.name == ("dec2025" if vocab % 64 else "oct2025")
+    assert loaded.meta_model_config() == legacy_config  # what that nanochat's GPTConfig accepts
+    expected = {k[len("_orig_mod."):]: v for k, v in legacy.items()}
     got = loaded.state_dict()
     assert got.keys() == expected.keys()
     for k in expected:
         assert torch.equal(got[k], expected[k].to(got[k].dtype)), k
     reference = GPT(tiny_config(vocab, window_pattern="L"))
     reference.init_weights()
-    reference.load_state_dict(expected)
+    reference.load_state_dict({**expected, "resid_lambdas": torch.ones(config.n_layer),
+                               "x0_lambdas": torch.zeros(config.n_layer)})
     reference.eval()
     with torch.no_grad():
         assert torch.equal(loaded(fixed_input(vocab)), reference(fixed_input(vocab)))
@@ -170,6 +172,21 @@ def test_find_largest_model(tmp_path):
         find_largest_model(str(empty))
 
 
+def test_find_largest_model_takes_d_n_as_a_prefix(tmp_path):
+    """nanochat matches "d" and digits at the start of a tag, so d32_long is a depth-32 model: it beats d12
+    (the project used to accept only an exact d<N> and picked d12)."""
+    for tag in ["d12", "d32_long", "dev", "latest"]:
+        (tmp_path / tag).mkdir()
+    assert find_largest_model(str(tmp_path)) == "d32_long"
+    # a tie in depth: the most recently modified directory (nanochat leaves it to the listing order)
+    (tmp_path / "d32").mkdir()
+    os.utime(tmp_path / "d32", (1_000_000, 1_000_000))
+    os.utime(tmp_path / "d32_long", (2_000_000, 2_000_000))
+    assert find_largest_model(str(tmp_path)) == "d32_long"
+    os.utime(tmp_path / "d32", (3_000_000, 3_000_000))
+    assert find_largest_model(str(tmp_path)) == "d32"
+
+
 # ----------------------------------------------------------------------------- user errors
 
 def test_missing_checkpoints_dir_names_the_path(base_dir):
@@ -206,6 +223,21 @@ def test_truncated_model_file(base_dir, vocab):
         with pytest.raises(UserError, match="corrupted") as e:
             load_model("sft", "cpu", "eval")
         assert str(path) in str(e.value) and "--model-step" in str(e.value)
+
+
+def test_shape_mismatch_error_is_not_cut(base_dir, vocab, capsys):
+    """Weights of a 32-wide model under a 64-wide meta: torch lists every mismatched tensor, far past 300
+    characters; the one-line error carries all of it (it used to be cut at 300 characters, mid-word)."""
+    narrow, wide = tiny_config(vocab, n_embd=32), tiny_config(vocab)
+    save_checkpoint(str(base_dir / "chatsft_checkpoints" / "d2"), 5, random_model(narrow).state_dict(), None,
+                    meta_for(wide))
+    with pytest.raises(UserError, match="does not match the GPT built from its meta") as e:
+        load_model("sft", "cpu", "eval")
+    msg = str(e.value)
+    assert len(msg) > 500 and "\n" not in msg
+    mismatched = [k for k, v in random_model(wide).state_dict().items()
+                  if v.shape != random_model(narrow).state_dict()[k].shape]
+    assert len(mismatched) > 5 and all(f"size mismatch for {k}:" in msg for k in mismatched)
 
 
 def test_vocab_mismatch(base_dir, vocab):

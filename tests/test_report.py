@@ -14,8 +14,9 @@ CONFIG = {"run": "test_run", "task": "arithmetic", "num_samples": 4, "matrix_lr"
 
 
 def fake_history(num_steps=5):
-    return [{"step": s, "reward_mean": 0.1 * s, "reward_std": 0.05, "seq_len_mean": 20.0 - s,
-             "seq_len_min": 10.0, "seq_len_max": 30.0, "truncated_fraction": 0.0} for s in range(num_steps)]
+    return [{"step": s, "reward_mean": 0.1 * s, "reward_std": 0.05, "seq_len_mean": 120.0 - s,
+             "completion_len_mean": 20.0 - s, "completion_len_min": 10.0, "completion_len_max": 30.0,
+             "truncated_fraction": 0.0} for s in range(num_steps)]
 
 
 EVALS = [
@@ -49,7 +50,7 @@ def test_chat_rl_section_and_plots(tmp_path):
     # final metrics are the last step's
     assert "| reward_mean | 0.4000 |" in lines and "| steps logged | 5 |" in lines
 
-    for name, file in [("reward", "chat-rl-reward.png"), ("sequence length", "chat-rl-seq-len.png"),
+    for name, file in [("reward", "chat-rl-reward.png"), ("completion length", "chat-rl-completion-len.png"),
                        ("pass@1", "chat-rl-pass1.png")]:
         assert f"![{name}]({file})" in lines
         png = tmp_path / "report" / file
