@@ -160,6 +160,19 @@ def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data,
         raise
 
 
+def update_meta(checkpoint_dir, step, meta_data):
+    """Replace the meta json of a saved step (rank 0 only), atomically: e.g. to add the eval that ran after the
+    step's model was saved. Disk errors raise UserError, as in save_checkpoint."""
+    meta_bytes = json.dumps(meta_data, indent=2).encode("utf-8")
+    path = meta_path(checkpoint_dir, step)
+    try:
+        tmp = _stage(path, lambda f: f.write(meta_bytes))
+        os.replace(tmp, path)
+    except OSError as e:
+        _remove_if_exists(_temp_path(path))
+        raise _write_error(checkpoint_dir, os.path.basename(path), e) from e
+
+
 # -----------------------------------------------------------------------------
 # loading
 

@@ -8,9 +8,12 @@ token ids in, token ids and masks out.
 from collections import deque
 from dataclasses import dataclass, field
 
+import math
+
 import torch
 
 from nanochat.calculator import format_result, use_calculator
+from nanochat.gpt import attend, sequence_masks, window_mask
 
 
 class KVCache:
@@ -66,6 +69,29 @@ class KVCache:
     def advance(self, num_tokens):
         self.pos += num_tokens
 
+    def next_positions(self):
+        """(B,) the absolute position each row's next token takes."""
+        return self.pos.clone()
+
+    def prepare_decode_step(self, rows):
+        """Before a single-token step of the first `rows` rows: the key/value positions its attention reads
+        per layer (every row's keys 0..Tk-1)."""
+        return rows * (int(self.pos[:rows].max()) + 1)
+
+    def attention_plan(self, T, windows, max_positions):
+        """For a forward of T tokens per row: their positions (B, T), the mask of each window over the keys
+        0..Tk-1 every layer attends to, and the attention context (writes the new keys, reads the row's)."""
+        Tk = int(self.pos.max()) + T  # the forward's one host sync: keys 0..Tk-1 cover every row
+        if Tk > self.max_seq_len or Tk > max_positions:
+            raise ValueError(f"KV cache overflow: {Tk} positions needed, the cache holds {self.max_seq_len} "
+                             f"and the rotary tables {max_positions}")
+        positions = self.pos[:, None] + torch.arange(T, device=self.pos.device)  # (B, T)
+        if Tk == T:  # every row starts at 0 (a prefill): the uncached masks apply, causal kernels included
+            masks = sequence_masks(T, windows, self.pos.device)
+        else:
+            masks = {w: window_mask(positions, Tk, w)[:, None] for w in set(windows)}  # (B, 1, T, Tk)
+        return positions, masks, _CacheAttention(self, positions, Tk)
+
     def rows(self, start, stop):
         """A cache over rows [start, stop) that shares storage with this one (writes land here)."""
         view = KVCache.__new__(KVCache)
@@ -89,6 +115,205 @@ class KVCache:
         self.pos[start:stop] = prompt_cache.pos[0]
         if self.prev_embedding is not None:
             self.prev_embedding[start:stop] = prompt_cache.prev_embedding[0:1]
+
+
+class _CacheAttention:
+    """A KV-cached forward's attention: each layer stores its new keys/values at the rows' positions and
+    attends to the rows' cached keys 0..Tk-1 (the masks hide what a row does not have)."""
+
+    def __init__(self, cache, positions, Tk):
+        self.cache, self.positions, self.Tk = cache, positions, Tk  # positions: (B, T)
+        self.rows = torch.arange(positions.size(0), device=positions.device)[:, None]  # (B, 1)
+
+    def attend(self, layer_idx, q, k, v, mask):
+        k_store, v_store = self.cache.k[layer_idx], self.cache.v[layer_idx]  # (B, T_max, Hkv, D)
+        k_store[self.rows, self.positions] = k.to(k_store.dtype)
+        v_store[self.rows, self.positions] = v.to(v_store.dtype)
+        # attend in q's dtype: no copy when the cache has it
+        return attend(q, k_store[:, :self.Tk].to(q.dtype), v_store[:, :self.Tk].to(q.dtype), mask)
+
+
+class SharedPromptKVCache:
+    """The KV cache of batched decoding when rows share prompts: each prompt's keys/values are stored once,
+    in a pool slot, and each row stores only its own completion (its suffix).
+
+    pool_k, pool_v: (n_layer, slots, n_kv_head, prompt_cap, head_dim); pool_len: (slots,) prompt lengths
+    k, v:           (n_layer, B, n_kv_head, capacity, head_dim);     pos: (B,) suffix tokens cached
+                    capacity grows on demand (doubling, up to suffix_cap), so rows that end early never pay
+                    for max_tokens positions
+    slot, sample:   (B,) the row's prompt slot and its index among that prompt's rows
+    prev_embedding: (B, 1, embed_dim) or None, as in KVCache
+
+    Only single-token decode steps run on it (prompts are prefilled into a one-row KVCache, then stored
+    with `store_prompt`). A row's query at absolute position p = prompt length + pos attends to its prompt's
+    keys and to its own suffix; both score sets go through one softmax, so the result is attention over the
+    concatenation, exactly. The prompt's scores are computed per slot for all its rows at once: the prompt's
+    keys and values are read once per step and layer, not once per row.
+    """
+
+    def __init__(self, batch_size, slots, prompt_cap, suffix_cap, num_heads, head_dim, num_layers, device="cpu",
+                 dtype=torch.float32, rows_per_slot=1, embed_dim=None, embed_dtype=torch.float32):
+        self.pool_k = torch.zeros(num_layers, slots, num_heads, prompt_cap, head_dim, device=device, dtype=dtype)
+        self.pool_v = torch.zeros_like(self.pool_k)
+        self.pool_len = torch.zeros(slots, dtype=torch.long, device=device)
+        self.suffix_cap = suffix_cap
+        capacity = min(suffix_cap, self.INITIAL_SUFFIX_CAPACITY)
+        self.k = torch.zeros(num_layers, batch_size, num_heads, capacity, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.slot = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.sample = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.rows_per_slot = rows_per_slot  # the largest sample index + 1 (num_samples)
+        self.prev_embedding = (None if embed_dim is None else
+                               torch.zeros(batch_size, 1, embed_dim, device=device, dtype=embed_dtype))
+
+    INITIAL_SUFFIX_CAPACITY = 64
+
+    def ensure_suffix_capacity(self, needed):
+        """Make room for `needed` suffix positions per row (grows by doubling; entries past a row's position
+        stay zero, so masked keys are finite)."""
+        capacity = self.k.size(3)
+        if needed <= capacity:
+            return
+        if needed > self.suffix_cap:
+            raise ValueError(f"KV cache overflow: {needed} completion positions needed, the cache holds {self.suffix_cap}")
+        grown = min(self.suffix_cap, max(needed, 2 * capacity))
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:3], grown, old.size(4))
+            new[:, :, :, :capacity] = old
+            setattr(self, name, new)
+
+    @classmethod
+    def for_model(cls, model, batch_size, slots, prompt_cap, suffix_cap, rows_per_slot, dtype=None):
+        cfg, param_dtype = model.config, next(model.parameters()).dtype
+        smear = getattr(getattr(model, "generation", None), "smear", False)
+        return cls(batch_size, slots, prompt_cap, suffix_cap, cfg.n_kv_head, cfg.n_embd // cfg.n_head, cfg.n_layer,
+                   device=model.get_device(), dtype=dtype or param_dtype, rows_per_slot=rows_per_slot,
+                   embed_dim=cfg.n_embd if smear else None, embed_dtype=param_dtype)
+
+    @staticmethod
+    def bytes_per_token(model, dtype):
+        cfg = model.config
+        return 2 * cfg.n_layer * cfg.n_kv_head * (cfg.n_embd // cfg.n_head) * torch.tensor([], dtype=dtype).element_size()
+
+    @property
+    def batch_size(self):
+        return self.k.size(1)
+
+    def store_prompt(self, slot, prompt_cache):
+        """Pool slot `slot` holds the single row of `prompt_cache` (a prefilled KVCache) from now on."""
+        length = int(prompt_cache.pos[0])
+        if length > self.pool_k.size(3):
+            raise ValueError(f"prompt of {length} tokens does not fit the pool's {self.pool_k.size(3)} positions")
+        self.pool_k[:, slot, :, :length] = prompt_cache.k[:, 0, :length].transpose(1, 2)
+        self.pool_v[:, slot, :, :length] = prompt_cache.v[:, 0, :length].transpose(1, 2)
+        self.pool_len[slot] = length
+
+    def admit_rows(self, start, stop, slot, first_sample, prompt_cache):
+        """Rows [start, stop) begin as samples first_sample.. of the prompt in `slot` (stored from prompt_cache)."""
+        self.pos[start:stop] = 0
+        self.slot[start:stop] = slot
+        self.sample[start:stop] = torch.arange(first_sample, first_sample + stop - start, device=self.pos.device)
+        if self.prev_embedding is not None:
+            self.prev_embedding[start:stop] = prompt_cache.prev_embedding[0:1]
+
+    def copy_rows(self, dst, src):
+        """Row dst[i] becomes a copy of row src[i]. dst, src: (N,) long."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+        for t in (self.pos, self.slot, self.sample):
+            t[dst] = t[src]
+        if self.prev_embedding is not None:
+            self.prev_embedding[dst] = self.prev_embedding[src]
+
+    def rows(self, start, stop):
+        """A cache over rows [start, stop) sharing this one's storage and pool (start must be 0: the active
+        rows are a dense prefix)."""
+        if start != 0:
+            raise ValueError("SharedPromptKVCache.rows takes a prefix of the rows (start=0)")
+        view = SharedPromptKVCache.__new__(SharedPromptKVCache)
+        view.__dict__.update(self.__dict__)
+        view.k, view.v = self.k[:, :stop], self.v[:, :stop]
+        view.pos, view.slot, view.sample = self.pos[:stop], self.slot[:stop], self.sample[:stop]
+        view.suffix_cap = self.k.size(3)  # a view cannot grow: the base cache grows before views are taken
+        view.prev_embedding = None if self.prev_embedding is None else self.prev_embedding[:stop]
+        return view
+
+    def advance(self, num_tokens):
+        self.pos += num_tokens
+
+    def next_positions(self):
+        """(B,) the absolute position each row's next token takes: its prompt's length plus its completion's."""
+        return self.pool_len[self.slot] + self.pos
+
+    def prepare_decode_step(self, rows):
+        """Before a single-token step of the first `rows` rows: grow the suffix storage to hold it, and return
+        the key/value positions its attention reads per layer (each pool slot's prompt once, and every row's
+        completion so far)."""
+        suffix = int(self.pos[:rows].max()) + 1
+        self.ensure_suffix_capacity(suffix)
+        return self.pool_k.size(1) * self.pool_k.size(3) + rows * suffix
+
+    def attention_plan(self, T, windows, max_positions):
+        if T != 1:
+            raise ValueError(f"SharedPromptKVCache runs single-token decode steps only, got {T} tokens per row")
+        suffix_keys = int(self.pos.max()) + 1
+        positions = self.next_positions()  # (B,)
+        if suffix_keys > self.k.size(3) or int(positions.max()) >= max_positions:
+            raise ValueError(f"KV cache overflow: {suffix_keys} completion positions needed, the cache holds "
+                             f"{self.k.size(3)}; or position {int(positions.max())} is past the rotary tables")
+        return positions[:, None], {w: w for w in set(windows)}, _SharedPromptAttention(self, positions, suffix_keys)
+
+
+class _SharedPromptAttention:
+    """One decode step over a SharedPromptKVCache (see there); `mask` is the layer's window."""
+
+    def __init__(self, cache, positions, suffix_keys):
+        self.cache, self.positions, self.S = cache, positions, suffix_keys
+        device = positions.device
+        B = positions.size(0)
+        self.row_index = torch.arange(B, device=device)
+        prompt_len = cache.pool_len[cache.slot]  # (B,)
+        self.prompt_keys = torch.arange(cache.pool_k.size(3), device=device)  # (Lp,)
+        self.prompt_len, self.suffix_pos = prompt_len, cache.pos
+        self.suffix_keys = torch.arange(suffix_keys, device=device)  # (S,)
+
+    def attend(self, layer_idx, q, k, v, window):
+        c = self.cache
+        B, _, H, D = q.shape  # (B, 1, H, D)
+        Hkv = k.size(2)
+        rep = H // Hkv
+        # store this step's key/value in each row's suffix
+        c.k[layer_idx][self.row_index, :, self.suffix_pos] = k[:, 0].to(c.k.dtype)
+        c.v[layer_idx][self.row_index, :, self.suffix_pos] = v[:, 0].to(c.v.dtype)
+        q = q[:, 0].reshape(B, Hkv, rep, D)
+        scale = 1.0 / math.sqrt(D)
+        # prompt part: the queries of each slot's rows laid out as (slot, kv head, sample, rep) -> one matmul per
+        # slot and kv head reads that prompt's keys once
+        slots, G = c.pool_k.size(1), c.rows_per_slot
+        grid = q.new_zeros(slots, Hkv, G, rep, D)
+        grid[c.slot, :, c.sample] = q
+        pool_k, pool_v = c.pool_k[layer_idx].to(q.dtype), c.pool_v[layer_idx].to(q.dtype)  # (slots, Hkv, Lp, D)
+        prompt_scores = (grid.view(slots, Hkv, G * rep, D) @ pool_k.transpose(-1, -2)).view(slots, Hkv, G, rep, -1)
+        prompt_scores = prompt_scores[c.slot, :, c.sample].float() * scale  # (B, Hkv, rep, Lp)
+        query_pos = self.positions[:, None]  # (B, 1)
+        prompt_visible = (self.prompt_keys < self.prompt_len[:, None]) & (query_pos - self.prompt_keys <= window)
+        # own part: the row's completion so far, this step's token included
+        suffix_k = c.k[layer_idx][:, :, :self.S].to(q.dtype)  # (B, Hkv, S, D)
+        suffix_v = c.v[layer_idx][:, :, :self.S].to(q.dtype)
+        suffix_scores = (q @ suffix_k.transpose(-1, -2)).float() * scale  # (B, Hkv, rep, S)
+        delta = self.suffix_pos[:, None] - self.suffix_keys  # (B, S)
+        suffix_visible = (delta >= 0) & (delta <= window)
+        scores = torch.cat([prompt_scores.masked_fill(~prompt_visible[:, None, None], float("-inf")),
+                            suffix_scores.masked_fill(~suffix_visible[:, None, None], float("-inf"))], dim=-1)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)  # one softmax over prompt and completion keys
+        Lp = pool_k.size(2)
+        prompt_probs = q.new_zeros(slots, Hkv, G, rep, Lp)
+        prompt_probs[c.slot, :, c.sample] = probs[..., :Lp]
+        prompt_out = (prompt_probs.view(slots, Hkv, G * rep, Lp) @ pool_v).view(slots, Hkv, G, rep, D)
+        y = prompt_out[c.slot, :, c.sample] + probs[..., Lp:] @ suffix_v  # (B, Hkv, rep, D)
+        return y.reshape(B, H, 1, D)
 
 
 # -----------------------------------------------------------------------------
@@ -189,6 +414,7 @@ class RolloutStats:
     decode_forwards: int = 0
     row_steps: int = 0          # sum over decode forwards of the rows in the batch
     max_batch_rows: int = 0
+    kv_positions_read: int = 0  # cached key/value positions the decode steps' attention read, per layer
 
 
 class Engine:
@@ -196,17 +422,20 @@ class Engine:
 
     `generate`/`generate_batch` are nanochat's one-prompt API. `generate_many` is the batched rollout API:
     many prompts, `num_samples` rows each, decoded together in one KV-cached batch of at most `max_rows`
-    rows; each prompt is prefilled once and its cache copied to its rows; finished rows leave the batch at
-    once and waiting rows take their place. Row r of a prompt with seed s samples with its own stream
-    row_seed(s, r), so its output does not depend on the batch it shares.
+    rows; each prompt is prefilled once; finished rows leave the batch at once and waiting rows take their
+    place. With share_prompts (the default) a prompt's keys and values are stored once for all its rows
+    (SharedPromptKVCache: more rows fit, fewer bytes read per token); without, each row holds a copy, as
+    nanochat does. Row r of a prompt with seed s samples with its own stream row_seed(s, r), so its output
+    does not depend on the batch it shares.
     """
 
-    def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0):
+    def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True):
         self.model = model
         self.tokenizer = tokenizer
         self.special = _SpecialIds(tokenizer)
         self.max_rows = max_rows
         self.memory_budget_gb = memory_budget_gb
+        self.share_prompts = share_prompts
         self.last_stats = RolloutStats()
 
     # -- nanochat's API ------------------------------------------------------------
@@ -246,12 +475,20 @@ class Engine:
                 progress(len(events))
         return results
 
-    def rows_for_budget(self, max_seq_len, dtype):
-        """How many rows' KV cache fit in the memory budget."""
-        cfg = self.model.config
-        head_dim = cfg.n_embd // cfg.n_head
-        bytes_per_row = 2 * cfg.n_layer * max_seq_len * cfg.n_kv_head * head_dim * torch.tensor([], dtype=dtype).element_size()
-        return max(1, int(self.memory_budget_gb * (1 << 30) // bytes_per_row))
+    def rows_for_budget(self, prompt_len, max_tokens, dtype, num_samples=1):
+        """How many rows' KV cache fit in the memory budget: prompt + completion per row, or with shared
+        prompts a completion per row plus the prompt pool (about 2 prompts per num_samples rows, see _decode)."""
+        per_token = SharedPromptKVCache.bytes_per_token(self.model, dtype)
+        budget_tokens = self.memory_budget_gb * (1 << 30) / per_token
+        if not self.share_prompts:
+            return max(1, int(budget_tokens // (prompt_len + max_tokens)))
+        return max(1, int((budget_tokens - prompt_len) // (max_tokens + 2 * prompt_len / num_samples)))
+
+    @staticmethod
+    def prompt_slots(rows, num_samples, num_prompts):
+        """Prompts held at once with shared prompts: the ones the rows are on, plus room for prompts whose
+        last rows are still running while the next ones start."""
+        return max(1, min(num_prompts, 2 * math.ceil(rows / num_samples) + 1))
 
     def _cache_dtype(self, device):
         if torch.is_autocast_enabled(device.type):
@@ -274,12 +511,17 @@ class Engine:
         longest = max(len(p) for p in prompts)
         if max_tokens is None:
             max_tokens = max(1, cfg.sequence_len - longest)
-        seq_cap = longest + max_tokens
         dtype = self._cache_dtype(device)
         total_rows = len(prompts) * num_samples
-        cap = max_rows or self.max_rows or self.rows_for_budget(seq_cap, dtype)
+        cap = max_rows or self.max_rows or self.rows_for_budget(longest, max_tokens, dtype, num_samples)
         B = max(1, min(cap, total_rows))
-        cache = KVCache.for_model(model, B, seq_cap, dtype)
+        if self.share_prompts:
+            pool_slots = self.prompt_slots(B, num_samples, len(prompts))
+            cache = SharedPromptKVCache.for_model(model, B, pool_slots, longest, max_tokens, num_samples, dtype)
+            free_prompt_slots = deque(range(pool_slots))
+        else:
+            cache = KVCache.for_model(model, B, longest + max_tokens, dtype)
+        prompt_slot, rows_alive, fully_admitted = {}, [0] * len(prompts), [False] * len(prompts)
         stats = self.last_stats = RolloutStats()
 
         slots = []                                            # slot i holds slots[i]: _Row; slots are a dense prefix
@@ -331,6 +573,10 @@ class Engine:
             """Remove finished rows, keeping the active rows a dense prefix: move the last row into each hole."""
             for i in sorted(finished_slots, reverse=True):
                 done_rows.append(slots[i])
+                request = slots[i].request
+                rows_alive[request] -= 1
+                if self.share_prompts and rows_alive[request] == 0 and fully_admitted[request]:
+                    free_prompt_slots.append(prompt_slot.pop(request))  # its prompt's keys are no longer read
                 last = len(slots) - 1
                 if i != last:
                     src, dst = torch.tensor([last], device=device), torch.tensor([i], device=device)
@@ -347,17 +593,27 @@ class Engine:
             events = []
             while len(slots) < B and (pending is not None or waiting):
                 if pending is None:
+                    if self.share_prompts and not free_prompt_slots:
+                        break  # every pool slot holds a prompt whose rows still run: wait for one to finish
                     request = waiting.popleft()
                     prompt = prompts[request]
                     pcache = KVCache.for_model(model, 1, len(prompt), dtype)
                     ids = torch.tensor([prompt], dtype=torch.long, device=device)
                     logits = model(ids, kv_cache=pcache)[:, -1, :]  # (1, V)
                     stats.prefill_tokens += len(prompt)
+                    if self.share_prompts:
+                        prompt_slot[request] = free_prompt_slots.popleft()
+                        cache.store_prompt(prompt_slot[request], pcache)
                     pending = (request, pcache, logits, 0)
                 request, pcache, logits, first = pending
                 take = min(B - len(slots), num_samples - first)
                 lo, hi = len(slots), len(slots) + take
-                cache.fill_rows_from(lo, hi, pcache)
+                rows_alive[request] += take
+                fully_admitted[request] = first + take == num_samples
+                if self.share_prompts:
+                    cache.admit_rows(lo, hi, prompt_slot[request], first, pcache)
+                else:
+                    cache.fill_rows_from(lo, hi, pcache)
                 seeds_list = [row_seed(seeds[request] & _M32, s) for s in range(first, first + take)]
                 slot_seeds[lo:hi] = torch.tensor(seeds_list, dtype=torch.long, device=device)
                 slot_steps[lo:hi] = 0
@@ -372,6 +628,7 @@ class Engine:
 
         def decode_step():
             n = len(slots)
+            stats.kv_positions_read += cache.prepare_decode_step(n)
             logits = model(next_input[:n, None], kv_cache=cache.rows(0, n))[:, -1, :]  # (n, V)
             stats.decode_forwards += 1
             stats.row_steps += n
@@ -392,3 +649,38 @@ class Engine:
             if not slots and not waiting and pending is None:
                 break
             events = (decode_step() if slots else []) + admit()
+
+
+def fastest_decode_dtype(model, candidates, rows=16, context=64, steps=3):
+    """Of `candidates` (torch dtypes), the one in which a batched decode step of `model` runs fastest on its
+    device: `rows` rows over `context` cached tokens, the best of `steps` timed steps after a warm-up each.
+    bf16 is not faster everywhere: on CPUs with AVX512-BF16 but no AMX, small decode matmuls in bf16 lose to
+    fp32 (measured), while training matmuls gain. One candidate is returned as is, without timing."""
+    import time
+
+    from nanochat.common import autocast_context
+    if len(candidates) == 1:
+        return candidates[0]
+    device = model.get_device()
+    context = min(context, model.config.sequence_len - steps - 2)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (rows, context), generator=gen).to(device)
+    best = {}
+    with torch.no_grad():
+        for dtype in candidates:
+            with autocast_context(device, dtype):
+                cache = KVCache.for_model(model, rows, context + steps + 1, dtype)
+                model(prompt, kv_cache=cache)
+                token = prompt[:, -1:]
+                model(token, kv_cache=cache)  # warm-up
+                times = []
+                for _ in range(steps):
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    t0 = time.perf_counter()
+                    model(token, kv_cache=cache)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    times.append(time.perf_counter() - t0)
+            best[dtype] = min(times)
+    return min(candidates, key=lambda d: best[d])

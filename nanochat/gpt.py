@@ -136,9 +136,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, ve, rope, mask, context):
         """x: (B, T, C); ve: None or this layer's value embeddings (B, T, n_kv_head * head_dim); rope: (cos,
-        sin); mask: None = causal, else bool (T, Tk) or (B, 1, T, Tk), True = visible; context: None, or an
-        object whose keys_values(layer_idx, k, v) returns the keys/values (B, Tk, Hkv, D) to attend to,
-        these included (a KV cache, or a prompt shared by every row)."""
+        sin); mask: what `attend` takes (None = causal, or a bool mask), or whatever the context understands;
+        context: None, or an object whose attend(layer_idx, q, k, v, mask) computes the attention of these
+        queries over the keys it holds and these (a KV cache, or a prompt shared by every row)."""
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
@@ -152,27 +152,16 @@ class CausalSelfAttention(nn.Module):
         if self.qk_scale != 1.0:  # scaled separately, as nanochat does, so the rounding matches
             q, k = q * self.qk_scale, k * self.qk_scale
         q, k = q.to(v.dtype), k.to(v.dtype)
-        if context is not None:
-            k, v = context.keys_values(self.layer_idx, k, v)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, D)
+        y = attend(q, k, v, mask) if context is None else context.attend(self.layer_idx, q, k, v, mask)  # (B, H, T, D)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
-class _CachedKeys:
-    """A KV-cached forward's attention context: each layer stores its new keys/values at the rows'
-    positions and attends to the rows' cached keys 0..Tk-1 (masks hide what a row does not have)."""
-
-    def __init__(self, kv_cache, positions, Tk):
-        self.kv_cache, self.positions, self.Tk = kv_cache, positions, Tk  # positions: (B, T)
-        self.rows = torch.arange(positions.size(0), device=positions.device)[:, None]  # (B, 1)
-
-    def keys_values(self, layer_idx, k, v):
-        k_store, v_store = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]  # (B, T_max, Hkv, D)
-        k_store[self.rows, self.positions] = k.to(k_store.dtype)
-        v_store[self.rows, self.positions] = v.to(v_store.dtype)
-        return k_store[:, :self.Tk].to(k.dtype), v_store[:, :self.Tk].to(v.dtype)  # no copy if same dtype
+def attend(q, k, v, mask):
+    """Scaled dot-product attention. q: (B, T, H, D); k, v: (B, Tk, Hkv, D) with H a multiple of Hkv (GQA);
+    mask: None = causal over T == Tk, else bool broadcastable to (B, H, T, Tk), True = visible.
+    Returns (B, H, T, D)."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                          is_causal=mask is None, enable_gqa=k.size(2) != q.size(2))
 
 
 class _SharedPrefixKeys:
@@ -183,13 +172,14 @@ class _SharedPrefixKeys:
     def __init__(self):
         self.k, self.v, self.recording = {}, {}, True
 
-    def keys_values(self, layer_idx, k, v):
+    def attend(self, layer_idx, q, k, v, mask):
         if self.recording:
             self.k[layer_idx], self.v[layer_idx] = k, v
-            return k, v
+            return attend(q, k, v, mask)
         B = k.size(0)
-        return (torch.cat([self.k[layer_idx].expand(B, -1, -1, -1), k], dim=1),
-                torch.cat([self.v[layer_idx].expand(B, -1, -1, -1), v], dim=1))
+        k = torch.cat([self.k[layer_idx].expand(B, -1, -1, -1), k], dim=1)
+        v = torch.cat([self.v[layer_idx].expand(B, -1, -1, -1), v], dim=1)
+        return attend(q, k, v, mask)
 
 
 class MLP(nn.Module):
@@ -213,10 +203,16 @@ class Block(nn.Module):
         return x + self.mlp(norm(x))
 
 
-def _window_mask(query_pos, num_keys, window):
+def window_mask(query_pos, num_keys, window):
     """query_pos: (..., T) int64 -> bool (..., T, num_keys): key j visible iff 0 <= p - j <= window."""
     delta = query_pos[..., :, None] - torch.arange(num_keys, device=query_pos.device)
     return (delta >= 0) & (delta <= window)
+
+
+def sequence_masks(T, windows, device):
+    """Masks for a sequence at positions 0..T-1, per window: None (plain causal, the fast kernel) when the
+    window reaches back to position 0 from every query, else bool (T, T)."""
+    return {w: None if w >= T - 1 else window_mask(torch.arange(T, device=device), T, w) for w in set(windows)}
 
 
 class GPT(nn.Module):
@@ -390,23 +386,16 @@ class GPT(nn.Module):
         if kv_cache is None:
             if T > self.rotary_len:
                 raise ValueError(f"sequence of {T} tokens is longer than the rotary tables ({self.rotary_len} positions)")
-            return self._trunk(idx, self._rope(torch.arange(T, device=idx.device)), self._sequence_masks(T, idx.device))
+            return self._trunk(idx, self._rope(torch.arange(T, device=idx.device)), sequence_masks(T, self.window_sizes, idx.device))
         if kv_cache.batch_size != B:
             raise ValueError(f"idx has {B} rows but the KV cache has {kv_cache.batch_size}")
-        Tk = int(kv_cache.pos.max()) + T  # the forward's one host sync: keys 0..Tk-1 cover every row
-        if Tk > kv_cache.max_seq_len or Tk > self.rotary_len:
-            raise ValueError(f"KV cache overflow: {Tk} positions needed, the cache holds {kv_cache.max_seq_len} "
-                             f"and the rotary tables {self.rotary_len}")
-        positions = kv_cache.pos[:, None] + torch.arange(T, device=idx.device)  # (B, T)
-        if Tk == T:  # every row starts at 0 (a prefill): the uncached masks apply, causal kernels included
-            masks = self._sequence_masks(T, idx.device)
-        else:
-            masks = {w: _window_mask(positions, Tk, w)[:, None] for w in set(self.window_sizes)}  # (B, 1, T, Tk)
+        # the cache knows where its rows are and how they attend: positions (B, T), window -> mask, context
+        positions, masks, context = kv_cache.attention_plan(T, self.window_sizes, self.rotary_len)
         previous = None
         if self.generation.smear:
             previous = kv_cache.prev_embedding.clone() if T == 1 else None  # a chunk smears inside itself only
             kv_cache.prev_embedding.copy_(norm(self.transformer.wte(idx[:, -1:])))  # for the next step
-        hidden = self._trunk(idx, self._rope(positions), masks, _CachedKeys(kv_cache, positions, Tk), previous)
+        hidden = self._trunk(idx, self._rope(positions), masks, context, previous)
         kv_cache.advance(T)
         return hidden
 
@@ -420,11 +409,11 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {P + S} tokens is longer than the rotary tables ({self.rotary_len} positions)")
         context = _SharedPrefixKeys()
         device = prefix.device
-        prefix_hidden = self._trunk(prefix, self._rope(torch.arange(P, device=device)), self._sequence_masks(P, device),
+        prefix_hidden = self._trunk(prefix, self._rope(torch.arange(P, device=device)), sequence_masks(P, self.window_sizes, device),
                                     context)
         context.recording = False
         positions = P + torch.arange(S, device=device)  # (S,)
-        masks = {w: _window_mask(positions, P + S, w) for w in set(self.window_sizes)}  # (S, P + S)
+        masks = {w: window_mask(positions, P + S, w) for w in set(self.window_sizes)}  # (S, P + S)
         previous = norm(self.transformer.wte(prefix[:, -1:])) if self.generation.smear else None  # (1, 1, C)
         return prefix_hidden, self._trunk(rows, self._rope(positions), masks, context, previous)
 
@@ -464,12 +453,6 @@ class GPT(nn.Module):
         if x.size(1) == 1:
             return first
         return torch.cat([first, x[:, 1:] + gate(x[:, 1:]) * x[:, :-1]], dim=1)
-
-    def _sequence_masks(self, T, device):
-        """Masks for positions 0..T-1 per window: None (plain causal, the fast kernel) when the window
-        reaches back to position 0 from every query, else bool (T, T)."""
-        return {w: None if w >= T - 1 else _window_mask(torch.arange(T, device=device), T, w)
-                for w in set(self.window_sizes)}
 
     @torch.no_grad()
     def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):

@@ -15,6 +15,11 @@ Keys of a metrics dict (all floats):
   tool_calls_per_sample      calculator calls per sample
   tool_success_fraction      calls that returned a value / calls (0.0 when there were no calls, see below)
   num_samples, num_questions, num_tool_calls   the counts the other metrics are weighted by
+  rows_trained               samples that went through the training forward/backward (non-zero advantage)
+The objective's diagnostics (scripts/chat_rl.py objective_metrics; nanochat.rl.TrainStats), when they apply:
+  trained_tokens             sampled tokens of the trained rows (their weight)
+  clip_fraction, approx_kl   last PPO epoch: tokens whose ratio was clipped; mean (rho - 1) - log rho
+  kl_ref                     mean k3 KL of the policy to the reference model (--kl-coef)
 """
 
 import math
@@ -39,11 +44,16 @@ REDUCTIONS = {
     "truncated_fraction": ("mean", "num_samples"),
     "tool_calls_per_sample": ("mean", "num_samples"),
     "tool_success_fraction": ("mean", "num_tool_calls"),
+    "rows_trained": ("sum", None),
+    "trained_tokens": ("sum", None),
+    "clip_fraction": ("mean", "trained_tokens"),
+    "approx_kl": ("mean", "trained_tokens"),
+    "kl_ref": ("mean", "trained_tokens"),
 }
 _STD_MEAN = {"reward_std": "reward_mean"}  # a "std" metric and the mean it is taken around
 
 
-def rollout_metrics(rewards_per_question, completions_per_question, max_new_tokens, prompt_lengths):
+def rollout_metrics(rewards_per_question, completions_per_question, max_new_tokens, prompt_lengths, rows_trained=0):
     """Summarize one rank's rollouts of one step.
 
     rewards_per_question: [question][sample] float rewards.
@@ -51,6 +61,7 @@ def rollout_metrics(rewards_per_question, completions_per_question, max_new_toke
     max_new_tokens: the length cap the rollouts were sampled with; a completion longer than it means the
         arguments do not belong together, and is refused.
     prompt_lengths: [question] prompt tokens; nanochat's sequence length counts them with the completion.
+    rows_trained: how many of these samples the training step ran (see nanochat.rl.TrainStats).
     Returns a dict with the keys listed in this module's docstring.
 
     tool_success_fraction is 0.0 when no sample called the tool: a rate of successes should not read as
@@ -100,6 +111,7 @@ def rollout_metrics(rewards_per_question, completions_per_question, max_new_toke
         "truncated_fraction": truncated / n,
         "tool_calls_per_sample": calls / n,
         "tool_success_fraction": successes / calls if calls else 0.0,
+        "rows_trained": float(rows_trained),
     }
 
 

@@ -7,11 +7,25 @@ nanochat's objective, per question with N samples split into P = N / device_batc
     pg_pass   = sum_{rows, t in pass} logp_t * adv_row  /  (valid_targets_in_pass * P * examples_per_rank)
     loss      = -sum over the rank's questions and passes of pg_pass
 Gradients are then averaged over ranks by the optimizers, so the objective is a mean over the step's questions.
+
+Algorithm options (PolicyLoss; each default is nanochat's). For sampled token t of row i, with A_i its advantage
+and D_i its row's denominator, the objective (maximised) is sum_t A_i * logp_t / D_i, where D_i is, by loss_norm:
+    pass      valid tokens of i's pass * P * examples_per_rank                      (nanochat, above)
+    token     valid tokens of the step on all ranks / W                             (DAPO: one token-level mean)
+    sequence  valid tokens of i * sequences of the step on all ranks / W            (GRPO: mean of sequence means)
+    constant  rows of i's question * max_new_tokens * questions on all ranks / W    (Dr. GRPO)
+W is the number of ranks: the optimizers average gradients over ranks, so a rank divides by 1/W of the step's count.
+  advantage std   A_i = (r_i - mean(r)) / (std(r) + 1e-4), population std        (GRPO, DeepSeekMath)
+  mask truncated  rows cut at max_new_tokens have no target and count in no denominator (DAPO overlong filtering)
+  PPO epochs      epoch 1 is the on-policy term above; epochs 2.. use old logp_t from epoch 1's forward and
+                  min(rho*A, clip(rho, 1 - clip_low, 1 + clip_high)*A) / D_i with rho = exp(logp - old logp)  (PPO, DAPO)
+  KL penalty      - kl_coef * k3_t / D_i, k3 = exp(ref - logp) - (ref - logp) - 1, ref = the frozen starting model
 """
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -23,19 +37,29 @@ class QuestionBatch:
     advantages: torch.Tensor   # (R,) float: rewards - rewards.mean()
     completion_lengths: list   # (R,) number of generated tokens per row (terminal token excluded)
     prompt_length: int         # tokens of the prompt every row starts with
+    truncated: torch.Tensor = None  # (R,) bool: the row was cut at max_new_tokens (None: no row was)
 
 
-def advantages_from_rewards(rewards):
-    """rewards: (R,) -> (R,) reward minus the question's mean reward."""
-    return rewards - rewards.mean()
+ADVANTAGE_STD_EPS = 1e-4
 
 
-def make_question_batch(prompt, completions, rewards, pad_token):
+def advantages_from_rewards(rewards, scale_by_std=False):
+    """rewards: (R,) -> (R,) reward minus the question's mean reward; with scale_by_std (GRPO) divided by the
+    rewards' population std + ADVANTAGE_STD_EPS (a question whose rewards are all equal keeps advantages 0)."""
+    advantages = rewards - rewards.mean()
+    if scale_by_std:
+        advantages = advantages / (rewards.std(unbiased=False) + ADVANTAGE_STD_EPS)
+    return advantages
+
+
+def make_question_batch(prompt, completions, rewards, pad_token, truncated=None, scale_by_std=False):
     """Build the training tensors for one question.
 
     prompt: list of token ids; completions: list of (tokens, masks) per sample (mask 1 = sampled,
     0 = forced tool output); rewards: list of floats. Sequences are padded to the longest with
     `pad_token` (mask 0), so padding, the prompt and forced tokens never carry gradient.
+    truncated: per sample, True if it was cut at the length cap (Completion.ended False); default none.
+    scale_by_std: divide the advantages by the rewards' std (see advantages_from_rewards).
     """
     rows = [(list(prompt) + list(toks), [0] * len(prompt) + list(masks)) for toks, masks in completions]
     longest = max(len(ids) for ids, _ in rows)
@@ -47,9 +71,11 @@ def make_question_batch(prompt, completions, rewards, pad_token):
     inputs, targets = ids[:, :-1], ids[:, 1:].clone()
     targets[mask[:, 1:] == 0] = -1  # the model is only credited for tokens it chose
     rewards = torch.tensor(rewards, dtype=torch.float32)
+    truncated = torch.zeros(len(rows), dtype=torch.bool) if truncated is None else torch.tensor(truncated, dtype=torch.bool)
     return QuestionBatch(inputs=inputs, targets=targets, rewards=rewards,
-                         advantages=advantages_from_rewards(rewards),
-                         completion_lengths=[len(toks) for toks, _ in completions], prompt_length=len(prompt))
+                         advantages=advantages_from_rewards(rewards, scale_by_std),
+                         completion_lengths=[len(toks) for toks, _ in completions], prompt_length=len(prompt),
+                         truncated=truncated)
 
 
 def pass_objective(logp, targets, advantages, num_passes, examples_per_rank, num_valid=None):
@@ -91,39 +117,269 @@ def token_logprobs_and_entropy(logits, targets):
     return logp, mean_entropy
 
 
-def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_rank, device, autocast,
-                               micro_batch_rows=None):
-    """Forward/backward every pass of every question, accumulating gradients into the model.
+LOSS_NORMS = ("pass", "token", "sequence", "constant")
 
-    batches: this rank's QuestionBatch list; each question's rows are split into passes of
-    device_batch_size rows (nanochat's normalization unit). Each pass is computed in chunks of
-    micro_batch_rows rows (default: the whole pass) with the pass's own denominator, so a smaller chunk
-    (after an out-of-memory) gives the same gradient. The model provides `hidden_states(inputs)` (B, T, C)
-    and `logits(hidden)` (..., V), as GPT does.
-    Returns (sum of the pass objectives, mean policy entropy over valid tokens) as python floats.
-    """
-    micro = micro_batch_rows or device_batch_size
-    total_objective, entropy_sum, entropy_count = 0.0, 0.0, 0
+
+@dataclass
+class PolicyLoss:
+    """How the objective is formed (the formulas are in the module docstring). Every default is nanochat's."""
+    loss_norm: str = "pass"       # pass | token | sequence | constant: what each token's term is divided by
+    max_new_tokens: int = 0       # the rollouts' length cap; the `constant` denominator uses it
+    mask_truncated: bool = False  # rows cut at max_new_tokens carry no gradient and count in no denominator
+    clip_low: float = 0.2         # PPO epochs after the first clip the ratio to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2
+    kl_coef: float = 0.0          # weight of the k3 KL penalty to the reference model (0: no penalty)
+
+    def __post_init__(self):
+        if self.loss_norm not in LOSS_NORMS:
+            raise ValueError(f"loss_norm must be one of {', '.join(LOSS_NORMS)}, got {self.loss_norm!r}")
+        if self.loss_norm == "constant" and self.max_new_tokens < 1:
+            raise ValueError("loss_norm='constant' divides by max_new_tokens; pass the rollouts' length cap (>= 1)")
+
+
+@dataclass
+class StepCounts:
+    """The step's totals over every rank, for the token, sequence and constant denominators (see step_counts)."""
+    tokens: int       # sampled tokens of the rows that count
+    sequences: int    # rows that count and hold at least one sampled token
+    questions: int    # questions with at least one row that counts
+    world_size: int   # ranks the optimizers average the gradients over
+
+
+def counted_rows(batch, mask_truncated):
+    """(R,) bool: the rows that take part in the objective: all of them, or with mask_truncated the ones
+    that ended by themselves."""
+    if not mask_truncated or batch.truncated is None:
+        return torch.ones(batch.targets.size(0), dtype=torch.bool)
+    return ~batch.truncated
+
+
+def trainable_targets(batch, mask_truncated):
+    """batch.targets (R, T), with every target of a truncated row set to -1 under mask_truncated (overlong
+    filtering): such a row carries no gradient and counts in no denominator."""
+    if not mask_truncated or batch.truncated is None or not bool(batch.truncated.any()):
+        return batch.targets
+    return batch.targets.masked_fill(batch.truncated[:, None], -1)
+
+
+def step_counts(batches, mask_truncated, device):
+    """StepCounts of this rank's batches summed over all ranks: one all_reduce under a process group, so every
+    rank must call it at the same point (once per step, not inside a retry). device: a tensor device the
+    process group can reduce (the rank's CUDA device under NCCL)."""
+    local = [0, 0, 0]
     for batch in batches:
-        num_passes = batch.inputs.size(0) // device_batch_size
-        for p in range(num_passes):
-            pass_targets = batch.targets[p * device_batch_size:(p + 1) * device_batch_size]
-            num_valid = int((pass_targets >= 0).sum())
-            for lo in range(p * device_batch_size, (p + 1) * device_batch_size, micro):
-                rows = slice(lo, min(lo + micro, (p + 1) * device_batch_size))
-                inputs, targets = batch.inputs[rows].to(device), batch.targets[rows].to(device)
-                valid = targets >= 0  # (B, T)
-                with autocast:
-                    # logits only where there is a target (sampled tokens): no vocabulary-wide work for
-                    # prompt, forced tool-output and padding positions
-                    logits = model.logits(model.hidden_states(inputs)[valid])  # (N, V)
-                logp_valid, entropy = token_logprobs_and_entropy(logits, targets[valid])  # (N,)
-                logp = torch.zeros(targets.shape, dtype=logp_valid.dtype, device=device).masked_scatter(valid, logp_valid)
-                objective = pass_objective(logp, targets, batch.advantages[rows].to(device), num_passes,
-                                           examples_per_rank, num_valid=num_valid)
-                (-objective).backward()
-                total_objective += objective.item()
-                chunk_valid = int((targets >= 0).sum())
-                entropy_sum += entropy.item() * chunk_valid
-                entropy_count += chunk_valid
-    return total_objective, entropy_sum / max(1, entropy_count)
+        valid = trainable_targets(batch, mask_truncated) >= 0  # (R, T)
+        local[0] += int(valid.sum())
+        local[1] += int(valid.any(1).sum())
+        local[2] += int(counted_rows(batch, mask_truncated).any())
+    totals = torch.tensor(local, dtype=torch.long, device=device)
+    world_size = 1
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+        world_size = dist.get_world_size()
+    tokens, sequences, questions = totals.tolist()
+    return StepCounts(tokens=tokens, sequences=sequences, questions=questions, world_size=world_size)
+
+
+def pass_denominators(targets, device_batch_size, examples_per_rank):
+    """nanochat's row denominators (R,) long: valid targets of the row's pass * passes * examples_per_rank."""
+    R = targets.size(0)
+    num_passes = R // device_batch_size
+    valid_per_pass = (targets >= 0).reshape(num_passes, -1).sum(1).clamp(min=1)  # (P,)
+    return valid_per_pass.repeat_interleave(device_batch_size) * (num_passes * examples_per_rank)
+
+
+def row_denominators(targets, loss_norm, device_batch_size, examples_per_rank, counts=None, rows_counted=None,
+                     max_new_tokens=0):
+    """(R,) the denominator D of each row of one question: each of the row's sampled tokens adds
+    A * logp / D to the objective. targets: (R, T) with -1 where there is no target (truncated rows already
+    masked); counts: the step's StepCounts (all but `pass`); rows_counted: the question's rows that count
+    (`constant`). Step-level counts are divided by the world size because the optimizers average the
+    ranks' gradients: sum over ranks of (rank's sum / (count / W)) / W = (sum over all ranks) / count."""
+    if loss_norm == "pass":
+        return pass_denominators(targets, device_batch_size, examples_per_rank)
+    R = targets.size(0)
+    per_rank = lambda total: max(total, 1) / counts.world_size
+    if loss_norm == "token":       # DAPO: one mean over every sampled token of the step
+        return torch.full((R,), per_rank(counts.tokens), dtype=torch.float64)
+    if loss_norm == "sequence":    # each sequence's token mean, then the mean over the step's sequences
+        return (targets >= 0).sum(1).clamp(min=1).double() * per_rank(counts.sequences)
+    if loss_norm == "constant":    # Dr. GRPO: question sum / (samples * max_new_tokens), mean over questions
+        return torch.full((R,), max(int(rows_counted), 1) * max_new_tokens * per_rank(counts.questions), dtype=torch.float64)
+    raise ValueError(f"loss_norm must be one of {', '.join(LOSS_NORMS)}, got {loss_norm!r}")
+
+
+def row_weights(targets, advantages, device_batch_size, examples_per_rank):
+    """Each row's weight in nanochat's objective: the objective is sum over rows r and their valid positions
+    t of logp[r, t] * w[r], with w[r] = adv[r] / (valid targets of r's pass * passes * examples_per_rank),
+    which is pass_objective summed over the question's passes. targets: (R, T); advantages: (R,) -> (R,)."""
+    return advantages / pass_denominators(targets, device_batch_size, examples_per_rank).to(advantages.dtype)
+
+
+def clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high):
+    """PPO's clipped surrogate per sampled token (to be maximised), all (N,):
+    min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A) with rho = exp(logp - old_logp).
+    Returns (surrogate, rho, clipped); clipped marks the tokens where the clipped term is the smaller one,
+    so their gradient is 0 (A > 0 with rho > 1 + clip_high, A < 0 with rho < 1 - clip_low)."""
+    ratio = torch.exp(logp - old_logp)
+    pg_obj1 = ratio * advantages
+    pg_obj2 = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
+    return torch.minimum(pg_obj1, pg_obj2), ratio, pg_obj2 < pg_obj1
+
+
+def k3_kl(logp, ref_logp):
+    """Per-token k3 estimate of KL(policy || reference) from tokens the policy sampled (Schulman's k3, the
+    penalty of DeepSeekMath's GRPO): exp(ref - logp) - (ref - logp) - 1, >= 0, and 0 with a zero gradient
+    where the two log-probabilities are equal. logp, ref_logp: (N,)."""
+    log_ratio = ref_logp - logp
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+@dataclass
+class TrainStats:
+    """What accumulate_policy_gradient did on this rank (one epoch)."""
+    objective: float        # the objective summed over the rank's tokens (nanochat's sum of pass objectives by default)
+    entropy: float          # mean policy entropy over the trained rows' sampled tokens (nan if none)
+    rows_trained: int       # rows that went through forward and backward
+    rows_total: int
+    tokens: int = 0                 # sampled tokens of the trained rows
+    clip_fraction: float = None     # PPO epochs after the first: tokens whose clipped term won (no gradient)
+    approx_kl: float = None         # ... and mean of (rho - 1) - log rho: the k3 estimate of KL(old || current)
+    kl_ref: float = None            # with kl_coef > 0: mean k3 KL(policy || reference) over the tokens
+    old_logprobs: list = None       # first epoch: per question (R, T) logp of the sampled tokens (detached)
+    ref_logprobs: list = None       # first epoch, kl_coef > 0: the reference's, likewise
+
+
+def _trained_rows(targets, weights, any_weight=False):
+    """Rows that can change the gradient: a non-zero weight (advantage), or any weight with any_weight (the KL
+    penalty), and at least one sampled token."""
+    return [r for r in range(targets.size(0)) if (any_weight or weights[r] != 0) and bool((targets[r] >= 0).any())]
+
+
+def _row_hidden_states(model, inputs, prompt_length, share_prompt):
+    """Hidden states (B, T', C) of the positions that can carry a target, and the offset T - T' they start at.
+    With share_prompt the prompt (the first prompt_length tokens, the same in every row) goes through the
+    model once and each row's tokens after it attend to it; its last position (the one predicting the first
+    completion token) is the only prompt position kept."""
+    P, T = prompt_length, inputs.size(1)
+    if not share_prompt or P < 1 or P > T:
+        return model.hidden_states(inputs), 0
+    B = inputs.size(0)
+    if P == T:
+        prompt_hidden = model.hidden_states(inputs[:1])
+        return prompt_hidden[:, -1:].expand(B, -1, -1), P - 1
+    prompt_hidden, rows_hidden = model.hidden_states_shared_prefix(inputs[:1, :P], inputs[:, P:])
+    return torch.cat([prompt_hidden[:, -1:].expand(B, -1, -1), rows_hidden], dim=1), P - 1
+
+
+def _reference_logprobs(reference, inputs, targets, prompt_length, share_prompt):
+    """The reference model's log-probabilities (N,) of the sampled targets, in the order the policy's forward
+    takes them (targets (B, T) after the prompt offset, row-major). Call under torch.no_grad()."""
+    hidden, offset = _row_hidden_states(reference, inputs, prompt_length, share_prompt)
+    targets = targets[:, offset:]
+    logits = reference.logits(hidden[targets >= 0])  # (N, V)
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[targets >= 0][:, None]).squeeze(-1)
+
+
+def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_rank, device, autocast,
+                               micro_batch_rows=None, share_prompt=True, skip_zero_advantage=True,
+                               loss=None, counts=None, reference=None, first_epoch=None):
+    """Forward/backward the step's rows, accumulating the policy gradient into the model.
+
+    batches: this rank's QuestionBatch list. By default the objective is nanochat's: each question's rows
+    form passes of device_batch_size rows, each pass normalized by its own valid-target count (see
+    row_weights). loss (PolicyLoss, default nanochat's) picks another normalization, masks truncated rows,
+    and sets the PPO clip range and the KL coefficient; counts: the step's StepCounts, which the token,
+    sequence and constant normalizations need (computed here when None; under a process group that is a
+    collective, so compute it once per step with step_counts and pass it). reference: the frozen model of
+    the KL penalty (needed when loss.kl_coef > 0).
+    first_epoch: None in a step's first epoch: the policy is the one that sampled (ratio 1), the term is
+    A * logp / D, and the returned stats keep the sampled tokens' log-probabilities (and the reference's).
+    In a later PPO epoch, the first epoch's TrainStats: its log-probabilities are the old policy's and the
+    term is the clipped surrogate (clipped_surrogate) / D.
+    Only work that can change the gradient is done:
+      - rows whose advantage is 0 (every row of a question whose samples were all rewarded alike) are not
+        run at all (skip_zero_advantage; with kl_coef > 0 they are, as the penalty gives them a gradient);
+        their valid tokens still count in the denominators. Rows without a sampled token are never run;
+      - each question's prompt is computed once per forward instead of once per row (share_prompt).
+    A forward takes up to micro_batch_rows trained rows of one question (default device_batch_size); a
+    smaller value (after an out-of-memory) gives the same gradient. The model provides hidden_states,
+    hidden_states_shared_prefix and logits, as GPT does. Every parameter ends with a gradient (zeros if no
+    row was trained here), so that distributed optimizers see the same tensors on every rank.
+    Returns TrainStats."""
+    loss = loss or PolicyLoss()
+    first = first_epoch is None
+    use_kl = loss.kl_coef > 0
+    if use_kl and first and reference is None:
+        raise ValueError("kl_coef > 0 needs the reference model (reference=...)")
+    if loss.loss_norm != "pass" and counts is None:
+        counts = step_counts(batches, loss.mask_truncated, device)
+    micro = micro_batch_rows or device_batch_size
+    old_logprobs = [] if first else first_epoch.old_logprobs
+    ref_logprobs = ([] if use_kl else None) if first else first_epoch.ref_logprobs
+    total_objective, entropy_sum, entropy_count, rows_trained, rows_total = 0.0, 0.0, 0, 0, 0
+    clipped_count, approx_kl_sum, kl_ref_sum = 0, 0.0, 0.0
+    for q, batch in enumerate(batches):
+        question_targets = trainable_targets(batch, loss.mask_truncated)  # (R, T)
+        denominators = row_denominators(question_targets, loss.loss_norm, device_batch_size, examples_per_rank, counts,
+                                        counted_rows(batch, loss.mask_truncated).sum(), loss.max_new_tokens)  # (R,)
+        weights = batch.advantages / denominators.to(batch.advantages.dtype)  # (R,)
+        R = question_targets.size(0)
+        rows = _trained_rows(question_targets, weights, any_weight=use_kl) if skip_zero_advantage else list(range(R))
+        rows_total += R
+        rows_trained += len(rows)
+        if first:  # the sampled tokens' log-probabilities, at their (row, position) in the question's (R, T)
+            old_logprobs.append(torch.zeros(question_targets.shape, device=device))
+            if use_kl:
+                ref_logprobs.append(torch.zeros(question_targets.shape, device=device))
+        for lo in range(0, len(rows), micro):
+            chunk = torch.tensor(rows[lo:lo + micro])
+            inputs, chunk_targets = batch.inputs[chunk].to(device), question_targets[chunk].to(device)
+            with autocast:
+                hidden, offset = _row_hidden_states(model, inputs, batch.prompt_length, share_prompt)
+                targets = chunk_targets[:, offset:]  # positions before `offset` are prompt: no target there
+                valid = targets >= 0  # (B, T')
+                # logits only where there is a target (sampled tokens): no vocabulary-wide work for prompt,
+                # forced tool-output and padding positions
+                logits = model.logits(hidden[valid])  # (N, V)
+            logp, entropy = token_logprobs_and_entropy(logits, targets[valid])  # (N,)
+            row_index, position = valid.nonzero(as_tuple=True)
+            where = (chunk.to(device)[row_index], position + offset)  # each token's place in the question's (R, T)
+            token_denominators = denominators[chunk].to(device)[:, None].expand_as(targets)[valid].to(logp.dtype)  # (N,)
+            if first:
+                # on-policy: the ratio is 1, so the clipped surrogate's gradient is A * grad logp (nanochat's term)
+                token_weights = weights[chunk].to(device)[:, None].expand_as(targets)[valid]  # (N,)
+                pg_objective = (logp * token_weights.to(logp.dtype)).sum()
+                old_logprobs[q][where] = logp.detach()
+            else:
+                token_advantages = batch.advantages[chunk].to(device)[:, None].expand_as(targets)[valid].to(logp.dtype)
+                old_logp = old_logprobs[q][where]
+                surrogate, ratio, clipped = clipped_surrogate(logp, old_logp, token_advantages, loss.clip_low, loss.clip_high)
+                pg_objective = (surrogate / token_denominators).sum()
+                with torch.no_grad():
+                    clipped_count += int(clipped.sum())
+                    approx_kl_sum += ((ratio - 1) - (logp - old_logp)).sum().item()
+            objective = pg_objective
+            if use_kl:
+                if first:
+                    with torch.no_grad(), autocast:
+                        ref_logprobs[q][where] = _reference_logprobs(reference, inputs, chunk_targets,
+                                                                     batch.prompt_length, share_prompt)
+                kl = k3_kl(logp, ref_logprobs[q][where])  # (N,)
+                kl_penalty = (kl / token_denominators).sum()
+                objective = pg_objective - loss.kl_coef * kl_penalty
+                kl_ref_sum += kl.detach().sum().item()
+            (-objective).backward()
+            total_objective += objective.item()
+            entropy_sum += entropy.item() * int(valid.sum())
+            entropy_count += int(valid.sum())
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    per_token = lambda total: total / entropy_count if entropy_count else 0.0
+    return TrainStats(objective=total_objective, entropy=entropy_sum / entropy_count if entropy_count else float("nan"),
+                      rows_trained=rows_trained, rows_total=rows_total, tokens=entropy_count,
+                      clip_fraction=None if first else per_token(clipped_count),
+                      approx_kl=None if first else per_token(approx_kl_sum),
+                      kl_ref=per_token(kl_ref_sum) if use_kl else None,
+                      old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)

@@ -28,6 +28,7 @@ Launch (one process; the benchmark has no multi-GPU mode):
 
 import argparse
 import cProfile
+import dataclasses
 import ctypes
 import gc
 import hashlib
@@ -47,12 +48,13 @@ import torch.nn as nn
 
 from nanochat.common import (ArgumentParser, UserError, add_model_generation_flag, autocast_context, compute_cleanup, compute_init, cpu_has_native_bf16,
                              get_base_dir, get_dist_info, print0, run_main)
-from nanochat.engine import Engine, mix32
+from nanochat.engine import Engine, SharedPromptKVCache, mix32
 from nanochat.gpt import scale_initial_lr
 from nanochat.rl import accumulate_policy_gradient, make_question_batch
 from nanochat.tokenizer import Tokenizer
-from scripts.chat_rl import grad_norm, rollout_step
+from scripts.chat_rl import grad_norm, parse_args as chat_rl_args, rollout_step
 from tasks.gsm8k import GSM8K
+from tasks.registry import make_task
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,14 @@ class BenchConfig:
     name: str
     batched: bool        # all questions in one generate_many call, else one generate_batch call per pass
     dtype: torch.dtype   # compute dtype (bf16 = autocast; weights stay fp32)
+    lean: bool           # skip work that cannot change the gradient: prompts' KV stored once in decoding, each
+                         # prompt computed once in training, zero-advantage rows not trained (chat_rl's way)
 
 
-CONFIGS = {c.name: c for c in (BenchConfig("baseline", False, torch.float32),
-                                BenchConfig("batched_fp32", True, torch.float32),
-                                BenchConfig("batched_bf16", True, torch.bfloat16))}
+CONFIGS = {c.name: c for c in (BenchConfig("baseline", False, torch.float32, False),
+                                BenchConfig("batched_plain", True, torch.float32, False),
+                                BenchConfig("batched_fp32", True, torch.float32, True),
+                                BenchConfig("batched_bf16", True, torch.bfloat16, True))}
 BENCH_STEP = 0           # the chat_rl step whose questions and seeds the benchmark uses
 FORCED_END_LOGIT = 1e4   # beats any softcapped logit (|x| <= 15) plus Gumbel noise (< 20)
 
@@ -88,6 +93,13 @@ def parse_args(argv):
                         "has this size, else one trained on GSM8K train text (cached under $NANOCHAT_BASE_DIR/bench_rl)")
     p.add_argument("--sequence-len", type=int, default=1024, help="context length of the random-init model")
     # the work (chat_rl's defaults)
+    p.add_argument("--task", type=str, default="gsm8k",
+                   help="questions and reward: gsm8k (with a random-init model: nothing is rewarded, rows run to the "
+                        "cap), arithmetic (with the speedrun's trained model: mixed rewards, rows that end, tool calls), "
+                        "or package.module:ClassName")
+    p.add_argument("--no-signal-fractions", type=str, default="0,0.25,0.5,0.75,1",
+                   help="training time of the batched_fp32 rollouts with these fractions of questions made no-signal "
+                        "(all advantages 0), with and without skipping (empty = skip this table)")
     p.add_argument("--num-questions", type=int, default=16, help="questions in the step (chat_rl --examples-per-step)")
     p.add_argument("--num-samples", type=int, default=16, help="completions sampled per question")
     p.add_argument("--max-new-tokens", type=int, default=256, help="completion length cap in tokens")
@@ -273,15 +285,16 @@ def bench_tokenizer(vocab_size, task):
     return tokenizer, cached
 
 
-def build_bench_model(args, task, device):
-    """(model in eval mode, tokenizer, description dict)."""
+def build_bench_model(args, device):
+    """(model in eval mode, tokenizer, description dict). A random-init model gets a tokenizer trained on
+    GSM8K train text (see bench_tokenizer)."""
     if args.source:
         from nanochat.checkpoint_manager import load_model
         model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step,
                                             generation=args.model_generation)
         return model, tokenizer, {"source": args.source, "model_tag": args.model_tag, "step": meta.get("step")}
     from scripts.chat_sft import build_fresh_model  # nanochat's sizing for a given depth lives there
-    tokenizer, tokenizer_dir = bench_tokenizer(args.vocab_size, task)
+    tokenizer, tokenizer_dir = bench_tokenizer(args.vocab_size, GSM8K(split="train"))
     torch.manual_seed(args.seed)
     model = build_fresh_model(args.depth, args.sequence_len, args.vocab_size, device)
     return model.eval(), tokenizer, {"source": "random init", "tokenizer": tokenizer_dir}
@@ -314,7 +327,7 @@ class EarlyStopModel(nn.Module):
     def forward(self, idx, kv_cache=None, **kwargs):
         if kv_cache is None or idx.size(1) != 1:  # training, or a prefill
             return self.model(idx, kv_cache=kv_cache, **kwargs)
-        positions = kv_cache.pos.clone()  # (B,), read before the model advances the cache
+        positions = kv_cache.next_positions()  # (B,), read before the model advances the cache
         logits = self.model(idx, kv_cache=kv_cache, **kwargs)  # (B, 1, V) float32
         end = logits[:, 0, self.end_token]
         logits[:, 0, self.end_token] = torch.where(self.ends(idx[:, 0], positions), FORCED_END_LOGIT, end)
@@ -383,7 +396,8 @@ def baseline_rollouts(engine, task, indices, args):
     device_batch_size rows. Returns (batches, [(prompt_len, num_prefills, row steps)], engine work)."""
     tokenizer = engine.tokenizer
     pad = tokenizer.encode_special("<|assistant_end|>")
-    batches, rows, work = [], [], {"prefill_tokens": 0, "decode_forwards": 0, "row_steps": 0, "rows_x_longest": 0}
+    batches, rows = [], []
+    work = {"prefill_tokens": 0, "decode_forwards": 0, "row_steps": 0, "rows_x_longest": 0, "kv_positions_read": 0}
     passes = args.num_samples // args.device_batch_size
     for i in indices:
         conversation = task[i]
@@ -399,6 +413,7 @@ def baseline_rollouts(engine, task, indices, args):
             work["prefill_tokens"] += stats.prefill_tokens
             work["decode_forwards"] += stats.decode_forwards
             work["row_steps"] += stats.row_steps
+            work["kv_positions_read"] += stats.kv_positions_read
             # without compaction every row of the call would be decoded until the call's longest row ends
             work["rows_x_longest"] += len(call) * max(row_steps_of(t, args.max_new_tokens) - 1 for t, _ in call)
         rewards = [task.reward(conversation, tokenizer.decode(t)) for t, _ in completions]
@@ -407,22 +422,28 @@ def baseline_rollouts(engine, task, indices, args):
     return batches, rows, work
 
 
+def chat_rl_defaults():
+    return chat_rl_args([])
+
+
 def batched_rollouts(engine, task, indices, args):
     """chat_rl's rollout_step (one generate_many call for all questions), with the same outputs as baseline_rollouts."""
-    batches, results = rollout_step(engine, task, indices, BENCH_STEP, args)
+    # chat_rl's defaults for every setting the benchmark does not vary (algorithm options among them)
+    rollout_args = argparse.Namespace(**{**vars(chat_rl_defaults()), **vars(args)})
+    batches, results = rollout_step(engine, task, indices, BENCH_STEP, rollout_args)
     tokenizer, stats = engine.tokenizer, engine.last_stats
     rows = [(len(tokenizer.render_for_completion(task[i])), 1, [row_steps_of(c.tokens, args.max_new_tokens) for c in cs])
             for i, cs in zip(indices, results)]
     longest = max(s for _, _, steps in rows for s in steps) - 1
     work = {"prefill_tokens": stats.prefill_tokens, "decode_forwards": stats.decode_forwards, "row_steps": stats.row_steps,
-            "rows_x_longest": sum(len(steps) for _, _, steps in rows) * longest}
+            "rows_x_longest": sum(len(steps) for _, _, steps in rows) * longest, "kv_positions_read": stats.kv_positions_read}
     return batches, rows, work
 
 
 def rl_step(model, rollout_model, tokenizer, optimizers, task, indices, config, args, device):
     """One chat_rl step (rollouts, forward/backward, grad norm, optimizer step), timed by phase."""
     engine = Engine(rollout_model, tokenizer, max_rows=(args.max_rows or None) if config.batched else None,
-                    memory_budget_gb=args.memory_budget_gb)
+                    memory_budget_gb=args.memory_budget_gb, share_prompts=config.lean)
     autocast = autocast_context(device, config.dtype)
     synchronize(device)
     t0 = time.perf_counter()
@@ -433,7 +454,8 @@ def rl_step(model, rollout_model, tokenizer, optimizers, task, indices, config, 
     synchronize(device)
     t1 = time.perf_counter()
     model.train()
-    accumulate_policy_gradient(model, batches, args.device_batch_size, len(indices), device, autocast)
+    trained = accumulate_policy_gradient(model, batches, args.device_batch_size, len(indices), device, autocast,
+                                         share_prompt=config.lean, skip_zero_advantage=config.lean)
     synchronize(device)
     t2 = time.perf_counter()
     grad_norm(model)
@@ -443,6 +465,7 @@ def rl_step(model, rollout_model, tokenizer, optimizers, task, indices, config, 
     synchronize(device)
     t3 = time.perf_counter()
     return {"rollout_seconds": t1 - t0, "train_seconds": t2 - t1, "optimizer_seconds": t3 - t2, "step_seconds": t3 - t0,
+            "rows_trained": trained.rows_trained, "rows_skipped": trained.rows_total - trained.rows_trained,
             "batches": batches, "rows": rows, "work": work}
 
 
@@ -468,7 +491,8 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
     peak_mb = memory.peak_mb()
     del optimizers
 
-    batches, rows, work = m.pop("batches"), m.pop("rows"), m.pop("work")
+    batches, rows, work = m["batches"], m.pop("rows"), m.pop("work")
+    kv_bytes = SharedPromptKVCache.bytes_per_token(model, config.dtype) * work["kv_positions_read"]
     peak = peaks[str(config.dtype).removeprefix("torch.")]
     r_tokens = sum(n for b in batches for n in b.completion_lengths)
     r_flops = sum(rollout_flops(model, plen, prefills, steps) for plen, prefills, steps in rows)
@@ -481,6 +505,7 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
             "train_flops": t_flops, "train_flops_per_s": t_flops / m["train_seconds"],
             "train_mfu": t_flops / m["train_seconds"] / peak,
             "rows": sum(len(steps) for _, _, steps in rows), **work,
+            "kv_bytes_per_decoded_token": kv_bytes / max(work["row_steps"], 1),
             "resident_mb_at_start": resident_mb, "peak_memory_mb": peak_mb}
 
 
@@ -511,10 +536,46 @@ def format_table(results):
                      f"{r['peak_memory_mb']:8.0f}")
     lines.append("")
     lines.append(f"{'config':<20} {'tokens':>7} {'rows':>5} {'row_steps':>9} {'rows x longest':>14} "
-                 f"{'rollout s':>9} {'train s':>8} {'optim s':>8}")
+                 f"{'rollout s':>9} {'train s':>8} {'optim s':>8} {'trained':>7} {'skipped':>7} {'KV B/token':>10}")
     for name, r in results.items():
         lines.append(f"{name:<20} {r['rollout_tokens']:7d} {r['rows']:5d} {r['row_steps']:9d} {r['rows_x_longest']:14d} "
-                     f"{r['rollout_seconds']:9.2f} {r['train_seconds']:8.2f} {r['optimizer_seconds']:8.2f}")
+                     f"{r['rollout_seconds']:9.2f} {r['train_seconds']:8.2f} {r['optimizer_seconds']:8.2f} "
+                     f"{r['rows_trained']:7d} {r['rows_skipped']:7d} {r['kv_bytes_per_decoded_token']:10.0f}")
+    return "\n".join(lines)
+
+
+def no_signal_table(model, batches, fractions, args, device):
+    """Training time of the same rollouts when a fraction f of the questions has no signal (their advantages
+    set to 0, as when every sample of a question got the same reward): with skipping (chat_rl) the time should
+    fall like the fraction of rows left to train; without (nanochat) it stays. fp32, prompts shared in both."""
+    autocast = autocast_context(device, torch.float32)
+    model.train()
+    out = []
+    for f in fractions:
+        silent = round(f * len(batches))
+        trial = [dataclasses.replace(b, advantages=torch.zeros_like(b.advantages)) if i < silent else b
+                 for i, b in enumerate(batches)]
+        row = {"no_signal_fraction": silent / len(batches)}
+        for key, skip in (("skip", True), ("all_rows", False)):
+            synchronize(device)
+            t0 = time.perf_counter()
+            trained = accumulate_policy_gradient(model, trial, args.device_batch_size, len(trial), device, autocast,
+                                                 skip_zero_advantage=skip)
+            synchronize(device)
+            row[f"{key}_seconds"] = time.perf_counter() - t0
+            row[f"{key}_rows_trained"] = trained.rows_trained
+            model.zero_grad(set_to_none=True)
+        out.append(row)
+    model.eval()
+    return out
+
+
+def format_no_signal_table(rows):
+    top = rows[0]
+    lines = [f"{'no-signal':>9} {'rows trained':>12} {'train s (skip)':>14} {'x of first':>10} {'train s (all rows)':>18}"]
+    for r in rows:
+        lines.append(f"{r['no_signal_fraction']:9.2f} {r['skip_rows_trained']:12d} {r['skip_seconds']:14.2f} "
+                     f"{r['skip_seconds'] / top['skip_seconds']:10.2f} {r['all_rows_seconds']:18.2f}")
     return "\n".join(lines)
 
 
@@ -598,11 +659,11 @@ def run(args, configs, device):
     peaks = {name: matmul_peak_flops(device, getattr(torch, name), args.peak_matmul_size) for name in dtypes}
     print0(f"matmul peak ({args.peak_matmul_size}^2): " + ", ".join(f"{n} {p / 1e12:.3f} TFLOP/s" for n, p in peaks.items()))
 
-    task = GSM8K(split="train")
+    task = make_task(args.task, "train")
     if args.num_questions > len(task):
-        raise UserError(f"--num-questions={args.num_questions} but the GSM8K train split has {len(task)} questions")
+        raise UserError(f"--num-questions={args.num_questions} but the {args.task} train split has {len(task)} questions")
     indices = list(range(args.num_questions))  # chat_rl's step 0 on one rank
-    model, tokenizer, model_info = build_bench_model(args, task, device)
+    model, tokenizer, model_info = build_bench_model(args, device)
     cfg = model.config
     model_info.update(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, vocab_size=cfg.vocab_size,
                       sequence_len=cfg.sequence_len, num_params=model.num_params(),
@@ -622,8 +683,15 @@ def run(args, configs, device):
             r = results[name]
             print0(f"step {r['step_seconds']:.1f}s (rollout {r['rollout_seconds']:.1f}s, train {r['train_seconds']:.1f}s, "
                    f"optimizer {r['optimizer_seconds']:.1f}s)")
+    lean_batches = results.get("batched_fp32", {}).get("batches")
+    for r in results.values():
+        r.pop("batches")
     add_ratios(results)
     model.load_state_dict(initial_state)
+    skipping = None
+    if args.no_signal_fractions.strip() and lean_batches:
+        fractions = [float(f) for f in args.no_signal_fractions.split(",")]
+        skipping = no_signal_table(model, lean_batches, fractions, args, device)
     agreement = None
     if any(c.dtype == torch.bfloat16 for c in configs):
         prompts = [tokenizer.render_for_completion(task[i]) for i in indices]
@@ -636,9 +704,11 @@ def run(args, configs, device):
                + (f", largest fp32 logit margin at a difference {max(map(abs, agreement['fp32_margins_at_differences'])):.3f}"
                   if agreement['fp32_margins_at_differences'] else ""))
 
+    if skipping:
+        print0("\n" + format_no_signal_table(skipping))
     report = {"machine": {**info, "load_average_before": load_before, "load_average_after": load_average()},
               "settings": vars(args), "model": model_info, "peak_flops": peaks, "memory_method": memory.method,
-              "results": results, "greedy_bf16_vs_fp32": agreement}
+              "results": results, "greedy_bf16_vs_fp32": agreement, "no_signal_training": skipping}
     with open(args.output, "w") as f:
         json.dump(report, f, indent=2)
     print0(f"\nwrote {args.output} (memory: {memory.method})")

@@ -8,6 +8,8 @@ Each step, for each of the step's questions:
   4. loss = -sum(logp * advantage) over sampled tokens only (prompt, tool outputs and padding masked),
      normalized per pass of --device-batch-size rows, by the passes and by the questions per rank;
 then one Muon (matrices) + AdamW (embeddings, unembedding, scalars) step, LR decaying linearly to 0.
+Algorithm options (README "Algorithm options"; each defaults to nanochat's behaviour): --loss-norm,
+--advantage-std, --mask-truncated, --ppo-epochs with --clip-low/--clip-high, --kl-coef.
 
 Launch:
   python -m scripts.chat_rl                                                   # 1 GPU, or CPU
@@ -26,17 +28,17 @@ import torch
 import torch.distributed as dist
 
 from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_checkpoint, find_last_step, list_tags, load_checkpoint,
-                                         load_model, make_checkpoint_dir, save_checkpoint)
+                                         load_model, make_checkpoint_dir, save_checkpoint, update_meta)
 from nanochat.common import (ArgumentParser, GracefulStop, UserError, add_model_generation_flag, add_optimizer_flags, autocast_context,
                              compute_cleanup, compute_dtype, compute_init, format_duration, get_base_dir, get_dist_info,
                              grad_norm, print0, progress_bar, remaining_seconds, requested_dtype, run_main)
-from nanochat.engine import Engine
+from nanochat.engine import Engine, fastest_decode_dtype
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.gpt import scale_initial_lr
 from nanochat.metrics import reduce_metrics, rollout_metrics
 from nanochat.report import get_report, log_chat_rl
 from nanochat.wandb_utils import init_wandb, log_samples_table
-from nanochat.rl import accumulate_policy_gradient, lr_multiplier, make_question_batch
+from nanochat.rl import LOSS_NORMS, PolicyLoss, accumulate_policy_gradient, lr_multiplier, make_question_batch, step_counts
 from tasks.registry import make_task, resolve_task_class
 
 
@@ -48,6 +50,9 @@ def parse_args(argv):
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
     p.add_argument("--dtype", type=str, default=None,
                    help="float32|bfloat16 compute dtype (autocast); default: $NANOCHAT_DTYPE, else bfloat16")
+    p.add_argument("--rollout-dtype", type=str, default="auto",
+                   help="dtype of rollouts and evals: auto (with a bf16 --dtype on a CPU, whichever of bf16 and fp32 "
+                        "decodes faster here, measured at the start and kept on --resume), float32 or bfloat16")
     # model to start from, and where the run is written
     p.add_argument("--source", type=str, default="sft",
                    help="checkpoint family to start from: base|mid|sft|rl (rl: a new run from an RL checkpoint)")
@@ -75,6 +80,21 @@ def parse_args(argv):
     # optimization
     add_optimizer_flags(p)
     p.add_argument("--init-lr-frac", type=float, default=0.05, help="every lr is multiplied by this at the start")
+    # algorithm options (each default is nanochat's)
+    p.add_argument("--loss-norm", type=str, default="pass",
+                   help="denominator of each token's term: pass (nanochat: valid tokens per pass of --device-batch-size "
+                        "rows), token (DAPO: all the step's tokens), sequence (mean per sequence, then over sequences), "
+                        "constant (Dr. GRPO: num_samples * max_new_tokens per question)")
+    p.add_argument("--advantage-std", action="store_true",
+                   help="divide each question's advantages by its reward std + 1e-4 (GRPO)")
+    p.add_argument("--mask-truncated", action="store_true",
+                   help="rows cut at --max-new-tokens carry no gradient and count in no denominator (overlong filtering)")
+    p.add_argument("--ppo-epochs", type=int, default=1,
+                   help="optimizer steps per batch of rollouts; epochs after the first use the clipped ratio (PPO)")
+    p.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clipped below at 1 - clip-low")
+    p.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clipped above at 1 + clip-high (DAPO: 0.28)")
+    p.add_argument("--kl-coef", type=float, default=0.0,
+                   help="weight of the k3 KL penalty to the starting model (0 = none; > 0 loads a second copy)")
     # eval and checkpoints
     p.add_argument("--eval-every", type=int, default=60, help="pass@k eval period in steps (-1 = never)")
     p.add_argument("--eval-examples", type=int, default=400, help="test questions used by the eval")
@@ -97,6 +117,8 @@ def validate_args(args, world_size):
         if not ok:
             raise UserError(message)
     args.dtype = requested_dtype(args.dtype)
+    need(args.rollout_dtype in ("auto", "float32", "bfloat16"),
+         f"--rollout-dtype must be auto, float32 or bfloat16, got {args.rollout_dtype!r}")
     need(args.source in CHECKPOINT_DIRS, f"--source must be {', '.join(CHECKPOINT_DIRS)}, got {args.source!r}")
     resolve_task_class(args.task)  # an unknown --task is reported now, not after the checkpoint has loaded
     if args.output_tag is not None:
@@ -125,6 +147,11 @@ def validate_args(args, world_size):
     need(args.save_every == -1 or args.save_every >= 1, f"--save-every must be >= 1, or -1 for the last step only, got {args.save_every}")
     need(args.num_steps == -1 or args.num_steps >= 1, f"--num-steps must be >= 1, or -1 to derive it from epochs, got {args.num_steps}")
     need(args.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {args.max_bad_steps}")
+    need(args.loss_norm in LOSS_NORMS, f"--loss-norm must be {', '.join(LOSS_NORMS)}, got {args.loss_norm!r}")
+    need(args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1 (1 = nanochat's on-policy step), got {args.ppo_epochs}")
+    need(0 <= args.clip_low < 1, f"--clip-low must be in [0, 1) (the ratio is clipped at 1 - clip-low), got {args.clip_low}")
+    need(args.clip_high >= 0, f"--clip-high must be >= 0, got {args.clip_high}")
+    need(args.kl_coef >= 0, f"--kl-coef must be >= 0 (0 = no KL penalty), got {args.kl_coef}")
     need(not (args.resume and args.overwrite), "--resume continues a run and --overwrite replaces it; pass only one")
 
 
@@ -158,8 +185,64 @@ def rollout_step(engine, task, indices, step, args):
     batches = []
     for conv, prompt, completions in zip(conversations, prompts, results):
         rewards = [float(task.reward(conv, tokenizer.decode(c.tokens))) for c in completions]
-        batches.append(make_question_batch(prompt, [(c.tokens, c.masks) for c in completions], rewards, pad))
+        batches.append(make_question_batch(prompt, [(c.tokens, c.masks) for c in completions], rewards, pad,
+                                           truncated=[not c.ended for c in completions],
+                                           scale_by_std=args.advantage_std))
     return batches, results
+
+
+def policy_gradient(model, batches, args, examples_per_rank, device, autocast, micro_rows, **objective):
+    """accumulate_policy_gradient, retried with half the rows per forward on out-of-memory (the objective is
+    unchanged). objective: its loss, counts, reference and first_epoch arguments.
+    Returns (TrainStats, the rows per forward that fit)."""
+    while True:
+        try:
+            return accumulate_policy_gradient(model, batches, args.device_batch_size, examples_per_rank, device, autocast,
+                                              micro_batch_rows=micro_rows, **objective), micro_rows
+        except torch.OutOfMemoryError:
+            model.zero_grad(set_to_none=True)
+            if micro_rows <= 1:
+                raise
+            micro_rows //= 2
+            print0(f"out of memory during training: retrying with {micro_rows} rows per forward pass")
+
+
+def objective_metrics(first, last):
+    """The objective's diagnostics, as metrics for reduce_metrics: the first epoch's trained tokens and its mean
+    KL to the reference (with --kl-coef), the last PPO epoch's clipped fraction and KL from the old policy
+    (measured in its forward, after the earlier epochs' updates)."""
+    out = {"trained_tokens": float(first.tokens)}
+    if last.clip_fraction is not None:
+        out.update(clip_fraction=last.clip_fraction, approx_kl=last.approx_kl)
+    if first.kl_ref is not None:
+        out["kl_ref"] = first.kl_ref
+    return out
+
+
+def load_reference(start, device, generation):
+    """The frozen model of --kl-coef's penalty: the checkpoint the run started from (start: its source, tag and
+    step, as recorded in the run's meta), so a resumed run is penalized towards the same model."""
+    if start is None:
+        raise UserError("--kl-coef > 0 needs the checkpoint the run started from, and this run's meta does not record "
+                        "it (written before --kl-coef existed); resume it with its own flags or start a new run")
+    reference, _, _ = load_model(start["source"], device, phase="eval", model_tag=start["model_tag"], step=start["step"],
+                                 generation=generation)
+    reference.requires_grad_(False)
+    return reference
+
+
+def rollout_dtype(model, device, args):
+    """The rollout dtype's name: --rollout-dtype when it names one; with auto, the compute dtype, except
+    that a bf16 run on a CPU or MPS decodes in whichever of bf16 and fp32 is faster there (measured now)."""
+    if args.rollout_dtype != "auto":
+        return args.rollout_dtype
+    if args.dtype == "float32" or device.type == "cuda":
+        return args.dtype
+    chosen = fastest_decode_dtype(model, [torch.bfloat16, torch.float32])
+    name = str(chosen).removeprefix("torch.")
+    print0(f"rollouts decode in {name}: measured faster than {'float32' if name == 'bfloat16' else 'bfloat16'} "
+           f"on this {device.type} (--rollout-dtype to choose)")
+    return name
 
 
 # flags that define the run; --resume restores them from the checkpoint so the continuation is exact
@@ -253,6 +336,7 @@ def run(args, rank, world_size, device, stop):
                             f"resume with the same number of ranks (got {world_size})")
         validate_args(args, world_size)
         start_step, model_tag = resume_step + 1, tag
+        start = meta.get("start_checkpoint")
         print0(f"Resuming RL run {tag} after step {resume_step}")
     else:
         _, source_tag, source_step = find_checkpoint(args.source, args.model_tag, args.model_step)
@@ -261,12 +345,19 @@ def run(args, rank, world_size, device, stop):
         model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=source_tag, step=source_step,
                                             generation=args.model_generation)
         model_tag = resolve_output_tag(args, source_tag, model.config.n_layer)
+        start = {"source": args.source, "model_tag": source_tag, "step": source_step}
         print0(f"Starting a new RL run from {args.source} {source_tag} step {source_step}; writing to {model_tag}")
     args.output_tag = model_tag  # the config records where the run is written
+    reference = load_reference(start, device, args.model_generation) if args.kl_coef > 0 else None
+    policy_loss = PolicyLoss(loss_norm=args.loss_norm, max_new_tokens=args.max_new_tokens,
+                             mask_truncated=args.mask_truncated, clip_low=args.clip_low, clip_high=args.clip_high,
+                             kl_coef=args.kl_coef)
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], model_tag)
 
     args.dtype = str(compute_dtype(device, args.dtype)).removeprefix("torch.")  # the config records what runs
     autocast = autocast_context(device, getattr(torch, args.dtype))
+    args.rollout_dtype = rollout_dtype(model, device, args)  # recorded, so a resumed run decodes as it did
+    rollout_autocast = autocast_context(device, getattr(torch, args.rollout_dtype))
     reduce_device = device if device.type == "cuda" else "cpu"
 
     wandb_run = init_wandb(args.run, "nanochat-rl", vars(args), rank)
@@ -295,13 +386,14 @@ def run(args, rank, world_size, device, stop):
     history = list(meta.get("history", [])) if args.resume else []          # per-step metrics, for the report
     eval_history = [tuple(e) for e in meta.get("eval_history", [])] if args.resume else []
 
+    def meta_data(step):
+        return {"step": step, "model_config": model.meta_model_config(), "generation": model.generation.name,
+                "user_config": vars(args), "start_checkpoint": start, "history": history, "eval_history": eval_history}
+
     def save(step):
         save_checkpoint(checkpoint_dir, step, model.state_dict() if master else None,
                         {"optimizers": [opt.state_dict() for opt in optimizers], "world_size": world_size},
-                        {"step": step, "model_config": model.meta_model_config(), "generation": model.generation.name,
-                         "user_config": vars(args),
-                         "history": history, "eval_history": eval_history},
-                        rank=rank)
+                        meta_data(step), rank=rank)
         print0(f"Saved checkpoint to {checkpoint_dir} (step {step})")
 
     eval_samples = args.device_batch_size
@@ -316,7 +408,7 @@ def run(args, rank, world_size, device, stop):
         if is_eval_step(step, num_steps, args.eval_every):
             model.eval()
             t0 = time.time()
-            with autocast:
+            with rollout_autocast:
                 passk, _ = evaluate_pass_at_k(engine, val_task, args.eval_examples, eval_samples, max_new_tokens=256,
                                               temperature=1.0, top_k=50, rank=rank, world_size=world_size,
                                               device=reduce_device, seed=0)
@@ -326,6 +418,8 @@ def run(args, rank, world_size, device, stop):
                    + f" | eval {t_eval:.1f}s")
             wandb_run.log({"step": step, **passk.as_dict(), "time/eval": t_eval})
             eval_history.append((step, passk.as_dict()))
+            if last_step and last_saved == step - 1 and master:  # the final eval is of the last saved model
+                update_meta(checkpoint_dir, step - 1, meta_data(step - 1))
         if last_step:
             break
 
@@ -335,7 +429,7 @@ def run(args, rank, world_size, device, stop):
         model.eval()
         while True:
             try:
-                with autocast:
+                with rollout_autocast:
                     batches, results = rollout_step(engine, train_task, indices, step, args)
                 break
             except torch.OutOfMemoryError:
@@ -346,36 +440,38 @@ def run(args, rank, world_size, device, stop):
                 print0(f"out of memory during rollouts: retrying with --max-rows={engine.max_rows}")
         t_rollout = time.time() - t0
 
-        # ---- policy gradient (retried with half the rows per forward on out-of-memory; same objective)
+        # ---- policy gradient: --ppo-epochs optimizer steps on these rollouts (nanochat: 1). The first epoch is
+        # on-policy and records the sampled tokens' log-probabilities; later epochs clip the ratio to them.
         t0 = time.time()
         model.train()
-        while True:
-            try:
-                objective, entropy = accumulate_policy_gradient(model, batches, args.device_batch_size, examples_per_rank,
-                                                                device, autocast, micro_batch_rows=micro_rows)
-                break
-            except torch.OutOfMemoryError:
-                model.zero_grad(set_to_none=True)
-                if micro_rows <= 1:
-                    raise
-                micro_rows //= 2
-                print0(f"out of memory during training: retrying with {micro_rows} rows per forward pass")
-        gnorm = grad_norm(model)
         lrm = lr_multiplier(step, num_steps)
-        finite = torch.tensor([float(math.isfinite(objective) and math.isfinite(gnorm))], device=reduce_device)
-        if dist.is_initialized():
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank must make the same choice
-        if finite.item() == 1.0:
-            consecutive_bad = 0
+        counts = step_counts(batches, args.mask_truncated, reduce_device) if args.loss_norm != "pass" else None
+        first = None
+        for epoch in range(args.ppo_epochs):
+            trained, micro_rows = policy_gradient(model, batches, args, examples_per_rank, device, autocast, micro_rows,
+                                                  loss=policy_loss, counts=counts, reference=reference, first_epoch=first)
+            first = first or trained
+            epoch_gnorm = grad_norm(model)
+            if epoch == 0:
+                gnorm = epoch_gnorm  # the on-policy gradient's norm, as nanochat logs it
+            finite = torch.tensor([float(math.isfinite(trained.objective) and math.isfinite(epoch_gnorm))], device=reduce_device)
+            if dist.is_initialized():
+                dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank must make the same choice
+            if finite.item() != 1.0:
+                break
             for opt in optimizers:
                 for group in opt.param_groups:
                     group["lr"] = group["initial_lr"] * lrm
             for opt in optimizers:
                 opt.step()
+            model.zero_grad(set_to_none=True)
+        entropy = first.entropy
+        if finite.item() == 1.0:
+            consecutive_bad = 0
         else:
             consecutive_bad += 1
-            print0(f"warning: step {step} has a non-finite loss or gradient (objective {objective}, grad norm {gnorm}); "
-                   f"skipping the optimizer step ({consecutive_bad}/{args.max_bad_steps})")
+            print0(f"warning: step {step} has a non-finite loss or gradient (objective {trained.objective}, grad norm "
+                   f"{epoch_gnorm}); skipping the optimizer step ({consecutive_bad}/{args.max_bad_steps})")
             if consecutive_bad >= args.max_bad_steps:
                 where = f"step {last_saved} in {checkpoint_dir}" if last_saved is not None else "none saved yet"
                 raise UserError(f"{consecutive_bad} consecutive steps had a non-finite loss or gradient; stopping "
@@ -383,8 +479,10 @@ def run(args, rank, world_size, device, stop):
         model.zero_grad(set_to_none=True)
         t_train = time.time() - t0
 
-        metrics = reduce_metrics(rollout_metrics([b.rewards.tolist() for b in batches], results, args.max_new_tokens,
-                                                 prompt_lengths=[b.prompt_length for b in batches]), reduce_device)
+        metrics = reduce_metrics({**rollout_metrics([b.rewards.tolist() for b in batches], results, args.max_new_tokens,
+                                                    prompt_lengths=[b.prompt_length for b in batches],
+                                                    rows_trained=first.rows_trained),
+                                  **objective_metrics(first, trained)}, reduce_device)
         num_tokens = metrics["completion_len_mean"] * metrics["num_samples"]  # generated this step, all ranks
         step_seconds.append(t_rollout + t_train)
         eta_train, eta_eval = remaining_seconds(
@@ -397,7 +495,10 @@ def run(args, rank, world_size, device, stop):
                f"len {metrics['completion_len_min']:.0f}-{metrics['completion_len_max']:.0f} "
                f"cut {metrics['truncated_fraction']:.2f} | "
                f"tool {metrics['tool_calls_per_sample']:.2f}/ok {metrics['tool_success_fraction']:.2f} | "
+               f"trained {metrics['rows_trained']:.0f}/{metrics['num_samples']:.0f} rows | "
                f"entropy {entropy:.3f} | gnorm {gnorm:.3f} | lrm {lrm:.3f} | "
+               + (f"clip {metrics['clip_fraction']:.3f} kl_old {metrics['approx_kl']:.2e} | " if "clip_fraction" in metrics else "")
+               + (f"kl_ref {metrics['kl_ref']:.2e} | " if "kl_ref" in metrics else "") +
                f"rollout {t_rollout:.1f}s train {t_train:.1f}s {num_tokens / t_rollout:.0f} tok/s | "
                f"elapsed {format_duration(time.time() - run_start)} eta {format_duration(eta_train)}"
                + (f" + eval {format_duration(eta_eval)}" if eta_eval else ""))

@@ -17,7 +17,8 @@ METRICS = ["rollout_seconds", "train_seconds", "optimizer_seconds", "step_second
            "rollout_tokens_per_s", "rollout_flops", "rollout_flops_per_s", "rollout_mfu", "train_tokens",
            "train_tokens_per_s", "train_flops", "train_flops_per_s", "train_mfu", "rows", "prefill_tokens",
            "decode_forwards", "row_steps", "rows_x_longest", "resident_mb_at_start", "peak_memory_mb",
-           "rollout_tokens_per_s_x", "train_tokens_per_s_x", "step_speedup_x"]
+           "rollout_tokens_per_s_x", "train_tokens_per_s_x", "step_speedup_x", "kv_positions_read",
+           "kv_bytes_per_decoded_token"]
 
 
 def tiny_gpt(n_layer=1, window_pattern="L", sequence_len=128, vocab_size=400):
@@ -43,6 +44,8 @@ def test_report_has_every_config_and_metric(base_dir, tmp_path, capsys):
             assert key in r, (name, key)
             assert math.isfinite(r[key]) and r[key] > 0, (name, key, r[key])
         assert r["rows"] == 2 * 4
+        assert r["rows_trained"] + r["rows_skipped"] == r["rows"]  # a random model earns no reward: lean skips all
+        assert r["rows_trained"] == (0 if name.startswith("batched") else r["rows"])
         assert r["rollout_tokens"] <= r["rows"] * 8
         assert r["row_steps"] <= r["rows_x_longest"] <= r["rows"] * (8 - 1)  # the first token comes from the prefill
         # every position of the padded passes is trained on: prompt + longest completion - 1, per question
@@ -61,6 +64,24 @@ def test_report_has_every_config_and_metric(base_dir, tmp_path, capsys):
     assert all(name in out for name in names)
 
 
+def test_lean_configs_skip_rows_and_read_fewer_kv_bytes(base_dir, tmp_path):
+    """The arithmetic workload on a tiny random model: the plain batched config trains every row and keeps a
+    prompt copy per row; batched_fp32 trains only rows with an advantage and reads each prompt's keys once
+    per step. The no-signal table trains nothing when every question is silent."""
+    output = tmp_path / "bench.json"
+    bench_rl.main(TINY_FLAGS + ["--configs=batched_plain,batched_fp32", "--task=arithmetic", "--num-samples=8",
+                                "--early-stop-mean=0", "--no-signal-fractions=0,1", f"--output={output}"])
+    report = json.loads(output.read_text())
+    plain, lean = report["results"]["batched_plain"], report["results"]["batched_fp32"]
+    assert plain["rows_trained"] == plain["rows"] == 16 and plain["rows_skipped"] == 0
+    assert lean["rows_trained"] + lean["rows_skipped"] == 16
+    assert lean["kv_bytes_per_decoded_token"] < plain["kv_bytes_per_decoded_token"]
+    table = report["no_signal_training"]
+    assert [r["no_signal_fraction"] for r in table] == [0.0, 1.0]
+    assert table[0]["skip_rows_trained"] == lean["rows_trained"] and table[1]["skip_rows_trained"] == 0
+    assert table[0]["all_rows_rows_trained"] == table[1]["all_rows_rows_trained"] == 16
+
+
 def test_config_subset_without_baseline_has_no_ratios(base_dir, tmp_path):
     output = tmp_path / "bench.json"
     bench_rl.main(TINY_FLAGS + ["--configs=batched_fp32", "--early-stop-mean=0", f"--output={output}"])
@@ -74,7 +95,7 @@ def test_default_configs_measure_bf16_only_where_it_is_native(native_bf16, monke
     monkeypatch.setattr(bench_rl, "cpu_has_native_bf16", lambda: native_bf16)
     assert bench_rl.validate_args(bench_rl.parse_args([])) is None  # no --configs: the device decides
     names = [c.name for c in bench_rl.default_configs(torch.device("cpu"))]
-    expected = ["baseline", "batched_fp32"] + (["batched_bf16"] if native_bf16 else [])
+    expected = ["baseline", "batched_plain", "batched_fp32"] + (["batched_bf16"] if native_bf16 else [])
     assert names == expected
     assert ("skipping batched_bf16" in capsys.readouterr().out) == (not native_bf16)
 

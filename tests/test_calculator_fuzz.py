@@ -526,7 +526,8 @@ def test_engine_survives_hostile_tool_calls(fuzz, tiny_tokenizer):
     rng.shuffle(sample)
     scripts = [[sp["python_start"], *tok.encode(e), sp["python_end"], sp["assistant_end"]] for e in sample]
     model = PerPromptScriptedModel(scripts, tok.get_vocab_size())
-    engine = Engine(model, tok, max_rows=16)  # fewer rows than prompts: rows are recycled mid-run
+    # fewer rows than prompts: rows are recycled mid-run; the double keeps its state in a per-row KV cache
+    engine = Engine(model, tok, max_rows=16, share_prompts=False)
     prompts = [[tok.get_bos_token_id()] * (i + 1) for i in range(len(sample))]
     max_tokens = max(len(s) for s in scripts) + 64
     results = engine.generate_many(prompts, num_samples=2, max_tokens=max_tokens, temperature=0.0)

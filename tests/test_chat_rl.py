@@ -228,3 +228,27 @@ def test_two_ranks_end_with_the_same_weights_as_one(sft, base_dir, tmp_path):
     # rewards logged by both runs agree step by step
     rewards = lambda out: [line.split("Average reward: ")[1].split(" ")[0] for line in out.splitlines() if "Average reward" in line]
     assert rewards(single.stdout) == rewards(double.stdout)
+
+
+def test_rollout_dtype_is_recorded_and_kept_on_resume(sft, base_dir, monkeypatch, capsys):
+    """auto with a bf16 run on a CPU measures which dtype decodes faster; the choice is recorded in the
+    meta and a resumed run keeps it instead of measuring again (it could come out otherwise)."""
+    import json
+    measured = []
+
+    def fake_fastest(model, candidates):
+        measured.append(candidates)
+        return torch.float32 if len(measured) == 1 else torch.bfloat16
+
+    monkeypatch.setattr(chat_rl, "fastest_decode_dtype", fake_fastest)
+    flags = [f for f in TINY_RL_FLAGS if not f.startswith("--dtype")] + ["--dtype=bfloat16", "--save-every=1"]
+    chat_rl.main(flags + ["--num-steps=3"])
+    rl_dir = base_dir / "chatrl_checkpoints" / "d2"
+    meta = json.loads((rl_dir / "meta_000001.json").read_text())
+    assert meta["user_config"]["rollout_dtype"] == "float32" and len(measured) == 1
+    (rl_dir / "meta_000002.json").unlink()
+    (rl_dir / "model_000002.pt").unlink()
+    chat_rl.main(["--resume=d2:1", "--device-type=cpu"])
+    meta = json.loads((rl_dir / "meta_000002.json").read_text())
+    assert meta["user_config"]["rollout_dtype"] == "float32" and len(measured) == 1  # not measured again
+    assert "rollouts decode in float32" in capsys.readouterr().out

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanochat.engine import Engine
-from nanochat.gpt import GPTConfig
+from nanochat.gpt import GPT, GPTConfig
 from test_gpt import random_model
 
 
@@ -39,7 +39,7 @@ class ScriptedModel(torch.nn.Module):
     def forward(self, idx, kv_cache=None):
         self.forwards += 1
         B, T = idx.shape
-        positions = kv_cache.pos[:, None] + torch.arange(T)  # (B, T)
+        positions = kv_cache.next_positions()[:, None] + torch.arange(T)  # (B, T)
         k = (positions + 1 - self.prompt_len).clamp(min=0, max=len(self.script) - 1)
         logits = torch.full((B, T, self.config.vocab_size), -1e9)
         logits.scatter_(-1, torch.tensor(self.script)[k][..., None], 0.0)
@@ -204,3 +204,60 @@ def test_progress_reports_every_finished_row(tiny_model, tiny_tokenizer):
     counts = []
     engine.generate_many(prompts, num_samples=3, max_tokens=6, temperature=1.0, max_rows=4, progress=counts.append)
     assert sum(counts) == 9 and all(c > 0 for c in counts)
+
+
+@pytest.mark.parametrize("generation", ["jan2026", "smear"])
+def test_shared_prompt_cache_gives_the_tokens_of_per_row_copies(tiny_tokenizer, generation, monkeypatch):
+    """A prompt's keys stored once for all its rows (the default) against a copy per row (nanochat's way):
+    the same greedy tokens, and the same sampled tokens from the same per-row seeds, with rows recycled
+    mid-run (max_rows below the row count), prompts longer than the short window, and the completion
+    storage growing (from 4 positions) while rows decode."""
+    from nanochat.engine import SharedPromptKVCache
+    monkeypatch.setattr(SharedPromptKVCache, "INITIAL_SUFFIX_CAPACITY", 4)
+    config = GPTConfig(sequence_len=64, vocab_size=tiny_tokenizer.get_vocab_size(), n_layer=2, n_head=4,
+                       n_kv_head=2, n_embd=64, window_pattern="SL")
+    torch.manual_seed(0)
+    model = GPT(config, generation)
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    model.eval()
+    questions = ["a b", "Natalia sold 48 clips to her friends in April and then half as many in May", "c", "Weng"]
+    prompts = [prompt_of(tiny_tokenizer, q) for q in questions]
+    assert max(len(p) for p in prompts) > 32  # past the short window
+    for sampling in (dict(temperature=0.0), dict(temperature=1.0, top_k=20)):
+        outs = []
+        for share in (True, False):
+            engine = Engine(model, tiny_tokenizer, share_prompts=share)
+            out = engine.generate_many(prompts, num_samples=3, max_tokens=24, seeds=[5, 6, 7, 8], max_rows=5, **sampling)
+            outs.append([[(c.tokens, c.masks) for c in per] for per in out])
+        assert outs[0] == outs[1]
+
+
+def test_shared_prompts_fit_more_rows(tiny_model, tiny_tokenizer):
+    """In the same memory budget a prompt stored once leaves room for more rows."""
+    shared = Engine(tiny_model, tiny_tokenizer, memory_budget_gb=0.01)
+    copies = Engine(tiny_model, tiny_tokenizer, memory_budget_gb=0.01, share_prompts=False)
+    rows = [e.rows_for_budget(prompt_len=200, max_tokens=100, dtype=torch.float32, num_samples=16) for e in (shared, copies)]
+    assert rows[0] > 2 * rows[1]
+
+
+def test_fastest_decode_dtype_picks_a_candidate(tiny_model, monkeypatch):
+    """One candidate is returned without timing; of two, the one whose timed steps were shorter."""
+    from nanochat import engine as engine_module
+    assert engine_module.fastest_decode_dtype(tiny_model, [torch.float32]) == torch.float32
+    clock = iter(range(1000))
+    slow = {torch.bfloat16: 5.0, torch.float32: 1.0}  # seconds each timed step of that dtype takes
+    state = {}
+
+    def fake_perf_counter():
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32
+        state["t"] = state.get("t", 0.0) + slow[dtype] * (next(clock) % 2)
+        return state["t"]
+
+    import time
+    monkeypatch.setattr(time, "perf_counter", fake_perf_counter)
+    assert engine_module.fastest_decode_dtype(tiny_model, [torch.bfloat16, torch.float32]) == torch.float32
+    slow.update({torch.bfloat16: 0.5})
+    assert engine_module.fastest_decode_dtype(tiny_model, [torch.bfloat16, torch.float32]) == torch.bfloat16

@@ -50,7 +50,7 @@ def test_rollout_metrics_known_values():
     assert m["truncated_fraction"] == pytest.approx(2 / 9)
     assert m["tool_calls_per_sample"] == pytest.approx(4 / 9)
     assert m["tool_success_fraction"] == pytest.approx(2 / 4)
-    assert set(m) == set(REDUCTIONS)  # every metric knows how to combine across ranks
+    assert set(m) <= set(REDUCTIONS)  # every metric knows how to combine across ranks (REDUCTIONS also has the objective's)
 
 
 def test_rollout_metrics_no_tool_calls_and_single_sample():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nanochat.common import run_main
+from nanochat.rl import TrainStats
 from scripts import chat_rl
 from test_chat_rl import REPO, TINY_RL_FLAGS, make_sft_checkpoint
 
@@ -73,7 +74,7 @@ def test_non_finite_steps_are_skipped_then_abort(sft, base_dir, monkeypatch, cap
         calls.append(1)
         for p in model.parameters():
             p.grad = torch.full_like(p, float("nan"))
-        return float("nan"), 0.0
+        return TrainStats(objective=float("nan"), entropy=0.0, rows_trained=0, rows_total=0)
 
     monkeypatch.setattr(chat_rl, "accumulate_policy_gradient", nan_gradient)
     with pytest.raises(SystemExit) as e:
@@ -113,8 +114,12 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(sft, base_dir,
     assert "out of memory during training: retrying with 1 rows per forward pass" in out
     assert raised == {"rollout": 1, "train": 1}
     got = weights(rl_dir(base_dir) / "model_000001.pt")
+    # Fewer rows per forward sums the same gradient in another order (fp32 ulps). AdamW's first step divides
+    # by |g| + 1e-10, so an element whose gradient is ~1e-10 moves by a rounding-dependent fraction of its lr
+    # (measured: one wte element of 28672 off by 3e-6, everything else <= 4e-7); a real difference in the
+    # objective moves weights by ~lr (1e-2 here).
     for k in got:
-        assert torch.allclose(got[k], reference[k], atol=1e-6), k
+        assert torch.allclose(got[k], reference[k], atol=1e-5), k
 
 
 def test_sigterm_saves_and_resume_matches_uninterrupted_run(sft, base_dir, tmp_path, tiny_tokenizer):

@@ -70,6 +70,9 @@ class TableModel(torch.nn.Module):
     def hidden_states(self, idx):
         return self.table[idx]  # (B, T, V): the "hidden state" is already the logits row
 
+    def hidden_states_shared_prefix(self, prefix, rows):
+        return self.table[prefix], self.table[rows]  # a lookup does not depend on what came before
+
     def logits(self, hidden):
         return hidden
 
@@ -81,8 +84,8 @@ def test_train_step_gradient_equals_hand_assembled_objective():
     q1 = make_question_batch([1, 2], [([3, 4], [1, 1]), ([3], [1]), ([5, 6, 7], [1, 0, 1]), ([8], [1])], [1, 0, 0, 1], PAD)
     q2 = make_question_batch([9], [([10], [1]), ([11, 12], [1, 1]), ([13], [1]), ([14, 15], [0, 1])], [0, 0, 1, 0], PAD)
     model = TableModel()
-    objective, _ = accumulate_policy_gradient(model, [q1, q2], device_batch_size=2, examples_per_rank=2,
-                                              device="cpu", autocast=nullcontext())
+    objective = accumulate_policy_gradient(model, [q1, q2], device_batch_size=2, examples_per_rank=2,
+                                           device="cpu", autocast=nullcontext()).objective
     got = model.table.grad.clone()
 
     model.table.grad = None

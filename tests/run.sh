@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The test suite in one command, on a fresh machine or on one that ran it before:
+#
+#   bash tests/run.sh                               # every test
+#   bash tests/run.sh tests/test_engine.py -k tool  # arguments go to pytest (in place of `tests`)
+#
+# 1. creates .venv (python3 -m venv), or reuses it;
+# 2. installs torch into it unless it already has one: the CPU build (torch==2.13.0), or, where nvidia-smi
+#    shows an NVIDIA GPU, a CUDA build (PyPI's torch for Linux);
+# 3. installs this package with its test extras (pip install -e ".[test]");
+# 4. runs pytest and exits with pytest's exit code.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3}
+venv_python=.venv/bin/python
+if ! { [ -x "$venv_python" ] && "$venv_python" -c "import sys" >/dev/null 2>&1; }; then
+    [ -e .venv ] && echo "tests/run.sh: .venv is broken (its python does not run); recreating it"
+    rm -rf .venv
+    "$python" -m venv .venv
+fi
+
+if "$venv_python" -c "import torch" >/dev/null 2>&1; then
+    :  # keep the torch the venv has (a CUDA build someone installed stays)
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "tests/run.sh: NVIDIA GPU found: installing a CUDA build of torch into .venv"
+    "$venv_python" -m pip install --quiet torch
+else
+    echo "tests/run.sh: installing the CPU build of torch into .venv"
+    "$venv_python" -m pip install --quiet torch==2.13.0  # pinned: an unpinned torch pulls GBs of CUDA wheels
+fi
+"$venv_python" -m pip install --quiet -e ".[test]"
+
+# with arguments they replace `tests` (a path selects; with options only, pyproject's testpaths is `tests`)
+[ $# -gt 0 ] || set -- tests
+exec "$venv_python" -m pytest -q -p no:cacheprovider "$@"

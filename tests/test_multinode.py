@@ -1,0 +1,61 @@
+"""chat_rl across machines: two torchrun "nodes" on 127.0.0.1 (one gloo process each) end a run with the
+weights one process reaches, and each node writes only its own checkpoint files."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from gloo_ranks import free_port
+from test_chat_rl import TINY_RL_FLAGS, make_sft_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_two_nodes_end_with_the_same_weights_as_one_process(base_dir, tiny_tokenizer, tmp_path):
+    """Each node gets its own copy of the base dir (no shared filesystem), as README's multi-node section
+    allows: the run must not read anything another node writes. Rank 0 (node 0) writes the model and meta,
+    every rank its optimizer shard, each into its own node's copy. Equality holds for the reasons given in
+    test_chat_rl's two-rank test (per-question seeds, per-row random streams, gradients averaged over ranks)."""
+    sft = make_sft_checkpoint(base_dir, tiny_tokenizer.get_vocab_size())
+    flags = TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+
+    single = subprocess.run([sys.executable, "-m", "scripts.chat_rl", *flags], cwd=REPO, capture_output=True, text=True,
+                            env={**env, "NANOCHAT_BASE_DIR": str(base_dir)}, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    one = torch.load(base_dir / "chatrl_checkpoints" / "d2" / "model_000001.pt", weights_only=True)
+
+    node_dirs = [tmp_path / f"node{i}" for i in range(2)]
+    for node_dir in node_dirs:  # a copy of the base dir as it was before the run
+        shutil.copytree(base_dir, node_dir, ignore=shutil.ignore_patterns("chatrl_checkpoints", "report"))
+    port = free_port()
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                               f"--node-rank={i}", "--master-addr=127.0.0.1", f"--master-port={port}",
+                               "-m", "scripts.chat_rl", "--", *flags],
+                              cwd=REPO, env={**env, "NANOCHAT_BASE_DIR": str(node_dirs[i])},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=300))
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    for node, (_, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-3000:]
+
+    run_dirs = [node_dir / "chatrl_checkpoints" / "d2" for node_dir in node_dirs]
+    assert sorted(p.name for p in run_dirs[0].iterdir()) == ["meta_000001.json", "model_000001.pt", "optim_000001_rank0.pt"]
+    assert sorted(p.name for p in run_dirs[1].iterdir()) == ["optim_000001_rank1.pt"]
+    two = torch.load(run_dirs[0] / "model_000001.pt", weights_only=True)
+    for key in one:
+        assert torch.allclose(one[key], two[key], atol=1e-5, rtol=0), key
+    assert any(not torch.equal(one[k], sft.state_dict()[k]) for k in one)
+    rewards = lambda out: [line.split("Average reward: ")[1].split(" ")[0] for line in out.splitlines() if "Average reward" in line]
+    assert rewards(single.stdout) == rewards(outputs[0][0]) and len(rewards(single.stdout)) == 2
