@@ -97,12 +97,15 @@ def plot_runs(path, runs, smooth):
             xs, ys = series[title]
             ax.plot(xs, ys, label=label, marker="o" if title == "pass@1" else None)
     for ax, (title, ylabel) in zip(axes, PANELS):
-        ax.set_title(title + (" (mean over each question's samples)" if title == "pass@1" and pass_key != "pass@1" else ""))
+        ax.set_title(title + (" (mean over each question's samples)" if title == "pass@1" and pass_key != "pass@1" else ""),
+                     fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
+    # one legend for the four panels, under them, so long labels never cover a curve
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.035 * len(runs) + 0.01, 1, 1))
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}.png"
@@ -136,8 +139,13 @@ def main(argv):
         raise UserError(f"--smooth must be >= 1, got {args.smooth}")
     runs = [load_run(d) for d in args.runs]
     flags = differing_flags([m for _, m in runs])
-    labels = [name + (" (" + " ".join(f"{k}={m.get('user_config', {}).get(k)}" for k in flags) + ")" if flags else "")
-              for name, m in runs]
+    # each run's label: its name and the flags in which it differs from the first run
+    first_config = runs[0][1].get("user_config", {})
+    labels = []
+    for name, m in runs:
+        config = m.get("user_config", {})
+        own = [f"{k}={config.get(k)}" for k in flags if config.get(k) != first_config.get(k)]
+        labels.append(name + (": " + " ".join(own) if own else ""))
     path = plot_runs(args.output, list(zip(labels, [m for _, m in runs])), args.smooth)
     print(markdown_table(["run", "flags", "steps", "pass@1 first", "pass@1 last", "sampled pass@1 first",
                           "sampled pass@1 last", "reward first 10", "reward last 10", "length last 10",

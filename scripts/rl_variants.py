@@ -23,9 +23,10 @@ import time
 
 from nanochat.common import ArgumentParser, UserError, get_base_dir, run_main
 
-# the speedrun's CPU RL configuration (speedrun.sh), without its step count and evals
+# the speedrun's CPU RL configuration (speedrun.sh), without its step count and evals; in fp32, so that every run
+# has the same numerics (a bf16 CPU run picks its rollout dtype by timing both, which can differ from run to run)
 WORKLOAD = ["--task=arithmetic", "--examples-per-step=16", "--num-samples=8", "--device-batch-size=8",
-            "--max-new-tokens=128", "--save-every=-1", "--overwrite"]
+            "--max-new-tokens=128", "--save-every=-1", "--overwrite", "--dtype=float32"]
 VARIANTS = {
     "default": [],                                                                  # nanochat
     "token_ppo": ["--loss-norm=token", "--clip-high=0.28", "--ppo-epochs=2"],       # DAPO-style

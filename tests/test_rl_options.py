@@ -17,7 +17,7 @@ from nanochat.gpt import GPT, GPTConfig
 from nanochat.rl import (PolicyLoss, _row_hidden_states, _trained_rows, accumulate_policy_gradient, advantages_from_rewards,
                          clipped_surrogate, k3_kl, make_question_batch, row_weights, step_counts, token_logprobs_and_entropy)
 from rl_options_worker import CASES, questions, run_case
-from scripts import chat_rl, compare_runs
+from scripts import chat_rl, compare_runs, rl_variants
 from test_chat_rl import TINY_RL_FLAGS, make_sft_checkpoint
 from test_rl_objective import TableModel
 
@@ -317,3 +317,10 @@ def test_compare_runs_plots_and_tabulates(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         run_main(compare_runs.main, [str(tmp_path / "nope")])
     assert e.value.code == 2 and "is not a directory" in capsys.readouterr().err
+
+
+def test_rl_variants_refuses_an_unknown_variant_before_running_anything(capsys):
+    with pytest.raises(SystemExit) as e:
+        run_main(rl_variants.main, ["--variants=default,dapo"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "unknown dapo" in err and "token_ppo" in err and err.count("\n") == 1
