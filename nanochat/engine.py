@@ -651,11 +651,13 @@ class Engine:
             events = (decode_step() if slots else []) + admit()
 
 
-def fastest_decode_dtype(model, candidates, rows=16, context=64, steps=3):
-    """Of `candidates` (torch dtypes), the one in which a batched decode step of `model` runs fastest on its
-    device: `rows` rows over `context` cached tokens, the best of `steps` timed steps after a warm-up each.
-    bf16 is not faster everywhere: on CPUs with AVX512-BF16 but no AMX, small decode matmuls in bf16 lose to
-    fp32 (measured), while training matmuls gain. One candidate is returned as is, without timing."""
+def fastest_decode_dtype(model, candidates, rows=16, context=64, steps=3, margin=1.2):
+    """Of `candidates` (torch dtypes, the preferred first), the one in which a batched decode step of `model`
+    runs fastest on its device: `rows` rows over `context` cached tokens, the best of `steps` timed steps after
+    a warm-up each. Another candidate replaces the first only when it is faster by `margin`, so that timing
+    noise on a busy machine does not flip a close call from run to run. bf16 is not faster everywhere: on
+    CPUs with AVX512-BF16 but no AMX, decode matmuls of many rows in bf16 lose to fp32 (measured 1.5x), while
+    training matmuls gain. One candidate is returned as is, without timing."""
     import time
 
     from nanochat.common import autocast_context
@@ -683,4 +685,5 @@ def fastest_decode_dtype(model, candidates, rows=16, context=64, steps=3):
                         torch.cuda.synchronize(device)
                     times.append(time.perf_counter() - t0)
             best[dtype] = min(times)
-    return min(candidates, key=lambda d: best[d])
+    fastest = min(candidates, key=lambda d: best[d])
+    return fastest if best[fastest] * margin < best[candidates[0]] else candidates[0]

@@ -244,7 +244,8 @@ def test_shared_prompts_fit_more_rows(tiny_model, tiny_tokenizer):
 
 
 def test_fastest_decode_dtype_picks_a_candidate(tiny_model, monkeypatch):
-    """One candidate is returned without timing; of two, the one whose timed steps were shorter."""
+    """One candidate is returned without timing; of two, the one whose timed steps were shorter by the
+    margin (1.2x), else the first (preferred) one."""
     from nanochat import engine as engine_module
     assert engine_module.fastest_decode_dtype(tiny_model, [torch.float32]) == torch.float32
     clock = iter(range(1000))
@@ -260,4 +261,6 @@ def test_fastest_decode_dtype_picks_a_candidate(tiny_model, monkeypatch):
     monkeypatch.setattr(time, "perf_counter", fake_perf_counter)
     assert engine_module.fastest_decode_dtype(tiny_model, [torch.bfloat16, torch.float32]) == torch.float32
     slow.update({torch.bfloat16: 0.5})
+    assert engine_module.fastest_decode_dtype(tiny_model, [torch.bfloat16, torch.float32]) == torch.bfloat16
+    slow.update({torch.bfloat16: 1.1})  # fp32 faster, but within the margin: the preferred first one stays
     assert engine_module.fastest_decode_dtype(tiny_model, [torch.bfloat16, torch.float32]) == torch.bfloat16
