@@ -55,7 +55,7 @@ def test_stages_run_in_order_and_leave_their_files(first_run, gsm8k_dir):
     report = base / "report" / "report.md"
     assert "## Chat RL" in report.read_text()
     from PIL import Image
-    for plot in ("chat-rl-reward.png", "chat-rl-seq-len.png"):  # no pass@k plot: this tiny run never evaluates
+    for plot in ("chat-rl-reward.png", "chat-rl-completion-len.png"):  # no pass@k plot: this tiny run never evaluates
         assert f"]({plot})" in report.read_text()
         with Image.open(base / "report" / plot) as image:
             image.load()
