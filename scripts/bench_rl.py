@@ -530,10 +530,15 @@ def format_table(results):
     lines = [f"{'config':<20} {'roll tok/s':>10} {'x':>6} {'train tok/s':>11} {'x':>6} {'roll MFU':>8} {'train MFU':>9} "
              f"{'step s':>8} {'speedup':>7} {'peak MB':>8}"]
     for name, r in results.items():
+        # training throughput counts every row's tokens (the work a plain step does); with no row trained
+        # (every question without signal) there is no training speed to show
+        if r["rows_trained"]:
+            train = (f"{r['train_tokens_per_s']:11.1f} {ratio(r, 'train_tokens_per_s_x')} {100 * r['rollout_mfu']:7.2f}% "
+                     f"{100 * r['train_mfu']:8.2f}%")
+        else:
+            train = f"{'-':>11} {'-':>6} {100 * r['rollout_mfu']:7.2f}% {'-':>9}"
         lines.append(f"{name:<20} {r['rollout_tokens_per_s']:10.1f} {ratio(r, 'rollout_tokens_per_s_x')} "
-                     f"{r['train_tokens_per_s']:11.1f} {ratio(r, 'train_tokens_per_s_x')} {100 * r['rollout_mfu']:7.2f}% "
-                     f"{100 * r['train_mfu']:8.2f}% {r['step_seconds']:8.2f} {ratio(r, 'step_speedup_x'):>7} "
-                     f"{r['peak_memory_mb']:8.0f}")
+                     f"{train} {r['step_seconds']:8.2f} {ratio(r, 'step_speedup_x'):>7} {r['peak_memory_mb']:8.0f}")
     lines.append("")
     lines.append(f"{'config':<20} {'tokens':>7} {'rows':>5} {'row_steps':>9} {'rows x longest':>14} "
                  f"{'rollout s':>9} {'train s':>8} {'optim s':>8} {'trained':>7} {'skipped':>7} {'KV B/token':>10}")
