@@ -664,7 +664,7 @@ def fastest_decode_dtype(model, candidates, rows=16, context=64, steps=3, margin
     if len(candidates) == 1:
         return candidates[0]
     device = model.get_device()
-    context = min(context, model.config.sequence_len - steps - 2)
+    context = max(1, min(context, model.config.sequence_len - steps - 2))
     gen = torch.Generator(device="cpu").manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (rows, context), generator=gen).to(device)
     best = {}

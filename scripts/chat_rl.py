@@ -233,13 +233,17 @@ def load_reference(start, device, generation):
 
 def rollout_dtype(model, device, args):
     """The rollout dtype's name: --rollout-dtype when it names one; with auto, the compute dtype, except
-    that a bf16 run on a CPU or MPS decodes in whichever of bf16 and fp32 is faster there (measured now)."""
+    that a bf16 run on a CPU or MPS decodes in whichever of bf16 and fp32 is faster there (measured now, on
+    rank 0's device: every rank uses its choice)."""
     if args.rollout_dtype != "auto":
         return args.rollout_dtype
     if args.dtype == "float32" or device.type == "cuda":
         return args.dtype
-    chosen = fastest_decode_dtype(model, [torch.bfloat16, torch.float32])
-    name = str(chosen).removeprefix("torch.")
+    candidates = [torch.bfloat16, torch.float32]
+    choice = torch.tensor([candidates.index(fastest_decode_dtype(model, candidates))])
+    if dist.is_initialized():  # every rank decodes as rank 0 measured (and as the checkpoint records); a CPU
+        dist.broadcast(choice, src=0)  # tensor: this path runs on CPU/MPS only, whose process group is gloo
+    name = str(candidates[int(choice)]).removeprefix("torch.")
     print0(f"rollouts decode in {name}: measured faster than {'float32' if name == 'bfloat16' else 'bfloat16'} "
            f"on this {device.type} (--rollout-dtype to choose)")
     return name
