@@ -182,6 +182,14 @@ def compute_dtype(device, requested):
     return torch.bfloat16
 
 
+def synchronize(device):
+    """Wait for the device's queued work (CUDA, MPS), so that a wall-clock time measures it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
 def autocast_context(device, dtype):
     """bf16 autocast on `device`, or nothing for float32 (weights are float32 either way)."""
     if dtype == torch.float32:

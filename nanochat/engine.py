@@ -16,6 +16,16 @@ from nanochat.calculator import format_result, use_calculator
 from nanochat.gpt import attend, sequence_masks, window_mask
 
 
+def cache_geometry(model):
+    """What a KV cache for `model` needs to know: (n_kv_head, head_dim, n_layer, device, parameter dtype,
+    embed_dim of the per-row smear state or None). A model without a `generation` (a test double) carries
+    no smear state."""
+    cfg = model.config
+    smear = getattr(getattr(model, "generation", None), "smear", False)
+    return (cfg.n_kv_head, cfg.n_embd // cfg.n_head, cfg.n_layer, model.get_device(), next(model.parameters()).dtype,
+            cfg.n_embd if smear else None)
+
+
 class KVCache:
     """Keys and values of every layer for B rows, each row at its own position.
 
@@ -42,12 +52,10 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, batch_size, seq_len, dtype=None):
-        """An empty cache shaped for `model`, with the per-row state its generation carries between steps
-        (a model without a `generation`, such as a test double, carries none)."""
-        cfg, param_dtype = model.config, next(model.parameters()).dtype
-        smear = getattr(getattr(model, "generation", None), "smear", False)
-        return cls(batch_size, cfg.n_kv_head, seq_len, cfg.n_embd // cfg.n_head, cfg.n_layer, device=model.get_device(),
-                   dtype=dtype or param_dtype, embed_dim=cfg.n_embd if smear else None, embed_dtype=param_dtype)
+        """An empty cache shaped for `model`, with the per-row state its generation carries between steps."""
+        heads, head_dim, layers, device, param_dtype, embed_dim = cache_geometry(model)
+        return cls(batch_size, heads, seq_len, head_dim, layers, device=device, dtype=dtype or param_dtype,
+                   embed_dim=embed_dim, embed_dtype=param_dtype)
 
     @property
     def batch_size(self):
@@ -186,16 +194,15 @@ class SharedPromptKVCache:
 
     @classmethod
     def for_model(cls, model, batch_size, slots, prompt_cap, suffix_cap, rows_per_slot, dtype=None):
-        cfg, param_dtype = model.config, next(model.parameters()).dtype
-        smear = getattr(getattr(model, "generation", None), "smear", False)
-        return cls(batch_size, slots, prompt_cap, suffix_cap, cfg.n_kv_head, cfg.n_embd // cfg.n_head, cfg.n_layer,
-                   device=model.get_device(), dtype=dtype or param_dtype, rows_per_slot=rows_per_slot,
-                   embed_dim=cfg.n_embd if smear else None, embed_dtype=param_dtype)
+        heads, head_dim, layers, device, param_dtype, embed_dim = cache_geometry(model)
+        return cls(batch_size, slots, prompt_cap, suffix_cap, heads, head_dim, layers, device=device,
+                   dtype=dtype or param_dtype, rows_per_slot=rows_per_slot, embed_dim=embed_dim, embed_dtype=param_dtype)
 
     @staticmethod
     def bytes_per_token(model, dtype):
-        cfg = model.config
-        return 2 * cfg.n_layer * cfg.n_kv_head * (cfg.n_embd // cfg.n_head) * torch.tensor([], dtype=dtype).element_size()
+        """Bytes of keys and values one cached position takes over all layers."""
+        heads, head_dim, layers, _, _, _ = cache_geometry(model)
+        return 2 * layers * heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
     @property
     def batch_size(self):
@@ -660,7 +667,7 @@ def fastest_decode_dtype(model, candidates, rows=16, context=64, steps=3, margin
     training matmuls gain. One candidate is returned as is, without timing."""
     import time
 
-    from nanochat.common import autocast_context
+    from nanochat.common import autocast_context, synchronize
     if len(candidates) == 1:
         return candidates[0]
     device = model.get_device()
@@ -677,12 +684,10 @@ def fastest_decode_dtype(model, candidates, rows=16, context=64, steps=3, margin
                 model(token, kv_cache=cache)  # warm-up
                 times = []
                 for _ in range(steps):
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
+                    synchronize(device)
                     t0 = time.perf_counter()
                     model(token, kv_cache=cache)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
+                    synchronize(device)
                     times.append(time.perf_counter() - t0)
             best[dtype] = min(times)
     fastest = min(candidates, key=lambda d: best[d])

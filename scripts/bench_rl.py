@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from nanochat.common import (ArgumentParser, UserError, add_model_generation_flag, autocast_context, compute_cleanup, compute_init, cpu_has_native_bf16,
+from nanochat.common import (ArgumentParser, UserError, add_model_generation_flag, autocast_context, compute_cleanup, compute_init, cpu_has_native_bf16, synchronize,
                              get_base_dir, get_dist_info, print0, run_main)
 from nanochat.engine import Engine, SharedPromptKVCache, mix32
 from nanochat.gpt import scale_initial_lr
@@ -159,13 +159,6 @@ def default_configs(device):
 
 # -----------------------------------------------------------------------------
 # Machine: matmul peak, memory, description
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
 
 
 def matmul_peak_flops(device, dtype, size, reps=10, warmup=2):
