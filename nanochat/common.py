@@ -21,6 +21,12 @@ class UserError(Exception):
     """A problem the user can fix (bad flag, missing file, ...). Scripts print it as one line, no traceback."""
 
 
+def require(ok, message):
+    """Raise UserError(message) unless ok: the validators' one check (not `assert`, which `python -O` drops)."""
+    if not ok:
+        raise UserError(message)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with nanochat's error convention: a bad flag is one line (and exit 2), not the usage block;
     and no silent prefix matching (`--num-step` must not quietly mean `--num-steps`)."""
