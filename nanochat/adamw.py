@@ -15,7 +15,8 @@ The per-parameter pieces (`launch_adamw_reduce`, `adamw_shard_step_`) also serve
 
 import torch
 
-from nanochat.muon import all_gather, all_reduce_sum, reduce_scatter_sum, dist_world
+from nanochat.common import rank_and_world
+from nanochat.muon import all_gather, all_reduce_sum, reduce_scatter_sum
 
 MIN_SHARD_NUMEL = 1024  # below this, a reduce-scatter + all-gather pair costs more than it saves
 
@@ -82,7 +83,7 @@ class DistAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        rank, world = dist_world()
+        rank, world = rank_and_world()
         # 1. launch every gradient's reduction so communication overlaps the updates below
         pending = [(group, p, *launch_adamw_reduce(p, world)) for group in self.param_groups for p in group["params"]]
 

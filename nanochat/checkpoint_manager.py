@@ -14,6 +14,9 @@ Commit order (per process): all of this process's files are staged as temp files
 renamed optimizer shard -> meta -> model. The model file is renamed last because it is the file that
 step resolution looks for (`model_N.pt`, as upstream nanochat does): once it is visible, the meta it
 needs is already there. A failure while staging leaves no trace of the step at all.
+
+Errors are UserErrors that carry the facts as attributes (the path, the available tags or steps, the
+checkpoint family); nanochat.cli adds which flag to change or which script makes a checkpoint.
 """
 
 import dataclasses
@@ -27,11 +30,10 @@ import warnings
 
 import torch
 
-from nanochat.common import UserError, get_base_dir, print0
+from nanochat.common import UserError, get_base_dir, get_rank, print0
+from nanochat.files import atomic_write, fsync_dir, remove_if_exists, stage, temp_path
 
 CHECKPOINT_DIRS = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
-# what writes each family; quoted in the error when a family has no checkpoints yet
-PRODUCERS = {"base": "scripts.base_train", "mid": "scripts.mid_train", "sft": "scripts.chat_sft", "rl": "scripts.chat_rl"}
 
 MODEL_FILE_RE = re.compile(r"^model_(\d+)\.pt$")
 TAG_RE = re.compile(r"d(\d+)")  # used with .match: a prefix, as nanochat's re.match(r"d(\d+)", tag): d32_long is 32
@@ -50,49 +52,84 @@ def optim_path(checkpoint_dir, step, rank):
 
 
 # -----------------------------------------------------------------------------
+# errors: each names what is missing or broken, and keeps it as attributes
+
+def _listing(items):
+    return ", ".join(map(str, items)) or "none"
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be found or read; `path` is the directory or file concerned."""
+
+    def __init__(self, message, path):
+        super().__init__(message)
+        self.path = path
+
+
+class NoCheckpointsError(CheckpointError):
+    """A checkpoint family (`source`: base|mid|sft|rl) with no directory under the base dir yet."""
+
+    def __init__(self, source, checkpoints_dir):
+        dirname = CHECKPOINT_DIRS[source]
+        super().__init__(f"no {source} checkpoints: {checkpoints_dir} does not exist; copy your nanochat {dirname}/<tag> "
+                         f"directory there (or set NANOCHAT_BASE_DIR to the directory that holds {dirname})",
+                         checkpoints_dir)
+        self.source = source
+
+
+class UnknownTagError(CheckpointError):
+    """A model tag that is not a directory of the family; `available` lists the tags that are."""
+
+    def __init__(self, checkpoints_dir, tag, available):
+        super().__init__(f"no model tag {tag!r} in {checkpoints_dir}; available tags: {_listing(available)}",
+                         checkpoints_dir)
+        self.tag, self.available = tag, available
+
+
+class NoStepsError(CheckpointError):
+    """A model directory without any model_<step>.pt file."""
+
+    def __init__(self, checkpoint_dir):
+        super().__init__(f"no model_<step>.pt files in {checkpoint_dir}", checkpoint_dir)
+
+
+class UnknownStepError(CheckpointError):
+    """A step with no model file in the directory; `available` lists the steps that have one."""
+
+    def __init__(self, checkpoint_dir, step, available):
+        super().__init__(f"no step {step} in {checkpoint_dir} (no {os.path.basename(model_path(checkpoint_dir, step))}); "
+                         f"available steps: {_listing(available)}", checkpoint_dir)
+        self.step, self.available = step, available
+
+
+class MissingMetaError(CheckpointError):
+    """A step whose model file is there but whose meta json is not; `path` is the missing meta file."""
+
+    def __init__(self, checkpoint_dir, step):
+        path = meta_path(checkpoint_dir, step)
+        super().__init__(f"checkpoint step {step} in {checkpoint_dir} has a model file but no {os.path.basename(path)}",
+                         path)
+        self.step = step
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file that exists but cannot be read as what it should be; `reason` says what was found."""
+
+    def __init__(self, path, reason):
+        super().__init__(f"checkpoint file {path} is {reason}", path)
+        self.reason = reason
+
+
+# -----------------------------------------------------------------------------
 # saving
 
-def _temp_path(path):
-    # hidden and suffixed, so neither `model_N.pt` matching nor a glob for *.pt ever sees it
-    directory, name = os.path.split(path)
-    return os.path.join(directory, f".{name}.tmp-{os.getpid()}")
-
-
-def _remove_if_exists(path):
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
 def _stage(path, write_fn):
-    """Write a file's full contents to its temp path and fsync it; returns the temp path."""
+    """files.stage, after removing temp files of the same target left by killed processes (garbage: only
+    one process writes each checkpoint file)."""
     directory, name = os.path.split(path)
-    # a temp file of the same target left by a killed process is garbage: only one process writes each name
     for stale in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.tmp-*")):
-        _remove_if_exists(stale)
-    tmp = _temp_path(path)
-    with open(tmp, "wb") as f:
-        write_fn(f)
-        f.flush()
-        os.fsync(f.fileno())
-    return tmp
-
-
-def _fsync_dir(directory):
-    """Make the renames themselves durable across a power loss. Best effort: Windows cannot open a
-    directory, and some network/FUSE filesystems refuse fsync on one (EINVAL); the files are in place
-    either way, so failing the save here would be wrong."""
-    if os.name != "posix":
-        return
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+        remove_if_exists(stale)
+    return stage(path, write_fn)
 
 
 def _write_error(directory, name, e):
@@ -115,14 +152,16 @@ def make_checkpoint_dir(checkpoint_dir):
                         f"make its parent writable or set NANOCHAT_BASE_DIR to a writable directory") from e
 
 
-def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data, rank=0):
+def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data, rank=None):
     """Save one step. Rank 0 writes the model state dict and the meta json; every rank whose
     optimizer_data is not None writes its own optimizer shard. Other ranks may pass model_data=None.
+    rank: this process's rank; None = common.get_rank().
 
     Disk errors (full disk, permissions) raise UserError after removing every temp file; an existing
     checkpoint of this or any other step is left as it was. Errors that are bugs (unpicklable or
     non-json data) are cleaned up the same way but re-raised unchanged.
     """
+    rank = get_rank() if rank is None else rank
     if rank == 0 and model_data is None:
         raise ValueError("rank 0 must pass model_data (the model's state_dict) to save_checkpoint")
     # serialize the meta before touching the disk: a non-json value is a bug and must not leave files behind
@@ -142,17 +181,17 @@ def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data,
     try:
         for path, write_fn in files:
             current = path
-            staged.append(_temp_path(path))
+            staged.append(temp_path(path))
             _stage(path, write_fn)
         for path, _ in files:
             current = path
             os.replace(staged[0], path)
             staged.pop(0)
-        _fsync_dir(checkpoint_dir)
+        fsync_dir(checkpoint_dir)
     except BaseException as e:
         for tmp in staged:
             try:
-                _remove_if_exists(tmp)
+                remove_if_exists(tmp)
             except OSError:
                 pass  # the original error is the one worth reporting; a leftover hidden temp file is harmless
         if isinstance(e, OSError):
@@ -166,10 +205,8 @@ def update_meta(checkpoint_dir, step, meta_data):
     meta_bytes = json.dumps(meta_data, indent=2).encode("utf-8")
     path = meta_path(checkpoint_dir, step)
     try:
-        tmp = _stage(path, lambda f: f.write(meta_bytes))
-        os.replace(tmp, path)
+        atomic_write(path, meta_bytes)
     except OSError as e:
-        _remove_if_exists(_temp_path(path))
         raise _write_error(checkpoint_dir, os.path.basename(path), e) from e
 
 
@@ -187,7 +224,7 @@ def list_steps(checkpoint_dir):
 def find_last_step(checkpoint_dir):
     steps = list_steps(checkpoint_dir)
     if not steps:
-        raise UserError(f"no model_<step>.pt files in {checkpoint_dir}; pick another --model-tag or train/copy a checkpoint there")
+        raise NoStepsError(checkpoint_dir)
     return steps[-1]
 
 
@@ -223,27 +260,25 @@ def _torch_load(path, device):
         if "unsupported global" in str(e).lower():  # a real pickle of non-tensor objects, not damage
             raise UserError(f"checkpoint file {path} holds Python objects other than tensors and plain containers; "
                             f"refusing to unpickle it (that could run arbitrary code); re-save it as a plain state_dict") from e
-        raise UserError(f"checkpoint file {path} is corrupted (not a torch checkpoint); delete it or pick another --model-step") from e
+        raise CorruptCheckpointError(path, "corrupted (not a torch checkpoint)") from e
     except Exception as e:
         # truncated files surface as EOFError, RuntimeError (zip reader) or OSError(EINVAL), depending on where they end
         first_line = str(e).splitlines()[0].split(". ")[0] if str(e) else type(e).__name__
-        raise UserError(f"checkpoint file {path} is corrupted or truncated ({first_line}); "
-                        f"delete it or pick another --model-step") from e
+        raise CorruptCheckpointError(path, f"corrupted or truncated ({first_line})") from e
 
 
-def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=0):
-    """Returns (model_data, optimizer_data or None, meta_data); tensors are mapped onto `device`."""
+def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=None):
+    """Returns (model_data, optimizer_data or None, meta_data); tensors are mapped onto `device`.
+    rank: whose optimizer shard to load; None = common.get_rank()."""
     mpath, jpath = model_path(checkpoint_dir, step), meta_path(checkpoint_dir, step)
     if not os.path.exists(mpath):
-        raise UserError(f"no checkpoint file {mpath}; available steps: "
-                        f"{', '.join(map(str, list_steps(checkpoint_dir))) or 'none'}")
+        raise UnknownStepError(checkpoint_dir, step, list_steps(checkpoint_dir))
     if not os.path.exists(jpath):
-        raise UserError(f"checkpoint step {step} in {checkpoint_dir} has a model file but no {os.path.basename(jpath)}; "
-                        f"copy the meta file too or pick another --model-step")
+        raise MissingMetaError(checkpoint_dir, step)
     model_data = _torch_load(mpath, device)
     optimizer_data = None
     if load_optimizer:
-        opath = optim_path(checkpoint_dir, step, rank)
+        opath = optim_path(checkpoint_dir, step, get_rank() if rank is None else rank)
         if not os.path.exists(opath):
             raise UserError(f"no optimizer state {opath}: this checkpoint was saved without it (or with fewer ranks); "
                             f"resume from a step saved with optimizer state, or start the optimizer fresh")
@@ -252,7 +287,7 @@ def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=0):
         with open(jpath, encoding="utf-8") as f:
             meta_data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"checkpoint file {jpath} is corrupted (not valid json: {e}); delete it or pick another --model-step") from e
+        raise CorruptCheckpointError(jpath, f"corrupted (not valid json: {e})") from e
     return model_data, optimizer_data, meta_data
 
 
@@ -301,8 +336,7 @@ def build_model(checkpoint_dir, step, device, phase, generation=None):
     model_data, _, meta_data = load_checkpoint(checkpoint_dir, step, device)
     mpath, jpath = model_path(checkpoint_dir, step), meta_path(checkpoint_dir, step)
     if not isinstance(model_data, dict):
-        raise UserError(f"{mpath} holds a {type(model_data).__name__}, not a state_dict; "
-                        f"delete it or pick another --model-step")
+        raise CorruptCheckpointError(mpath, f"a {type(model_data).__name__}, not a state_dict")
     if not isinstance(meta_data, dict) or not isinstance(meta_data.get("model_config"), dict):
         raise UserError(f"{jpath} has no \"model_config\" object; it is not a nanochat checkpoint meta file")
     model_data = _patch_state_dict(model_data, device)
@@ -358,20 +392,16 @@ def find_checkpoint(source, model_tag=None, step=None):
     dirname = CHECKPOINT_DIRS[source]
     checkpoints_dir = os.path.join(get_base_dir(), dirname)
     if not os.path.isdir(checkpoints_dir):
-        raise UserError(f"no {source} checkpoints: {checkpoints_dir} does not exist; create one with "
-                        f"`python -m {PRODUCERS[source]}`, or copy your nanochat {dirname}/<tag> directory there "
-                        f"(or set NANOCHAT_BASE_DIR to the directory that holds {dirname})")
+        raise NoCheckpointsError(source, checkpoints_dir)
     if model_tag is None:
         model_tag = find_largest_model(checkpoints_dir)
     elif not os.path.isdir(os.path.join(checkpoints_dir, model_tag)):
-        raise UserError(f"no model tag {model_tag!r} in {checkpoints_dir}; available tags: "
-                        f"{', '.join(list_tags(checkpoints_dir)) or 'none'}")
+        raise UnknownTagError(checkpoints_dir, model_tag, list_tags(checkpoints_dir))
     checkpoint_dir = os.path.join(checkpoints_dir, model_tag)
     if step is None:
         step = find_last_step(checkpoint_dir)
     elif step not in list_steps(checkpoint_dir):
-        raise UserError(f"no step {step} in {checkpoint_dir}; available steps: "
-                        f"{', '.join(map(str, list_steps(checkpoint_dir))) or 'none'}")
+        raise UnknownStepError(checkpoint_dir, step, list_steps(checkpoint_dir))
     return checkpoint_dir, model_tag, step
 
 

@@ -1,17 +1,16 @@
 """
 Process-level plumbing shared by every script: device and process-group setup, rank info,
-rank-0 printing, the base directory, a no-op wandb, and the one-line error convention.
+rank-0 printing, the base directory, a no-op wandb, and the errors a user can fix (UserError).
+The command-line side of those errors (flags, one-line printing) is nanochat.cli.
 
 `compute_init()` / `compute_cleanup()` own the device, the seeds, the matmul precision and the
 process group. Everything else asks `torch.distributed.is_initialized()`; nothing keeps a second flag.
 """
 
-import argparse
 import contextlib
 import os
 import signal
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -27,65 +26,32 @@ def require(ok, message):
         raise UserError(message)
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with nanochat's error convention: a bad flag is one line (and exit 2), not the usage block;
-    and no silent prefix matching (`--num-step` must not quietly mean `--num-steps`)."""
+class SettingError(UserError):
+    """A bad value of the setting `setting` (a function argument that the scripts take from the flag of the
+    same name: device_type from --device-type). The message reads "<setting> <problem>"; nanochat.cli
+    names the flag instead."""
 
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message):
-        raise UserError(f"{message} (see --help)")
+    def __init__(self, setting, problem):
+        super().__init__(f"{setting} {problem}")
+        self.setting, self.problem = setting, problem
 
 
-def add_optimizer_flags(parser):
-    """The learning-rate flags chat_rl and chat_sft share (nanochat's defaults; --init-lr-frac differs)."""
-    parser.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW lr for the token embedding")
-    parser.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW lr for lm_head")
-    parser.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr for the transformer matrices")
-    parser.add_argument("--weight-decay", type=float, default=0.0, help="Muon weight decay")
-    parser.add_argument("--recipe", type=str, default="2026-01", choices=("2026-01", "2026-07"),
-                        help="optimizer recipe: 2026-01 (nanochat of January 2026: AdamW + Muon) or 2026-07 "
-                             "(nanochat of July 2026: MuonAdamW with per-group betas and weight decay)")
+def rank_and_world():
+    """(rank, world_size) of this process: the process group's once it is up, else what torchrun set in
+    RANK and WORLD_SIZE (before compute_init, e.g. for a validation error), else (0, 1).
+    The one place the library learns its rank."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def add_model_generation_flag(parser):
-    """--model-generation, for every script that loads a checkpoint (see nanochat/generations.py)."""
-    from nanochat.generations import VE_ERA_WITH_NEW_META
-    parser.add_argument("--model-generation", type=str, default=None, choices=VE_ERA_WITH_NEW_META,
-                        help="which forward a value-embedding checkpoint with nanochat's 2026-01-31+ meta layout was "
-                             "trained with (its files cannot tell): ve (to 2026-03-01), ve_mar2 (03-02..03-03), "
-                             "ve_late (03-04..03-08, the default); every other checkpoint's generation is detected")
-
-
-def run_main(main, argv=None):
-    """Run a script's `main(argv)`; turn a UserError into one line on stderr and exit code 2.
-
-    `--debug` anywhere in argv (or NANOCHAT_DEBUG=1) re-raises so the full traceback is shown.
-    """
-    argv = sys.argv[1:] if argv is None else argv
-    debug = "--debug" in argv or os.environ.get("NANOCHAT_DEBUG") == "1"
-    try:
-        return main(argv)
-    except UserError as e:
-        if debug:
-            raise
-        rank = int(os.environ.get("RANK", 0))
-        if rank == 0:  # every rank hits the same validation error; say it once
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
-        sys.exit(130)
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
+def get_rank():
+    return rank_and_world()[0]
 
 
 def print0(*args, **kwargs):
     """print() on rank 0 only."""
-    if int(os.environ.get("RANK", 0)) == 0:
+    if get_rank() == 0:
         print(*args, **kwargs, flush=True)
 
 
@@ -101,10 +67,17 @@ def is_ddp_launch():
 
 
 def get_dist_info():
-    """(is_ddp, rank, local_rank, world_size), read from torchrun's environment."""
+    """(is_ddp, rank, local_rank, world_size) of a torchrun launch; (False, 0, 0, 1) otherwise."""
     if is_ddp_launch():
-        return True, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+        rank, world_size = rank_and_world()
+        return True, rank, int(os.environ["LOCAL_RANK"]), world_size
     return False, 0, 0, 1
+
+
+def rank_share(start, stop, rank, world_size):
+    """This rank's share of the items start..stop-1: every world_size-th one from start + rank, so the ranks
+    together cover each item once (the split of RL questions, eval questions and SFT examples)."""
+    return range(start + rank, stop, world_size)
 
 
 def autodetect_device_type():
@@ -121,11 +94,11 @@ def compute_init(device_type="", seed=42):
     process group: NCCL on CUDA, gloo on CPU. Returns (is_ddp, rank, local_rank, world_size, device)."""
     device_type = device_type or autodetect_device_type()
     if device_type not in ("cuda", "cpu", "mps"):
-        raise UserError(f"unknown --device-type {device_type!r}; use cuda, cpu or mps (or leave empty to autodetect)")
+        raise SettingError("device_type", f"{device_type!r} is unknown; use cuda, cpu or mps (or leave it empty to autodetect)")
     if device_type == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device-type=cuda but torch sees no CUDA device; use --device-type=cpu or install a CUDA build of torch")
+        raise SettingError("device_type", "is cuda but torch sees no CUDA device; use cpu or install a CUDA build of torch")
     if device_type == "mps" and not torch.backends.mps.is_available():
-        raise UserError("--device-type=mps but MPS is not available on this machine; use --device-type=cpu")
+        raise SettingError("device_type", "is mps but MPS is not available on this machine; use cpu")
 
     torch.manual_seed(seed)
     if device_type == "cuda":
@@ -135,7 +108,8 @@ def compute_init(device_type="", seed=42):
 
     is_ddp, rank, local_rank, world_size = get_dist_info()
     if is_ddp and device_type == "mps" and world_size > 1:
-        raise UserError("several ranks on MPS are not supported (no NCCL/gloo device backend); run one process, or use --device-type=cpu")
+        raise SettingError("device_type", "is mps, which cannot run several ranks (no NCCL/gloo device backend); "
+                                          "run one process, or use cpu")
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -161,18 +135,20 @@ def cpu_has_native_bf16():
 DTYPES = ("float32", "bfloat16")
 
 
-def requested_dtype(flag):
-    """The precision a run asks for: --dtype when given (flag not None), else $NANOCHAT_DTYPE (how current
-    nanochat sets it), else bfloat16. A value other than float32/bfloat16 is a UserError naming its origin."""
+def requested_dtype(dtype):
+    """The precision a run asks for: `dtype` when given (the --dtype flag; None = not given), else
+    $NANOCHAT_DTYPE (how current nanochat sets it), else bfloat16. A value other than float32/bfloat16 is a
+    UserError naming where it came from (a SettingError for `dtype`)."""
     env = os.environ.get("NANOCHAT_DTYPE")
-    if flag is not None:
-        value, origin = flag, "--dtype"
+    if dtype is not None:
+        value = dtype
     elif env:
-        value, origin = env, "NANOCHAT_DTYPE"
+        value = env
     else:
         return "bfloat16"
     if value not in DTYPES:
-        raise UserError(f"{origin} must be float32 or bfloat16, got {value!r}")
+        problem = f"must be float32 or bfloat16, got {value!r}"
+        raise SettingError("dtype", problem) if dtype is not None else UserError(f"NANOCHAT_DTYPE {problem}")
     return value
 
 
@@ -236,7 +212,7 @@ class _NoProgress:
 def progress_bar(total, desc):
     """A tqdm bar on rank 0 when stderr is a terminal; a no-op otherwise (CI and log files get the plain
     per-step lines instead of carriage-return noise)."""
-    if int(os.environ.get("RANK", 0)) != 0 or not sys.stderr.isatty():
+    if get_rank() != 0 or not sys.stderr.isatty():
         return _NoProgress()
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)

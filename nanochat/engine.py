@@ -1,12 +1,17 @@
 """
-Token-level inference: the KV cache, sampling, the calculator tool, and the batched rollout engine.
+Token-level inference: the KV caches, the per-row calculator tool state machine, and the batched rollout
+engine. Sampling (per-row random streams) is nanochat/sampling.py.
 
 The engine knows nothing about text beyond the special-token ids it needs for the tool state machine:
 token ids in, token ids and masks out.
+
+A rollout is three layers: a `Row` is one sample in flight (its Completion and tool state); a `DecodeBatch`
+holds the rows being decoded, each in a slot of one KV cache; `Engine._rollout` prefills prompts, admits
+their rows into free slots and steps the batch until every row has finished.
 """
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import math
 
@@ -14,6 +19,7 @@ import torch
 
 from nanochat.calculator import format_result, use_calculator
 from nanochat.gpt import attend, sequence_masks, window_mask
+from nanochat.sampling import row_seeds, sample_next_token
 
 
 def cache_geometry(model):
@@ -49,6 +55,7 @@ class KVCache:
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.prev_embedding = (None if embed_dim is None else
                                torch.zeros(batch_size, 1, embed_dim, device=device, dtype=embed_dtype))
+        self.known_max_pos = None  # int(pos.max()), set by decode_rows for the one forward that follows
 
     @classmethod
     def for_model(cls, model, batch_size, seq_len, dtype=None):
@@ -67,6 +74,7 @@ class KVCache:
 
     def reset(self):
         self.pos.zero_()
+        self.known_max_pos = None
         if self.prev_embedding is not None:
             self.prev_embedding.zero_()
 
@@ -76,20 +84,25 @@ class KVCache:
 
     def advance(self, num_tokens):
         self.pos += num_tokens
+        self.known_max_pos = None
 
     def next_positions(self):
         """(B,) the absolute position each row's next token takes."""
         return self.pos.clone()
 
-    def prepare_decode_step(self, rows):
-        """Before a single-token step of the first `rows` rows: the key/value positions its attention reads
-        per layer (every row's keys 0..Tk-1)."""
-        return rows * (int(self.pos[:rows].max()) + 1)
+    def decode_rows(self, rows):
+        """For a single-token step of the first `rows` rows: (a view of them, the key/value positions its
+        attention reads per layer: every row's keys 0..Tk-1). The view knows its largest position, so the
+        step's forward does not read it from the device again."""
+        view = self.rows(0, rows)
+        view.known_max_pos = int(view.pos.max())  # the step's one host sync
+        return view, rows * (view.known_max_pos + 1)
 
     def attention_plan(self, T, windows, max_positions):
         """For a forward of T tokens per row: their positions (B, T), the mask of each window over the keys
         0..Tk-1 every layer attends to, and the attention context (writes the new keys, reads the row's)."""
-        Tk = int(self.pos.max()) + T  # the forward's one host sync: keys 0..Tk-1 cover every row
+        top = int(self.pos.max()) if self.known_max_pos is None else self.known_max_pos  # a host sync if unknown
+        Tk = top + T  # keys 0..Tk-1 cover every row
         if Tk > self.max_seq_len or Tk > max_positions:
             raise ValueError(f"KV cache overflow: {Tk} positions needed, the cache holds {self.max_seq_len} "
                              f"and the rotary tables {max_positions}")
@@ -105,6 +118,7 @@ class KVCache:
         view = KVCache.__new__(KVCache)
         view.k, view.v, view.pos = self.k[:, start:stop], self.v[:, start:stop], self.pos[start:stop]
         view.prev_embedding = None if self.prev_embedding is None else self.prev_embedding[start:stop]
+        view.known_max_pos = None
         return view
 
     def copy_rows(self, dst, src):
@@ -174,6 +188,7 @@ class SharedPromptKVCache:
         self.rows_per_slot = rows_per_slot  # the largest sample index + 1 (num_samples)
         self.prev_embedding = (None if embed_dim is None else
                                torch.zeros(batch_size, 1, embed_dim, device=device, dtype=embed_dtype))
+        self.known_maxima = None  # (pos.max(), next_positions().max()), set by decode_rows for one forward
 
     INITIAL_SUFFIX_CAPACITY = 64
 
@@ -245,31 +260,41 @@ class SharedPromptKVCache:
         view.pos, view.slot, view.sample = self.pos[:stop], self.slot[:stop], self.sample[:stop]
         view.suffix_cap = self.k.size(3)  # a view cannot grow: the base cache grows before views are taken
         view.prev_embedding = None if self.prev_embedding is None else self.prev_embedding[:stop]
+        view.known_maxima = None
         return view
 
     def advance(self, num_tokens):
         self.pos += num_tokens
+        self.known_maxima = None
 
     def next_positions(self):
         """(B,) the absolute position each row's next token takes: its prompt's length plus its completion's."""
         return self.pool_len[self.slot] + self.pos
 
-    def prepare_decode_step(self, rows):
-        """Before a single-token step of the first `rows` rows: grow the suffix storage to hold it, and return
-        the key/value positions its attention reads per layer (each pool slot's prompt once, and every row's
-        completion so far)."""
-        suffix = int(self.pos[:rows].max()) + 1
-        self.ensure_suffix_capacity(suffix)
-        return self.pool_k.size(1) * self.pool_k.size(3) + rows * suffix
+    def _maxima(self):
+        """(largest suffix position, largest next position) as python ints: one host sync."""
+        return tuple(torch.stack([self.pos.max(), self.next_positions().max()]).tolist())
+
+    def decode_rows(self, rows):
+        """For a single-token step of the first `rows` rows: grow the suffix storage to hold it, and return (a
+        view of them, the key/value positions its attention reads per layer: each pool slot's prompt once, and
+        every row's completion so far). The view knows its largest positions, so the step's forward does not
+        read them from the device again."""
+        maxima = self.rows(0, rows)._maxima()  # the step's one host sync
+        self.ensure_suffix_capacity(maxima[0] + 1)
+        view = self.rows(0, rows)  # after growing: a view cannot grow
+        view.known_maxima = maxima
+        return view, self.pool_k.size(1) * self.pool_k.size(3) + rows * (maxima[0] + 1)
 
     def attention_plan(self, T, windows, max_positions):
         if T != 1:
             raise ValueError(f"SharedPromptKVCache runs single-token decode steps only, got {T} tokens per row")
-        suffix_keys = int(self.pos.max()) + 1
+        top, last_position = self._maxima() if self.known_maxima is None else self.known_maxima
+        suffix_keys = top + 1
         positions = self.next_positions()  # (B,)
-        if suffix_keys > self.k.size(3) or int(positions.max()) >= max_positions:
+        if suffix_keys > self.k.size(3) or last_position >= max_positions:
             raise ValueError(f"KV cache overflow: {suffix_keys} completion positions needed, the cache holds "
-                             f"{self.k.size(3)}; or position {int(positions.max())} is past the rotary tables")
+                             f"{self.k.size(3)}; or position {last_position} is past the rotary tables")
         return positions[:, None], {w: w for w in set(windows)}, _SharedPromptAttention(self, positions, suffix_keys)
 
 
@@ -324,60 +349,7 @@ class _SharedPromptAttention:
 
 
 # -----------------------------------------------------------------------------
-# Sampling with per-row random streams.
-#
-# Each row draws its randomness from a counter-based hash of (row seed, step, candidate) instead of a
-# shared torch.Generator. A row's tokens then depend only on its own seed and logits, never on which
-# other rows share its batch or in what order rows were admitted, and no per-row Python work is needed.
-
-_M32 = 0xFFFFFFFF
-
-
-def mix32(x):
-    """A 32-bit integer hash (xor-shift-multiply). Works on python ints and int64 tensors alike; all
-    intermediate products stay below 2**63, so int64 tensors never overflow."""
-    x = x & _M32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    return (x >> 16) ^ x
-
-
-def row_seed(seed, row_index):
-    """The seed of sample `row_index` of a prompt seeded with `seed` (a python int in [0, 2**32))."""
-    return mix32(mix32(seed) ^ mix32(row_index + 0x9E3779B9))
-
-
-def row_uniforms(seeds, steps, num_candidates):
-    """Uniforms in (0, 1), shape (B, num_candidates), a pure function of (seed, step, candidate index).
-    seeds, steps: (B,) int64."""
-    base = mix32(mix32(seeds) ^ steps)  # (B,)
-    cand = torch.arange(num_candidates, device=seeds.device, dtype=torch.long)
-    bits = mix32(base[:, None] ^ mix32(cand + 0x632BE5AB)[None, :])  # (B, C)
-    return ((bits >> 8).float() + 0.5) / float(1 << 24)  # 24 bits: exact in float32, MPS has no float64
-
-
-def sample_next_token(logits, seeds, steps, temperature=1.0, top_k=None):
-    """Sample one token per row. logits: (B, V) float; seeds, steps: (B,) int64 -> (B,) int64.
-
-    temperature 0 is argmax. Otherwise top-k (k > 0) then a draw from softmax(logits / T), done as
-    Gumbel-max: argmax(logits/T + Gumbel noise) has exactly that distribution.
-    """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if temperature == 0.0:
-        return torch.argmax(logits, dim=-1)
-    logits = logits.float()
-    if top_k is not None and 0 < top_k < logits.size(-1):
-        values, indices = torch.topk(logits, top_k, dim=-1)  # (B, k), sorted, so candidate order is stable
-    else:
-        values, indices = logits, None
-    gumbel = -torch.log(-torch.log(row_uniforms(seeds, steps, values.size(-1))))
-    choice = torch.argmax(values / temperature + gumbel, dim=-1, keepdim=True)  # (B, 1)
-    return (indices.gather(-1, choice) if indices is not None else choice).squeeze(-1)
-
-
-# -----------------------------------------------------------------------------
-# Rollout rows and the per-row tool state machine
+# One sample in flight: its Completion and the calculator tool's state machine
 
 
 @dataclass
@@ -391,18 +363,9 @@ class Completion:
     tool_successes: int = 0    # ... of which the calculator returned a value
 
 
-@dataclass
-class _Row:
-    request: int               # index of the prompt this row belongs to
-    sample: int                # index among that prompt's samples
-    max_tokens: int
-    out: Completion = field(default_factory=lambda: Completion([], []))
-    forced: deque = field(default_factory=deque)
-    python_tokens: list = None  # collecting a tool call when not None
-    steps: int = 0
+class SpecialIds:
+    """The ids of the special tokens the engine acts on."""
 
-
-class _SpecialIds:
     def __init__(self, tokenizer):
         get = tokenizer.encode_special
         self.python_start, self.python_end = get("<|python_start|>"), get("<|python_end|>")
@@ -410,8 +373,63 @@ class _SpecialIds:
         self.assistant_end, self.bos = get("<|assistant_end|>"), tokenizer.get_bos_token_id()
 
 
+class Row:
+    """One sample of a prompt while it is decoded: the tool protocol lives here and nowhere else.
+
+    Each step `feed` takes the token the model sampled and returns what the row emits. A sampled
+    <|python_start|> expr <|python_end|> runs expr through the calculator; when it returns a value,
+    <|output_start|> value <|output_end|> is queued and emitted over the next steps in place of the sampled
+    tokens, with mask 0. <|assistant_end|> or <|bos|> ends the row (not kept in its Completion), and so does
+    its max_tokens-th step.
+    """
+
+    def __init__(self, request, sample, max_tokens, special, tokenizer):
+        self.request = request         # index of the prompt this row belongs to
+        self.sample = sample           # index among that prompt's samples
+        self.max_tokens = max_tokens
+        self.special, self.tokenizer = special, tokenizer
+        self.out = Completion([], [])
+        self.forced = deque()          # tool output still to emit
+        self.python_tokens = None      # the tool call being collected, when not None
+        self.steps = 0
+
+    @property
+    def finished(self):
+        return self.out.ended or self.steps >= self.max_tokens
+
+    def feed(self, sampled_token):
+        """One step: (the token emitted, its mask). A queued forced token wins over the sampled one."""
+        token, mask = (self.forced.popleft(), 0) if self.forced else (sampled_token, 1)
+        self.steps += 1
+        if token in (self.special.assistant_end, self.special.bos):
+            self.out.ended = True
+        else:
+            self.out.tokens.append(token)
+            self.out.masks.append(mask)
+            self._track_tool_call(token)
+        return token, mask
+
+    def _track_tool_call(self, token):
+        sp = self.special
+        if token == sp.python_start:
+            self.python_tokens = []
+        elif token == sp.python_end and self.python_tokens is not None:
+            self._run_calculator()
+        elif self.python_tokens is not None:
+            self.python_tokens.append(token)
+
+    def _run_calculator(self):
+        sp = self.special
+        self.out.tool_calls += 1
+        text = format_result(use_calculator(self.tokenizer.decode(self.python_tokens)))
+        self.python_tokens = None
+        if text is not None:
+            self.out.tool_successes += 1
+            self.forced.extend([sp.output_start, *self.tokenizer.encode(text), sp.output_end])
+
+
 # -----------------------------------------------------------------------------
-# The engine
+# The batch of rows decoded together
 
 
 @dataclass
@@ -422,6 +440,132 @@ class RolloutStats:
     row_steps: int = 0          # sum over decode forwards of the rows in the batch
     max_batch_rows: int = 0
     kv_positions_read: int = 0  # cached key/value positions the decode steps' attention read, per layer
+
+
+@dataclass
+class PrefilledPrompt:
+    """A prompt that went through the model once, while its samples wait for slots."""
+    request: int               # index of the prompt
+    seed: int                  # sample r draws from the stream row_seed(seed, r)
+    num_samples: int
+    cache: KVCache             # one row: the prompt's keys and values
+    logits: torch.Tensor       # (1, V) after the prompt: every sample's first token is drawn from these
+    admitted: int = 0          # samples 0..admitted-1 have had a slot
+
+    @property
+    def fully_admitted(self):
+        return self.admitted == self.num_samples
+
+    def next_samples(self, free_slots):
+        """The samples that take the next `free_slots` slots (fewer if fewer are left)."""
+        return range(self.admitted, min(self.num_samples, self.admitted + free_slots))
+
+
+class DecodeBatch:
+    """The rows decoded together, each in a slot of one KV cache of B rows.
+
+    rows[i] is in slot i; the active rows are a dense prefix (the last row moves into a finished row's slot).
+    Per slot: next_input (B,) the token it feeds next; seeds, steps (B,) its random stream (sample_next_token).
+    With a SharedPromptKVCache (pool_slots given) each prompt's keys sit once in a pool slot, from its prefill
+    until its last row finishes. A row is any object with `request`, `feed(sampled) -> (token, mask)` and
+    `finished` (a Row); events are [(row, token, mask)] for the rows that emitted a token.
+    """
+
+    def __init__(self, model, cache, temperature, top_k, stats, pool_slots=None):
+        self.model, self.cache, self.stats = model, cache, stats
+        self.temperature, self.top_k = temperature, top_k
+        B, self.device = cache.batch_size, model.get_device()
+        self.rows = []
+        self.next_input = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.seeds = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.steps = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.free_pool = None if pool_slots is None else deque(range(pool_slots))
+        self.pool_slot = {}        # request -> the pool slot holding its prompt
+        self.unfinished = {}       # request -> its rows not finished yet, admitted or not
+
+    @property
+    def free_slots(self):
+        return self.cache.batch_size - len(self.rows)
+
+    def can_take_prompt(self):
+        """False while every pool slot holds a prompt whose rows still run."""
+        return self.free_pool is None or len(self.free_pool) > 0
+
+    def prefill(self, request, prompt, seed, num_samples):
+        """Run `prompt` (a list of ids) through the model, once for all its samples; with shared prompts its
+        keys go to a free pool slot. Returns the PrefilledPrompt whose rows `admit` takes."""
+        cache = KVCache.for_model(self.model, 1, len(prompt), self.cache.k.dtype)
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # (1, T)
+        logits = self.model(ids, kv_cache=cache)[:, -1, :]  # (1, V)
+        self.stats.prefill_tokens += len(prompt)
+        if self.free_pool is not None:
+            self.pool_slot[request] = self.free_pool.popleft()
+            self.cache.store_prompt(self.pool_slot[request], cache)
+        self.unfinished[request] = num_samples
+        return PrefilledPrompt(request, seed, num_samples, cache, logits)
+
+    def admit(self, prompt, rows):
+        """`rows`, samples prompt.next_samples(free_slots) of `prompt`, take the first free slots, starting
+        from the prompt's cache; each draws its first token from the prefill's logits. Returns their events."""
+        lo, hi, first = len(self.rows), len(self.rows) + len(rows), prompt.admitted
+        if self.free_pool is not None:
+            self.cache.admit_rows(lo, hi, self.pool_slot[prompt.request], first, prompt.cache)
+        else:
+            self.cache.fill_rows_from(lo, hi, prompt.cache)
+        self.seeds[lo:hi] = row_seeds(prompt.seed, range(first, first + len(rows)), self.device)
+        self.steps[lo:hi] = 0
+        self.rows.extend(rows)
+        prompt.admitted += len(rows)
+        return self._sample_and_feed(prompt.logits.expand(len(rows), -1), lo)
+
+    def decode_step(self):
+        """One forward of every active row on its next input, then each samples and emits. Returns events."""
+        n = len(self.rows)
+        if n == 0:
+            return []
+        view, positions_read = self.cache.decode_rows(n)
+        logits = self.model(self.next_input[:n, None], kv_cache=view)[:, -1, :]  # (n, V)
+        stats = self.stats
+        stats.kv_positions_read += positions_read
+        stats.decode_forwards += 1
+        stats.row_steps += n
+        stats.max_batch_rows = max(stats.max_batch_rows, n)
+        return self._sample_and_feed(logits, 0)
+
+    def _sample_and_feed(self, logits, lo):
+        """Rows lo.. (to the last) draw from logits (n, V), each with its own stream, and emit; what they
+        emit is their next input, and the finished ones leave. Returns their events."""
+        hi = len(self.rows)
+        sampled = sample_next_token(logits, self.seeds[lo:hi], self.steps[lo:hi], self.temperature, self.top_k)
+        self.steps[lo:hi] += 1
+        events = [(row, *row.feed(token)) for row, token in zip(self.rows[lo:hi], sampled.tolist())]
+        self.next_input[lo:hi] = torch.tensor([token for _, token, _ in events], dtype=torch.long, device=self.device)
+        self.retire([lo + j for j, (row, _, _) in enumerate(events) if row.finished])
+        return events
+
+    def retire(self, slots):
+        """The rows in `slots` leave. The active rows stay a dense prefix: the last row moves into each hole,
+        with its cache row (smear's prev_embedding included) and its next input, seed and step."""
+        for i in sorted(slots, reverse=True):
+            self._row_done(self.rows[i].request)
+            last = len(self.rows) - 1
+            if i != last:
+                self.cache.copy_rows(torch.tensor([i], device=self.device), torch.tensor([last], device=self.device))
+                for t in (self.next_input, self.seeds, self.steps):
+                    t[i] = t[last]
+                self.rows[i] = self.rows[last]
+            self.rows.pop()
+
+    def _row_done(self, request):
+        self.unfinished[request] -= 1
+        if self.unfinished[request] == 0:  # its prompt's keys are no longer read: the pool slot is free
+            del self.unfinished[request]
+            if self.free_pool is not None:
+                self.free_pool.append(self.pool_slot.pop(request))
+
+
+# -----------------------------------------------------------------------------
+# The engine
 
 
 class Engine:
@@ -439,7 +583,7 @@ class Engine:
     def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True):
         self.model = model
         self.tokenizer = tokenizer
-        self.special = _SpecialIds(tokenizer)
+        self.special = SpecialIds(tokenizer)
         self.max_rows = max_rows
         self.memory_budget_gb = memory_budget_gb
         self.share_prompts = share_prompts
@@ -450,7 +594,7 @@ class Engine:
         """Yield (token_column, token_masks) per step, one entry per row. A row that has ended keeps
         appearing as <|assistant_end|> with mask 0 until all rows end (nanochat keeps sampling them)."""
         pad = self.special.assistant_end
-        for events in self._decode([list(tokens)], num_samples, max_tokens, temperature, top_k, [seed]):
+        for events in self._rollout([list(tokens)], num_samples, max_tokens, temperature, top_k, [seed]):
             column, masks = [pad] * num_samples, [0] * num_samples
             for row, token, mask in events:
                 column[row.sample], masks[row.sample] = token, mask
@@ -474,17 +618,19 @@ class Engine:
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
         results = [[None] * num_samples for _ in prompts]
-        for events in self._decode([list(p) for p in prompts], num_samples, max_tokens, temperature, top_k, seeds,
-                                   max_rows=max_rows, emit_finished=True):
-            for row in events:
+        for events in self._rollout([list(p) for p in prompts], num_samples, max_tokens, temperature, top_k, seeds,
+                                    max_rows=max_rows):
+            finished = [row for row, _, _ in events if row.finished]
+            for row in finished:
                 results[row.request][row.sample] = row.out
-            if progress is not None:
-                progress(len(events))
+            if finished and progress is not None:
+                progress(len(finished))
         return results
 
     def rows_for_budget(self, prompt_len, max_tokens, dtype, num_samples=1):
         """How many rows' KV cache fit in the memory budget: prompt + completion per row, or with shared
-        prompts a completion per row plus the prompt pool (about 2 prompts per num_samples rows, see _decode)."""
+        prompts a completion per row plus the prompt pool (about 2 prompts per num_samples rows, see
+        prompt_slots)."""
         per_token = SharedPromptKVCache.bytes_per_token(self.model, dtype)
         budget_tokens = self.memory_budget_gb * (1 << 30) / per_token
         if not self.share_prompts:
@@ -502,160 +648,50 @@ class Engine:
             return torch.get_autocast_dtype(device.type)
         return next(self.model.parameters()).dtype
 
+    def _new_batch(self, num_prompts, longest, num_samples, max_tokens, temperature, top_k, max_rows):
+        """An empty DecodeBatch: max_rows rows (else the engine's, else what the memory budget holds), at most
+        one per sample of every prompt, with a cache for prompts of up to `longest` tokens."""
+        model = self.model
+        dtype = self._cache_dtype(model.get_device())
+        cap = max_rows or self.max_rows or self.rows_for_budget(longest, max_tokens, dtype, num_samples)
+        B = max(1, min(cap, num_prompts * num_samples))
+        pool_slots = self.prompt_slots(B, num_samples, num_prompts) if self.share_prompts else None
+        if self.share_prompts:
+            cache = SharedPromptKVCache.for_model(model, B, pool_slots, longest, max_tokens, num_samples, dtype)
+        else:
+            cache = KVCache.for_model(model, B, longest + max_tokens, dtype)
+        self.last_stats = RolloutStats()
+        return DecodeBatch(model, cache, temperature, top_k, self.last_stats, pool_slots)
+
     @torch.no_grad()
-    def _decode(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows=None, emit_finished=False):
-        """The decode loop shared by every API. Yields, per step, either [(row, token, mask)] for the rows
-        that produced a token (emit_finished=False) or the list of rows that finished (emit_finished=True)."""
+    def _rollout(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows=None):
+        """The decode loop every API adapts. Yields, per step, the events [(row, token, mask)] of the rows
+        that emitted a token; a row whose `finished` is set has just left the batch (it does so once)."""
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token (render_for_completion starts with <|bos|>)")
-        model, sp = self.model, self.special
-        cfg = model.config
-        device = model.get_device()
         longest = max(len(p) for p in prompts)
         if max_tokens is None:
-            max_tokens = max(1, cfg.sequence_len - longest)
-        dtype = self._cache_dtype(device)
-        total_rows = len(prompts) * num_samples
-        cap = max_rows or self.max_rows or self.rows_for_budget(longest, max_tokens, dtype, num_samples)
-        B = max(1, min(cap, total_rows))
-        if self.share_prompts:
-            pool_slots = self.prompt_slots(B, num_samples, len(prompts))
-            cache = SharedPromptKVCache.for_model(model, B, pool_slots, longest, max_tokens, num_samples, dtype)
-            free_prompt_slots = deque(range(pool_slots))
-        else:
-            cache = KVCache.for_model(model, B, longest + max_tokens, dtype)
-        prompt_slot, rows_alive, fully_admitted = {}, [0] * len(prompts), [False] * len(prompts)
-        stats = self.last_stats = RolloutStats()
-
-        slots = []                                            # slot i holds slots[i]: _Row; slots are a dense prefix
-        next_input = torch.zeros(B, dtype=torch.long, device=device)
-        slot_seeds = torch.zeros(B, dtype=torch.long, device=device)
-        slot_steps = torch.zeros(B, dtype=torch.long, device=device)
-        waiting = deque(range(len(prompts)))                  # prompts not yet (fully) admitted
-        pending = None                                        # (request, prefill cache, last logits, next sample)
-
-        def feed(row, sampled_token):
-            """Apply one step to a row: a queued forced token wins over the sampled one. Returns
-            (token emitted, mask, row finished)."""
-            token, mask = (row.forced.popleft(), 0) if row.forced else (sampled_token, 1)
-            row.steps += 1
-            out = row.out
-            if token in (sp.assistant_end, sp.bos):
-                out.ended = True
-                return token, mask, True
-            out.tokens.append(token)
-            out.masks.append(mask)
-            if token == sp.python_start:
-                row.python_tokens = []
-            elif token == sp.python_end and row.python_tokens is not None:
-                out.tool_calls += 1
-                text = format_result(use_calculator(self.tokenizer.decode(row.python_tokens)))
-                row.python_tokens = None
-                if text is not None:
-                    out.tool_successes += 1
-                    row.forced.extend([sp.output_start, *self.tokenizer.encode(text), sp.output_end])
-            elif row.python_tokens is not None:
-                row.python_tokens.append(token)
-            return token, mask, row.steps >= row.max_tokens
-
-        def step_rows(rows, sampled, first_slot):
-            """Feed sampled tokens to rows occupying slots first_slot...; set their next inputs; retire
-            the finished ones. Returns [(row, token, mask)]."""
-            events, finished, inputs = [], [], []
-            for j, row in enumerate(rows):
-                token, mask, done = feed(row, sampled[j])
-                events.append((row, token, mask))
-                inputs.append(token)
-                if done:
-                    finished.append(first_slot + j)
-            next_input[first_slot:first_slot + len(rows)] = torch.tensor(inputs, dtype=torch.long, device=device)
-            retire(finished)
-            return events
-
-        def retire(finished_slots):
-            """Remove finished rows, keeping the active rows a dense prefix: move the last row into each hole."""
-            for i in sorted(finished_slots, reverse=True):
-                done_rows.append(slots[i])
-                request = slots[i].request
-                rows_alive[request] -= 1
-                if self.share_prompts and rows_alive[request] == 0 and fully_admitted[request]:
-                    free_prompt_slots.append(prompt_slot.pop(request))  # its prompt's keys are no longer read
-                last = len(slots) - 1
-                if i != last:
-                    src, dst = torch.tensor([last], device=device), torch.tensor([i], device=device)
-                    cache.copy_rows(dst, src)
-                    for t in (next_input, slot_seeds, slot_steps):
-                        t[i] = t[last]
-                    slots[i] = slots[last]
-                slots.pop()
-
-        def admit():
-            """Fill free slots with rows of waiting prompts, prefilling each prompt once; each admitted row
-            samples its first token from the prefill logits. Returns their events."""
-            nonlocal pending
-            events = []
-            while len(slots) < B and (pending is not None or waiting):
+            max_tokens = max(1, self.model.config.sequence_len - longest)
+        batch = self._new_batch(len(prompts), longest, num_samples, max_tokens, temperature, top_k, max_rows)
+        waiting, pending = deque(range(len(prompts))), None  # prompts not prefilled yet; the one being admitted
+        while batch.rows or waiting or pending is not None:
+            events = batch.decode_step()
+            while batch.free_slots > 0 and (pending is not None or waiting):
                 if pending is None:
-                    if self.share_prompts and not free_prompt_slots:
+                    if not batch.can_take_prompt():
                         break  # every pool slot holds a prompt whose rows still run: wait for one to finish
                     request = waiting.popleft()
-                    prompt = prompts[request]
-                    pcache = KVCache.for_model(model, 1, len(prompt), dtype)
-                    ids = torch.tensor([prompt], dtype=torch.long, device=device)
-                    logits = model(ids, kv_cache=pcache)[:, -1, :]  # (1, V)
-                    stats.prefill_tokens += len(prompt)
-                    if self.share_prompts:
-                        prompt_slot[request] = free_prompt_slots.popleft()
-                        cache.store_prompt(prompt_slot[request], pcache)
-                    pending = (request, pcache, logits, 0)
-                request, pcache, logits, first = pending
-                take = min(B - len(slots), num_samples - first)
-                lo, hi = len(slots), len(slots) + take
-                rows_alive[request] += take
-                fully_admitted[request] = first + take == num_samples
-                if self.share_prompts:
-                    cache.admit_rows(lo, hi, prompt_slot[request], first, pcache)
-                else:
-                    cache.fill_rows_from(lo, hi, pcache)
-                seeds_list = [row_seed(seeds[request] & _M32, s) for s in range(first, first + take)]
-                slot_seeds[lo:hi] = torch.tensor(seeds_list, dtype=torch.long, device=device)
-                slot_steps[lo:hi] = 0
-                sampled = sample_next_token(logits.expand(take, -1), slot_seeds[lo:hi], slot_steps[lo:hi],
-                                            temperature, top_k).tolist()
-                slot_steps[lo:hi] = 1
-                rows = [_Row(request=request, sample=s, max_tokens=max_tokens) for s in range(first, first + take)]
-                slots.extend(rows)
-                pending = None if first + take == num_samples else (request, pcache, logits, first + take)
-                events += step_rows(rows, sampled, lo)
-            return events
-
-        def decode_step():
-            n = len(slots)
-            stats.kv_positions_read += cache.prepare_decode_step(n)
-            logits = model(next_input[:n, None], kv_cache=cache.rows(0, n))[:, -1, :]  # (n, V)
-            stats.decode_forwards += 1
-            stats.row_steps += n
-            stats.max_batch_rows = max(stats.max_batch_rows, n)
-            sampled = sample_next_token(logits, slot_seeds[:n], slot_steps[:n], temperature, top_k).tolist()
-            slot_steps[:n] += 1
-            return step_rows(list(slots), sampled, 0)
-
-        done_rows = []
-        events = admit()
-        while True:
-            if emit_finished:
-                if done_rows:
-                    yield list(done_rows)
-                    done_rows.clear()
-            elif events:
+                    pending = batch.prefill(request, prompts[request], seeds[request], num_samples)
+                rows = [Row(pending.request, s, max_tokens, self.special, self.tokenizer)
+                        for s in pending.next_samples(batch.free_slots)]
+                events += batch.admit(pending, rows)
+                pending = None if pending.fully_admitted else pending
+            if events:
                 yield events
-            if not slots and not waiting and pending is None:
-                break
-            events = (decode_step() if slots else []) + admit()
 
 
 def fastest_decode_dtype(model, candidates, rows=16, context=64, steps=3, margin=1.2):

@@ -7,20 +7,14 @@ Two definitions of pass@k are reported:
   probability that k samples drawn without replacement contain a correct one. Lower variance than "any".
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import comb
 
 import torch
 import torch.distributed as dist
 
-from nanochat.common import progress_bar
-
-
-@dataclass
-class QuestionOutcome:
-    index: int                 # index in the task
-    correct: list              # per sample, 0/1
-    completions: list = field(default_factory=list)  # per sample, decoded text (for logging examples)
+from nanochat.common import rank_and_world, rank_share
+from nanochat.rollout import Sampling, sample_questions
 
 
 @dataclass
@@ -43,37 +37,22 @@ def unbiased_pass_at_k(n, c, k):
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def rank_question_indices(num_examples, rank, world_size):
-    """Rank r evaluates questions r, r+W, ... of the first num_examples."""
-    return list(range(rank, num_examples, world_size))
-
-
 def sample_outcomes(engine, task, indices, num_samples, max_new_tokens, temperature, top_k, seed=0):
-    """Sample `num_samples` answers for each task question in `indices` (all in one batched rollout) and
-    grade them. Question i is seeded with seed + index, so its samples do not depend on the rank layout."""
-    tokenizer = engine.tokenizer
-    conversations = [task[i] for i in indices]
-    prompts = [tokenizer.render_for_completion(conv) for conv in conversations]
-    bar = progress_bar(len(prompts) * num_samples, "eval")
-    results = engine.generate_many(prompts, num_samples=num_samples, max_tokens=max_new_tokens,
-                                   temperature=temperature, top_k=top_k, seeds=[seed + i for i in indices],
-                                   progress=bar.update)
-    bar.close()
-    outcomes = []
-    for index, conv, completions in zip(indices, conversations, results):
-        texts = [tokenizer.decode(c.tokens) for c in completions]
-        outcomes.append(QuestionOutcome(index=index, correct=[int(task.evaluate(conv, t)) for t in texts],
-                                        completions=texts))
-    return outcomes
+    """Sample num_samples answers for each task question in `indices` (one batched rollout) and grade them
+    with task.evaluate: [QuestionRollout] whose rewards are 1.0 (correct) or 0.0. Question i is seeded with
+    seed + i, so its samples do not depend on the rank layout."""
+    sampling = Sampling(num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k or 0)
+    return sample_questions(engine, task, indices, [seed + i for i in indices], sampling, score=task.evaluate, label="eval")
 
 
 def aggregate_pass_at_k(outcomes, num_samples, device="cpu"):
     """Sum per-k counts over this rank's questions, then over ranks; returns PassAtK."""
     counts = torch.zeros(2 * num_samples + 1, dtype=torch.float64 if device == "cpu" else torch.float32, device=device)
     for o in outcomes:
-        c = sum(o.correct)
+        correct = [int(r) for r in o.rewards]
+        c = sum(correct)
         for k in range(1, num_samples + 1):
-            counts[k - 1] += float(any(o.correct[:k]))
+            counts[k - 1] += float(any(correct[:k]))
             counts[num_samples + k - 1] += unbiased_pass_at_k(num_samples, c, k)
     counts[-1] = len(outcomes)
     if dist.is_initialized():
@@ -84,10 +63,10 @@ def aggregate_pass_at_k(outcomes, num_samples, device="cpu"):
 
 
 def evaluate_pass_at_k(engine, task, num_examples, num_samples, max_new_tokens=256, temperature=1.0, top_k=50,
-                       rank=0, world_size=1, device="cpu", seed=0):
-    """pass@k on the first `num_examples` questions of `task`, split across ranks.
-    Returns (PassAtK, this rank's outcomes)."""
+                       device="cpu", seed=0):
+    """pass@k on the first `num_examples` questions of `task`, split across the ranks of the process group.
+    Returns (PassAtK, this rank's [QuestionRollout])."""
     num_examples = min(num_examples, len(task))
-    indices = rank_question_indices(num_examples, rank, world_size)
+    indices = list(rank_share(0, num_examples, *rank_and_world()))
     outcomes = sample_outcomes(engine, task, indices, num_samples, max_new_tokens, temperature, top_k, seed=seed)
     return aggregate_pass_at_k(outcomes, num_samples, device=device), outcomes

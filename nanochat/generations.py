@@ -146,7 +146,8 @@ def detect_generation(state_dict, meta, requested=None):
             found, how = GENERATIONS["ve"], "value embeddings, meta layout of before 2026-01-31"
         elif width == 32:
             found, how = GENERATIONS["ve_late"], ("value embeddings, meta layout of 2026-01-31 .. 2026-03-08; "
-                                                  "assumed the last forward of that era (see --model-generation)")
+                                                  "assumed the last forward of that era (the files cannot tell it "
+                                                  "from ve and ve_mar2)")
             if requested is not None and requested.name in VE_ERA_WITH_NEW_META:
                 return requested, "value embeddings, meta layout of 2026-01-31 .. 2026-03-08; chosen by the caller"
         else:

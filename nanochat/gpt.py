@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from nanochat.common import UserError
 from nanochat.generations import (DEFAULT_GENERATION, SMEAR_GATE_CHANNELS, get_generation, has_value_embedding,
                                   model_config_fields)
+from nanochat.sampling import row_seeds, sample_next_token
 
 VOCAB_PAD = 64          # wte and lm_head rows are padded up to a multiple of this (matmul-friendly shapes)
 ROTARY_OVERSIZE = 10    # rotary tables cover 10 * sequence_len positions, so rollouts may outgrow training length
@@ -458,13 +459,11 @@ class GPT(nn.Module):
     def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):
         """Naive reference sampler: a full forward per token, no KV cache. tokens: list of ints; yields
         max_tokens token ids (it does not stop at any special token). Sampling is the engine's
-        (nanochat.engine.sample_next_token, row 0's stream of `seed`), so Engine.generate with one sample
+        (nanochat.sampling.sample_next_token, row 0's stream of `seed`), so Engine.generate with one sample
         must produce the same tokens as long as no tool output is forced."""
-        from nanochat.engine import row_seed, sample_next_token
-
         device = self.get_device()
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)  # (1, T)
-        seeds = torch.tensor([row_seed(seed & 0xFFFFFFFF, 0)], dtype=torch.long, device=device)
+        seeds = row_seeds(seed, [0], device)  # (1,)
         for step in range(max_tokens):
             logits = self.forward(ids)[:, -1, :]  # (1, V)
             steps = torch.full((1,), step, dtype=torch.long, device=device)
@@ -473,11 +472,16 @@ class GPT(nn.Module):
             yield int(token.item())
 
 
-def scale_initial_lr(optimizers, init_lr_frac):
-    """Start every param group at init_lr_frac of its lr and record that as the group's `initial_lr`, which
-    the scripts' schedules multiply by lrm (nanochat's init_lr_frac). Returns the optimizers."""
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["lr"] * init_lr_frac
-            group["initial_lr"] = group["lr"]
-    return optimizers
+HEAD_DIM = 64  # fresh models: n_embd = 64 * depth (nanochat's aspect ratio), so depth heads of 64
+
+
+def build_fresh_model(depth, sequence_len, vocab_size, device):
+    """A randomly initialized GPT of nanochat's shape for `depth`: width HEAD_DIM * depth, heads of HEAD_DIM."""
+    n_embd = depth * HEAD_DIM
+    n_head = n_embd // HEAD_DIM
+    config = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
+                       n_kv_head=n_head, n_embd=n_embd, window_pattern="L")
+    with device:
+        model = GPT(config)  # allocated on the target device directly (a meta-device build costs a torch._dynamo import)
+    model.init_weights()
+    return model

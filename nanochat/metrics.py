@@ -2,7 +2,7 @@
 Per-step RL metrics: what the rollouts of one step looked like, computed from plain python data and
 combined across ranks exactly (as if one process had seen every rank's samples).
 
-`rollout_metrics` summarizes one rank's step; `reduce_metrics` combines the ranks' summaries. Each
+`rollout_metrics` (and `objective_metrics`) summarize one rank's step; `reduce_metrics` combines the ranks' summaries. Each
 metric declares in REDUCTIONS how it combines, so a mean is weighted by its count and a fraction sums
 its numerator and denominator, instead of averaging per-rank values (which is wrong for uneven ranks).
 
@@ -16,7 +16,8 @@ Keys of a metrics dict (all floats):
   tool_success_fraction      calls that returned a value / calls (0.0 when there were no calls, see below)
   num_samples, num_questions, num_tool_calls   the counts the other metrics are weighted by
   rows_trained               samples that went through the training forward/backward (non-zero advantage)
-The objective's diagnostics (scripts/chat_rl.py objective_metrics; nanochat.rl.TrainStats), when they apply:
+The objective's diagnostics (`objective_metrics`, from nanochat.rl.TrainStats), when they apply:
+  loss                       minus the on-policy objective (the step's, averaged over ranks like the gradients)
   trained_tokens             sampled tokens of the trained rows (their weight)
   clip_fraction, approx_kl   last PPO epoch: tokens whose ratio was clipped; mean (rho - 1) - log rho
   kl_ref                     mean k3 KL of the policy to the reference model (--kl-coef)
@@ -45,6 +46,7 @@ REDUCTIONS = {
     "tool_calls_per_sample": ("mean", "num_samples"),
     "tool_success_fraction": ("mean", "num_tool_calls"),
     "rows_trained": ("sum", None),
+    "loss": ("mean", "num_questions"),  # every rank has the same number of questions: the plain rank mean
     "trained_tokens": ("sum", None),
     "clip_fraction": ("mean", "trained_tokens"),
     "approx_kl": ("mean", "trained_tokens"),
@@ -113,6 +115,19 @@ def rollout_metrics(rewards_per_question, completions_per_question, max_new_toke
         "tool_success_fraction": successes / calls if calls else 0.0,
         "rows_trained": float(rows_trained),
     }
+
+
+def objective_metrics(first, last):
+    """The objective's diagnostics from one step's TrainStats (nanochat.rl): the first epoch's loss (minus the objective;
+    the ranks' mean is the step's, as the optimizers average gradients), its trained tokens and its mean KL to
+    the reference (with --kl-coef), the last PPO epoch's clipped fraction and KL from the old policy
+    (measured in its forward, after the earlier epochs' updates)."""
+    out = {"loss": -first.objective, "trained_tokens": float(first.tokens)}
+    if last.clip_fraction is not None:
+        out.update(clip_fraction=last.clip_fraction, approx_kl=last.approx_kl)
+    if first.kl_ref is not None:
+        out["kl_ref"] = first.kl_ref
+    return out
 
 
 def reduce_metrics(metrics, device="cpu"):

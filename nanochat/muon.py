@@ -29,7 +29,7 @@ loop schedules it); the model records 'initial_lr' on each group.
 import torch
 import torch.distributed as dist
 
-from nanochat.common import cpu_has_native_bf16
+from nanochat.common import cpu_has_native_bf16, rank_and_world
 
 # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): one odd quintic
 # x -> a x + b x^3 + c x^5 per iteration, each chosen minimax-optimal for where the singular values can
@@ -247,19 +247,12 @@ class _Done:
         return True
 
 
-def dist_world():
-    """(rank, world_size), (0, 1) without a process group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def reduce_scatter_sum(output, input):
     """Async sum-reduce-scatter along dim 0: rank r gets sum over ranks of input's r-th chunk.
 
     gloo has no native reduce-scatter; since torch 2.3 it emulates reduce_scatter_tensor with an
     all-reduce (2x the traffic, fine for CPU runs). torch 2.13 renamed it reduce_scatter_single."""
-    if dist_world()[1] == 1:
+    if rank_and_world()[1] == 1:
         output.copy_(input)
         return _Done()
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -269,7 +262,7 @@ def reduce_scatter_sum(output, input):
 def all_gather(output, input):
     """Async all-gather along dim 0: output = cat of every rank's input. `input` may be output's own
     slice at rank * len(input) (in place; NCCL documents this, gloo handles it)."""
-    if dist_world()[1] == 1:
+    if rank_and_world()[1] == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _Done()
@@ -279,7 +272,7 @@ def all_gather(output, input):
 
 def all_reduce_sum(tensor):
     """Async in-place sum over ranks."""
-    if dist_world()[1] == 1:
+    if rank_and_world()[1] == 1:
         return _Done()
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
 
@@ -324,7 +317,7 @@ def copy_gathered_matrices(params, recv):
     torch._foreach_copy_(list(params), list(recv[:len(params)].unbind(0)))
 
 
-class DistMuon(torch.optim.Optimizer):
+class DistMuon(Muon):
     """Muon under torch.distributed without DDP: gradients are averaged here, not by a wrapper.
 
     Within each shape group every matrix has one owner rank (see `owned_matrices`). A step:
@@ -336,18 +329,12 @@ class DistMuon(torch.optim.Optimizer):
     Without a process group it behaves exactly like Muon. A parameter with no gradient on a rank
     contributes zeros to the average (it is still stepped: ranks cannot skip a collective alone).
     state_dict() holds only this rank's shard; load it back with the same world size.
-    ortho_dtype: as in Muon.
+    The constructor and its arguments are Muon's; only the step differs.
     """
-
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, beta2=0.95, weight_decay=0.0,
-                 ortho_dtype=None):
-        defaults = _muon_defaults(lr, momentum, nesterov, ns_steps, beta2, weight_decay)
-        super().__init__(_split_by_shape(params, defaults), defaults)
-        self.ortho_dtype = _resolve_ortho_dtype(ortho_dtype, self.param_groups)
 
     @torch.no_grad()
     def step(self):
-        rank, world = dist_world()
+        rank, world = rank_and_world()
         # 1. launch every group's reduce-scatter
         pending = [(group, *launch_matrix_grad_reduce(group["params"], world)) for group in self.param_groups]
 

@@ -25,7 +25,8 @@ world size. A parameter with no gradient contributes zeros and is still stepped.
 import torch
 
 from nanochat.adamw import adamw_shard_step_, launch_adamw_reduce
-from nanochat.muon import (cautious_step_, copy_gathered_matrices, dist_world, init_muon_state,
+from nanochat.common import rank_and_world
+from nanochat.muon import (cautious_step_, copy_gathered_matrices, init_muon_state,
                            launch_matrix_gather, launch_matrix_grad_reduce, normalize_variance_, orthogonalize,
                            owned_matrices, shape_lr_scale)
 
@@ -139,7 +140,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        rank, world = dist_world()
+        rank, world = rank_and_world()
         # 1. launch every reduction: per parameter for AdamW, one stacked reduce-scatter per Muon group
         pending = []
         for group in self.param_groups:

@@ -9,12 +9,18 @@ The specs are the same for both recipes: which parameters go to AdamW and which 
 hyperparameters of each group (see `build_optimizers`). Which lr and betas each kind of parameter gets
 in each recipe is the model's business (GPT.setup_optimizers); the fixtures in tests/fixtures/optimizer
 record nanochat's choices, and tests/test_optim.py replays them against nanochat's own steps.
+
+Also the schedule every stage shares (init_lr_frac, then a linear decay to 0) and the step guarded by the
+finite check.
 """
+
+import math
 
 import torch
 import torch.distributed as dist
 
 from nanochat.adamw import DistAdamW
+from nanochat.common import grad_norm
 from nanochat.muon import DistMuon, Muon
 from nanochat.muon_adamw import MuonAdamW, split_param_groups
 
@@ -65,3 +71,44 @@ def build_optimizers(recipe, param_groups, ortho_dtype=None):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
     return optimizers
+
+
+def scale_initial_lr(optimizers, init_lr_frac):
+    """Start every param group at init_lr_frac of its lr and record that as the group's `initial_lr`, which
+    the schedule multiplies by lrm (nanochat's init_lr_frac). Returns the optimizers."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * init_lr_frac
+            group["initial_lr"] = group["lr"]
+    return optimizers
+
+
+def lr_multiplier(step, num_steps):
+    """Linear decay from 1 at step 0 to 0 at num_steps."""
+    return 1.0 - step / num_steps
+
+
+def all_ranks_finite(values, device="cpu"):
+    """True when every value is finite on every rank. Under a process group this is one all-reduce (MIN), so
+    every rank gets the same answer: the distributed optimizers' collectives need all ranks to step or none.
+    device: a tensor device the process group reduces (the rank's CUDA device under NCCL)."""
+    finite = torch.tensor([float(all(math.isfinite(v) for v in values))], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    return finite.item() == 1.0
+
+
+def guarded_step(model, optimizers, lrm, loss, device="cpu"):
+    """The optimizer step of chat_rl and chat_sft: every group's lr = initial_lr * lrm, then one step of each
+    optimizer, but only when the loss and the gradient are finite on every rank; the gradients are cleared
+    either way. loss: this rank's loss or objective (python float). Returns (this rank's grad norm, stepped)."""
+    gnorm = grad_norm(model)
+    stepped = all_ranks_finite([loss, gnorm], device)
+    if stepped:
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["initial_lr"] * lrm
+        for opt in optimizers:
+            opt.step()
+    model.zero_grad(set_to_none=True)
+    return gnorm, stepped

@@ -18,7 +18,8 @@ import subprocess
 
 import torch
 
-from nanochat.common import get_base_dir
+from nanochat.common import get_base_dir, get_rank
+from nanochat.files import atomic_write
 
 # sections in pipeline order; a section not listed here goes after these, alphabetically
 SECTION_ORDER = [
@@ -98,7 +99,7 @@ class Report:
             else:
                 raise TypeError(f"Report.log items must be str or dict, got {type(item).__name__}")
         path = self.section_path(section)
-        _write_atomic(path, "\n\n".join(parts) + "\n")
+        atomic_write(path, "\n\n".join(parts) + "\n")
         return path
 
     def write_report(self):
@@ -120,7 +121,7 @@ class Report:
             with open(os.path.join(self.report_dir, stem + ".md"), encoding="utf-8") as f:
                 sections.append(f.read().rstrip())
         path = os.path.join(self.report_dir, REPORT_FILE)
-        _write_atomic(path, "\n\n".join([header] + sections) + "\n")
+        atomic_write(path, "\n\n".join([header] + sections) + "\n")
         return path
 
 
@@ -136,15 +137,7 @@ class DummyReport:
 
 def get_report(report_dir=None):
     """`Report` on rank 0, `DummyReport` elsewhere (every rank runs the same code; one writes)."""
-    return Report(report_dir) if int(os.environ.get("RANK", 0)) == 0 else DummyReport()
-
-
-def _write_atomic(path, text):
-    """Write via a temporary file and rename, so a crash never leaves a half-written section."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    return Report(report_dir) if get_rank() == 0 else DummyReport()
 
 
 # -----------------------------------------------------------------------------
@@ -194,7 +187,7 @@ def log_chat_rl(report, config, history, eval_history, section=CHAT_RL_SECTION):
         rows = [[k] + [d.get(k, "") for _, d in evals] for k in keys]
         data.append(markdown_table(["metric"] + [f"step {s}" for s, _ in evals], rows))
     else:
-        data.append("No evaluation was run (--eval-every=-1).")
+        data.append("No evaluation was run.")
 
     data.append("### Plots")
     steps = [h["step"] for h in history]
@@ -254,7 +247,5 @@ def _plot(path, ylabel, series, band=None, marker=None):
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = f"{path}.tmp{os.getpid()}.png"
-    fig.savefig(tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: fig.savefig(f, format="png"))
     return path

@@ -1,6 +1,6 @@
 """
 The pieces of the RL algorithm that are pure functions of tensors: turning one question's sampled
-completions into a training batch, the advantages, the policy-gradient objective, and the LR schedule.
+completions into a training batch, the advantages, and the policy-gradient objective.
 
 nanochat's objective, per question with N samples split into P = N / device_batch_size passes:
     adv_i     = r_i - mean(r)                                  (no std division, no KL, no clipping)
@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from nanochat.sft import collate_rows
 
 
 @dataclass
@@ -62,14 +64,7 @@ def make_question_batch(prompt, completions, rewards, pad_token, truncated=None,
     scale_by_std: divide the advantages by the rewards' std (see advantages_from_rewards).
     """
     rows = [(list(prompt) + list(toks), [0] * len(prompt) + list(masks)) for toks, masks in completions]
-    longest = max(len(ids) for ids, _ in rows)
-    ids = torch.full((len(rows), longest), pad_token, dtype=torch.long)
-    mask = torch.zeros((len(rows), longest), dtype=torch.long)
-    for i, (row_ids, row_mask) in enumerate(rows):
-        ids[i, :len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
-        mask[i, :len(row_mask)] = torch.tensor(row_mask, dtype=torch.long)
-    inputs, targets = ids[:, :-1], ids[:, 1:].clone()
-    targets[mask[:, 1:] == 0] = -1  # the model is only credited for tokens it chose
+    inputs, targets = collate_rows(rows, pad_token)  # the model is only credited for tokens it chose
     rewards = torch.tensor(rewards, dtype=torch.float32)
     truncated = torch.zeros(len(rows), dtype=torch.bool) if truncated is None else torch.tensor(truncated, dtype=torch.bool)
     return QuestionBatch(inputs=inputs, targets=targets, rewards=rewards,
@@ -94,11 +89,6 @@ def pass_objective(logp, targets, advantages, num_passes, examples_per_rank, num
     num_valid = max(int(num_valid), 1)
     weighted = torch.where(valid, logp * advantages[:, None].to(logp.dtype), torch.zeros_like(logp))
     return weighted.sum() / (num_valid * num_passes * examples_per_rank)
-
-
-def lr_multiplier(step, num_steps):
-    """Linear decay from 1 at step 0 to 0 at num_steps."""
-    return 1.0 - step / num_steps
 
 
 def token_logprobs_and_entropy(logits, targets):
@@ -315,10 +305,8 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
     if loss.loss_norm != "pass" and counts is None:
         counts = step_counts(batches, loss.mask_truncated, device)
     micro = micro_batch_rows or device_batch_size
-    old_logprobs = [] if first else first_epoch.old_logprobs
-    ref_logprobs = ([] if use_kl else None) if first else first_epoch.ref_logprobs
-    total_objective, entropy_sum, entropy_count, rows_trained, rows_total = 0.0, 0.0, 0, 0, 0
-    clipped_count, approx_kl_sum, kl_ref_sum = 0, 0.0, 0.0
+    tally = _Tally(old_logprobs=[] if first else first_epoch.old_logprobs,
+                   ref_logprobs=([] if use_kl else None) if first else first_epoch.ref_logprobs)
     for q, batch in enumerate(batches):
         question_targets = trainable_targets(batch, loss.mask_truncated)  # (R, T)
         denominators = row_denominators(question_targets, loss.loss_norm, device_batch_size, examples_per_rank, counts,
@@ -326,60 +314,95 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
         weights = batch.advantages / denominators.to(batch.advantages.dtype)  # (R,)
         R = question_targets.size(0)
         rows = _trained_rows(question_targets, weights, any_weight=use_kl) if skip_zero_advantage else list(range(R))
-        rows_total += R
-        rows_trained += len(rows)
+        tally.rows_total += R
+        tally.rows_trained += len(rows)
         if first:  # the sampled tokens' log-probabilities, at their (row, position) in the question's (R, T)
-            old_logprobs.append(torch.zeros(question_targets.shape, device=device))
+            tally.old_logprobs.append(torch.zeros(question_targets.shape, device=device))
             if use_kl:
-                ref_logprobs.append(torch.zeros(question_targets.shape, device=device))
+                tally.ref_logprobs.append(torch.zeros(question_targets.shape, device=device))
+        question = _Question(q, batch, question_targets, denominators, weights)
         for lo in range(0, len(rows), micro):
-            chunk = torch.tensor(rows[lo:lo + micro])
-            inputs, chunk_targets = batch.inputs[chunk].to(device), question_targets[chunk].to(device)
-            with autocast:
-                hidden, offset = _row_hidden_states(model, inputs, batch.prompt_length, share_prompt)
-                targets = chunk_targets[:, offset:]  # positions before `offset` are prompt: no target there
-                valid = targets >= 0  # (B, T')
-                # logits only where there is a target (sampled tokens): no vocabulary-wide work for prompt,
-                # forced tool-output and padding positions
-                logits = model.logits(hidden[valid])  # (N, V)
-            logp, entropy = token_logprobs_and_entropy(logits, targets[valid])  # (N,)
-            row_index, position = valid.nonzero(as_tuple=True)
-            where = (chunk.to(device)[row_index], position + offset)  # each token's place in the question's (R, T)
-            token_denominators = denominators[chunk].to(device)[:, None].expand_as(targets)[valid].to(logp.dtype)  # (N,)
-            if first:
-                # on-policy: the ratio is 1, so the clipped surrogate's gradient is A * grad logp (nanochat's term)
-                token_weights = weights[chunk].to(device)[:, None].expand_as(targets)[valid]  # (N,)
-                pg_objective = (logp * token_weights.to(logp.dtype)).sum()
-                old_logprobs[q][where] = logp.detach()
-            else:
-                token_advantages = batch.advantages[chunk].to(device)[:, None].expand_as(targets)[valid].to(logp.dtype)
-                old_logp = old_logprobs[q][where]
-                surrogate, ratio, clipped = clipped_surrogate(logp, old_logp, token_advantages, loss.clip_low, loss.clip_high)
-                pg_objective = (surrogate / token_denominators).sum()
-                with torch.no_grad():
-                    clipped_count += int(clipped.sum())
-                    approx_kl_sum += ((ratio - 1) - (logp - old_logp)).sum().item()
-            objective = pg_objective
-            if use_kl:
-                if first:
-                    with torch.no_grad(), autocast:
-                        ref_logprobs[q][where] = _reference_logprobs(reference, inputs, chunk_targets,
-                                                                     batch.prompt_length, share_prompt)
-                kl = k3_kl(logp, ref_logprobs[q][where])  # (N,)
-                kl_penalty = (kl / token_denominators).sum()
-                objective = pg_objective - loss.kl_coef * kl_penalty
-                kl_ref_sum += kl.detach().sum().item()
-            (-objective).backward()
-            total_objective += objective.item()
-            entropy_sum += entropy.item() * int(valid.sum())
-            entropy_count += int(valid.sum())
+            _backward_chunk(model, question, torch.tensor(rows[lo:lo + micro]), loss, first, reference, device, autocast,
+                            share_prompt, tally)
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    per_token = lambda total: total / entropy_count if entropy_count else 0.0
-    return TrainStats(objective=total_objective, entropy=entropy_sum / entropy_count if entropy_count else float("nan"),
-                      rows_trained=rows_trained, rows_total=rows_total, tokens=entropy_count,
-                      clip_fraction=None if first else per_token(clipped_count),
-                      approx_kl=None if first else per_token(approx_kl_sum),
-                      kl_ref=per_token(kl_ref_sum) if use_kl else None,
-                      old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+    return tally.stats(first, use_kl)
+
+
+@dataclass
+class _Question:
+    """One question's rows as the objective sees them (see accumulate_policy_gradient)."""
+    index: int                  # its place in the step's batches (and in the epoch's stored log-probabilities)
+    batch: QuestionBatch
+    targets: torch.Tensor       # (R, T) trainable targets (truncated rows masked under mask_truncated)
+    denominators: torch.Tensor  # (R,) D of each row
+    weights: torch.Tensor       # (R,) A / D
+
+
+@dataclass
+class _Tally:
+    """Running sums of one epoch of accumulate_policy_gradient, turned into TrainStats at the end."""
+    old_logprobs: list
+    ref_logprobs: list
+    objective: float = 0.0
+    entropy_sum: float = 0.0
+    tokens: int = 0
+    rows_trained: int = 0
+    rows_total: int = 0
+    clipped: int = 0
+    approx_kl_sum: float = 0.0
+    kl_ref_sum: float = 0.0
+
+    def stats(self, first, use_kl):
+        per_token = lambda total: total / self.tokens if self.tokens else 0.0
+        return TrainStats(objective=self.objective, entropy=self.entropy_sum / self.tokens if self.tokens else float("nan"),
+                          rows_trained=self.rows_trained, rows_total=self.rows_total, tokens=self.tokens,
+                          clip_fraction=None if first else per_token(self.clipped),
+                          approx_kl=None if first else per_token(self.approx_kl_sum),
+                          kl_ref=per_token(self.kl_ref_sum) if use_kl else None,
+                          old_logprobs=self.old_logprobs, ref_logprobs=self.ref_logprobs)
+
+
+def _backward_chunk(model, question, chunk, loss, first, reference, device, autocast, share_prompt, tally):
+    """Forward and backward the rows `chunk` (N,) of one question, adding their terms to the model's gradient
+    and to the tally."""
+    q, batch = question.index, question.batch
+    inputs, chunk_targets = batch.inputs[chunk].to(device), question.targets[chunk].to(device)
+    with autocast:
+        hidden, offset = _row_hidden_states(model, inputs, batch.prompt_length, share_prompt)
+        targets = chunk_targets[:, offset:]  # positions before `offset` are prompt: no target there
+        valid = targets >= 0  # (B, T')
+        # logits only where there is a target (sampled tokens): no vocabulary-wide work for prompt,
+        # forced tool-output and padding positions
+        logits = model.logits(hidden[valid])  # (N, V)
+    logp, entropy = token_logprobs_and_entropy(logits, targets[valid])  # (N,)
+    row_index, position = valid.nonzero(as_tuple=True)
+    where = (chunk.to(device)[row_index], position + offset)  # each token's place in the question's (R, T)
+    per_token = lambda row_values: row_values[chunk].to(device)[:, None].expand_as(targets)[valid]  # (R,) -> (N,)
+    token_denominators = per_token(question.denominators).to(logp.dtype)
+    if first:
+        # on-policy: the ratio is 1, so the clipped surrogate's gradient is A * grad logp (nanochat's term)
+        pg_objective = (logp * per_token(question.weights).to(logp.dtype)).sum()
+        tally.old_logprobs[q][where] = logp.detach()
+    else:
+        old_logp = tally.old_logprobs[q][where]
+        surrogate, ratio, clipped = clipped_surrogate(logp, old_logp, per_token(batch.advantages).to(logp.dtype),
+                                                      loss.clip_low, loss.clip_high)
+        pg_objective = (surrogate / token_denominators).sum()
+        with torch.no_grad():
+            tally.clipped += int(clipped.sum())
+            tally.approx_kl_sum += ((ratio - 1) - (logp - old_logp)).sum().item()
+    objective = pg_objective
+    if loss.kl_coef > 0:
+        if first:
+            with torch.no_grad(), autocast:
+                tally.ref_logprobs[q][where] = _reference_logprobs(reference, inputs, chunk_targets, batch.prompt_length,
+                                                                   share_prompt)
+        kl = k3_kl(logp, tally.ref_logprobs[q][where])  # (N,)
+        objective = pg_objective - loss.kl_coef * (kl / token_denominators).sum()
+        tally.kl_ref_sum += kl.detach().sum().item()
+    (-objective).backward()
+    tally.objective += objective.item()
+    tally.entropy_sum += entropy.item() * int(valid.sum())
+    tally.tokens += int(valid.sum())

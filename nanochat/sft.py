@@ -15,6 +15,8 @@ import random
 
 import torch
 
+from nanochat.common import rank_share
+
 
 def render_rows(tokenizer, conversations, max_seq_len):
     """Tokenize conversations for training: a list of (ids, mask) with at most max_seq_len + 1 tokens each,
@@ -23,7 +25,8 @@ def render_rows(tokenizer, conversations, max_seq_len):
 
 
 def collate_rows(rows, pad_token):
-    """rows: list of (ids, mask) -> (inputs, targets), both (B, T) int64 with T = longest row - 1.
+    """rows: list of (ids, mask) -> (inputs, targets), both (B, T) int64 with T = longest row - 1. RL's
+    question batches are built with it too (nanochat.rl.make_question_batch).
 
     targets[b, t] = ids[b][t + 1] where mask[b][t + 1] == 1, else -1 (prompt, tool outputs, and padding
     past the row's end). Inputs past a row's end are pad_token; they only feed positions whose target is -1.
@@ -56,7 +59,7 @@ def rank_positions(step, examples_per_step, rank, world_size):
     The step owns positions step*E .. step*E + E-1; rank r takes every world_size-th one from r, so the
     ranks together see exactly the examples a single process would."""
     start = step * examples_per_step
-    return list(range(start + rank, start + examples_per_step, world_size))
+    return list(rank_share(start, start + examples_per_step, rank, world_size))
 
 
 def make_micro_batches(tokenizer, conversations, max_seq_len, device_batch_size, pad_token):

@@ -18,6 +18,7 @@ import tiktoken
 import torch
 
 from nanochat.common import UserError, get_base_dir
+from nanochat.files import atomic_write
 
 SPECIAL_TOKENS = [
     "<|bos|>",  # starts every document / conversation
@@ -33,6 +34,15 @@ SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}|
                  r"""\s*[\r\n]|\s+(?!\S)|\s+""")
 
 ENCODING_NAME = "rustbpe"  # the name nanochat gives its tiktoken.Encoding
+
+
+class TokenizerError(UserError):
+    """No usable nanochat tokenizer: `path` is the tokenizer file that is missing or unreadable (None for an
+    Encoding built in memory)."""
+
+    def __init__(self, message, path=None):
+        super().__init__(message)
+        self.path = path
 
 
 class _PickledEncoding:
@@ -66,22 +76,14 @@ def _load_encoding(path):
         with open(path, "rb") as f:
             obj = _EncodingUnpickler(f).load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
-        raise UserError(f"{path} is not a pickled tiktoken.Encoding ({e}); retrain it with `python -m scripts.tok_train`") from e
+        raise TokenizerError(f"{path} is not a pickled tiktoken.Encoding ({e})", path) from e
     state = getattr(obj, "state", None)
     if isinstance(state, str):  # tiktoken pickles its registered encodings (gpt2, cl100k_base, ...) by name
         return tiktoken.get_encoding(state)
     if not isinstance(state, dict) or not {"pat_str", "mergeable_ranks", "special_tokens"} <= state.keys():
-        raise UserError(f"{path} does not hold a tiktoken.Encoding; retrain it with `python -m scripts.tok_train`")
+        raise TokenizerError(f"{path} does not hold a tiktoken.Encoding", path)
     return tiktoken.Encoding(state.get("name", ENCODING_NAME), pat_str=state["pat_str"],
                              mergeable_ranks=state["mergeable_ranks"], special_tokens=state["special_tokens"])
-
-
-def _write_atomically(path, write):
-    """write(file) into a temporary file next to `path`, then rename: a crash never leaves half a file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-    os.replace(tmp, path)
 
 
 class Tokenizer:
@@ -90,8 +92,8 @@ class Tokenizer:
     def __init__(self, enc):
         missing = [s for s in SPECIAL_TOKENS if s not in enc.special_tokens_set]
         if missing:
-            raise UserError(f"tokenizer {enc.name!r} lacks the special tokens {', '.join(missing)}; "
-                            "train a nanochat tokenizer with `python -m scripts.tok_train`")
+            raise TokenizerError(f"tokenizer {enc.name!r} lacks the special tokens {', '.join(missing)}, "
+                                 "so it is not a nanochat tokenizer")
         self.enc = enc
         self._special_ids = {s: enc.encode_single_token(s) for s in SPECIAL_TOKENS}  # the encode_special cache
 
@@ -120,16 +122,16 @@ class Tokenizer:
         """Load `tokenizer_dir/tokenizer.pkl` (as written by nanochat or by save())."""
         path = os.path.join(tokenizer_dir, "tokenizer.pkl")
         if not os.path.isfile(path):
-            raise UserError(f"no tokenizer at {path}; train one with `python -m scripts.tok_train` "
-                            f"or copy your nanochat tokenizer directory (tokenizer.pkl, token_bytes.pt) to {tokenizer_dir}")
+            raise TokenizerError(f"no tokenizer at {path}; copy your nanochat tokenizer directory "
+                                 f"(tokenizer.pkl, token_bytes.pt) to {tokenizer_dir}", path)
         return cls(_load_encoding(path))
 
     def save(self, tokenizer_dir):
         """Write tokenizer.pkl (pickled tiktoken.Encoding) and token_bytes.pt, as nanochat does."""
         os.makedirs(tokenizer_dir, exist_ok=True)
-        _write_atomically(os.path.join(tokenizer_dir, "tokenizer.pkl"), lambda f: pickle.dump(self.enc, f))
+        atomic_write(os.path.join(tokenizer_dir, "tokenizer.pkl"), lambda f: pickle.dump(self.enc, f))
         token_bytes = self.token_bytes()
-        _write_atomically(os.path.join(tokenizer_dir, "token_bytes.pt"), lambda f: torch.save(token_bytes, f))
+        atomic_write(os.path.join(tokenizer_dir, "token_bytes.pt"), lambda f: torch.save(token_bytes, f))
 
     def token_bytes(self):
         """(vocab_size,) int32: the byte length of each token, 0 for special tokens (they are not text)."""

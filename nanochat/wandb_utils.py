@@ -7,22 +7,31 @@ under $WANDB_DIR/wandb/offline-run-* without touching the network (upload it lat
 WANDB_MODE=disabled turns every call into a no-op. WANDB_SILENT=true quiets its console output.
 """
 
-from nanochat.common import DummyWandb, UserError
+from nanochat.common import DummyWandb, UserError, get_rank
 
 SAMPLE_COLUMNS = ["step", "question", "completion", "reward"]
 
 
-def init_wandb(run_name, project, config, rank=0):
+class WandbStartError(UserError):
+    """wandb refused to start the run `run_name` (e.g. online mode without an API key)."""
+
+    def __init__(self, run_name, reason):
+        super().__init__(f"wandb could not start run {run_name!r}: {reason}; run `wandb login`, "
+                         f"or set WANDB_MODE=offline to log locally")
+        self.run_name, self.reason = run_name, reason
+
+
+def init_wandb(run_name, project, config, rank=None):
     """A wandb run named `run_name` in `project` with `config` (the parsed CLI args, as a dict) recorded
-    whole; `DummyWandb()` when run_name == "dummy" or on a rank other than 0 (one run per job)."""
-    if run_name == "dummy" or rank != 0:
+    whole; `DummyWandb()` when run_name == "dummy" or on a rank other than 0 (one run per job).
+    rank: None = common.get_rank()."""
+    if run_name == "dummy" or (get_rank() if rank is None else rank) != 0:
         return DummyWandb()
     import wandb  # imported here: a dummy run (and every test that uses one) never pays for it
     try:
         return wandb.init(project=project, name=run_name, config=dict(config))
     except wandb.errors.UsageError as e:  # e.g. online mode without an API key
-        raise UserError(f"wandb could not start run {run_name!r}: {e}; run `wandb login`, set WANDB_MODE=offline "
-                        f"to log locally, or pass --run=dummy to turn wandb off") from e
+        raise WandbStartError(run_name, e) from e
 
 
 def log_samples_table(wandb_run, rows, step=None, key="samples"):

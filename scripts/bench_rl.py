@@ -6,7 +6,7 @@ One step of chat_rl at its default shape: --num-questions GSM8K train questions 
 the Muon + AdamW step. Configurations (--configs):
   baseline      nanochat-style: one question per engine call, `Engine.generate_batch(prompt,
                 num_samples=device_batch_size)` repeated num_samples / device_batch_size times; fp32
-  batched_fp32  chat_rl's `rollout_step`: every question in one `Engine.generate_many` call; fp32
+  batched_fp32  chat_rl's rollouts (nanochat.rollout): every question in one `Engine.generate_many` call; fp32
   batched_bf16  the same with rollouts and training under bf16 autocast (by default only where bf16 is native:
                 a GPU, or a CPU with AVX512-BF16/AMX; elsewhere chat_rl computes in fp32, see compute_dtype)
 Each runs twice: as is ("full": a random-init model almost never ends a row, so rows run to the cap) and with
@@ -46,13 +46,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from nanochat.common import (ArgumentParser, UserError, add_model_generation_flag, autocast_context, compute_cleanup, compute_init, cpu_has_native_bf16, synchronize,
-                             get_base_dir, get_dist_info, print0, run_main)
-from nanochat.engine import Engine, SharedPromptKVCache, mix32
-from nanochat.gpt import scale_initial_lr
+from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_flag, run_main
+from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_init, cpu_has_native_bf16,
+                             synchronize, get_base_dir, get_dist_info, grad_norm, print0, require)
+from nanochat.engine import Engine, SharedPromptKVCache
+from nanochat.flops import matmul_flops_per_token, rollout_flops, train_flops
+from nanochat.gpt import build_fresh_model
+from nanochat.optim import scale_initial_lr
 from nanochat.rl import accumulate_policy_gradient, make_question_batch
+from nanochat.rollout import Sampling, question_seed, sample_questions
+from nanochat.sampling import mix32
 from nanochat.tokenizer import Tokenizer
-from scripts.chat_rl import grad_norm, parse_args as chat_rl_args, rollout_step
 from tasks.gsm8k import GSM8K
 from tasks.registry import make_task
 
@@ -116,34 +120,31 @@ def parse_args(argv):
     p.add_argument("--profile", type=str, default="",
                    help="after the measurements, profile the rollout of this config (torch.profiler and cProfile)")
     p.add_argument("--profile-rows", type=int, default=25, help="rows of each profile table")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    add_debug_flag(p)
     return p.parse_args(argv)
 
 
 def validate_args(args):
-    def need(ok, message):
-        if not ok:
-            raise UserError(message)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    need(not args.configs.strip() or (names and all(n in CONFIGS for n in names)),
+    require(not args.configs.strip() or (names and all(n in CONFIGS for n in names)),
          f"--configs={args.configs!r}: give a comma-separated subset of {', '.join(CONFIGS)}")
-    need(len(set(names)) == len(names), f"--configs={args.configs!r} names a config twice")
-    need(args.source in ("", "sft", "rl"), f"--source must be empty (random init), sft or rl, got {args.source!r}")
-    need(args.source or (args.model_tag is None and args.model_step is None),
+    require(len(set(names)) == len(names), f"--configs={args.configs!r} names a config twice")
+    require(args.source in ("", "sft", "rl"), f"--source must be empty (random init), sft or rl, got {args.source!r}")
+    require(args.source or (args.model_tag is None and args.model_step is None),
          "--model-tag/--model-step choose a checkpoint; pass --source=sft|rl with them")
     for name in ("depth", "vocab_size", "sequence_len", "num_questions", "num_samples", "max_new_tokens",
                  "device_batch_size", "peak_matmul_size", "profile_rows"):
-        need(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    need(args.num_samples % args.device_batch_size == 0,
+        require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require(args.num_samples % args.device_batch_size == 0,
          f"--num-samples ({args.num_samples}) must be a multiple of --device-batch-size ({args.device_batch_size})")
-    need(args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}")
-    need(args.top_k >= 0, f"--top-k must be >= 0, got {args.top_k}")
-    need(args.max_rows >= 0, f"--max-rows must be >= 0, got {args.max_rows}")
-    need(args.memory_budget_gb > 0, f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
-    need(0 < args.init_lr_frac <= 1, f"--init-lr-frac must be in (0, 1], got {args.init_lr_frac}")
-    need(args.early_stop_mean == 0 or args.early_stop_mean >= 1,
-         f"--early-stop-mean must be >= 1 (a mean length in tokens) or 0 to skip the +early runs, got {args.early_stop_mean}")
-    need(not args.profile or args.profile in CONFIGS, f"--profile must be one of {', '.join(CONFIGS)}, got {args.profile!r}")
+    require(args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}")
+    require(args.top_k >= 0, f"--top-k must be >= 0, got {args.top_k}")
+    require(args.max_rows >= 0, f"--max-rows must be >= 0, got {args.max_rows}")
+    require(args.memory_budget_gb > 0, f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
+    require(0 < args.init_lr_frac <= 1, f"--init-lr-frac must be in (0, 1], got {args.init_lr_frac}")
+    require(args.early_stop_mean == 0 or args.early_stop_mean >= 1,
+            f"--early-stop-mean must be >= 1 (a mean length in tokens) or 0 to skip the +early runs, got {args.early_stop_mean}")
+    require(not args.profile or args.profile in CONFIGS, f"--profile must be one of {', '.join(CONFIGS)}, got {args.profile!r}")
     return [CONFIGS[n] for n in names] or None  # None: default_configs chooses for the device
 
 
@@ -286,7 +287,6 @@ def build_bench_model(args, device):
         model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step,
                                             generation=args.model_generation)
         return model, tokenizer, {"source": args.source, "model_tag": args.model_tag, "step": meta.get("step")}
-    from scripts.chat_sft import build_fresh_model  # nanochat's sizing for a given depth lives there
     tokenizer, tokenizer_dir = bench_tokenizer(args.vocab_size, GSM8K(split="train"))
     torch.manual_seed(args.seed)
     model = build_fresh_model(args.depth, args.sequence_len, args.vocab_size, device)
@@ -325,53 +325,6 @@ class EarlyStopModel(nn.Module):
         end = logits[:, 0, self.end_token]
         logits[:, 0, self.end_token] = torch.where(self.ends(idx[:, 0], positions), FORCED_END_LOGIT, end)
         return logits
-
-
-# -----------------------------------------------------------------------------
-# FLOPs. Training follows GPT.estimate_flops (6 per matmul weight; attention 12 * n_head * head_dim * keys per
-# layer with every query seeing all T keys of its row, the PaLM convention) but with the real row length T
-# instead of sequence_len. Rollouts count forward FLOPs (a third of that) with the keys each query really sees.
-
-
-def _attention_unit(model):
-    """Forward FLOPs of one query against one key in one layer: QK^T and the weighted sum of V, 2 each."""
-    cfg = model.config
-    return 4 * cfg.n_head * (cfg.n_embd // cfg.n_head)
-
-
-def _sum_min(w, a, b):
-    """sum_{k=a}^{b} min(w, k) for integers 1 <= a, a - 1 <= b."""
-    if b < a:
-        return 0
-    below = min(b, w)
-    total = (a + below) * (below - a + 1) // 2 if below >= a else 0
-    return total + w * (b - max(below, a - 1))
-
-
-def matmul_flops_per_token(model):
-    """6 x the weights used in matmuls: GPT.estimate_flops without its attention term."""
-    return model.estimate_flops() - 3 * _attention_unit(model) * sum(min(w, model.config.sequence_len)
-                                                                     for w in model.window_sizes)
-
-
-def train_flops_per_token(model, T):
-    """Forward + backward FLOPs per position of a T-long training row (estimate_flops at sequence_len T)."""
-    return matmul_flops_per_token(model) + 3 * _attention_unit(model) * sum(min(w, T) for w in model.window_sizes)
-
-
-def train_flops(model, batches):
-    return sum(b.inputs.numel() * train_flops_per_token(model, b.inputs.size(1)) for b in batches)
-
-
-def rollout_flops(model, prompt_len, num_prefills, row_steps):
-    """Forward FLOPs of one question's rollouts: num_prefills prefills of the prompt (query i sees keys
-    1..i), and per row, steps - 1 decode forwards (the first token comes from the prefill) whose queries
-    see prompt_len + 1 .. prompt_len + steps - 1 keys."""
-    per_token, unit = matmul_flops_per_token(model) // 3, _attention_unit(model)
-    prefill = prompt_len * per_token + unit * sum(_sum_min(w, 1, prompt_len) for w in model.window_sizes)
-    decode = sum((s - 1) * per_token + unit * sum(_sum_min(w, prompt_len + 1, prompt_len + s - 1) for w in model.window_sizes)
-                 for s in row_steps)
-    return num_prefills * prefill + decode
 
 
 # -----------------------------------------------------------------------------
@@ -415,15 +368,13 @@ def baseline_rollouts(engine, task, indices, args):
     return batches, rows, work
 
 
-def chat_rl_defaults():
-    return chat_rl_args([])
-
-
 def batched_rollouts(engine, task, indices, args):
-    """chat_rl's rollout_step (one generate_many call for all questions), with the same outputs as baseline_rollouts."""
-    # chat_rl's defaults for every setting the benchmark does not vary (algorithm options among them)
-    rollout_args = argparse.Namespace(**{**vars(chat_rl_defaults()), **vars(args)})
-    batches, results = rollout_step(engine, task, indices, BENCH_STEP, rollout_args)
+    """chat_rl's rollouts (nanochat.rollout: one generate_many call for all questions), with the same outputs as
+    baseline_rollouts."""
+    sampling = Sampling(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        top_k=args.top_k)
+    rollouts = sample_questions(engine, task, indices, [question_seed(BENCH_STEP, i) for i in indices], sampling)
+    batches, results = [r.batch for r in rollouts], [r.completions for r in rollouts]
     tokenizer, stats = engine.tokenizer, engine.last_stats
     rows = [(len(tokenizer.render_for_completion(task[i])), 1, [row_steps_of(c.tokens, args.max_new_tokens) for c in cs])
             for i, cs in zip(indices, results)]

@@ -22,11 +22,12 @@ import contextlib
 import importlib.util
 import os
 import sys
+from collections import namedtuple
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import (ArgumentParser, UserError, add_model_generation_flag, autocast_context, compute_cleanup,
-                             compute_dtype, compute_init, get_dist_info, requested_dtype, run_main)
-from nanochat.engine import Engine, _SpecialIds
+from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_flag, run_main
+from nanochat.common import UserError, autocast_context, compute_cleanup, compute_dtype, compute_init, get_dist_info, requested_dtype
+from nanochat.engine import Engine, SpecialIds
 from nanochat.gpt import ROTARY_OVERSIZE
 
 BANNER = ("NanoChat interactive mode\n" + "-" * 50 + "\n"
@@ -54,7 +55,7 @@ def parse_args(argv):
     # runtime
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
     p.add_argument("-d", "--dtype", type=str, default=None, help="float32|bfloat16; default: $NANOCHAT_DTYPE, else bfloat16")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    add_debug_flag(p)
     return p.parse_args(argv)
 
 
@@ -74,9 +75,13 @@ def validate_args(args):
 
 def special_ids(tokenizer):
     """The engine's tool-token ids, plus `terminal`: the tokens that end an answer."""
-    sp = _SpecialIds(tokenizer)
+    sp = SpecialIds(tokenizer)
     sp.terminal = {sp.assistant_end, sp.bos}
     return sp
+
+
+# a bracketed span of the transcript: its opening token and the mask that token carries, its closing token
+Span = namedtuple("Span", "opener mask closer label color")
 
 
 class AnswerPrinter:
@@ -91,7 +96,10 @@ class AnswerPrinter:
         self.tokenizer, self.out, self.color = tokenizer, out, color
         self.sp = special_ids(tokenizer)
         self.segment, self.written = [], 0   # token ids of the current text segment; its characters written
-        self.in_python = self.in_output = False
+        # the bracketed spans: a sampled calculator call, and the result the engine forced in
+        self.spans = (Span(self.sp.python_start, 1, self.sp.python_end, "python", CYAN),
+                      Span(self.sp.output_start, 0, self.sp.output_end, "output", GREEN))
+        self.open_span = None                # the span being written, or None in plain text
 
     def _write(self, text, color=None):
         if not text:
@@ -102,7 +110,7 @@ class AnswerPrinter:
         self.out.flush()
 
     def _style(self):
-        return CYAN if self.in_python else GREEN if self.in_output else None
+        return self.open_span.color if self.open_span else None
 
     def _flush_segment(self, final):
         text = self.tokenizer.decode(self.segment)
@@ -116,22 +124,14 @@ class AnswerPrinter:
         sp = self.sp
         if token in sp.terminal:
             self._flush_segment(final=True)
-        elif token == sp.python_start and mask == 1:
+        elif self.open_span and token == self.open_span.closer:
             self._flush_segment(final=True)
-            self.in_python = True
-            self._write("[python: ", CYAN)
-        elif token == sp.python_end and self.in_python:
+            self._write("]", self.open_span.color)
+            self.open_span = None
+        elif any(token == span.opener and mask == span.mask for span in self.spans):
             self._flush_segment(final=True)
-            self._write("]", CYAN)
-            self.in_python = False
-        elif token == sp.output_start and mask == 0:
-            self._flush_segment(final=True)
-            self.in_output = True
-            self._write("[output: ", GREEN)
-        elif token == sp.output_end and self.in_output:
-            self._flush_segment(final=True)
-            self._write("]", GREEN)
-            self.in_output = False
+            self.open_span = next(span for span in self.spans if token == span.opener and mask == span.mask)
+            self._write(f"[{self.open_span.label}: ", self.open_span.color)
         else:
             self.segment.append(token)
             self._flush_segment(final=False)

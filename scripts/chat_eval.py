@@ -18,8 +18,9 @@ import time
 
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import (ArgumentParser, UserError, add_model_generation_flag, autocast_context, compute_cleanup, compute_dtype, compute_init,
-                             get_base_dir, print0, requested_dtype, run_main)
+from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_flag, run_main
+from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_dtype, compute_init, get_base_dir, print0,
+                             requested_dtype)
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
 from tasks.registry import make_task
@@ -47,7 +48,7 @@ def parse_args(argv):
     p.add_argument("--dtype", type=str, default=None, help="float32|bfloat16; default: $NANOCHAT_DTYPE, else bfloat16")
     p.add_argument("--output", type=str, default="", help="JSON output path (default: $NANOCHAT_BASE_DIR/report/chat_eval_<source>.json)")
     p.add_argument("--seed", type=int, default=0, help="base sampling seed (question i uses seed + i)")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    add_debug_flag(p)
     return p.parse_args(argv)
 
 
@@ -76,7 +77,7 @@ def format_table(greedy, sampled):
 def main(argv):
     args = parse_args(argv)
     validate_args(args)
-    _, rank, _, world_size, device = compute_init(args.device_type)
+    _, rank, _, _, device = compute_init(args.device_type)
     try:
         autocast = autocast_context(device, compute_dtype(device, args.dtype))
         model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step,
@@ -84,7 +85,7 @@ def main(argv):
         engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb)
         task = make_task(args.task, "test")
         num_examples = len(task) if args.num_examples == -1 else min(args.num_examples, len(task))
-        common = dict(rank=rank, world_size=world_size, device=device, seed=args.seed, max_new_tokens=args.max_new_tokens)
+        common = dict(device=device, seed=args.seed, max_new_tokens=args.max_new_tokens)
         t0 = time.time()
         with autocast:
             greedy, _ = evaluate_pass_at_k(engine, task, num_examples, 1, temperature=0.0, top_k=None, **common)
@@ -101,7 +102,7 @@ def main(argv):
             "greedy_pass@1": greedy.any[0],
             "pass@k": {str(k): v for k, v in enumerate(sampled.any, start=1)},
             "pass@k_unbiased": {str(k): v for k, v in enumerate(sampled.unbiased, start=1)},
-            "examples": [{"index": o.index, "completion": o.completions[0], "correct": o.correct[0]} for o in outcomes[:5]],
+            "examples": [{"index": o.index, "completion": o.texts[0], "correct": int(o.rewards[0])} for o in outcomes[:5]],
         }
         if rank == 0:
             path = args.output or os.path.join(get_base_dir(), "report", f"chat_eval_{args.source}.json")

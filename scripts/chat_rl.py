@@ -18,38 +18,38 @@ Launch:
   python -m scripts.chat_rl --source=rl                  # a new run from the last RL checkpoint -> <tag>_cont
 """
 
-import math
+import argparse
 import os
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_checkpoint, find_last_step, list_tags, load_checkpoint,
                                          load_model, make_checkpoint_dir, save_checkpoint, update_meta)
-from nanochat.common import (ArgumentParser, GracefulStop, UserError, add_model_generation_flag, add_optimizer_flags, autocast_context,
-                             compute_cleanup, compute_dtype, compute_init, format_duration, get_base_dir, get_dist_info,
-                             grad_norm, print0, progress_bar, remaining_seconds, requested_dtype, run_main)
+from nanochat.cli import (ArgumentParser, add_debug_flag, add_model_generation_flag, add_optimizer_flags, add_runtime_flags,
+                          run_main)
+from nanochat.common import (GracefulStop, UserError, autocast_context, compute_cleanup, compute_dtype, compute_init,
+                             format_duration, get_base_dir, get_dist_info, print0, remaining_seconds, require,
+                             requested_dtype)
 from nanochat.engine import Engine, fastest_decode_dtype
 from nanochat.evaluation import evaluate_pass_at_k
-from nanochat.gpt import scale_initial_lr
-from nanochat.metrics import reduce_metrics, rollout_metrics
+from nanochat.metrics import objective_metrics, reduce_metrics, rollout_metrics
+from nanochat.optim import guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.report import get_report, log_chat_rl
+from nanochat.rl import LOSS_NORMS, PolicyLoss, TrainStats, accumulate_policy_gradient, step_counts
+from nanochat.rollout import Sampling, question_seed, sample_questions, step_question_indices
 from nanochat.wandb_utils import init_wandb, log_samples_table
-from nanochat.rl import LOSS_NORMS, PolicyLoss, accumulate_policy_gradient, lr_multiplier, make_question_batch, step_counts
 from tasks.registry import make_task, resolve_task_class
 
 
 def parse_args(argv):
     p = ArgumentParser(description="RL on GSM8K (or --task) with on-policy policy gradients")
-    # logging
-    p.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' disables wandb)")
-    # runtime
-    p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
-    p.add_argument("--dtype", type=str, default=None,
-                   help="float32|bfloat16 compute dtype (autocast); default: $NANOCHAT_DTYPE, else bfloat16")
+    # logging and runtime
+    add_runtime_flags(p)
     p.add_argument("--rollout-dtype", type=str, default="auto",
                    help="dtype of rollouts and evals: auto (with a bf16 --dtype on a CPU, whichever of bf16 and fp32 "
                         "decodes faster here, measured at the start and kept on --resume), float32 or bfloat16")
@@ -106,117 +106,54 @@ def parse_args(argv):
                    help="replace an existing chatrl_checkpoints/<tag> run (without it, the run is refused)")
     p.add_argument("--max-bad-steps", type=int, default=5,
                    help="abort after this many consecutive steps with a non-finite loss or gradient")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    add_debug_flag(p)
     return p.parse_args(argv)
 
 
 def validate_args(args, world_size):
     """Refuse flag values that would silently do the wrong thing (nanochat would train on zero samples
     when --num-samples < --device-batch-size, for example)."""
-    def need(ok, message):
-        if not ok:
-            raise UserError(message)
     args.dtype = requested_dtype(args.dtype)
-    need(args.rollout_dtype in ("auto", "float32", "bfloat16"),
+    require(args.rollout_dtype in ("auto", "float32", "bfloat16"),
          f"--rollout-dtype must be auto, float32 or bfloat16, got {args.rollout_dtype!r}")
-    need(args.source in CHECKPOINT_DIRS, f"--source must be {', '.join(CHECKPOINT_DIRS)}, got {args.source!r}")
+    require(args.source in CHECKPOINT_DIRS, f"--source must be {', '.join(CHECKPOINT_DIRS)}, got {args.source!r}")
     resolve_task_class(args.task)  # an unknown --task is reported now, not after the checkpoint has loaded
     if args.output_tag is not None:
-        need(args.output_tag not in ("", ".", "..") and "/" not in args.output_tag and os.sep not in args.output_tag,
+        require(args.output_tag not in ("", ".", "..") and "/" not in args.output_tag and os.sep not in args.output_tag,
              f"--output-tag must be a directory name (no '/'), got {args.output_tag!r}")
-        need(not args.resume, "--resume continues a run in its own directory and --output-tag names a new run's; "
+        require(not args.resume, "--resume continues a run in its own directory and --output-tag names a new run's; "
                               "pass only one")
     if args.source == "rl" and args.model_tag is not None:
         resolve_output_tag(args, args.model_tag, depth=None)  # refuses the run it reads
     for name in ("device_batch_size", "examples_per_step", "num_samples", "max_new_tokens", "num_epochs", "eval_examples"):
-        need(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    need(args.num_samples % args.device_batch_size == 0,
+        require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require(args.num_samples % args.device_batch_size == 0,
          f"--num-samples ({args.num_samples}) must be a multiple of --device-batch-size ({args.device_batch_size}); "
          f"e.g. --device-batch-size={_largest_divisor_at_most(args.num_samples, args.device_batch_size)}")
-    need(args.examples_per_step % world_size == 0,
+    require(args.examples_per_step % world_size == 0,
          f"--examples-per-step ({args.examples_per_step}) must be divisible by the number of ranks ({world_size}); "
          f"use a multiple of {world_size}")
-    need(args.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    need(args.top_k >= 0, f"--top-k must be >= 0 (0 = disabled), got {args.top_k}")
-    need(args.max_rows >= 0, f"--max-rows must be >= 0 (0 = from the memory budget), got {args.max_rows}")
-    need(args.memory_budget_gb > 0, f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
+    require(args.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    require(args.top_k >= 0, f"--top-k must be >= 0 (0 = disabled), got {args.top_k}")
+    require(args.max_rows >= 0, f"--max-rows must be >= 0 (0 = from the memory budget), got {args.max_rows}")
+    require(args.memory_budget_gb > 0, f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
     for name in ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay"):
-        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    need(0 < args.init_lr_frac <= 1, f"--init-lr-frac must be in (0, 1], got {args.init_lr_frac}")
-    need(args.eval_every == -1 or args.eval_every >= 1, f"--eval-every must be >= 1, or -1 to disable, got {args.eval_every}")
-    need(args.save_every == -1 or args.save_every >= 1, f"--save-every must be >= 1, or -1 for the last step only, got {args.save_every}")
-    need(args.num_steps == -1 or args.num_steps >= 1, f"--num-steps must be >= 1, or -1 to derive it from epochs, got {args.num_steps}")
-    need(args.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {args.max_bad_steps}")
-    need(args.loss_norm in LOSS_NORMS, f"--loss-norm must be {', '.join(LOSS_NORMS)}, got {args.loss_norm!r}")
-    need(args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1 (1 = nanochat's on-policy step), got {args.ppo_epochs}")
-    need(0 <= args.clip_low < 1, f"--clip-low must be in [0, 1) (the ratio is clipped at 1 - clip-low), got {args.clip_low}")
-    need(args.clip_high >= 0, f"--clip-high must be >= 0, got {args.clip_high}")
-    need(args.kl_coef >= 0, f"--kl-coef must be >= 0 (0 = no KL penalty), got {args.kl_coef}")
-    need(not (args.resume and args.overwrite), "--resume continues a run and --overwrite replaces it; pass only one")
+        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    require(0 < args.init_lr_frac <= 1, f"--init-lr-frac must be in (0, 1], got {args.init_lr_frac}")
+    require(args.eval_every == -1 or args.eval_every >= 1, f"--eval-every must be >= 1, or -1 to disable, got {args.eval_every}")
+    require(args.save_every == -1 or args.save_every >= 1, f"--save-every must be >= 1, or -1 for the last step only, got {args.save_every}")
+    require(args.num_steps == -1 or args.num_steps >= 1, f"--num-steps must be >= 1, or -1 to derive it from epochs, got {args.num_steps}")
+    require(args.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {args.max_bad_steps}")
+    require(args.loss_norm in LOSS_NORMS, f"--loss-norm must be {', '.join(LOSS_NORMS)}, got {args.loss_norm!r}")
+    require(args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1 (1 = nanochat's on-policy step), got {args.ppo_epochs}")
+    require(0 <= args.clip_low < 1, f"--clip-low must be in [0, 1) (the ratio is clipped at 1 - clip-low), got {args.clip_low}")
+    require(args.clip_high >= 0, f"--clip-high must be >= 0, got {args.clip_high}")
+    require(args.kl_coef >= 0, f"--kl-coef must be >= 0 (0 = no KL penalty), got {args.kl_coef}")
+    require(not (args.resume and args.overwrite), "--resume continues a run and --overwrite replaces it; pass only one")
 
 
 def _largest_divisor_at_most(n, limit):
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
-
-
-def question_seed(step, example_index):
-    """The sampling seed of one question at one step: the same on every rank layout."""
-    return hash((step, example_index)) & 0x7FFFFFFF  # hash of an int tuple is not salted per process
-
-
-def rank_example_indices(step, examples_per_rank, rank, world_size, num_examples):
-    """Rank r walks train indices r, r+W, r+2W, ... cycling forever; step s takes the next examples_per_rank."""
-    strided = range(rank, num_examples, world_size)
-    start = step * examples_per_rank
-    return [strided[(start + i) % len(strided)] for i in range(examples_per_rank)]
-
-
-def rollout_step(engine, task, indices, step, args):
-    """Sample and reward every question of this rank's step. Returns (batches, stats)."""
-    tokenizer = engine.tokenizer
-    conversations = [task[i] for i in indices]
-    prompts = [tokenizer.render_for_completion(conv) for conv in conversations]
-    bar = progress_bar(len(prompts) * args.num_samples, f"step {step} rollouts")
-    results = engine.generate_many(prompts, num_samples=args.num_samples, max_tokens=args.max_new_tokens,
-                                   temperature=args.temperature, top_k=args.top_k or None,
-                                   seeds=[question_seed(step, i) for i in indices], progress=bar.update)
-    bar.close()
-    pad = tokenizer.encode_special("<|assistant_end|>")
-    batches = []
-    for conv, prompt, completions in zip(conversations, prompts, results):
-        rewards = [float(task.reward(conv, tokenizer.decode(c.tokens))) for c in completions]
-        batches.append(make_question_batch(prompt, [(c.tokens, c.masks) for c in completions], rewards, pad,
-                                           truncated=[not c.ended for c in completions],
-                                           scale_by_std=args.advantage_std))
-    return batches, results
-
-
-def policy_gradient(model, batches, args, examples_per_rank, device, autocast, micro_rows, **objective):
-    """accumulate_policy_gradient, retried with half the rows per forward on out-of-memory (the objective is
-    unchanged). objective: its loss, counts, reference and first_epoch arguments.
-    Returns (TrainStats, the rows per forward that fit)."""
-    while True:
-        try:
-            return accumulate_policy_gradient(model, batches, args.device_batch_size, examples_per_rank, device, autocast,
-                                              micro_batch_rows=micro_rows, **objective), micro_rows
-        except torch.OutOfMemoryError:
-            model.zero_grad(set_to_none=True)
-            if micro_rows <= 1:
-                raise
-            micro_rows //= 2
-            print0(f"out of memory during training: retrying with {micro_rows} rows per forward pass")
-
-
-def objective_metrics(first, last):
-    """The objective's diagnostics, as metrics for reduce_metrics: the first epoch's trained tokens and its mean
-    KL to the reference (with --kl-coef), the last PPO epoch's clipped fraction and KL from the old policy
-    (measured in its forward, after the earlier epochs' updates)."""
-    out = {"trained_tokens": float(first.tokens)}
-    if last.clip_fraction is not None:
-        out.update(clip_fraction=last.clip_fraction, approx_kl=last.approx_kl)
-    if first.kl_ref is not None:
-        out["kl_ref"] = first.kl_ref
-    return out
 
 
 def load_reference(start, device, generation):
@@ -307,6 +244,277 @@ def prepare_output_dir(checkpoint_dir, overwrite, master):
             os.remove(os.path.join(checkpoint_dir, f))
 
 
+
+def restore_resume(args, world_size, device):
+    """--resume: the RL checkpoint to continue, with the run's saved settings put back into args (only
+    RUNTIME_FLAGS stay as given), so the continuation is the run it was. Returns (model, tokenizer, meta,
+    optimizer state, the step to start from)."""
+    tag, resume_step = resolve_resume(args.resume)
+    model, tokenizer, meta = load_model("rl", device, phase="eval", model_tag=tag, step=resume_step)
+    saved = {k: v for k, v in meta.get("user_config", {}).items() if k not in RUNTIME_FLAGS}
+    changed = sorted(k for k, v in saved.items() if getattr(args, k, v) != v)
+    vars(args).update(saved)
+    if changed:
+        print0(f"--resume: using the run's saved settings for {', '.join(changed)}")
+    _, optimizer_state, _ = load_checkpoint(os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], tag), resume_step,
+                                            device, load_optimizer=True)
+    if optimizer_state.get("world_size") != world_size:
+        raise UserError(f"--resume: the checkpoint was written by {optimizer_state.get('world_size')} ranks; "
+                        f"resume with the same number of ranks (got {world_size})")
+    validate_args(args, world_size)
+    args.output_tag = tag
+    print0(f"Resuming RL run {tag} after step {resume_step}")
+    return model, tokenizer, meta, optimizer_state, resume_step + 1
+
+
+def start_new_run(args, device):
+    """The --source checkpoint a new run starts from. Sets args.output_tag. Returns (model, tokenizer, meta)."""
+    _, source_tag, source_step = find_checkpoint(args.source, args.model_tag, args.model_step)
+    if args.source == "rl":
+        resolve_output_tag(args, source_tag, depth=None)  # refuse writing into the source run before loading it
+    model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=source_tag, step=source_step,
+                                        generation=args.model_generation)
+    args.output_tag = resolve_output_tag(args, source_tag, model.config.n_layer)
+    meta["start_checkpoint"] = {"source": args.source, "model_tag": source_tag, "step": source_step}
+    print0(f"Starting a new RL run from {args.source} {source_tag} step {source_step}; writing to {args.output_tag}")
+    return model, tokenizer, meta
+
+
+@dataclass
+class RLRun:
+    """What a run carries from step to step. `config` is the effective configuration: the flags after
+    --resume restored the run's own and the output tag and dtypes were resolved; every checkpoint records it."""
+    config: argparse.Namespace
+    model: torch.nn.Module
+    tokenizer: object
+    engine: Engine
+    optimizers: list
+    policy_loss: PolicyLoss
+    reference: torch.nn.Module             # --kl-coef's frozen starting model, or None
+    train_task: object
+    val_task: object
+    num_steps: int
+    start_step: int
+    start_checkpoint: dict                 # {source, model_tag, step} the run started from
+    checkpoint_dir: str
+    rank: int
+    world_size: int
+    device: torch.device
+    history: list                          # per-step metrics, for the report
+    eval_history: list                     # (step, pass@k dict)
+    last_saved: int = None
+    micro_rows: int = 0                    # rows per training forward; halved on out-of-memory
+    consecutive_bad: int = 0
+    step_seconds: list = field(default_factory=list)   # this process's timings, for the ETA
+    eval_seconds: list = field(default_factory=list)
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def examples_per_rank(self):
+        return self.config.examples_per_step // self.world_size
+
+    @property
+    def reduce_device(self):
+        return self.device if self.device.type == "cuda" else "cpu"  # NCCL reduces CUDA tensors only
+
+    def autocast(self, rollouts=False):
+        return autocast_context(self.device, getattr(torch, self.config.rollout_dtype if rollouts else self.config.dtype))
+
+
+def setup_run(args, rank, world_size, device):
+    """Load the model (a new run, or --resume), resolve the effective configuration, and build the optimizers,
+    the engine and the tasks: an RLRun at its first step."""
+    optimizer_state, start_step = None, 0
+    if args.resume:
+        model, tokenizer, meta, optimizer_state, start_step = restore_resume(args, world_size, device)
+    else:
+        model, tokenizer, meta = start_new_run(args, device)
+    start = meta.get("start_checkpoint")
+    args.dtype = str(compute_dtype(device, args.dtype)).removeprefix("torch.")  # the config records what runs
+    args.rollout_dtype = rollout_dtype(model, device, args)  # recorded, so a resumed run decodes as it did
+    train_task, val_task = make_task(args.task, "train"), make_task(args.task, "test")
+    num_steps = args.num_steps if args.num_steps > 0 else (len(train_task) // args.examples_per_step) * args.num_epochs
+    if num_steps < 1:
+        raise UserError(f"the {args.task} train split has {len(train_task)} questions, fewer than --examples-per-step "
+                        f"({args.examples_per_step}); lower --examples-per-step or pass --num-steps")
+    print0(f"Calculated number of steps: {num_steps}")
+    checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], args.output_tag)
+    if not args.resume:
+        prepare_output_dir(checkpoint_dir, args.overwrite, rank == 0)
+    # Muon orthogonalizes in the run's compute dtype: bf16 where it is native (nanochat's numerics), fp32 otherwise
+    optimizers = scale_initial_lr(model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
+                                                         matrix_lr=args.matrix_lr, weight_decay=args.weight_decay,
+                                                         recipe=args.recipe, ortho_dtype=getattr(torch, args.dtype)),
+                                  args.init_lr_frac)
+    for opt, state in zip(optimizers, optimizer_state["optimizers"] if optimizer_state else []):
+        opt.load_state_dict(state)  # also restores each group's initial_lr and lr
+    return RLRun(
+        config=args, model=model, tokenizer=tokenizer, optimizers=optimizers,
+        engine=Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb),
+        policy_loss=PolicyLoss(loss_norm=args.loss_norm, max_new_tokens=args.max_new_tokens, mask_truncated=args.mask_truncated,
+                               clip_low=args.clip_low, clip_high=args.clip_high, kl_coef=args.kl_coef),
+        reference=load_reference(start, device, args.model_generation) if args.kl_coef > 0 else None,
+        train_task=train_task, val_task=val_task, num_steps=num_steps, start_step=start_step, start_checkpoint=start,
+        checkpoint_dir=checkpoint_dir, rank=rank, world_size=world_size, device=device,
+        history=list(meta.get("history", [])) if args.resume else [],
+        eval_history=[tuple(e) for e in meta.get("eval_history", [])] if args.resume else [],
+        last_saved=start_step - 1 if args.resume else None, micro_rows=args.device_batch_size)
+
+
+def with_fewer_rows_on_oom(attempt, rows, message, rows_in_use=None):
+    """attempt(rows), retried on out-of-memory with half the rows the failed attempt used (rows_in_use(), by
+    default rows) until one row fails too; message is formatted with the new rows and printed. The result does
+    not depend on the rows (per-row sampling streams; gradients summed in chunks). Returns (result, rows)."""
+    while True:
+        try:
+            return attempt(rows), rows
+        except torch.OutOfMemoryError:
+            used = (rows_in_use() if rows_in_use else rows) or 1
+            if used <= 1:
+                raise
+            rows = used // 2
+            print0(message.format(rows=rows))
+
+
+def evaluate(run, step):
+    """pass@k on the test split (device_batch_size samples of each of --eval-examples questions); logged."""
+    run.model.eval()
+    t0 = time.time()
+    with run.autocast(rollouts=True):
+        passk, _ = evaluate_pass_at_k(run.engine, run.val_task, run.config.eval_examples, run.config.device_batch_size,
+                                      max_new_tokens=256, temperature=1.0, top_k=50, device=run.reduce_device, seed=0)
+    t_eval = time.time() - t0
+    run.eval_seconds.append(t_eval)
+    print0(f"Step {step} | " + ", ".join(f"Pass@{k + 1}: {v:.4f}" for k, v in enumerate(passk.any)) + f" | eval {t_eval:.1f}s")
+    run.eval_history.append((step, passk.as_dict()))
+    return {"step": step, **passk.as_dict(), "time/eval": t_eval}
+
+
+def sample_rollouts(run, step):
+    """This rank's questions of `step`, sampled and rewarded (with fewer rows at a time after an out-of-memory)."""
+    cfg = run.config
+    indices = step_question_indices(step, run.examples_per_rank, run.rank, run.world_size, len(run.train_task))
+    sampling = Sampling(num_samples=cfg.num_samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                        top_k=cfg.top_k)
+
+    def attempt(max_rows):
+        run.engine.max_rows = max_rows
+        with run.autocast(rollouts=True):
+            return sample_questions(run.engine, run.train_task, indices, [question_seed(step, i) for i in indices],
+                                    sampling, scale_by_std=cfg.advantage_std, label=f"step {step} rollouts")
+    run.model.eval()
+    rollouts, _ = with_fewer_rows_on_oom(attempt, run.engine.max_rows, "out of memory during rollouts: retrying with "
+                                         "--max-rows={rows}", rows_in_use=lambda: run.engine.last_stats.max_batch_rows)
+    return rollouts
+
+
+@dataclass
+class TrainResult:
+    """What one step's training did on this rank."""
+    first: TrainStats       # the on-policy epoch: entropy, trained rows, the sampled tokens' log-probabilities
+    last: TrainStats        # the last epoch run: PPO's clipped fraction and KL from the old policy
+    grad_norm: float        # the on-policy gradient's norm, as nanochat logs it
+    last_grad_norm: float   # the last epoch's
+    lrm: float
+    stepped: bool           # every epoch's optimizer step was taken (finite loss and gradient on all ranks)
+
+
+def train_on_rollouts(run, rollouts, step):
+    """--ppo-epochs optimizer steps on these rollouts (nanochat: 1). The first epoch is on-policy and records
+    the sampled tokens' log-probabilities; later epochs clip the ratio to them. A non-finite epoch ends the step."""
+    cfg = run.config
+    batches = [r.batch for r in rollouts]
+    lrm = lr_multiplier(step, run.num_steps)
+    counts = step_counts(batches, cfg.mask_truncated, run.reduce_device) if cfg.loss_norm != "pass" else None
+    run.model.train()
+    first = None
+    for _ in range(cfg.ppo_epochs):
+        def attempt(rows):
+            run.model.zero_grad(set_to_none=True)  # what a failed attempt accumulated
+            return accumulate_policy_gradient(run.model, batches, cfg.device_batch_size, run.examples_per_rank, run.device,
+                                              run.autocast(), micro_batch_rows=rows, loss=run.policy_loss, counts=counts,
+                                              reference=run.reference, first_epoch=first)
+        last, run.micro_rows = with_fewer_rows_on_oom(attempt, run.micro_rows, "out of memory during training: "
+                                                      "retrying with {rows} rows per forward pass")
+        last_gnorm, stepped = guarded_step(run.model, run.optimizers, lrm, last.objective, run.reduce_device)
+        if first is None:
+            first, gnorm = last, last_gnorm
+        if not stepped:
+            break
+    return TrainResult(first=first, last=last, grad_norm=gnorm, last_grad_norm=last_gnorm, lrm=lrm, stepped=stepped)
+
+
+def count_bad_step(run, step, result):
+    """Track consecutive steps whose update was skipped (non-finite); too many in a row end the run."""
+    if result.stepped:
+        run.consecutive_bad = 0
+        return
+    run.consecutive_bad += 1
+    print0(f"warning: step {step} has a non-finite loss or gradient (objective {result.last.objective}, grad norm "
+           f"{result.last_grad_norm}); skipping the optimizer step ({run.consecutive_bad}/{run.config.max_bad_steps})")
+    if run.consecutive_bad >= run.config.max_bad_steps:
+        where = f"step {run.last_saved} in {run.checkpoint_dir}" if run.last_saved is not None else "none saved yet"
+        raise UserError(f"{run.consecutive_bad} consecutive steps had a non-finite loss or gradient; stopping "
+                        f"(last good checkpoint: {where}); lower the learning rates or use --dtype=float32")
+
+
+def step_record(run, step, rollouts, result, t_rollout, t_train):
+    """The step's metrics over all ranks, as logged to wandb and kept in the run's history."""
+    metrics = reduce_metrics({**rollout_metrics([r.rewards for r in rollouts], [r.completions for r in rollouts],
+                                                run.config.max_new_tokens, prompt_lengths=[r.prompt_length for r in rollouts],
+                                                rows_trained=result.first.rows_trained),
+                              **objective_metrics(result.first, result.last)}, run.reduce_device)
+    num_tokens = metrics["completion_len_mean"] * metrics["num_samples"]  # generated this step, all ranks
+    return {"step": step, **metrics, "reward": metrics["reward_mean"], "sequence_length": metrics["seq_len_mean"],
+            "completion_length": metrics["completion_len_mean"], "lrm": result.lrm, "entropy": result.first.entropy,
+            "grad_norm": result.grad_norm, "time/rollout": t_rollout, "time/train": t_train,
+            "rollout_tokens_per_s": num_tokens / max(t_rollout, 1e-9)}
+
+
+def format_step_line(run, m, elapsed):
+    """The step's log line (m: its step_record): nanochat's first fields, then what a reader needs to trust it."""
+    step, num_steps = m["step"], run.num_steps
+    eta_train, eta_eval = remaining_seconds(
+        run.step_seconds, num_steps - step - 1, run.eval_seconds,
+        sum(is_eval_step(s, num_steps, run.config.eval_every) for s in range(step + 1, num_steps + 1)))
+    return (f"Step {step}/{num_steps} | Average reward: {m['reward_mean']:.4f} | "
+            f"Average sequence length: {m['seq_len_mean']:.2f} | Average completion length: {m['completion_len_mean']:.2f} | "
+            f"reward std {m['reward_std']:.3f} | no-signal {m['zero_std_fraction']:.2f} | "
+            f"len {m['completion_len_min']:.0f}-{m['completion_len_max']:.0f} cut {m['truncated_fraction']:.2f} | "
+            f"tool {m['tool_calls_per_sample']:.2f}/ok {m['tool_success_fraction']:.2f} | "
+            f"trained {m['rows_trained']:.0f}/{m['num_samples']:.0f} rows | "
+            f"entropy {m['entropy']:.3f} | gnorm {m['grad_norm']:.3f} | lrm {m['lrm']:.3f} | "
+            + (f"clip {m['clip_fraction']:.3f} kl_old {m['approx_kl']:.2e} | " if "clip_fraction" in m else "")
+            + (f"kl_ref {m['kl_ref']:.2e} | " if "kl_ref" in m else "")
+            + f"rollout {m['time/rollout']:.1f}s train {m['time/train']:.1f}s {m['rollout_tokens_per_s']:.0f} tok/s | "
+            f"elapsed {format_duration(elapsed)} eta {format_duration(eta_train)}"
+            + (f" + eval {format_duration(eta_eval)}" if eta_eval else ""))
+
+
+def sample_table(run, rollout):
+    """(question, completion, reward) rows of one question's samples, for wandb."""
+    question = run.train_task[rollout.index]["messages"][0]["content"]
+    return [(question, text, reward) for text, reward in zip(rollout.texts, rollout.rewards)]
+
+
+def meta_data(run, step):
+    return {"step": step, "model_config": run.model.meta_model_config(), "generation": run.model.generation.name,
+            "user_config": vars(run.config), "start_checkpoint": run.start_checkpoint, "history": run.history,
+            "eval_history": run.eval_history}
+
+
+def save(run, step):
+    """The model (rank 0) and every rank's optimizer shard, for --resume."""
+    save_checkpoint(run.checkpoint_dir, step, run.model.state_dict() if run.master else None,
+                    {"optimizers": [opt.state_dict() for opt in run.optimizers], "world_size": run.world_size},
+                    meta_data(run, step))
+    run.last_saved = step
+    print0(f"Saved checkpoint to {run.checkpoint_dir} (step {step})")
+
+
 def main(argv):
     args = parse_args(argv)
     _, rank, _, world_size = get_dist_info()
@@ -314,221 +522,58 @@ def main(argv):
     _, rank, _, world_size, device = compute_init(args.device_type)
     stop = GracefulStop().install()
     try:
-        run(args, rank, world_size, device, stop)
+        train(setup_run(args, rank, world_size, device), stop)
     finally:
         stop.uninstall()
         compute_cleanup()
 
 
-def run(args, rank, world_size, device, stop):
-    master = rank == 0
-    start_step, optimizer_state = 0, None
-    if args.resume:
-        tag, resume_step = resolve_resume(args.resume)
-        model, tokenizer, meta = load_model("rl", device, phase="eval", model_tag=tag, step=resume_step)
-        saved = meta.get("user_config", {})
-        changed = {k: v for k, v in saved.items() if k not in RUNTIME_FLAGS and getattr(args, k, v) != v}
-        for k, v in saved.items():
-            if k not in RUNTIME_FLAGS:
-                setattr(args, k, v)
-        if changed:
-            print0(f"--resume: using the run's saved settings for {', '.join(sorted(changed))}")
-        _, optimizer_state, _ = load_checkpoint(os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], tag), resume_step,
-                                                device, load_optimizer=True, rank=rank)
-        if optimizer_state.get("world_size") != world_size:
-            raise UserError(f"--resume: the checkpoint was written by {optimizer_state.get('world_size')} ranks; "
-                            f"resume with the same number of ranks (got {world_size})")
-        validate_args(args, world_size)
-        start_step, model_tag = resume_step + 1, tag
-        start = meta.get("start_checkpoint")
-        print0(f"Resuming RL run {tag} after step {resume_step}")
-    else:
-        _, source_tag, source_step = find_checkpoint(args.source, args.model_tag, args.model_step)
-        if args.source == "rl":
-            resolve_output_tag(args, source_tag, depth=None)  # refuse writing into the source run before loading it
-        model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=source_tag, step=source_step,
-                                            generation=args.model_generation)
-        model_tag = resolve_output_tag(args, source_tag, model.config.n_layer)
-        start = {"source": args.source, "model_tag": source_tag, "step": source_step}
-        print0(f"Starting a new RL run from {args.source} {source_tag} step {source_step}; writing to {model_tag}")
-    args.output_tag = model_tag  # the config records where the run is written
-    reference = load_reference(start, device, args.model_generation) if args.kl_coef > 0 else None
-    policy_loss = PolicyLoss(loss_norm=args.loss_norm, max_new_tokens=args.max_new_tokens,
-                             mask_truncated=args.mask_truncated, clip_low=args.clip_low, clip_high=args.clip_high,
-                             kl_coef=args.kl_coef)
-    checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], model_tag)
-
-    args.dtype = str(compute_dtype(device, args.dtype)).removeprefix("torch.")  # the config records what runs
-    autocast = autocast_context(device, getattr(torch, args.dtype))
-    args.rollout_dtype = rollout_dtype(model, device, args)  # recorded, so a resumed run decodes as it did
-    rollout_autocast = autocast_context(device, getattr(torch, args.rollout_dtype))
-    reduce_device = device if device.type == "cuda" else "cpu"
-
-    wandb_run = init_wandb(args.run, "nanochat-rl", vars(args), rank)
-
-    engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb)
-    train_task, val_task = make_task(args.task, "train"), make_task(args.task, "test")
-
-    examples_per_rank = args.examples_per_step // world_size
-    num_steps = args.num_steps if args.num_steps > 0 else (len(train_task) // args.examples_per_step) * args.num_epochs
-    if num_steps < 1:
-        raise UserError(f"the {args.task} train split has {len(train_task)} questions, fewer than --examples-per-step "
-                        f"({args.examples_per_step}); lower --examples-per-step or pass --num-steps")
-    print0(f"Calculated number of steps: {num_steps}")
-    if not args.resume:
-        prepare_output_dir(checkpoint_dir, args.overwrite, master)
-
-    # Muon orthogonalizes in the run's compute dtype: bf16 where it is native (nanochat's numerics), fp32 otherwise
-    optimizers = scale_initial_lr(model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
-                                                         matrix_lr=args.matrix_lr, weight_decay=args.weight_decay,
-                                                         recipe=args.recipe, ortho_dtype=getattr(torch, args.dtype)),
-                                  args.init_lr_frac)
-    if optimizer_state is not None:
-        for opt, state in zip(optimizers, optimizer_state["optimizers"]):
-            opt.load_state_dict(state)  # also restores each group's initial_lr and lr
-
-    history = list(meta.get("history", [])) if args.resume else []          # per-step metrics, for the report
-    eval_history = [tuple(e) for e in meta.get("eval_history", [])] if args.resume else []
-
-    def meta_data(step):
-        return {"step": step, "model_config": model.meta_model_config(), "generation": model.generation.name,
-                "user_config": vars(args), "start_checkpoint": start, "history": history, "eval_history": eval_history}
-
-    def save(step):
-        save_checkpoint(checkpoint_dir, step, model.state_dict() if master else None,
-                        {"optimizers": [opt.state_dict() for opt in optimizers], "world_size": world_size},
-                        meta_data(step), rank=rank)
-        print0(f"Saved checkpoint to {checkpoint_dir} (step {step})")
-
-    eval_samples = args.device_batch_size
-    micro_rows = args.device_batch_size  # rows per training forward; halved on out-of-memory
-    consecutive_bad = 0
-    last_saved = start_step - 1 if args.resume else None
+def train(run, stop):
+    """nanochat's loop: eval, rollouts, policy gradient and optimizer step, log, checkpoint; then the report."""
+    cfg, num_steps = run.config, run.num_steps
+    wandb_run = init_wandb(cfg.run, "nanochat-rl", vars(cfg))
     run_start = time.time()
-    step_seconds, eval_seconds = [], []  # this process's timings, for the ETA
-    for step in range(start_step, num_steps + 1):
+    for step in range(run.start_step, num_steps + 1):
         last_step = step == num_steps
         # ---- eval: pass@k on the test split (also after the last update)
-        if is_eval_step(step, num_steps, args.eval_every):
-            model.eval()
-            t0 = time.time()
-            with rollout_autocast:
-                passk, _ = evaluate_pass_at_k(engine, val_task, args.eval_examples, eval_samples, max_new_tokens=256,
-                                              temperature=1.0, top_k=50, rank=rank, world_size=world_size,
-                                              device=reduce_device, seed=0)
-            t_eval = time.time() - t0
-            eval_seconds.append(t_eval)
-            print0(f"Step {step} | " + ", ".join(f"Pass@{k + 1}: {v:.4f}" for k, v in enumerate(passk.any))
-                   + f" | eval {t_eval:.1f}s")
-            wandb_run.log({"step": step, **passk.as_dict(), "time/eval": t_eval})
-            eval_history.append((step, passk.as_dict()))
-            if last_step and last_saved == step - 1 and master:  # the final eval is of the last saved model
-                update_meta(checkpoint_dir, step - 1, meta_data(step - 1))
+        if is_eval_step(step, num_steps, cfg.eval_every):
+            wandb_run.log(evaluate(run, step))
+            if last_step and run.last_saved == step - 1 and run.master:  # the final eval is of the last saved model
+                update_meta(run.checkpoint_dir, step - 1, meta_data(run, step - 1))
         if last_step:
             break
 
-        # ---- rollouts (retried with half the rows on out-of-memory: per-row seeds make them identical)
+        # ---- rollouts: sample and reward this rank's questions
         t0 = time.time()
-        indices = rank_example_indices(step, examples_per_rank, rank, world_size, len(train_task))
-        model.eval()
-        while True:
-            try:
-                with rollout_autocast:
-                    batches, results = rollout_step(engine, train_task, indices, step, args)
-                break
-            except torch.OutOfMemoryError:
-                rows = engine.last_stats.max_batch_rows or 1
-                if rows <= 1:
-                    raise
-                engine.max_rows = max(1, rows // 2)
-                print0(f"out of memory during rollouts: retrying with --max-rows={engine.max_rows}")
+        rollouts = sample_rollouts(run, step)
         t_rollout = time.time() - t0
 
-        # ---- policy gradient: --ppo-epochs optimizer steps on these rollouts (nanochat: 1). The first epoch is
-        # on-policy and records the sampled tokens' log-probabilities; later epochs clip the ratio to them.
+        # ---- policy gradient and optimizer step
         t0 = time.time()
-        model.train()
-        lrm = lr_multiplier(step, num_steps)
-        counts = step_counts(batches, args.mask_truncated, reduce_device) if args.loss_norm != "pass" else None
-        first = None
-        for epoch in range(args.ppo_epochs):
-            trained, micro_rows = policy_gradient(model, batches, args, examples_per_rank, device, autocast, micro_rows,
-                                                  loss=policy_loss, counts=counts, reference=reference, first_epoch=first)
-            first = first or trained
-            epoch_gnorm = grad_norm(model)
-            if epoch == 0:
-                gnorm = epoch_gnorm  # the on-policy gradient's norm, as nanochat logs it
-            finite = torch.tensor([float(math.isfinite(trained.objective) and math.isfinite(epoch_gnorm))], device=reduce_device)
-            if dist.is_initialized():
-                dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank must make the same choice
-            if finite.item() != 1.0:
-                break
-            for opt in optimizers:
-                for group in opt.param_groups:
-                    group["lr"] = group["initial_lr"] * lrm
-            for opt in optimizers:
-                opt.step()
-            model.zero_grad(set_to_none=True)
-        entropy = first.entropy
-        if finite.item() == 1.0:
-            consecutive_bad = 0
-        else:
-            consecutive_bad += 1
-            print0(f"warning: step {step} has a non-finite loss or gradient (objective {trained.objective}, grad norm "
-                   f"{epoch_gnorm}); skipping the optimizer step ({consecutive_bad}/{args.max_bad_steps})")
-            if consecutive_bad >= args.max_bad_steps:
-                where = f"step {last_saved} in {checkpoint_dir}" if last_saved is not None else "none saved yet"
-                raise UserError(f"{consecutive_bad} consecutive steps had a non-finite loss or gradient; stopping "
-                                f"(last good checkpoint: {where}); lower the learning rates or use --dtype=float32")
-        model.zero_grad(set_to_none=True)
+        result = train_on_rollouts(run, rollouts, step)
+        count_bad_step(run, step, result)
         t_train = time.time() - t0
 
-        metrics = reduce_metrics({**rollout_metrics([b.rewards.tolist() for b in batches], results, args.max_new_tokens,
-                                                    prompt_lengths=[b.prompt_length for b in batches],
-                                                    rows_trained=first.rows_trained),
-                                  **objective_metrics(first, trained)}, reduce_device)
-        num_tokens = metrics["completion_len_mean"] * metrics["num_samples"]  # generated this step, all ranks
-        step_seconds.append(t_rollout + t_train)
-        eta_train, eta_eval = remaining_seconds(
-            step_seconds, num_steps - step - 1, eval_seconds,
-            sum(is_eval_step(s, num_steps, args.eval_every) for s in range(step + 1, num_steps + 1)))
-        print0(f"Step {step}/{num_steps} | Average reward: {metrics['reward_mean']:.4f} | "
-               f"Average sequence length: {metrics['seq_len_mean']:.2f} | "
-               f"Average completion length: {metrics['completion_len_mean']:.2f} | "
-               f"reward std {metrics['reward_std']:.3f} | no-signal {metrics['zero_std_fraction']:.2f} | "
-               f"len {metrics['completion_len_min']:.0f}-{metrics['completion_len_max']:.0f} "
-               f"cut {metrics['truncated_fraction']:.2f} | "
-               f"tool {metrics['tool_calls_per_sample']:.2f}/ok {metrics['tool_success_fraction']:.2f} | "
-               f"trained {metrics['rows_trained']:.0f}/{metrics['num_samples']:.0f} rows | "
-               f"entropy {entropy:.3f} | gnorm {gnorm:.3f} | lrm {lrm:.3f} | "
-               + (f"clip {metrics['clip_fraction']:.3f} kl_old {metrics['approx_kl']:.2e} | " if "clip_fraction" in metrics else "")
-               + (f"kl_ref {metrics['kl_ref']:.2e} | " if "kl_ref" in metrics else "") +
-               f"rollout {t_rollout:.1f}s train {t_train:.1f}s {num_tokens / t_rollout:.0f} tok/s | "
-               f"elapsed {format_duration(time.time() - run_start)} eta {format_duration(eta_train)}"
-               + (f" + eval {format_duration(eta_eval)}" if eta_eval else ""))
-        record = {"step": step, **metrics, "reward": metrics["reward_mean"], "sequence_length": metrics["seq_len_mean"],
-                  "completion_length": metrics["completion_len_mean"],
-                  "lrm": lrm, "entropy": entropy, "grad_norm": gnorm, "time/rollout": t_rollout,
-                  "time/train": t_train, "rollout_tokens_per_s": num_tokens / max(t_rollout, 1e-9)}
-        history.append(record)
+        # ---- log
+        run.step_seconds.append(t_rollout + t_train)
+        record = step_record(run, step, rollouts, result, t_rollout, t_train)
+        print0(format_step_line(run, record, time.time() - run_start))
+        run.history.append(record)
         wandb_run.log(record)
-        if args.eval_every > 0 and step % args.eval_every == 0:  # a few completions to read, from rank 0's first question
-            question = train_task[indices[0]]["messages"][0]["content"]
-            log_samples_table(wandb_run, [(question, tokenizer.decode(c.tokens), r)
-                                          for c, r in zip(results[0], batches[0].rewards.tolist())], step=step)
+        if cfg.eval_every > 0 and step % cfg.eval_every == 0:  # a few completions to read, from rank 0's first question
+            log_samples_table(wandb_run, sample_table(run, rollouts[0]), step=step)
 
         # ---- checkpoint (model on rank 0; optimizer shards on every rank, for resume)
-        stopping = stop.requested(reduce_device)
-        if (args.save_every > 0 and step > 0 and step % args.save_every == 0) or step == num_steps - 1 or stopping:
-            save(step)
-            last_saved = step
+        stopping = stop.requested(run.reduce_device)
+        if (cfg.save_every > 0 and step > 0 and step % cfg.save_every == 0) or step == num_steps - 1 or stopping:
+            save(run, step)
         if stopping:
             wandb_run.finish()
-            print0(f"Stopped after step {step} on request. Resume with: python -m scripts.chat_rl --resume={model_tag}:{step}")
+            print0(f"Stopped after step {step} on request. Resume with: python -m scripts.chat_rl --resume={cfg.output_tag}:{step}")
             sys.exit(128 + (stop.signum or signal.SIGTERM))
 
     report = get_report()
-    log_chat_rl(report, vars(args), history, eval_history)
+    log_chat_rl(report, vars(cfg), run.history, run.eval_history)
     path = report.write_report()
     if path:
         print0(f"Report: {path}")

@@ -26,7 +26,6 @@ Launch:
 """
 
 import json
-import math
 import os
 import time
 
@@ -34,18 +33,18 @@ import torch
 import torch.distributed as dist
 
 from nanochat.checkpoint_manager import list_steps, load_model, save_checkpoint
-from nanochat.common import (ArgumentParser, UserError, add_model_generation_flag, add_optimizer_flags, all_reduce_mean, autocast_context,
-                             compute_cleanup, compute_dtype, compute_init, get_base_dir, get_dist_info, grad_norm,
-                             print0, requested_dtype, run_main)
-from nanochat.gpt import GPT, GPTConfig, scale_initial_lr
-from nanochat.rl import lr_multiplier
+from nanochat.cli import (ArgumentParser, add_debug_flag, add_model_generation_flag, add_optimizer_flags, add_runtime_flags,
+                          run_main)
+from nanochat.common import (UserError, all_reduce_mean, autocast_context, compute_cleanup, rank_share, require,
+                             compute_dtype, compute_init, get_base_dir, get_dist_info, print0, requested_dtype)
+from nanochat.gpt import HEAD_DIM, build_fresh_model
+from nanochat.optim import guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.sft import (accumulate_gradient, count_targets, loss_sums, make_micro_batches,
                           mixture_order, rank_positions)
 from nanochat.tokenizer import get_tokenizer
 from nanochat.wandb_utils import init_wandb
 from tasks.registry import make_task, resolve_task_class
 
-HEAD_DIM = 64        # from-scratch models: n_embd = 64 * depth (nanochat's aspect ratio), so depth heads of 64
 DEFAULT_SEQUENCE_LEN = 512
 # Finetuning a pretrained model wants small steps (nanochat's SFT uses 0.02 of the pretraining lrs);
 # a model trained from scratch here needs the full lrs.
@@ -55,12 +54,8 @@ INIT_LR_FRAC_SCRATCH = 1.0
 
 def parse_args(argv):
     p = ArgumentParser(description="Supervised finetuning on a mixture of chat tasks")
-    # logging
-    p.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' disables wandb)")
-    # runtime
-    p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
-    p.add_argument("--dtype", type=str, default=None,
-                   help="float32|bfloat16 compute dtype (autocast); default: $NANOCHAT_DTYPE, else bfloat16")
+    # logging and runtime
+    add_runtime_flags(p)
     p.add_argument("--seed", type=int, default=42, help="seed for the model init and the example order")
     # model to start from
     p.add_argument("--source", type=str, default="mid", help="checkpoint family to finetune: base|mid|sft (unused with --depth)")
@@ -95,7 +90,7 @@ def parse_args(argv):
                    help="val loss period in steps, also before the first and after the last step (-1 = never)")
     p.add_argument("--eval-examples", type=int, default=400, help="test conversations used for the val loss")
     p.add_argument("--output-tag", type=str, default=None, help="checkpoint subdirectory to write (default d<n_layer>)")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    add_debug_flag(p)
     return p.parse_args(argv)
 
 
@@ -109,39 +104,36 @@ def parse_task_names(spec):
 def validate_args(args, world_size):
     """Refuse flag values that would fail late or silently train on the wrong thing; fill in the
     defaults that depend on other flags, so the logged config is the effective one."""
-    def need(ok, message):
-        if not ok:
-            raise UserError(message)
     args.dtype = requested_dtype(args.dtype)
-    need(args.depth >= 0, f"--depth must be >= 1 for a fresh model, or 0 to load --source, got {args.depth}")
+    require(args.depth >= 0, f"--depth must be >= 1 for a fresh model, or 0 to load --source, got {args.depth}")
     if args.depth > 0:
-        need(args.model_tag is None and args.model_step is None,
+        require(args.model_tag is None and args.model_step is None,
              "--model-tag/--model-step choose a checkpoint to load; they do not apply with --depth (a fresh model)")
         args.sequence_len = DEFAULT_SEQUENCE_LEN if args.sequence_len is None else args.sequence_len
-        need(args.sequence_len >= 2, f"--sequence-len must be >= 2, got {args.sequence_len}")
+        require(args.sequence_len >= 2, f"--sequence-len must be >= 2, got {args.sequence_len}")
     else:
-        need(args.source in ("base", "mid", "sft"), f"--source must be base, mid or sft, got {args.source!r}")
-        need(args.sequence_len is None, "--sequence-len sets the context of a fresh --depth model; a loaded "
+        require(args.source in ("base", "mid", "sft"), f"--source must be base, mid or sft, got {args.source!r}")
+        require(args.sequence_len is None, "--sequence-len sets the context of a fresh --depth model; a loaded "
                                         "checkpoint keeps its own (use --max-seq-len to train on shorter rows)")
     names = parse_task_names(args.tasks)
     for name in names:
         resolve_task_class(name)  # an unknown task fails now, not after the model is loaded
     if args.arithmetic_difficulty is not None:
-        need("arithmetic" in names, f"--arithmetic-difficulty applies to the arithmetic task, which is not in --tasks={args.tasks!r}")
+        require("arithmetic" in names, f"--arithmetic-difficulty applies to the arithmetic task, which is not in --tasks={args.tasks!r}")
     for name in ("device_batch_size", "examples_per_step", "num_epochs", "eval_examples"):
-        need(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     per_step = args.device_batch_size * world_size
-    need(args.examples_per_step % per_step == 0,
+    require(args.examples_per_step % per_step == 0,
          f"--examples-per-step ({args.examples_per_step}) must be a multiple of --device-batch-size ({args.device_batch_size})"
          f" x ranks ({world_size}) = {per_step}; e.g. --examples-per-step={max(1, args.examples_per_step // per_step) * per_step}")
-    need(args.num_steps == -1 or args.num_steps >= 1, f"--num-steps must be >= 1, or -1 to derive it from epochs, got {args.num_steps}")
-    need(args.max_seq_len >= 0, f"--max-seq-len must be >= 1, or 0 for the model's sequence_len, got {args.max_seq_len}")
+    require(args.num_steps == -1 or args.num_steps >= 1, f"--num-steps must be >= 1, or -1 to derive it from epochs, got {args.num_steps}")
+    require(args.max_seq_len >= 0, f"--max-seq-len must be >= 1, or 0 for the model's sequence_len, got {args.max_seq_len}")
     for name in ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay"):
-        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.init_lr_frac is None:
         args.init_lr_frac = INIT_LR_FRAC_SCRATCH if args.depth > 0 else INIT_LR_FRAC_FINETUNE
-    need(0 < args.init_lr_frac <= 1, f"--init-lr-frac must be in (0, 1], got {args.init_lr_frac}")
-    need(args.eval_every == -1 or args.eval_every >= 1, f"--eval-every must be >= 1, or -1 to disable, got {args.eval_every}")
+    require(0 < args.init_lr_frac <= 1, f"--init-lr-frac must be in (0, 1], got {args.init_lr_frac}")
+    require(args.eval_every == -1 or args.eval_every >= 1, f"--eval-every must be >= 1, or -1 to disable, got {args.eval_every}")
     return names
 
 
@@ -155,18 +147,6 @@ def load_tasks(names, split, arithmetic_difficulty):
         else:
             tasks.append(make_task(name, split))
     return tasks
-
-
-def build_fresh_model(depth, sequence_len, vocab_size, device):
-    """A randomly initialized GPT of nanochat's shape for `depth` (see HEAD_DIM)."""
-    n_embd = depth * HEAD_DIM
-    n_head = n_embd // HEAD_DIM
-    config = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
-                       n_kv_head=n_head, n_embd=n_embd, window_pattern="L")
-    with device:
-        model = GPT(config)  # allocated on the target device directly (a meta-device build costs a torch._dynamo import)
-    model.init_weights()
-    return model
 
 
 def setup_optimizers(model, args):
@@ -199,20 +179,37 @@ def train_step(model, optimizers, micro_batches, lrm, device, reduce_device, aut
     if denominator == 0:  # every conversation of the step truncated before its answer
         return float("nan"), 0.0, False
     local_loss = accumulate_gradient(model, micro_batches, denominator, device, autocast)
-    gnorm = grad_norm(model)
-    finite = math.isfinite(local_loss) and math.isfinite(gnorm)
-    # every rank must agree to step: the distributed optimizers' collectives need all of them
-    loss, all_finite = all_reduce_mean(torch.tensor([local_loss if finite else 0.0, float(finite)]), reduce_device).tolist()
-    if all_finite < 1.0:
-        model.zero_grad(set_to_none=True)
-        return local_loss, gnorm, False
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * lrm
-    for opt in optimizers:
-        opt.step()
-    model.zero_grad(set_to_none=True)
-    return loss, gnorm, True
+    gnorm, updated = guarded_step(model, optimizers, lrm, local_loss, reduce_device)
+    loss = all_reduce_mean(local_loss, reduce_device) if updated else local_loss  # the step's token mean on all ranks
+    return loss, gnorm, updated
+
+
+def load_start_model(args, device):
+    """(model, tokenizer) to finetune: a fresh --depth model, or the --source checkpoint. Fills in
+    args.max_seq_len (0 = the model's sequence_len) and refuses one past it."""
+    if args.depth > 0:
+        tokenizer = get_tokenizer()
+        model = build_fresh_model(args.depth, args.sequence_len, tokenizer.get_vocab_size(), device)
+    else:
+        model, tokenizer, _ = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step,
+                                         generation=args.model_generation)
+    sequence_len = model.config.sequence_len
+    if args.max_seq_len == 0:
+        args.max_seq_len = sequence_len
+    if args.max_seq_len > sequence_len:
+        raise UserError(f"--max-seq-len ({args.max_seq_len}) exceeds the model's sequence_len ({sequence_len}), "
+                        f"beyond which its attention windows slide; use at most {sequence_len}")
+    return model, tokenizer
+
+
+def val_micro_batches(args, task_names, tokenizer, pad_token, rank, world_size):
+    """This rank's share of the first --eval-examples test conversations, rendered once (the val set does not
+    change during the run)."""
+    val_tasks = load_tasks(task_names, "test", args.arithmetic_difficulty)
+    val_order = mixture_order([len(t) for t in val_tasks], args.seed)
+    num_val = min(args.eval_examples, len(val_order))
+    val_convs = conversations_at(val_tasks, val_order, rank_share(0, num_val, rank, world_size))
+    return make_micro_batches(tokenizer, val_convs, args.max_seq_len, args.device_batch_size, pad_token)
 
 
 def main(argv):
@@ -232,22 +229,12 @@ def run(args, task_names, rank, world_size, device):
     autocast = autocast_context(device, getattr(torch, args.dtype))
     reduce_device = device if device.type == "cuda" else "cpu"  # NCCL reduces CUDA tensors only
 
-    if args.depth > 0:
-        tokenizer = get_tokenizer()
-        model = build_fresh_model(args.depth, args.sequence_len, tokenizer.get_vocab_size(), device)
-    else:
-        model, tokenizer, _ = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step,
-                                         generation=args.model_generation)
+    model, tokenizer = load_start_model(args, device)
     config = model.config
-    if args.max_seq_len == 0:
-        args.max_seq_len = config.sequence_len
-    if args.max_seq_len > config.sequence_len:
-        raise UserError(f"--max-seq-len ({args.max_seq_len}) exceeds the model's sequence_len ({config.sequence_len}), "
-                        f"beyond which its attention windows slide; use at most {config.sequence_len}")
     print0(f"config: {json.dumps(vars(args))}")
     print0(f"model: {model.meta_model_config()} ({model.generation.name}) | {model.num_params():,} parameters")
 
-    wandb_run = init_wandb(args.run, "nanochat-sft", vars(args), rank)
+    wandb_run = init_wandb(args.run, "nanochat-sft", vars(args))
 
     train_tasks = load_tasks(task_names, "train", args.arithmetic_difficulty)
     train_order = mixture_order([len(t) for t in train_tasks], args.seed)
@@ -266,14 +253,7 @@ def run(args, task_names, rank, world_size, device):
                         f"will save, so `--source=sft` would keep loading that one; pass --output-tag=<new tag> or move it away")
 
     pad_token = tokenizer.encode_special("<|assistant_end|>")  # any id works: padded positions have target -1
-    val_batches = []
-    if args.eval_every > 0:
-        val_tasks = load_tasks(task_names, "test", args.arithmetic_difficulty)
-        val_order = mixture_order([len(t) for t in val_tasks], args.seed)
-        num_val = min(args.eval_examples, len(val_order))
-        val_convs = conversations_at(val_tasks, val_order, range(rank, num_val, world_size))
-        # rendered once: the val set does not change during the run
-        val_batches = make_micro_batches(tokenizer, val_convs, args.max_seq_len, args.device_batch_size, pad_token)
+    val_batches = val_micro_batches(args, task_names, tokenizer, pad_token, rank, world_size) if args.eval_every > 0 else []
 
     optimizers = setup_optimizers(model, args)
     val_loss = None
@@ -304,7 +284,7 @@ def run(args, task_names, rank, world_size, device):
     if master:
         meta = {"step": num_steps, "model_config": model.meta_model_config(), "generation": model.generation.name,
                 "user_config": vars(args), "val_loss": val_loss}
-        save_checkpoint(checkpoint_dir, num_steps, model.state_dict(), None, meta, rank=rank)
+        save_checkpoint(checkpoint_dir, num_steps, model.state_dict(), None, meta)
         print0(f"Saved checkpoint to {checkpoint_dir} (model_{num_steps:06d}.pt)")
     wandb_run.finish()
     if dist.is_initialized():

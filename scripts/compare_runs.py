@@ -17,8 +17,10 @@ Launch:
 import json
 import os
 
-from nanochat.checkpoint_manager import find_last_step, meta_path
-from nanochat.common import ArgumentParser, UserError, run_main
+from nanochat.checkpoint_manager import NoStepsError, find_last_step, meta_path
+from nanochat.cli import ArgumentParser, add_debug_flag, run_main
+from nanochat.common import UserError
+from nanochat.files import atomic_write
 from nanochat.report import markdown_table, trailing_mean
 
 PANELS = [  # (title, y label)
@@ -35,6 +37,7 @@ def parse_args(argv):
     p.add_argument("runs", nargs="+", help="chat_rl run directories (chatrl_checkpoints/<tag>)")
     p.add_argument("--output", type=str, default="compare_runs.png", help="the PNG to write")
     p.add_argument("--smooth", type=int, default=10, help="trailing-mean window (steps) for reward, length and entropy")
+    add_debug_flag(p)
     return p.parse_args(argv)
 
 
@@ -42,7 +45,10 @@ def load_run(run_dir):
     """(name, meta) of a run directory's last checkpoint."""
     if not os.path.isdir(run_dir):
         raise UserError(f"{run_dir} is not a directory; pass chat_rl run directories (chatrl_checkpoints/<tag>)")
-    path = meta_path(run_dir, find_last_step(run_dir))
+    try:
+        path = meta_path(run_dir, find_last_step(run_dir))
+    except NoStepsError as e:
+        raise UserError(f"{e}; pass chat_rl run directories (chatrl_checkpoints/<tag>)") from e
     try:
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)
@@ -108,9 +114,7 @@ def plot_runs(path, runs, smooth):
     fig.tight_layout(rect=(0, 0.035 * len(runs) + 0.01, 1, 1))
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}.png"
-    fig.savefig(tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: fig.savefig(f, format="png"))
     return path
 
 

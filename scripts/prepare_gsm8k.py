@@ -14,7 +14,9 @@ import json
 import os
 import shutil
 
-from nanochat.common import ArgumentParser, UserError, get_base_dir, run_main
+from nanochat.cli import ArgumentParser, add_debug_flag, run_main
+from nanochat.common import UserError, get_base_dir
+from nanochat.files import atomic_write
 from tasks.gsm8k import HUB_NAME, SPLITS, hub_offline, hub_reachable, read_jsonl_rows, split_filename
 
 HUB_SIZES = {("main", "train"): 7473, ("main", "test"): 1319, ("socratic", "train"): 7473, ("socratic", "test"): 1319}
@@ -28,16 +30,13 @@ def parse_args(argv):
                    help="GSM8K subset; socratic goes to a socratic/ subdirectory")
     p.add_argument("--output-dir", type=str, default=None,
                    help="where to write (default: $NANOCHAT_BASE_DIR/data/gsm8k)")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks instead of one-line errors")
+    add_debug_flag(p)
     return p.parse_args(argv)
 
 
 def write_jsonl(path, rows):
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps({"question": row["question"], "answer": row["answer"]}, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, "".join(json.dumps({"question": row["question"], "answer": row["answer"]}, ensure_ascii=False) + "\n"
+                               for row in rows))
 
 
 def main(argv=None):
@@ -64,8 +63,8 @@ def main(argv=None):
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         if args.source is not None:
             if os.path.abspath(sources[split]) != os.path.abspath(dest):
-                shutil.copyfile(sources[split], dest + ".tmp")
-                os.replace(dest + ".tmp", dest)
+                with open(sources[split], "rb") as src:
+                    atomic_write(dest, lambda f: shutil.copyfileobj(src, f))
         else:
             write_jsonl(dest, tables[split])
         expected = HUB_SIZES[(args.subset, split)]

@@ -21,7 +21,8 @@ import subprocess
 import sys
 import time
 
-from nanochat.common import ArgumentParser, UserError, get_base_dir, run_main
+from nanochat.cli import ArgumentParser, add_debug_flag, run_main
+from nanochat.common import UserError, get_base_dir
 
 # the speedrun's CPU RL configuration (speedrun.sh), without its step count and evals; in fp32, so that every run
 # has the same numerics (a bf16 CPU run picks its rollout dtype by timing both, which can differ from run to run)
@@ -45,6 +46,7 @@ def parse_args(argv):
     p.add_argument("--device-type", type=str, default="cpu", help="cuda|cpu|mps")
     p.add_argument("--output", type=str, default=None,
                    help="the comparison PNG; default $NANOCHAT_BASE_DIR/report/rl_variants.png")
+    add_debug_flag(p)  # passed on to the chat_rl runs
     return p.parse_args(argv)
 
 
@@ -60,7 +62,8 @@ def main(argv):
     for name in names:
         cmd = [sys.executable, "-m", "scripts.chat_rl", *WORKLOAD, f"--num-steps={args.steps}",
                f"--eval-every={args.eval_every}", f"--eval-examples={args.eval_examples}",
-               f"--device-type={args.device_type}", f"--output-tag={name}", *VARIANTS[name]]
+               f"--device-type={args.device_type}", f"--output-tag={name}", *VARIANTS[name],
+               *(["--debug"] if args.debug else [])]
         print(f"=== {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.time()
         if subprocess.run(cmd).returncode != 0:

@@ -19,7 +19,8 @@ run's tokenizer directory instead of training a new one (nanochat uses 65,536 to
 import os
 import time
 
-from nanochat.common import ArgumentParser, UserError, get_base_dir, print0, run_main
+from nanochat.cli import ArgumentParser, add_debug_flag, run_main
+from nanochat.common import UserError, get_base_dir, print0
 from nanochat.tokenizer import Tokenizer
 
 HELD_OUT_FRACTION = 0.05  # of the --input text, kept out of training to measure compression
@@ -39,7 +40,7 @@ def parse_args(argv):
     p.add_argument("--output-dir", type=str, default=None, help="default: $NANOCHAT_BASE_DIR/tokenizer")
     p.add_argument("--force", action="store_true",
                    help="overwrite an existing tokenizer (checkpoints trained with the old one become unusable)")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks instead of one-line errors")
+    add_debug_flag(p)
     args = p.parse_args(argv)
     if args.max_chars < 1:
         raise UserError(f"--max-chars must be positive, got {args.max_chars}")

@@ -38,8 +38,7 @@ import re
 
 from nanochat.calculator import format_result, use_calculator
 from nanochat.common import UserError
-from tasks.common import Task
-from tasks.gsm8k import extract_answer
+from tasks.common import FinalAnswerTask
 
 SPLITS = ("train", "test")
 DEFAULT_SIZES = {"train": 10_000, "test": 1_000}
@@ -350,7 +349,7 @@ def generate(rng, difficulty):
     raise RuntimeError(f"could not draw an arithmetic problem at difficulty {difficulty} in {MAX_DRAWS} tries")
 
 
-class Arithmetic(Task):
+class Arithmetic(FinalAnswerTask):
     """Procedural word problems with calculator calls; reward 1 for the right "#### N", as GSM8K."""
 
     def __init__(self, split="train", difficulty=DEFAULT_DIFFICULTY, size=None, seed=None, **slice_kwargs):
@@ -364,10 +363,6 @@ class Arithmetic(Task):
         self.split, self.difficulty, self.seed = split, difficulty, seed
         self.size = DEFAULT_SIZES[split] if size is None else size
 
-    @property
-    def eval_type(self):
-        return "generative"
-
     def num_examples(self):
         return self.size
 
@@ -379,18 +374,6 @@ class Arithmetic(Task):
                 return {"messages": [{"role": "user", "content": question},
                                      {"role": "assistant", "content": parts}]}
         raise RuntimeError(f"no {self.split} question in {MAX_DRAWS} draws for example {index}")
-
-    def evaluate(self, conversation, assistant_response):
-        """1 if the response's "#### N" equals the reference's (as strings, like GSM8K), else 0."""
-        reference = conversation["messages"][-1]
-        if reference["role"] != "assistant" or not isinstance(reference["content"], list):
-            raise ValueError("evaluate expects an arithmetic conversation whose last message is the assistant's list of parts")
-        ref_answer = extract_answer(reference["content"][-1]["text"])
-        pred_answer = extract_answer(assistant_response)
-        return int(pred_answer is not None and pred_answer == ref_answer)
-
-    def reward(self, conversation, assistant_response):
-        return float(self.evaluate(conversation, assistant_response))
 
 
 def describe(n=3, difficulties=tuple(LEVELS), split="train"):

@@ -22,26 +22,24 @@ import urllib.error
 import urllib.request
 
 from nanochat.common import UserError, get_base_dir
-from tasks.common import Task
+from tasks.common import FinalAnswerTask
 
 SUBSETS = ("main", "socratic")
 SPLITS = ("train", "test")
 HUB_NAME = "openai/gsm8k"
 SHUFFLE_SEED = 42
 
-ANSWER_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
 TOOL_CALL_RE = re.compile(r"<<([^>]+)>>")  # a calculator annotation: <<expr=result>>
 
-NO_DATA_FIX = ("set NANOCHAT_GSM8K_DIR to a directory with train.jsonl/test.jsonl, "
-               "or run `python -m scripts.prepare_gsm8k --from DIR`")
 
+class GSM8KUnavailableError(UserError):
+    """GSM8K `subset`/`split` is not where it was asked to be read from, or there is no local copy and the
+    hub cannot provide it."""
 
-def extract_answer(text):
-    """The number after the first "#### ", commas removed ("#### 1,234" -> "1234"); None if there is none."""
-    match = ANSWER_RE.search(text)
-    if match is None:
-        return None
-    return match.group(1).strip().replace(",", "")
+    def __init__(self, subset, split, problem):
+        super().__init__(f"GSM8K {subset}/{split}: {problem}; "
+                         f"set NANOCHAT_GSM8K_DIR to a directory with train.jsonl/test.jsonl")
+        self.subset, self.split = subset, split
 
 
 def answer_to_parts(answer):
@@ -93,7 +91,7 @@ def find_local_dir(subset, split, data_dir=None):
         if not os.path.isfile(path):
             where = "data_dir" if data_dir else "NANOCHAT_GSM8K_DIR"
             hint = f" (the {subset} subset goes in a '{subset}/' subdirectory)" if subset != "main" else ""
-            raise UserError(f"GSM8K {subset}/{split} not found: {path} does not exist ({where}={explicit}){hint}; {NO_DATA_FIX}")
+            raise GSM8KUnavailableError(subset, split, f"{path} does not exist ({where}={explicit}){hint}")
         return explicit
     default = os.path.join(get_base_dir(), "data", "gsm8k")
     return default if os.path.isfile(split_filename(default, subset, split)) else None
@@ -129,27 +127,23 @@ def load_rows(subset="main", split="train", data_dir=None):
         ds = datasets.Dataset.from_list(read_jsonl_rows(split_filename(local_dir, subset, split)))
     else:
         if not hub_offline() and not hub_reachable():
-            raise UserError(f"GSM8K {subset}/{split}: no local copy and the Hugging Face hub is unreachable; {NO_DATA_FIX} "
-                            "(or set HF_HUB_OFFLINE=1 to use a copy in the Hugging Face cache)")
+            raise GSM8KUnavailableError(subset, split, "no local copy, and the Hugging Face hub is unreachable "
+                                                       "(HF_HUB_OFFLINE=1 uses a copy in the Hugging Face cache)")
         try:
             ds = datasets.load_dataset(HUB_NAME, subset, split=split)
         except (OSError, datasets.exceptions.DatasetsError) as e:  # ConnectionError, not in the offline cache, ...
-            raise UserError(f"GSM8K {subset}/{split}: no local copy and the hub failed ({e}); {NO_DATA_FIX}") from e
+            raise GSM8KUnavailableError(subset, split, f"no local copy, and the hub failed ({e})") from e
     # the same permutation for the local and the hub copy: Dataset.shuffle draws it from the seed and the length
     return ds.shuffle(seed=SHUFFLE_SEED).select_columns(["question", "answer"]).to_list()
 
 
-class GSM8K(Task):
+class GSM8K(FinalAnswerTask):
     """GSM8K as conversations with calculator tool calls; reward 1 for the right final number."""
 
     def __init__(self, subset="main", split="train", data_dir=None, **slice_kwargs):
         super().__init__(**slice_kwargs)
         self.subset, self.split = subset, split
         self.rows = load_rows(subset, split, data_dir)
-
-    @property
-    def eval_type(self):
-        return "generative"
 
     def num_examples(self):
         return len(self.rows)
@@ -160,15 +154,3 @@ class GSM8K(Task):
             {"role": "user", "content": row["question"]},
             {"role": "assistant", "content": answer_to_parts(row["answer"])},
         ]}
-
-    def evaluate(self, conversation, assistant_response):
-        """1 if the response's "#### N" equals the reference's (as strings: "18" != "18.0"), else 0."""
-        reference = conversation["messages"][-1]
-        if reference["role"] != "assistant" or not isinstance(reference["content"], list):
-            raise ValueError("evaluate expects a GSM8K conversation whose last message is the assistant's list of parts")
-        ref_answer = extract_answer(reference["content"][-1]["text"])
-        pred_answer = extract_answer(assistant_response)
-        return int(pred_answer is not None and pred_answer == ref_answer)
-
-    def reward(self, conversation, assistant_response):
-        return float(self.evaluate(conversation, assistant_response))

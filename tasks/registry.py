@@ -17,6 +17,14 @@ BUILTIN_TASKS = {
 REQUIRED_METHODS = ("__len__", "__getitem__", "reward", "evaluate")
 
 
+class TaskNotFoundError(UserError):
+    """No task class by the name `name` (a built-in name or package.module:ClassName)."""
+
+    def __init__(self, name, problem):
+        super().__init__(problem)
+        self.name = name
+
+
 def resolve_task_class(name):
     """The class named by --task."""
     if name in BUILTIN_TASKS:
@@ -24,14 +32,16 @@ def resolve_task_class(name):
     elif ":" in name:
         module_name, class_name = name.split(":", 1)
     else:
-        raise UserError(f"unknown task {name!r}; use one of {', '.join(BUILTIN_TASKS)} or your own as package.module:ClassName")
+        raise TaskNotFoundError(name, f"unknown task {name!r}; use one of {', '.join(BUILTIN_TASKS)} "
+                                      f"or your own as package.module:ClassName")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise UserError(f"cannot import task module {module_name!r} ({e}); check --task and that the module is on PYTHONPATH") from e
+        raise TaskNotFoundError(name, f"cannot import task module {module_name!r} ({e}); "
+                                      f"is the module on PYTHONPATH?") from e
     cls = getattr(module, class_name, None)
     if cls is None:
-        raise UserError(f"module {module_name!r} has no class {class_name!r}; check the name after ':' in --task")
+        raise TaskNotFoundError(name, f"module {module_name!r} has no class {class_name!r} (the name after ':')")
     missing = [m for m in REQUIRED_METHODS if not hasattr(cls, m)]
     if missing:
         raise UserError(f"task class {name!r} lacks {', '.join(missing)}; a task needs __len__, __getitem__, reward and evaluate")

@@ -1,4 +1,5 @@
-"""Shared fixtures: the committed GSM8K sample, a tiny trained tokenizer, and a throwaway $NANOCHAT_BASE_DIR.
+"""Shared fixtures: the committed GSM8K sample, a tiny trained tokenizer, a throwaway $NANOCHAT_BASE_DIR and a
+random SFT checkpoint in it. Plain helpers (tiny models, base-dir writers) are in helpers.py.
 
 The whole session runs with the Hugging Face hub offline and with empty HF / nanochat caches, so no test can
 touch the network or the user's real data, whatever the machine has cached."""
@@ -6,11 +7,11 @@ touch the network or the user's real data, whatever the machine has cached."""
 import os
 import shutil
 import tempfile
-from pathlib import Path
 
 import pytest
 
-FIXTURES = Path(__file__).parent / "fixtures"
+from helpers import FIXTURES, make_sft_checkpoint
+
 TINY_VOCAB_SIZE = 400
 
 
@@ -64,6 +65,13 @@ def base_dir(tmp_path, monkeypatch, tiny_tokenizer, gsm8k_dir):
     return base
 
 
+@pytest.fixture
+def sft(base_dir, tiny_tokenizer):
+    """`base_dir` with a random tiny model as its SFT checkpoint (helpers.make_sft_checkpoint), which chat_rl and
+    chat_cli load by default. Returns the model."""
+    return make_sft_checkpoint(base_dir, tiny_tokenizer.get_vocab_size())
+
+
 ONE_STEP_SFT_STEPS = 140
 
 
@@ -76,7 +84,7 @@ def one_step_sft(tmp_path_factory):
     import contextlib
     import io
     import torch
-    from nanochat.common import run_main
+    from nanochat.cli import run_main
     from nanochat.tokenizer import Tokenizer
     from scripts import chat_sft
     from tasks.arithmetic import Arithmetic

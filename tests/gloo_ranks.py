@@ -4,9 +4,8 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
 
 
 def free_port():

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.rl import LOSS_NORMS, PolicyLoss, accumulate_policy_gradient, make_question_batch, step_counts
-from test_rl_objective import TableModel
+from helpers import TableModel
 
 VOCAB, PAD, DEVICE_BATCH_SIZE, MAX_NEW_TOKENS, STEP = 32, 0, 2, 6, 0.5
 # every normalization, plain and with truncated rows masked plus the KL penalty

@@ -14,8 +14,8 @@ from nanochat.calculator import format_result, use_calculator
 from nanochat.common import UserError
 from tasks.arithmetic import LEVELS, Arithmetic, number_to_words, split_of_question
 from tasks.registry import resolve_task_class
+from helpers import REPO
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIFFICULTIES = sorted(LEVELS)
 ALLOWED = set("0123456789*+-/.() ")
 
@@ -77,7 +77,7 @@ def test_same_examples_in_processes_with_different_hash_seeds():
     outputs = []
     for hash_seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed)
-        result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+        result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         outputs.append(json.loads(result.stdout))
     assert outputs[0] == outputs[1]

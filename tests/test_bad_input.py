@@ -1,7 +1,7 @@
 """chat_rl on bad input: exit code 2, one line on stderr that names the problem and the fix, no traceback
 (unless --debug), and no partial checkpoint files left behind.
 
-The cases are scripts/bad_input_table.py's (the table in the closing note shows the same runs). Most run
+The cases are tests/bad_input_table.py's (the table in the closing note shows the same runs). Most run
 in-process through `run_main(chat_rl.main, argv)`; a few run as real subprocesses to check the process
 exit code and the raw stderr.
 """
@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.common import UserError, run_main
+from nanochat.cli import run_main
+from nanochat.common import UserError
 from scripts import chat_rl
-from scripts.bad_input_table import CASES, TINY_FLAGS, build_base_dir, full_disk_save, run_case
+from bad_input_table import CASES, TINY_FLAGS, build_base_dir, full_disk_save, run_case
 
 # what each case's line must say: the problem and the fix (substrings)
 EXPECTED = {
@@ -151,4 +152,4 @@ def test_real_process_exits_2_with_one_line(name, tmp_path):
 def test_real_process_with_debug_prints_a_traceback(tmp_path):
     result = run_case(BY_NAME["no checkpoint in the model dir"], tmp_path, extra_flags=["--debug"], timeout=120)
     assert result.returncode not in (0, 2)
-    assert "Traceback (most recent call last)" in result.stderr and "UserError: no model_<step>.pt files" in result.stderr
+    assert "Traceback (most recent call last)" in result.stderr and "NoStepsError: no model_<step>.pt files" in result.stderr

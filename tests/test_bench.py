@@ -8,8 +8,8 @@ import torch
 
 from nanochat.common import UserError
 from nanochat.engine import Engine, KVCache
-from nanochat.gpt import GPT, GPTConfig
 from scripts import bench_rl
+from helpers import random_model, tiny_config
 
 TINY_FLAGS = ["--device-type=cpu", "--depth=1", "--vocab-size=400", "--num-questions=2", "--num-samples=4",
               "--device-batch-size=2", "--max-new-tokens=8", "--early-stop-mean=3", "--peak-matmul-size=256"]
@@ -21,15 +21,10 @@ METRICS = ["rollout_seconds", "train_seconds", "optimizer_seconds", "step_second
            "kv_bytes_per_decoded_token"]
 
 
-def tiny_gpt(n_layer=1, window_pattern="L", sequence_len=128, vocab_size=400):
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=n_layer, n_head=1, n_kv_head=1,
-                          n_embd=64, window_pattern=window_pattern))
-    model.init_weights()
-    with torch.no_grad():  # break the zero-init projections so outputs depend on the context
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return model.eval()
+def tiny_gpt(n_layer=1, window_pattern="L"):
+    """One head of width 64 over the tiny tokenizer's 400 tokens: the sizes the FLOP counts below are worked out for."""
+    return random_model(tiny_config(sequence_len=128, vocab_size=400, n_layer=n_layer, n_head=1, n_kv_head=1,
+                                    window_pattern=window_pattern))
 
 
 def test_report_has_every_config_and_metric(base_dir, tmp_path, capsys):
@@ -160,24 +155,6 @@ def test_early_stop_wrapper_leaves_logits_alone_unless_it_fires(tiny_tokenizer):
     prompt = tiny_tokenizer.encode("hi", prepend="<|bos|>")
     completions = Engine(always, tiny_tokenizer).generate_many([prompt], num_samples=3, max_tokens=5)[0]
     assert [(len(c.tokens), c.ended) for c in completions] == [(1, True)] * 3
-
-
-def test_flops_match_hand_computed_values():
-    # one layer, width 64, one head; vocab 400 padded to 448. Matmul weights: q, k, v, proj 4 * 64^2,
-    # MLP 2 * 64 * 256, lm_head 448 * 64 = 77824 -> 6 * 77824 = 466944 per trained token.
-    model = tiny_gpt()
-    assert bench_rl.matmul_flops_per_token(model) == 466944
-    assert bench_rl.train_flops_per_token(model, 100) == 466944 + 12 * 64 * 100
-    assert bench_rl.train_flops_per_token(model, 128) == model.estimate_flops()  # T = sequence_len
-    # two layers with windows S (64 keys back) and L: 2 * 466944 - 448 * 64 * 6 of the shared lm_head
-    windowed = tiny_gpt(n_layer=2, window_pattern="SL")
-    assert bench_rl.train_flops_per_token(windowed, 100) == 2 * 466944 - 448 * 64 * 6 + 12 * 64 * (64 + 100)
-    # rollouts, forward only (155648 per token): a 3-token prompt prefilled once (queries see 1, 2, 3 keys),
-    # a row of 1 step (no decode) and a row of 3 steps (decode queries see 4 and 5 keys); 4 * 64 per key
-    assert bench_rl.rollout_flops(model, 3, 1, [1, 3]) == (3 * 155648 + 256 * 6) + (2 * 155648 + 256 * 9)
-    assert bench_rl.rollout_flops(model, 3, 2, [1]) == 2 * (3 * 155648 + 256 * 6)
-    assert bench_rl._sum_min(5, 3, 7) == 3 + 4 + 5 + 5 + 5
-    assert bench_rl._sum_min(5, 6, 8) == 15 and bench_rl._sum_min(9, 2, 4) == 9 and bench_rl._sum_min(9, 4, 3) == 0
 
 
 def test_row_steps_count_the_terminal_token_only_before_the_cap():

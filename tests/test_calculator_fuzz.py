@@ -25,6 +25,7 @@ import torch
 
 from nanochat.calculator import format_result, use_calculator
 from nanochat.engine import Engine
+from helpers import REPO
 
 SEED = 1234
 MIN_CORPUS = 1000
@@ -349,7 +350,6 @@ def same_value(type_name, value, expected):
 # the run: in a child process, so a regression that hangs inside one C-level operation (a bignum power
 # cannot be interrupted) fails the test instead of hanging it, and peak RSS measures the calculator alone
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD_TIMEOUT_S = 60
 
 # argv: corpus.json progress_file out.json. An audit hook (inert unless `active`) sees every exec/eval of code,
@@ -401,7 +401,7 @@ def fuzz(tmp_path_factory):
     corpus, known = hostile_corpus(random.Random(SEED), sentinel)
     corpus_path, progress_path, out_path = work / "corpus.json", work / "progress", work / "out.json"
     corpus_path.write_text(json.dumps(corpus), encoding="utf-8")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     try:
         child = subprocess.run([sys.executable, "-c", _FUZZ_CHILD, str(corpus_path), str(progress_path), str(out_path)],
                                cwd=work, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)

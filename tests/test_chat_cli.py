@@ -5,18 +5,16 @@ import io
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import run_main
+from nanochat.cli import run_main
 from nanochat.engine import Engine
 from scripts import chat_cli
-from test_chat_rl import make_sft_checkpoint
-from test_engine import ScriptedModel
+from helpers import ScriptedModel
+from helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 FLAGS = ["--device-type=cpu", "--dtype=float32", "--max-new-tokens=24"]
 
 
@@ -47,16 +45,10 @@ def reply(tokenizer, conversation, **sampling):
     return Engine(model, tokenizer).generate_many([prompt], max_tokens=24, **sampling)[0][0]
 
 
-@pytest.fixture
-def sft(base_dir, tiny_tokenizer):
-    make_sft_checkpoint(base_dir, tiny_tokenizer.get_vocab_size())
-    return base_dir
-
-
-def test_piped_greedy_chat_is_the_engines_greedy_output(sft, tiny_tokenizer):
+def test_piped_greedy_chat_is_the_engines_greedy_output(sft, base_dir, tiny_tokenizer):
     """Two turns, `clear`, the first question again, then end of input: every answer is the engine's
     greedy completion of the conversation so far, rendered with render_for_completion."""
-    result = run_cli(sft, FLAGS + ["-t", "0", "--seed=7"], stdin="hello there\nwhat is 2+2\nclear\nhello there\n")
+    result = run_cli(base_dir, FLAGS + ["-t", "0", "--seed=7"], stdin="hello there\nwhat is 2+2\nclear\nhello there\n")
     assert result.returncode == 0, result.stderr
     tok = tiny_tokenizer
     first = reply(tok, [user("hello there")], temperature=0.0)
@@ -72,9 +64,9 @@ def test_piped_greedy_chat_is_the_engines_greedy_output(sft, tiny_tokenizer):
     assert first.tokens != second.tokens  # the second answer really saw a different conversation
 
 
-def test_prompt_flag_answers_once_and_exits_0(sft, tiny_tokenizer):
+def test_prompt_flag_answers_once_and_exits_0(sft, base_dir, tiny_tokenizer):
     """-p prints only the answer: the engine's sample for the same seed at the default T=0.6, top-k 50."""
-    result = run_cli(sft, FLAGS + ["-p", "hello there", "--seed=3"], stdin="never read\n")
+    result = run_cli(base_dir, FLAGS + ["-p", "hello there", "--seed=3"], stdin="never read\n")
     assert result.returncode == 0, result.stderr
     expected = reply(tiny_tokenizer, [user("hello there")], temperature=0.6, top_k=50, seed=3)
     assert result.stdout == shown(tiny_tokenizer, expected)
@@ -87,6 +79,7 @@ def test_missing_checkpoint_is_one_line_and_exit_2(base_dir):
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: no sft checkpoints"), result.stderr
+    assert lines[0].endswith("or create one with `python -m scripts.chat_sft`")  # nanochat.cli's hint
 
 
 @pytest.mark.parametrize("flags, message", [

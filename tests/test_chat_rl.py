@@ -12,34 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.checkpoint_manager import load_model, save_checkpoint
-from nanochat.common import run_main
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.checkpoint_manager import load_model
+from nanochat.cli import run_main
+from nanochat.rollout import step_question_indices
 from scripts import chat_rl
-
-REPO = Path(__file__).resolve().parents[1]
-TINY_RL_FLAGS = ["--task=rl_toy_task:ParityTask", "--device-type=cpu", "--dtype=float32", "--examples-per-step=4", "--num-samples=4",
-                 "--device-batch-size=2", "--max-new-tokens=12", "--eval-every=-1", "--temperature=1.0"]
-
-
-def make_sft_checkpoint(base_dir, vocab_size, seed=0):
-    """A random tiny model saved where chat_rl looks for an SFT checkpoint (chatsft_checkpoints/d2)."""
-    torch.manual_seed(seed)
-    config = GPTConfig(sequence_len=128, vocab_size=vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=64,
-                       window_pattern="SL")
-    model = GPT(config)
-    model.init_weights()
-    with torch.no_grad():  # break init symmetry (zero projections) so rollouts and gradients are non-trivial
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    save_checkpoint(str(base_dir / "chatsft_checkpoints" / "d2"), 0, model.state_dict(), None,
-                    {"model_config": asdict(config), "step": 0})
-    return model
-
-
-@pytest.fixture
-def sft(base_dir, tiny_tokenizer):
-    return make_sft_checkpoint(base_dir, tiny_tokenizer.get_vocab_size())
+from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS
 
 
 def test_two_steps_write_a_loadable_rl_checkpoint_with_new_weights(sft, base_dir, capsys):
@@ -182,7 +159,7 @@ def test_logged_lengths_count_the_prompt_like_nanochat(sft, base_dir, tiny_token
     completion = float(re.search(r"Average completion length: ([\d.]+)", line).group(1))
     from rl_toy_task import ParityTask
     task = ParityTask("train")
-    prompts = [len(tiny_tokenizer.render_for_completion(task[i])) for i in chat_rl.rank_example_indices(0, 4, 0, 1, 16)]
+    prompts = [len(tiny_tokenizer.render_for_completion(task[i])) for i in step_question_indices(0, 4, 0, 1, 16)]
     assert seq - completion == pytest.approx(sum(prompts) / len(prompts), abs=0.011)
     record = json.loads((base_dir / "chatrl_checkpoints" / "d2" / "meta_000000.json").read_text())["history"][0]
     assert record["sequence_length"] == pytest.approx(record["completion_length"] + sum(prompts) / len(prompts))
@@ -195,13 +172,6 @@ def test_eval_steps_for_the_eta():
     assert [s for s in range(9) if chat_rl.is_eval_step(s, 8, 4)] == [0, 4, 8]
 
 
-def test_rank_strided_data_covers_each_question_once_per_epoch():
-    seen = [chat_rl.rank_example_indices(step, 2, rank, 2, 8) for step in range(2) for rank in range(2)]
-    assert sorted(i for s in seen for i in s) == list(range(8))
-    assert chat_rl.rank_example_indices(0, 2, 1, 2, 8) == [1, 3]
-    assert chat_rl.rank_example_indices(2, 2, 1, 2, 8) == [1, 3]  # cycles
-
-
 def test_two_ranks_end_with_the_same_weights_as_one(sft, base_dir, tmp_path):
     """Distributed equivalence. Why equality must hold: each question's samples are seeded by
     (step, question index) and each row has its own random stream, so both layouts sample the same
@@ -211,7 +181,7 @@ def test_two_ranks_end_with_the_same_weights_as_one(sft, base_dir, tmp_path):
     summation order, far below 1e-5."""
     flags = TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1"]
     env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+           "PYTHONPATH": PYTHONPATH}
     run = lambda cmd: subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     single = run([sys.executable, "-m", "scripts.chat_rl", *flags])
     assert single.returncode == 0, single.stderr[-3000:]

@@ -6,21 +6,18 @@ import io
 import json
 import os
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import run_main
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.cli import run_main
 from nanochat.sft import (accumulate_gradient, collate_rows, count_targets, loss_sums, make_micro_batches,
                           mixture_order, rank_positions, render_rows)
 from scripts.chat_sft import build_fresh_model, main, train_step
 from tasks.arithmetic import Arithmetic
 from gloo_ranks import run_ranks
-
-REPO = Path(__file__).resolve().parent.parent
+from helpers import random_model, tiny_config
 
 
 @pytest.fixture(autouse=True)
@@ -95,14 +92,9 @@ def test_mixture_order_is_a_seeded_permutation_and_ranks_partition_each_step():
 
 # ----------------------------------------------------------------------------- loss normalization
 
-def _random_model(vocab_size=50, seed=0):
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(sequence_len=32, vocab_size=vocab_size, n_layer=2, n_head=2, n_kv_head=2, n_embd=64))
-    model.init_weights()
-    with torch.no_grad():  # init_weights zeroes the output projections; random weights give every grad a value
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (0.5 if p.ndim == 1 else 0.0))
-    return model
+def _random_model():
+    # init_weights zeroes the output projections; random weights give every grad a value
+    return random_model(tiny_config(sequence_len=32, vocab_size=50, n_head=2), noise=0.1, fresh=True)
 
 
 def _grads(model):

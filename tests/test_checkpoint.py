@@ -9,10 +9,12 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from nanochat.checkpoint_manager import (build_model, find_largest_model, find_last_step, list_steps, load_checkpoint,
-                                         load_model, save_checkpoint)
+from nanochat.checkpoint_manager import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
+                                         UnknownStepError, UnknownTagError, build_model, find_largest_model, find_last_step,
+                                         list_steps, load_checkpoint, load_model, save_checkpoint)
 from nanochat.common import UserError
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.gpt import GPT
+from helpers import random_model, tiny_config  # every parameter random: a loader that dropped one would show
 
 # `base_dir` (a fresh $NANOCHAT_BASE_DIR holding the tokenizer) and `tiny_tokenizer` come from conftest.py
 
@@ -20,24 +22,6 @@ from nanochat.gpt import GPT, GPTConfig
 @pytest.fixture
 def vocab(tiny_tokenizer):
     return tiny_tokenizer.get_vocab_size()
-
-
-def tiny_config(vocab_size, **kw):
-    cfg = dict(sequence_len=32, vocab_size=vocab_size, n_layer=2, n_head=2, n_kv_head=2, n_embd=64, window_pattern="L")
-    cfg.update(kw)
-    return GPTConfig(**cfg)
-
-
-def random_model(config, seed=0):
-    """A GPT whose every parameter is random (init_weights zeroes c_proj and fixes the lambdas, which
-    would let a loader that drops those tensors still produce the same logits)."""
-    torch.manual_seed(seed)
-    model = GPT(config)
-    model.init_weights()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2 + (0.5 if p.ndim == 1 else 0.0))
-    return model.eval()
 
 
 def fixed_input(vocab_size):
@@ -56,7 +40,7 @@ def files_of(directory):
 
 @pytest.mark.parametrize("phase", ["eval", "train"])
 def test_round_trip_gives_identical_weights_and_logits(base_dir, phase, vocab):
-    config = tiny_config(vocab)
+    config = tiny_config(vocab_size=vocab)
     model = random_model(config)
     ckpt = base_dir / "chatsft_checkpoints" / "d2"
     save_checkpoint(str(ckpt), 5, model.state_dict(), None, meta_for(config))
@@ -88,7 +72,7 @@ def test_legacy_checkpoint_loads_as_its_generation(base_dir, vocab):
     """Upstream checkpoints of before 2026-01-11: keys prefixed by torch.compile, no resid/x0 lambdas, no
     window_pattern. They load as generation dec2025 (padded rows) with exactly their own keys (no lambdas
     added), and compute what a lambdas-1/0, window-"L" model computes within sequence_len."""
-    config = tiny_config(vocab)
+    config = tiny_config(vocab_size=vocab)
     model = random_model(config)
     legacy = {"_orig_mod." + k: v for k, v in model.state_dict().items() if k not in ("resid_lambdas", "x0_lambdas")}
     legacy_config = asdict(config)
@@ -104,7 +88,7 @@ def test_legacy_checkpoint_loads_as_its_generation(base_dir, vocab):
     assert got.keys() == expected.keys()
     for k in expected:
         assert torch.equal(got[k], expected[k].to(got[k].dtype)), k
-    reference = GPT(tiny_config(vocab, window_pattern="L"))
+    reference = GPT(tiny_config(vocab_size=vocab, window_pattern="L"))
     reference.init_weights()
     reference.load_state_dict({**expected, "resid_lambdas": torch.ones(config.n_layer),
                                "x0_lambdas": torch.zeros(config.n_layer)})
@@ -114,7 +98,7 @@ def test_legacy_checkpoint_loads_as_its_generation(base_dir, vocab):
 
 
 def test_bf16_tensors_are_cast_to_fp32_on_cpu(base_dir, vocab):
-    config = tiny_config(vocab)
+    config = tiny_config(vocab_size=vocab)
     model = random_model(config)
     bf16 = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     save_checkpoint(str(base_dir / "base_checkpoints" / "d2"), 3, bf16, None, meta_for(config, 3))
@@ -125,7 +109,7 @@ def test_bf16_tensors_are_cast_to_fp32_on_cpu(base_dir, vocab):
 
 
 def test_unknown_model_config_field_is_dropped_with_a_warning(base_dir, vocab):
-    config = tiny_config(vocab)
+    config = tiny_config(vocab_size=vocab)
     model = random_model(config)
     meta = {"step": 1, "model_config": {**asdict(config), "some_future_flag": True}}
     save_checkpoint(str(base_dir / "chatrl_checkpoints" / "d2"), 1, model.state_dict(), None, meta)
@@ -149,7 +133,7 @@ def test_find_last_step_matches_exact_names_and_compares_as_ints(tmp_path):
 
 def test_find_last_step_without_model_files(tmp_path):
     (tmp_path / "model_000200_backup.pt").write_bytes(b"")
-    with pytest.raises(UserError, match="no model_<step>.pt files in " + str(tmp_path)):
+    with pytest.raises(NoStepsError, match="no model_<step>.pt files in " + str(tmp_path)):
         find_last_step(str(tmp_path))
 
 
@@ -190,45 +174,55 @@ def test_find_largest_model_takes_d_n_as_a_prefix(tmp_path):
 # ----------------------------------------------------------------------------- user errors
 
 def test_missing_checkpoints_dir_names_the_path(base_dir):
-    with pytest.raises(UserError) as e:
+    """The facts only (the family and its directory); the script that makes one is nanochat.cli's hint."""
+    with pytest.raises(NoCheckpointsError) as e:
         load_model("sft", "cpu", "eval")
     msg = str(e.value)
-    assert str(base_dir / "chatsft_checkpoints") in msg and "scripts.chat_sft" in msg
-    assert "\n" not in msg
+    assert e.value.source == "sft" and e.value.path == str(base_dir / "chatsft_checkpoints")
+    assert str(base_dir / "chatsft_checkpoints") in msg and "\n" not in msg
+    assert "--" not in msg and "scripts." not in msg
 
 
 def test_unknown_source_tag_and_step(base_dir, vocab):
     with pytest.raises(UserError, match="valid sources: base, mid, sft, rl"):
         load_model("pretrain", "cpu", "eval")
-    config = tiny_config(vocab)
+    config = tiny_config(vocab_size=vocab)
     ckpt = base_dir / "chatsft_checkpoints" / "d2"
     save_checkpoint(str(ckpt), 7, random_model(config).state_dict(), None, meta_for(config, 7))
     save_checkpoint(str(ckpt), 12, random_model(config).state_dict(), None, meta_for(config, 12))
-    with pytest.raises(UserError, match="available tags: d2"):
+    with pytest.raises(UnknownTagError, match="available tags: d2") as e:
         load_model("sft", "cpu", "eval", model_tag="d4")
-    with pytest.raises(UserError, match="available steps: 7, 12"):
+    assert (e.value.tag, e.value.available) == ("d4", ["d2"])
+    with pytest.raises(UnknownStepError, match="available steps: 7, 12") as e:
         load_model("sft", "cpu", "eval", step=8)
+    assert (e.value.step, e.value.available, e.value.path) == (8, [7, 12], str(ckpt))
+    with pytest.raises(UnknownStepError, match="available steps: 7, 12"):
+        load_checkpoint(str(ckpt), 9, "cpu")
     assert load_model("sft", "cpu", "eval", step=7)[2]["step"] == 7
     assert load_model("sft", "cpu", "eval")[2]["step"] == 12
+    os.remove(ckpt / "meta_000007.json")
+    with pytest.raises(MissingMetaError, match="meta_000007.json") as e:
+        load_checkpoint(str(ckpt), 7, "cpu")
+    assert e.value.path == str(ckpt / "meta_000007.json")
 
 
 def test_truncated_model_file(base_dir, vocab):
-    config = tiny_config(vocab)
+    config = tiny_config(vocab_size=vocab)
     ckpt = base_dir / "chatsft_checkpoints" / "d2"
     save_checkpoint(str(ckpt), 5, random_model(config).state_dict(), None, meta_for(config))
     path = ckpt / "model_000005.pt"
     data = path.read_bytes()
     for cut in (0, 10, len(data) // 2, len(data) - 10):
         path.write_bytes(data[:cut])
-        with pytest.raises(UserError, match="corrupted") as e:
+        with pytest.raises(CorruptCheckpointError, match="corrupted") as e:
             load_model("sft", "cpu", "eval")
-        assert str(path) in str(e.value) and "--model-step" in str(e.value)
+        assert e.value.path == str(path) and str(path) in str(e.value) and "--" not in str(e.value)
 
 
 def test_shape_mismatch_error_is_not_cut(base_dir, vocab, capsys):
     """Weights of a 32-wide model under a 64-wide meta: torch lists every mismatched tensor, far past 300
     characters; the one-line error carries all of it (it used to be cut at 300 characters, mid-word)."""
-    narrow, wide = tiny_config(vocab, n_embd=32), tiny_config(vocab)
+    narrow, wide = tiny_config(vocab_size=vocab, n_embd=32), tiny_config(vocab_size=vocab)
     save_checkpoint(str(base_dir / "chatsft_checkpoints" / "d2"), 5, random_model(narrow).state_dict(), None,
                     meta_for(wide))
     with pytest.raises(UserError, match="does not match the GPT built from its meta") as e:
@@ -241,7 +235,7 @@ def test_shape_mismatch_error_is_not_cut(base_dir, vocab, capsys):
 
 
 def test_vocab_mismatch(base_dir, vocab):
-    config = tiny_config(vocab + 3)
+    config = tiny_config(vocab_size=vocab + 3)
     save_checkpoint(str(base_dir / "chatsft_checkpoints" / "d2"), 5, random_model(config).state_dict(), None,
                     meta_for(config))
     with pytest.raises(UserError, match=f"tokenizer vocab size {vocab} != model vocab size {vocab + 3}") as e:
@@ -275,7 +269,7 @@ def disk_full_save(fail_on_call):
 @pytest.mark.parametrize("fail_on_call", [1, 2])  # 1: the optimizer shard fails; 2: the model fails after it
 @pytest.mark.parametrize("failed_step", [20, 10])  # a new step, or overwriting the existing one
 def test_disk_full_leaves_nothing_behind(base_dir, monkeypatch, fail_on_call, failed_step, vocab):
-    config = tiny_config(vocab)
+    config = tiny_config(vocab_size=vocab)
     model = random_model(config)
     ckpt = base_dir / "chatsft_checkpoints" / "d2"
     save_checkpoint(str(ckpt), 10, model.state_dict(), None, meta_for(config, 10))
@@ -304,7 +298,7 @@ def test_non_json_meta_writes_nothing(tmp_path):
 
 
 def test_optimizer_shards_per_rank(tmp_path, vocab):
-    config = tiny_config(vocab)
+    config = tiny_config(vocab_size=vocab)
     model = random_model(config)
     shards = []
     for rank in range(2):

@@ -1,52 +1,21 @@
 """The engine: nanochat's sampling semantics, the calculator state machine, and the batched rollout API."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from nanochat.engine import Engine
-from nanochat.gpt import GPT, GPTConfig
-from test_gpt import random_model
+from nanochat.engine import Engine, Row, SpecialIds
+from helpers import ScriptedModel, random_model, tiny_config
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_tokenizer):
-    config = GPTConfig(sequence_len=64, vocab_size=tiny_tokenizer.get_vocab_size(), n_layer=2, n_head=4,
-                       n_kv_head=2, n_embd=64, window_pattern="SL")
+    config = tiny_config(sequence_len=64, vocab_size=tiny_tokenizer.get_vocab_size(), window_pattern="SL")
     return random_model(config)  # perturbed weights: greedy decoding is not trivial
 
 
 def prompt_of(tokenizer, question):
     return tokenizer.render_for_completion({"messages": [{"role": "user", "content": question},
                                                          {"role": "assistant", "content": ""}]})
-
-
-class ScriptedModel(torch.nn.Module):
-    """Emits script[k] as the k-th completion token (by cache position), with a small chance of stopping
-    when stop_prob > 0: a stand-in that makes the tool state machine and early stops testable exactly."""
-
-    def __init__(self, script, prompt_len, vocab_size, stop_token=None, stop_logit=None):
-        super().__init__()
-        self.script, self.prompt_len, self.stop_token, self.stop_logit = script, prompt_len, stop_token, stop_logit
-        self.config = SimpleNamespace(sequence_len=128, vocab_size=vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=4)
-        self.dummy = torch.nn.Parameter(torch.zeros(1))
-        self.forwards = 0
-
-    def get_device(self):
-        return self.dummy.device
-
-    def forward(self, idx, kv_cache=None):
-        self.forwards += 1
-        B, T = idx.shape
-        positions = kv_cache.next_positions()[:, None] + torch.arange(T)  # (B, T)
-        k = (positions + 1 - self.prompt_len).clamp(min=0, max=len(self.script) - 1)
-        logits = torch.full((B, T, self.config.vocab_size), -1e9)
-        logits.scatter_(-1, torch.tensor(self.script)[k][..., None], 0.0)
-        if self.stop_logit is not None:  # a constant chance to stop at every step
-            logits[..., self.stop_token] = self.stop_logit
-        kv_cache.advance(T)
-        return logits
 
 
 def test_same_seed_same_output_and_different_seed_differs(tiny_model, tiny_tokenizer):
@@ -214,15 +183,8 @@ def test_shared_prompt_cache_gives_the_tokens_of_per_row_copies(tiny_tokenizer, 
     storage growing (from 4 positions) while rows decode."""
     from nanochat.engine import SharedPromptKVCache
     monkeypatch.setattr(SharedPromptKVCache, "INITIAL_SUFFIX_CAPACITY", 4)
-    config = GPTConfig(sequence_len=64, vocab_size=tiny_tokenizer.get_vocab_size(), n_layer=2, n_head=4,
-                       n_kv_head=2, n_embd=64, window_pattern="SL")
-    torch.manual_seed(0)
-    model = GPT(config, generation)
-    model.init_weights()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    model.eval()
+    config = tiny_config(sequence_len=64, vocab_size=tiny_tokenizer.get_vocab_size(), window_pattern="SL")
+    model = random_model(config, generation=generation)
     questions = ["a b", "Natalia sold 48 clips to her friends in April and then half as many in May", "c", "Weng"]
     prompts = [prompt_of(tiny_tokenizer, q) for q in questions]
     assert max(len(p) for p in prompts) > 32  # past the short window
@@ -264,3 +226,30 @@ def test_fastest_decode_dtype_picks_a_candidate(tiny_model, monkeypatch):
     assert engine_module.fastest_decode_dtype(tiny_model, [torch.bfloat16, torch.float32]) == torch.bfloat16
     slow.update({torch.bfloat16: 1.1})  # fp32 faster, but within the margin: the preferred first one stays
     assert engine_module.fastest_decode_dtype(tiny_model, [torch.bfloat16, torch.float32]) == torch.bfloat16
+
+
+def test_row_runs_the_tool_state_machine(tiny_tokenizer):
+    """Row alone, fed tokens by hand: a completed <|python_start|> expr <|python_end|> queues <|output_start|>
+    value <|output_end|>, emitted with mask 0 in place of whatever is sampled (even a terminal token); a
+    <|python_end|> outside a call is plain text; a failed call forces nothing; <|assistant_end|> ends the row
+    and is not kept; max_tokens ends it without `ended`."""
+    tok = tiny_tokenizer
+    sp = SpecialIds(tok)
+    row = Row(request=3, sample=1, max_tokens=100, special=sp, tokenizer=tok)
+    x = tok.encode("x")[0]
+    call = [sp.python_end, sp.python_start, *tok.encode("6*7"), sp.python_end]
+    assert [row.feed(t) for t in call] == [(t, 1) for t in call]
+    forced = [sp.output_start, *tok.encode("42"), sp.output_end]
+    sampled = [sp.assistant_end] + [x] * (len(forced) - 1)
+    assert [row.feed(t) for t in sampled] == [(t, 0) for t in forced] and not row.finished
+    failed = [x, sp.python_start, *tok.encode("1/0"), sp.python_end, x]
+    assert [row.feed(t) for t in failed] == [(t, 1) for t in failed]
+    assert row.feed(sp.assistant_end) == (sp.assistant_end, 1) and row.finished
+    c = row.out
+    assert c.tokens == call + forced + failed and c.masks == [1] * len(call) + [0] * len(forced) + [1] * len(failed)
+    assert c.ended and c.tool_calls == 2 and c.tool_successes == 1
+    short = Row(request=0, sample=0, max_tokens=2, special=sp, tokenizer=tok)
+    short.feed(x)
+    assert not short.finished
+    short.feed(x)
+    assert short.finished and not short.out.ended and short.out.tokens == [x, x]

@@ -7,37 +7,21 @@ forward pass is that of `smear`.
 """
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 from nanochat.checkpoint_manager import build_model, save_checkpoint
-from nanochat.common import UserError, run_main
+from nanochat.cli import run_main
+from nanochat.common import UserError
 from nanochat.engine import Engine, KVCache
 from nanochat.generations import GENERATIONS, summarize_keys
 from nanochat.gpt import GPT, GPTConfig, UNLIMITED_WINDOW, layer_windows
+from helpers import generation_reference, install_generation, random_model, tiny_config
 
-GEN_FIXTURES = Path(__file__).parent / "fixtures" / "generations"
 FIXTURE_NAMES = ["oct2025", "jan2026", "ve", "ve_late", "mar9", "smear", "head"]
 DETECTED_AS = {"head": "smear"}  # the files of the two cannot be told apart, and their forwards are identical
 TOL = 1e-5  # fp32; every generation matches to 0.0 on the full forward and to < 1e-6 on the KV-cache path here
-
-
-def reference(name):
-    return torch.load(GEN_FIXTURES / name / "reference.pt", weights_only=True)
-
-
-def install(base, name, tag="d4"):
-    """A $NANOCHAT_BASE_DIR holding the fixture's tokenizer and its checkpoint as chatsft_checkpoints/<tag>."""
-    (base / "tokenizer").mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(GEN_FIXTURES / "tokenizer" / "tokenizer.pkl", base / "tokenizer" / "tokenizer.pkl")
-    target = base / "chatsft_checkpoints" / tag
-    target.mkdir(parents=True, exist_ok=True)
-    for f in ("model_000005.pt", "meta_000005.json"):
-        shutil.copyfile(GEN_FIXTURES / name / f, target / f)
-    return target
 
 
 @pytest.fixture
@@ -48,7 +32,7 @@ def gen_base(tmp_path, monkeypatch):
 
 
 def load(gen_base, name, generation=None):
-    return build_model(str(install(gen_base, name)), 5, "cpu", "eval", generation)
+    return build_model(str(install_generation(gen_base, name)), 5, "cpu", "eval", generation)
 
 
 # ----------------------------------------------------------------------------- detection
@@ -64,7 +48,7 @@ def test_generation_is_detected_and_printed(gen_base, name, capsys):
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_bf16_and_compiled_checkpoints_load_as_their_generation(gen_base, name):
     """A checkpoint saved from a torch.compile'd bf16 model: keys prefixed with _orig_mod., bf16 tensors."""
-    ckpt = install(gen_base, name)
+    ckpt = install_generation(gen_base, name)
     state = torch.load(ckpt / "model_000005.pt", weights_only=True)
     torch.save({"_orig_mod." + k: v.bfloat16() for k, v in state.items()}, ckpt / "model_000005.pt")
     model, _, _ = build_model(str(ckpt), 5, "cpu", "eval")
@@ -77,7 +61,7 @@ def test_bf16_and_compiled_checkpoints_load_as_their_generation(gen_base, name):
 def test_ve_era_with_the_new_meta_layout_can_be_chosen(gen_base):
     """ve_late's files are also those of ve and ve_mar2 checkpoints written after 2026-01-31: the default is
     ve_late, and the caller may choose; the forwards really differ (softcap 20 vs 15, rotary rounding)."""
-    ref = reference("ve_late")
+    ref = generation_reference("ve_late")
     positions = ref["conv_positions"]
     logits = {}
     for choice in (None, "ve", "ve_mar2", "ve_late"):
@@ -98,7 +82,7 @@ def test_choosing_a_generation_the_files_rule_out_is_refused(gen_base):
 
 def test_unknown_keys_give_one_line_naming_every_group(gen_base):
     """A checkpoint of a newer nanochat: keys no generation has, summarised per group, and the supported list."""
-    ckpt = install(gen_base, "smear")
+    ckpt = install_generation(gen_base, "smear")
     state = torch.load(ckpt / "model_000005.pt", weights_only=True)
     state["transformer.h.1.attn.new_gate.weight"] = torch.zeros(2)
     state["transformer.h.3.attn.new_gate.weight"] = torch.zeros(2)
@@ -126,7 +110,7 @@ def test_state_dict_shapes_and_windows_of_other_configs(name):
     """What nanochat builds at vocab 500 / depth 5 (padding, which layers get value embeddings) and at
     sequence_len 1000 and 2048 (the short-window rule), recorded from that version's own code."""
     generation = DETECTED_AS.get(name, name)
-    for variant in reference(name)["meta_device_variants"].values():
+    for variant in generation_reference(name)["meta_device_variants"].values():
         config = GPTConfig(**{"window_pattern": "L", **variant["config"]})
         with torch.device("meta"):
             model = GPT(config, generation)
@@ -168,7 +152,7 @@ def test_attention_beyond_sequence_len_follows_the_generation(gen_base, name):
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_logits_match_nanochat(gen_base, name):
     model, _, _ = load(gen_base, name)
-    ref = reference(name)
+    ref = generation_reference(name)
     with torch.no_grad():
         logits = model(ref["conv"])[:, ref["conv_positions"]]
     torch.testing.assert_close(logits, ref["conv_logits_fp32"], atol=TOL, rtol=0)
@@ -179,7 +163,7 @@ def test_kv_cache_decode_matches_nanochat(gen_base, name):
     """nanochat's engine path: a batch-1 prefill, the cache copied to 2 rows (smear's previous embedding
     with it), then 30 single-token steps, row 0 continuing the conversation and row 1 fed other tokens."""
     model, _, _ = load(gen_base, name)
-    ref = reference(name)
+    ref = generation_reference(name)
     conv, n = ref["conv"], ref["kv_prefill_len"]
     steps = ref["kv_row1_tokens"].numel()
     with torch.no_grad():
@@ -200,7 +184,7 @@ def test_greedy_generations_match_nanochat(gen_base, name):
     """Through generate_batch (nanochat's API) and the batched generate_many, with few rows so that rows
     are admitted from prefilled prompts while others decode. Prompt 2 plus 48 tokens passes sequence_len."""
     model, tokenizer, _ = load(gen_base, name)
-    ref = reference(name)
+    ref = generation_reference(name)
     engine = Engine(model, tokenizer)
     kwargs = dict(num_samples=ref["greedy_num_samples"], max_tokens=ref["greedy_max_tokens"], temperature=0.0)
     for conversation, prompt in zip(ref["greedy_prompt_conversations"], ref["greedy_prompts"]):
@@ -215,25 +199,19 @@ def test_greedy_generations_match_nanochat(gen_base, name):
 
 def test_oct2025_greedy_output_calls_the_calculator():
     """Guards the check above: forced tool output (mask 0) is part of what is compared."""
-    tokens, masks = reference("oct2025")["greedy"][0]
-    assert any(0 in m[len(reference("oct2025")["greedy_prompts"][0]):] for m in masks)
+    tokens, masks = generation_reference("oct2025")["greedy"][0]
+    assert any(0 in m[len(generation_reference("oct2025")["greedy_prompts"][0]):] for m in masks)
 
 
 def test_smear_state_survives_row_compaction(tiny_tokenizer):
     """Rows that end early leave the batch and the last row moves into the hole: its smear state must move
     with it. Sampled outputs then do not depend on how rows were grouped (each row has its own stream)."""
-    config = GPTConfig(sequence_len=64, vocab_size=tiny_tokenizer.get_vocab_size(), n_layer=2, n_head=2,
-                       n_kv_head=1, n_embd=64, window_pattern="SL")
-    torch.manual_seed(0)
-    model = GPT(config, "smear")
-    model.init_weights()
+    model = random_model(tiny_config(sequence_len=64, vocab_size=tiny_tokenizer.get_vocab_size(), n_head=2, n_kv_head=1,
+                                     window_pattern="SL"), generation="smear")
     end = tiny_tokenizer.encode_special("<|assistant_end|>")
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
         model.smear_lambda.fill_(1.0)  # make smearing matter
         model.lm_head.weight[end] *= 2.5  # stop at varied steps (measured: 0 to 20 tokens)
-    model.eval()
     engine = Engine(model, tiny_tokenizer)
     prompts = [tiny_tokenizer.render_for_completion({"messages": [{"role": "user", "content": q},
                                                                   {"role": "assistant", "content": ""}]})
@@ -255,7 +233,7 @@ def test_two_rl_steps_write_a_checkpoint_of_the_same_generation(gen_base, name):
     """The RL checkpoint holds exactly the input's state-dict keys and model_config (that nanochat builds
     GPTConfig(**model_config)), records its generation, and loads back as it."""
     from scripts import chat_rl
-    source = install(gen_base, name)
+    source = install_generation(gen_base, name)
     flags = ["--task=rl_toy_task:ParityTask", "--device-type=cpu", "--dtype=float32", "--num-steps=2", "--save-every=1",
              "--examples-per-step=2", "--num-samples=4", "--device-batch-size=4", "--max-new-tokens=8",
              "--temperature=1.0", "--eval-every=-1", "--run=dummy"]
@@ -292,7 +270,7 @@ def test_eval_and_sft_run_on_a_smear_checkpoint(gen_base, gsm8k_dir, monkeypatch
     keeps the generation, its keys and model_config."""
     from scripts import chat_eval, chat_sft
     monkeypatch.setenv("NANOCHAT_GSM8K_DIR", str(gsm8k_dir))
-    source = install(gen_base, "smear")
+    source = install_generation(gen_base, "smear")
     run_main(chat_eval.main, ["--task=rl_toy_task:ParityTask", "--num-examples=2", "--num-samples=2",
                               "--max-new-tokens=6", "--device-type=cpu", "--dtype=float32"])
     assert "nanochat generation: 2026-03 (smear" in capsys.readouterr().out

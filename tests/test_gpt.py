@@ -10,29 +10,13 @@ import torch.distributed as dist
 
 from nanochat.adamw import DistAdamW
 from nanochat.common import UserError
-from nanochat.engine import KVCache, row_seed, sample_next_token
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.engine import KVCache
+from nanochat.sampling import row_seed, sample_next_token
+from nanochat.gpt import GPT
 from nanochat.muon import DistMuon, Muon
+from helpers import TINY_CONFIG, random_model, tiny_config
 
-VOCAB = 300  # padded to 320
-
-
-def tiny_config(**kw):
-    cfg = dict(sequence_len=16, vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, window_pattern="L")
-    cfg.update(kw)
-    return GPTConfig(**cfg)
-
-
-def random_model(config, seed=0):
-    """init_weights zeroes both c_proj (attention and MLP would then contribute nothing) and sets the
-    lambdas to 1/0; perturb every parameter so each part of the forward shows in the logits."""
-    torch.manual_seed(seed)
-    model = GPT(config)
-    model.init_weights()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return model.eval()
+VOCAB = TINY_CONFIG["vocab_size"]  # 300, padded to 320
 
 
 def new_cache(config, batch_size, max_len, dtype=torch.float32):
@@ -227,34 +211,36 @@ KV_CASES = [
 KV_TOL = dict(atol=1e-5, rtol=1e-5)
 
 
+def cached_and_full_forward(cfg, rows, cache_len, chunks):
+    """A random model of `cfg` (sequence_len 16) on random tokens of `rows` rows, fed through a KV cache of
+    `cache_len` positions in the chunks [a, b) of `chunks`: (the chunks' logits concatenated, the full
+    forward's logits, the cache positions after each chunk)."""
+    config = tiny_config(sequence_len=16, **cfg)
+    model = random_model(config)
+    idx = random_tokens((rows, chunks[-1][1]))
+    with torch.no_grad():
+        full = model(idx)
+        cache = new_cache(config, rows, cache_len)
+        pieces, positions = [], []
+        for a, b in chunks:
+            pieces.append(model(idx[:, a:b], kv_cache=cache))
+            positions.append(cache.pos.tolist())
+    return torch.cat(pieces, dim=1), full, positions
+
+
 @pytest.mark.parametrize("cfg", KV_CASES)
 def test_prefill_then_decode_matches_full_forward(cfg):
     """24 tokens with sequence_len 16: the short window (8) and the long one (16) both slide."""
-    config = tiny_config(sequence_len=16, **cfg)
-    model = random_model(config)
-    idx = random_tokens((1, 24))
-    with torch.no_grad():
-        full = model(idx)
-        cache = new_cache(config, 1, 24)
-        pieces = [model(idx[:, :10], kv_cache=cache)]
-        assert cache.pos.tolist() == [10]
-        for t in range(10, 24):
-            pieces.append(model(idx[:, t:t + 1], kv_cache=cache))
-    assert cache.pos.tolist() == [24]
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, **KV_TOL)
+    cached, full, positions = cached_and_full_forward(cfg, 1, 24, [(0, 10)] + [(t, t + 1) for t in range(10, 24)])
+    assert positions[0] == [10] and positions[-1] == [24]
+    torch.testing.assert_close(cached, full, **KV_TOL)
 
 
 @pytest.mark.parametrize("cfg", KV_CASES)
 def test_chunks_with_several_rows_match_full_forward(cfg):
     """T > 1 with B > 1 in lockstep: prefill 5, then chunks of 4, 1 and 7 tokens."""
-    config = tiny_config(sequence_len=16, **cfg)
-    model = random_model(config)
-    idx = random_tokens((3, 17))
-    with torch.no_grad():
-        full = model(idx)
-        cache = new_cache(config, 3, 20)
-        pieces = [model(idx[:, a:b], kv_cache=cache) for a, b in ((0, 5), (5, 9), (9, 10), (10, 17))]
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, **KV_TOL)
+    cached, full, _ = cached_and_full_forward(cfg, 3, 20, [(0, 5), (5, 9), (9, 10), (10, 17)])
+    torch.testing.assert_close(cached, full, **KV_TOL)
 
 
 @pytest.mark.parametrize("window_pattern", ["L", "SL"])

@@ -8,7 +8,8 @@ import pytest
 
 from nanochat.common import UserError
 from scripts import prepare_gsm8k
-from tasks.gsm8k import GSM8K, answer_to_parts, extract_answer, read_jsonl_rows
+from tasks.common import extract_answer
+from tasks.gsm8k import GSM8K, GSM8KUnavailableError, answer_to_parts, read_jsonl_rows
 
 
 def rows_of(path):
@@ -138,10 +139,11 @@ def test_env_dir_and_base_dir_are_found(base_dir, gsm8k_dir, monkeypatch, capsys
 def test_no_data_offline_is_a_helpful_user_error(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     monkeypatch.delenv("NANOCHAT_GSM8K_DIR", raising=False)
-    with pytest.raises(UserError) as e:
+    with pytest.raises(GSM8KUnavailableError) as e:
         GSM8K(split="train")
     message = str(e.value)
-    assert "NANOCHAT_GSM8K_DIR" in message and "python -m scripts.prepare_gsm8k --from DIR" in message
+    assert (e.value.subset, e.value.split) == ("main", "train")
+    assert "NANOCHAT_GSM8K_DIR" in message and "scripts." not in message  # prepare_gsm8k: nanochat.cli's hint
     assert "\n" not in message
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import run_main
+from nanochat.cli import run_main
 from nanochat.engine import Engine
 from nanochat.evaluation import sample_outcomes
 from scripts import chat_rl
@@ -40,7 +40,7 @@ def per_question_pass_rates(source, base):
     task = OneStepArithmetic(split="test")
     outcomes = sample_outcomes(Engine(model, tokenizer), task, list(range(EVAL_QUESTIONS)), EVAL_SAMPLES,
                                MAX_NEW_TOKENS, temperature=1.0, top_k=50, seed=0)
-    return [sum(o.correct) / EVAL_SAMPLES for o in outcomes]
+    return [sum(o.rewards) / EVAL_SAMPLES for o in outcomes]
 
 
 def test_rl_raises_held_out_pass_at_1_beyond_noise(one_step_sft, monkeypatch):

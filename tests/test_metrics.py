@@ -4,15 +4,12 @@ against the metrics of the union of both ranks' samples."""
 import json
 import math
 import statistics
-from pathlib import Path
 
 import pytest
 
 from nanochat.engine import Completion
 from nanochat.metrics import REDUCTIONS, reduce_metrics, rollout_metrics
 from gloo_ranks import run_ranks
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def comp(n_tokens, ended=True, calls=0, successes=0):

@@ -5,24 +5,19 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
-
 import torch
 
 from gloo_ranks import free_port
-from test_chat_rl import TINY_RL_FLAGS, make_sft_checkpoint
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS
 
 
-def test_two_nodes_end_with_the_same_weights_as_one_process(base_dir, tiny_tokenizer, tmp_path):
+def test_two_nodes_end_with_the_same_weights_as_one_process(sft, base_dir, tmp_path):
     """Each node gets its own copy of the base dir (no shared filesystem), as README's multi-node section
     allows: the run must not read anything another node writes. Rank 0 (node 0) writes the model and meta,
     every rank its optimizer shard, each into its own node's copy. Equality holds for the reasons given in
     test_chat_rl's two-rank test (per-question seeds, per-row random streams, gradients averaged over ranks)."""
-    sft = make_sft_checkpoint(base_dir, tiny_tokenizer.get_vocab_size())
     flags = TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
 
     single = subprocess.run([sys.executable, "-m", "scripts.chat_rl", *flags], cwd=REPO, capture_output=True, text=True,
                             env={**env, "NANOCHAT_BASE_DIR": str(base_dir)}, timeout=300)

@@ -14,10 +14,8 @@ import torch
 from nanochat.adamw import DistAdamW
 from nanochat.muon import POLAR_EXPRESS_COEFFS, DistMuon, Muon, orthogonalize
 from nanochat.muon_adamw import MuonAdamW
-from nanochat.optim import build_optimizers
+from nanochat.optim import build_optimizers, lr_multiplier
 from gloo_ranks import run_ranks
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _load_worker():
@@ -449,10 +447,14 @@ def test_distributed_two_gloo_ranks_match_single_process(two_ranks):
 
 
 def test_scale_initial_lr_starts_every_group_at_the_fraction():
-    from nanochat.gpt import scale_initial_lr
+    from nanochat.optim import scale_initial_lr
     params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
     optimizers = [torch.optim.SGD([{"params": [params[0]], "lr": 0.2}, {"params": [params[1]], "lr": 0.004}])]
     assert scale_initial_lr(optimizers, 0.05) is optimizers
     groups = optimizers[0].param_groups
     assert [g["lr"] for g in groups] == [0.2 * 0.05, 0.004 * 0.05]
     assert [g["initial_lr"] for g in groups] == [g["lr"] for g in groups]
+
+
+def test_lr_multiplier_decays_linearly_to_zero():
+    assert [lr_multiplier(s, 4) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]

@@ -64,7 +64,7 @@ def test_chat_rl_section_and_plots(tmp_path):
 
 
 def test_chat_rl_section_without_evals(tmp_path):
-    """--eval-every=-1: no pass@k table or pass@1 plot, and the section says why."""
+    """No eval (chat_rl --eval-every=-1): no pass@k table or pass@1 plot, and the section says so."""
     report = Report(tmp_path)
     log_chat_rl(report, CONFIG, fake_history(3), [])
     md = (tmp_path / "chat-rl.md").read_text()

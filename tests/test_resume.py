@@ -10,15 +10,10 @@ import time
 import pytest
 import torch
 
-from nanochat.common import run_main
+from nanochat.cli import run_main
 from nanochat.rl import TrainStats
 from scripts import chat_rl
-from test_chat_rl import REPO, TINY_RL_FLAGS, make_sft_checkpoint
-
-
-@pytest.fixture
-def sft(base_dir, tiny_tokenizer):
-    return make_sft_checkpoint(base_dir, tiny_tokenizer.get_vocab_size())
+from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS
 
 
 def rl_dir(base_dir):
@@ -129,7 +124,7 @@ def test_sigterm_saves_and_resume_matches_uninterrupted_run(sft, base_dir, tmp_p
     shutil.copytree(base_dir, other)
     flags = TINY_RL_FLAGS + ["--num-steps=6", "--save-every=-1"]
     env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "PYTHONUNBUFFERED": "1"}
+           "PYTHONPATH": PYTHONPATH, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "scripts.chat_rl", *flags], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []

@@ -5,7 +5,8 @@ from contextlib import nullcontext
 
 import torch
 
-from nanochat.rl import (accumulate_policy_gradient, advantages_from_rewards, lr_multiplier, make_question_batch, pass_objective,
+from helpers import TableModel
+from nanochat.rl import (accumulate_policy_gradient, advantages_from_rewards, make_question_batch, pass_objective,
                          token_logprobs_and_entropy)
 
 PAD = 99
@@ -53,28 +54,6 @@ def test_logprobs_and_entropy_of_known_distribution():
     p = torch.softmax(logits[0, 0], -1)
     _, entropy = token_logprobs_and_entropy(logits, torch.tensor([[0]]))
     assert math.isclose(entropy.item(), -(p * p.log()).sum().item(), rel_tol=1e-6)
-
-
-def test_lr_multiplier_decays_linearly_to_zero():
-    assert [lr_multiplier(s, 4) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
-
-
-class TableModel(torch.nn.Module):
-    """A model whose logits are a learnable table lookup: the gradient of the objective is easy to
-    compute independently."""
-
-    def __init__(self, vocab=100):
-        super().__init__()
-        self.table = torch.nn.Parameter(torch.randn(vocab, vocab))
-
-    def hidden_states(self, idx):
-        return self.table[idx]  # (B, T, V): the "hidden state" is already the logits row
-
-    def hidden_states_shared_prefix(self, prefix, rows):
-        return self.table[prefix], self.table[rows]  # a lookup does not depend on what came before
-
-    def logits(self, hidden):
-        return hidden
 
 
 def test_train_step_gradient_equals_hand_assembled_objective():

@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from gloo_ranks import run_ranks
-from nanochat.common import run_main
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.cli import run_main
 from nanochat.rl import (PolicyLoss, _row_hidden_states, _trained_rows, accumulate_policy_gradient, advantages_from_rewards,
                          clipped_surrogate, k3_kl, make_question_batch, row_weights, step_counts, token_logprobs_and_entropy)
 from rl_options_worker import CASES, questions, run_case
 from scripts import chat_rl, compare_runs, rl_variants
-from test_chat_rl import TINY_RL_FLAGS, make_sft_checkpoint
-from test_rl_objective import TableModel
+from helpers import TableModel
+from helpers import TINY_RL_FLAGS, random_model, tiny_config
 
 LN2, LN8 = math.log(2), math.log(8)
 
@@ -47,15 +46,9 @@ def nanochat_objective_gradient(model, batches, device_batch_size, examples_per_
     return total
 
 
-def tiny_gpt(vocab_size=64):
-    torch.manual_seed(3)
-    model = GPT(GPTConfig(sequence_len=64, vocab_size=vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
-                          window_pattern="SL"))
-    model.init_weights()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    return model
+def tiny_gpt():
+    config = tiny_config(sequence_len=64, vocab_size=64, n_head=2, n_kv_head=1, n_embd=32, window_pattern="SL")
+    return random_model(config, seed=3, noise=0.2)
 
 
 def grads_of(model):
@@ -233,11 +226,6 @@ def test_every_normalization_on_two_gloo_ranks_equals_one_process(tmp_path):
         torch.testing.assert_close(two[i][1], grad2, rtol=1e-5, atol=1e-8, msg=f"second epoch, {case}")
         clipped.append(second.clip_fraction)
     assert all(0 < c < 1 for c in clipped), clipped  # the second epoch really exercised the clip
-
-
-@pytest.fixture
-def sft(base_dir, tiny_tokenizer):
-    return make_sft_checkpoint(base_dir, tiny_tokenizer.get_vocab_size())
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -10,7 +10,7 @@ import torch
 
 from nanochat.checkpoint_manager import build_model
 from nanochat.rl import accumulate_policy_gradient, make_question_batch
-from test_generations import install, reference
+from helpers import generation_reference, install_generation
 
 PAD = 511
 
@@ -46,7 +46,7 @@ def models(tmp_path_factory):
         base = tmp_path_factory.mktemp(name)
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("NANOCHAT_BASE_DIR", str(base))  # where build_model finds the tokenizer
-            out[name], _, _ = build_model(str(install(base, name)), 5, "cpu", "train")
+            out[name], _, _ = build_model(str(install_generation(base, name)), 5, "cpu", "train")
     return out
 
 
@@ -61,7 +61,7 @@ def test_skipping_and_prompt_sharing_leave_the_gradient_unchanged(models, name, 
     contributions of every position (per-layer scalars, gates), whose advantages cancel, reach ~1e-5 of
     their own norm from fp32 rounding alone (the block matrices stay < 3e-7); in fp64 every parameter
     agrees to 1e-10."""
-    prompts = [p for p in reference(name)["greedy_prompts"]]  # 64 and 225 tokens
+    prompts = [p for p in generation_reference(name)["greedy_prompts"]]  # 64 and 225 tokens
     batches = [question(prompts[0], [1, 0, 0, 1], [5, 9, 1, 7], seed=1),
                question(prompts[1][:40], [0, 0, 0, 0], [3, 4, 6, 2], seed=2),   # no signal: nothing to train
                question(prompts[0][:20], [1, 0, 0.5, 0.5], [12, 3, 8, 8], seed=3)]  # rows 2, 3: advantage 0

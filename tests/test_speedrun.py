@@ -6,11 +6,11 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from helpers import REPO
+
 TINY = {"SPEEDRUN_SKIP_INSTALL": "1", "SPEEDRUN_DEVICE": "cpu", "SPEEDRUN_VOCAB_SIZE": "300", "SPEEDRUN_DEPTH": "1",
         "SPEEDRUN_SFT_STEPS": "3", "SPEEDRUN_RL_STEPS": "2", "SPEEDRUN_EVAL_EXAMPLES": "3", "SPEEDRUN_EVAL_EVERY": "-1",
         "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}

@@ -9,7 +9,7 @@ import tiktoken
 import torch
 
 from nanochat.common import UserError
-from nanochat.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, get_tokenizer
+from nanochat.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, TokenizerError, get_tokenizer
 from scripts import tok_train
 from tasks.gsm8k import GSM8K, load_rows
 
@@ -122,8 +122,9 @@ class _Evil:
 def test_a_pickle_that_is_not_an_encoding_is_refused(tmp_path, capsys):
     with open(tmp_path / "tokenizer.pkl", "wb") as f:
         pickle.dump(_Evil(), f)
-    with pytest.raises(UserError, match="not a pickled tiktoken.Encoding"):
+    with pytest.raises(TokenizerError, match="not a pickled tiktoken.Encoding") as e:
         Tokenizer.from_directory(tmp_path)
+    assert e.value.path == str(tmp_path / "tokenizer.pkl")
     assert "must never run" not in capsys.readouterr().out
 
 
@@ -134,11 +135,12 @@ def test_get_tokenizer_reads_the_base_dir(base_dir, tiny_tokenizer):
 
 def test_get_tokenizer_missing_names_path_and_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
-    with pytest.raises(UserError) as e:
+    """The facts and the copy fix; the script that trains one is nanochat.cli's hint (tests/test_cli.py)."""
+    with pytest.raises(TokenizerError) as e:
         get_tokenizer()
     message = str(e.value)
-    assert str(tmp_path / "tokenizer" / "tokenizer.pkl") in message
-    assert "python -m scripts.tok_train" in message and "nanochat tokenizer directory" in message
+    assert e.value.path == str(tmp_path / "tokenizer" / "tokenizer.pkl") and e.value.path in message
+    assert "nanochat tokenizer directory" in message and "scripts." not in message
 
 
 # ---------------------------------------------------------------- conversations

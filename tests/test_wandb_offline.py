@@ -8,12 +8,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from nanochat.common import DummyWandb
 from nanochat.wandb_utils import init_wandb, log_samples_table
-
-REPO = Path(__file__).resolve().parent.parent
+from helpers import REPO
 
 OFFLINE_RUN = """
 import json, sys
@@ -64,16 +62,22 @@ def test_offline_run_records_logged_keys(tmp_path):
 
 
 def test_online_without_api_key_is_a_user_error(tmp_path):
-    """No key and no network: wandb refuses locally; we turn that into a UserError with the fixes."""
-    code = ("from nanochat.common import UserError\n"
-            "from nanochat.wandb_utils import init_wandb\n"
-            "try:\n"
-            "    init_wandb('r', 'p', {}, rank=0)\n"
-            "except UserError as e:\n"
-            "    print('USERERROR', e)\n")
+    """No key and no network: wandb refuses locally; we turn that into a WandbStartError naming the run and the
+    environment fixes, which a script (run_main) prints as one line with the flag that turns wandb off."""
+    code = ("from nanochat.cli import run_main\n"
+            "from nanochat.wandb_utils import WandbStartError, init_wandb\n"
+            "def main(argv):\n"
+            "    try:\n"
+            "        init_wandb('r', 'p', {}, rank=0)\n"
+            "    except WandbStartError as e:\n"
+            "        print('LIBRARY', e.run_name, e, flush=True)\n"
+            "        raise\n"
+            "run_main(main, [])\n")
     proc = run_python(code, wandb_env(tmp_path, "online"))
-    assert proc.returncode == 0, proc.stderr
-    assert "USERERROR" in proc.stdout and "WANDB_MODE=offline" in proc.stdout and "--run=dummy" in proc.stdout
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout.startswith("LIBRARY r ") and "WANDB_MODE=offline" in proc.stdout and "--run" not in proc.stdout
+    error = proc.stderr.splitlines()[-1]
+    assert error.startswith("error: wandb could not start run 'r'") and error.endswith("pass --run=dummy to turn wandb off")
     assert not list((tmp_path / "wandb").glob("run-*"))
 
 

@@ -10,7 +10,7 @@ The cases and the base-dir builder are also what tests/test_bad_input.py runs (i
 table and the tests cover the same ground.
 
 Launch (from the repo root; about a minute on a CPU):
-  python -m scripts.bad_input_table
+  python tests/bad_input_table.py
 """
 
 import errno
@@ -19,11 +19,16 @@ import random
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-REPO = Path(__file__).resolve().parents[1]
+import torch
+
+from nanochat.cli import ArgumentParser, run_main
+from nanochat.tokenizer import Tokenizer
+from helpers import PYTHONPATH, REPO, make_sft_checkpoint
+
 TOKENIZER_VOCAB = 400
 SFT_DIR = Path("chatsft_checkpoints") / "d2"
 SFT_MODEL = SFT_DIR / "model_000000.pt"
@@ -47,8 +52,6 @@ def tokenizer_corpus(n=200):
 def build_base_dir(base, model_vocab_size=None):
     """Write a tiny tokenizer and a tiny random SFT checkpoint (chatsft_checkpoints/d2, step 0) under `base`.
     model_vocab_size: the model's vocab (default: the tokenizer's)."""
-    from nanochat.tokenizer import Tokenizer
-
     base = Path(base)
     tokenizer = Tokenizer.train_from_iterator(iter(tokenizer_corpus()), TOKENIZER_VOCAB)
     tokenizer.save(str(base / "tokenizer"))
@@ -57,17 +60,8 @@ def build_base_dir(base, model_vocab_size=None):
 
 
 def write_sft_checkpoint(base, vocab_size):
-    """A random 2-layer model saved where chat_rl looks for an SFT checkpoint."""
-    import torch
-    from nanochat.checkpoint_manager import save_checkpoint
-    from nanochat.gpt import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    config = GPTConfig(sequence_len=64, vocab_size=vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=64,
-                       window_pattern="SL")
-    model = GPT(config)
-    model.init_weights()
-    save_checkpoint(str(Path(base) / SFT_DIR), 0, model.state_dict(), None, {"model_config": asdict(config), "step": 0})
+    """An untrained (init_weights) 2-layer model saved where chat_rl looks for an SFT checkpoint (SFT_DIR)."""
+    make_sft_checkpoint(base, vocab_size, noise=0, sequence_len=64)
 
 
 # -----------------------------------------------------------------------------
@@ -199,8 +193,6 @@ def full_disk_save(real_save, step, on_fail=None):
 
 def _full_disk_child():
     """Entry of the full-disk subprocess: argv = step, then chat_rl's flags."""
-    import torch
-    from nanochat.common import run_main
     from scripts import chat_rl
     torch.save = full_disk_save(torch.save, int(sys.argv[1]))
     run_main(chat_rl.main, sys.argv[2:])
@@ -208,7 +200,7 @@ def _full_disk_child():
 
 def case_env(case, base):
     """The environment a case runs in: this process's, with the base dir and the case's overrides."""
-    env = {**os.environ, "NANOCHAT_BASE_DIR": str(base), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(base), "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NANOCHAT_DEBUG"):
         env.pop(var, None)
     for var, value in (case.setup(base) if case.setup else {}).items():
@@ -228,7 +220,7 @@ def run_case(case, root, extra_flags=(), timeout=300):
     if case.full_disk_at_step is None:
         cmd = [sys.executable, "-m", "scripts.chat_rl", *flags]
     else:
-        cmd = [sys.executable, "-c", "from scripts.bad_input_table import _full_disk_child; _full_disk_child()",
+        cmd = [sys.executable, "-c", "from bad_input_table import _full_disk_child; _full_disk_child()",
                str(case.full_disk_at_step), *flags]
     try:
         return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -248,7 +240,6 @@ def shown_message(stderr):
 
 
 def main(argv=None):
-    from nanochat.common import ArgumentParser
     p = ArgumentParser(description="print a markdown table of chat_rl's answers to bad input")
     p.add_argument("--only", type=str, default="", help="run only cases whose name contains this text")
     args = p.parse_args(argv)

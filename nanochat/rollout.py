@@ -1,0 +1,83 @@
+"""
+Rollouts: a task's questions in, one record per question out (what was sampled, what it earned, and the
+tensors the policy gradient trains on). chat_rl's training step, the pass@k eval and the benchmark all sample
+through `sample_questions`, so they cannot drift apart.
+
+Which questions a rank samples and with which seeds is decided here too: question i at RL step s is seeded
+with question_seed(s, i) whatever the rank layout, and every sample of it with its own stream inside the
+engine, so a question's completions do not depend on how many ranks or rows share the work.
+"""
+
+from dataclasses import dataclass
+
+from nanochat.common import progress_bar, rank_share
+from nanochat.rl import QuestionBatch, make_question_batch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How completions are sampled (nanochat's chat_rl defaults)."""
+    num_samples: int = 16         # completions per question
+    max_new_tokens: int = 256     # completion length cap in tokens
+    temperature: float = 1.0      # 0 = greedy
+    top_k: int = 50               # 0 = the whole vocabulary
+
+
+@dataclass
+class QuestionRollout:
+    """One question's samples. R = num_samples."""
+    index: int            # the question's index in its task split
+    completions: list     # (R,) engine Completion: tokens, masks (1 sampled / 0 tool output), ended, tool stats
+    texts: list           # (R,) the decoded completions
+    rewards: list         # (R,) float: the task's reward (or grade) of each completion
+    batch: QuestionBatch  # the training tensors: inputs, targets, advantages, truncated (see nanochat.rl)
+
+    @property
+    def prompt_length(self):
+        return self.batch.prompt_length
+
+    @property
+    def advantages(self):
+        return self.batch.advantages
+
+    @property
+    def completion_lengths(self):
+        return self.batch.completion_lengths
+
+
+def question_seed(step, example_index):
+    """The sampling seed of one question at one RL step: the same on every rank layout."""
+    return hash((step, example_index)) & 0x7FFFFFFF  # the hash of an int tuple is not salted per process
+
+
+def step_question_indices(step, examples_per_rank, rank, world_size, num_examples):
+    """The train questions this rank samples at `step`: rank r walks indices r, r+W, r+2W, ... cycling
+    forever, and each step takes the next examples_per_rank of them."""
+    mine = rank_share(0, num_examples, rank, world_size)
+    start = step * examples_per_rank
+    return [mine[(start + i) % len(mine)] for i in range(examples_per_rank)]
+
+
+def sample_questions(engine, task, indices, seeds, sampling, score=None, scale_by_std=False, label="rollouts"):
+    """Sample sampling.num_samples completions of each task question in `indices` (all in one batched engine
+    call, question i seeded with seeds[i]) and score them with score(conversation, text) (default
+    task.reward). scale_by_std: GRPO's advantages (see nanochat.rl.advantages_from_rewards).
+    Returns [QuestionRollout], in the order of `indices`."""
+    tokenizer = engine.tokenizer
+    score = score or task.reward
+    conversations = [task[i] for i in indices]
+    prompts = [tokenizer.render_for_completion(conv) for conv in conversations]
+    bar = progress_bar(len(prompts) * sampling.num_samples, label)
+    results = engine.generate_many(prompts, num_samples=sampling.num_samples, max_tokens=sampling.max_new_tokens,
+                                   temperature=sampling.temperature, top_k=sampling.top_k or None, seeds=seeds,
+                                   progress=bar.update)
+    bar.close()
+    pad = tokenizer.encode_special("<|assistant_end|>")  # any id: padded positions carry no target
+    rollouts = []
+    for index, conv, prompt, completions in zip(indices, conversations, prompts, results):
+        texts = [tokenizer.decode(c.tokens) for c in completions]
+        rewards = [float(score(conv, text)) for text in texts]
+        batch = make_question_batch(prompt, [(c.tokens, c.masks) for c in completions], rewards, pad,
+                                    truncated=[not c.ended for c in completions], scale_by_std=scale_by_std)
+        rollouts.append(QuestionRollout(index=index, completions=completions, texts=texts, rewards=rewards, batch=batch))
+    return rollouts

@@ -1,0 +1,60 @@
+"""
+Sampling with per-row random streams: one piece of code for the engine and the model's reference sampler.
+
+Each row draws its randomness from a counter-based hash of (row seed, step, candidate) instead of a shared
+torch.Generator. A row's tokens then depend only on its own seed and logits, never on which other rows share
+its batch or in what order rows were admitted, and no per-row Python work is needed.
+"""
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def mix32(x):
+    """A 32-bit integer hash (xor-shift-multiply). Works on python ints and int64 tensors alike; all
+    intermediate products stay below 2**63, so int64 tensors never overflow."""
+    x = x & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def row_seed(seed, row_index):
+    """The seed of sample `row_index` of a prompt seeded with `seed` (a python int in [0, 2**32))."""
+    return mix32(mix32(seed) ^ mix32(row_index + 0x9E3779B9))
+
+
+def row_seeds(seed, row_indices, device=None):
+    """(len(row_indices),) int64: the seeds of those samples of a prompt seeded with `seed`, any python int
+    (its low 32 bits count)."""
+    return torch.tensor([row_seed(seed & _M32, r) for r in row_indices], dtype=torch.long, device=device)
+
+
+def row_uniforms(seeds, steps, num_candidates):
+    """Uniforms in (0, 1), shape (B, num_candidates), a pure function of (seed, step, candidate index).
+    seeds, steps: (B,) int64."""
+    base = mix32(mix32(seeds) ^ steps)  # (B,)
+    cand = torch.arange(num_candidates, device=seeds.device, dtype=torch.long)
+    bits = mix32(base[:, None] ^ mix32(cand + 0x632BE5AB)[None, :])  # (B, C)
+    return ((bits >> 8).float() + 0.5) / float(1 << 24)  # 24 bits: exact in float32, MPS has no float64
+
+
+def sample_next_token(logits, seeds, steps, temperature=1.0, top_k=None):
+    """Sample one token per row. logits: (B, V) float; seeds, steps: (B,) int64 -> (B,) int64.
+
+    temperature 0 is argmax. Otherwise top-k (k > 0) then a draw from softmax(logits / T), done as
+    Gumbel-max: argmax(logits/T + Gumbel noise) has exactly that distribution.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0.0:
+        return torch.argmax(logits, dim=-1)
+    logits = logits.float()
+    if top_k is not None and 0 < top_k < logits.size(-1):
+        values, indices = torch.topk(logits, top_k, dim=-1)  # (B, k), sorted, so candidate order is stable
+    else:
+        values, indices = logits, None
+    gumbel = -torch.log(-torch.log(row_uniforms(seeds, steps, values.size(-1))))
+    choice = torch.argmax(values / temperature + gumbel, dim=-1, keepdim=True)  # (B, 1)
+    return (indices.gather(-1, choice) if indices is not None else choice).squeeze(-1)

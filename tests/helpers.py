@@ -1,0 +1,138 @@
+"""What several test files share: where the repo is, tiny GPT models, and base dirs holding a checkpoint.
+
+Import it as `from helpers import ...`: pytest puts tests/ on sys.path (the folder has no __init__.py), the
+workers run from tests/, and subprocesses get both folders through PYTHONPATH below.
+"""
+
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from nanochat.checkpoint_manager import save_checkpoint
+from nanochat.gpt import GPT, GPTConfig
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+# for a subprocess: nanochat, scripts and tasks from the repo, user-style tasks (rl_toy_task) from tests/
+PYTHONPATH = f"{REPO}{os.pathsep}{REPO / 'tests'}"
+
+# ----------------------------------------------------------------------------- tiny models
+
+# 16 positions: the short window (8) and the long one (16) both bind in sequences of a few dozen tokens.
+# 300 tokens pad to 320 rows, so the padding shows in state-dict shapes.
+TINY_CONFIG = dict(sequence_len=16, vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, window_pattern="L")
+
+
+def tiny_config(**overrides):
+    """A GPTConfig of TINY_CONFIG with `overrides` (GPTConfig's own field names)."""
+    return GPTConfig(**{**TINY_CONFIG, **overrides})
+
+
+def random_model(config, seed=0, noise=0.3, generation=None, fresh=False):
+    """GPT(config) in eval mode with every parameter random, from torch.manual_seed(seed).
+
+    init_weights zeroes both c_proj (attention and MLP would contribute nothing) and sets the lambdas to 1/0,
+    so every parameter is then moved by noise * N(0, 1). fresh=True draws every parameter afresh instead:
+    noise * N(0, 1), plus 0.5 on the vectors (the lambdas). noise=0 keeps init_weights' model.
+    generation: nanochat's generation to build (None: GPT's default)."""
+    torch.manual_seed(seed)
+    model = GPT(config) if generation is None else GPT(config, generation)
+    model.init_weights()
+    if noise:
+        with torch.no_grad():
+            for p in model.parameters():
+                if fresh:
+                    p.copy_(torch.randn_like(p) * noise + (0.5 if p.ndim == 1 else 0.0))
+                else:
+                    p.add_(torch.randn_like(p) * noise)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- base dirs
+
+SFT_CONFIG = dict(sequence_len=128, n_layer=2, n_head=2, n_kv_head=1, n_embd=64, window_pattern="SL")
+# a chat_rl run on make_sft_checkpoint's model that takes seconds on a CPU; tests add --num-steps and more
+TINY_RL_FLAGS = ["--task=rl_toy_task:ParityTask", "--device-type=cpu", "--dtype=float32", "--examples-per-step=4",
+                 "--num-samples=4", "--device-batch-size=2", "--max-new-tokens=12", "--eval-every=-1",
+                 "--temperature=1.0"]
+
+
+def make_sft_checkpoint(base_dir, vocab_size, seed=0, noise=0.2, **overrides):
+    """A random tiny model (SFT_CONFIG with `overrides`, see random_model for seed and noise) saved as step 0
+    where chat_rl looks for an SFT checkpoint: base_dir/chatsft_checkpoints/d2. Returns the model."""
+    config = tiny_config(**{**SFT_CONFIG, "vocab_size": vocab_size, **overrides})
+    model = random_model(config, seed, noise)
+    save_checkpoint(str(Path(base_dir) / "chatsft_checkpoints" / "d2"), 0, model.state_dict(), None,
+                    {"model_config": asdict(config), "step": 0})
+    return model
+
+
+GENERATION_FIXTURES = FIXTURES / "generations"
+
+
+def generation_reference(name):
+    """What nanochat's own code computed on the fixture checkpoint of generation `name` (see test_generations)."""
+    return torch.load(GENERATION_FIXTURES / name / "reference.pt", weights_only=True)
+
+
+def install_generation(base, name, tag="d4"):
+    """Fill $NANOCHAT_BASE_DIR `base` with the generation fixtures' tokenizer and the checkpoint of generation
+    `name` as chatsft_checkpoints/<tag> (step 5). Returns that checkpoint directory."""
+    (base / "tokenizer").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(GENERATION_FIXTURES / "tokenizer" / "tokenizer.pkl", base / "tokenizer" / "tokenizer.pkl")
+    target = base / "chatsft_checkpoints" / tag
+    target.mkdir(parents=True, exist_ok=True)
+    for f in ("model_000005.pt", "meta_000005.json"):
+        shutil.copyfile(GENERATION_FIXTURES / name / f, target / f)
+    return target
+
+
+# ----------------------------------------------------------------------------- test doubles
+
+class ScriptedModel(torch.nn.Module):
+    """Emits script[k] as the k-th completion token (by cache position), with a small chance of stopping
+    when stop_prob > 0: a stand-in that makes the tool state machine and early stops testable exactly."""
+
+    def __init__(self, script, prompt_len, vocab_size, stop_token=None, stop_logit=None):
+        super().__init__()
+        self.script, self.prompt_len, self.stop_token, self.stop_logit = script, prompt_len, stop_token, stop_logit
+        self.config = SimpleNamespace(sequence_len=128, vocab_size=vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=4)
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.forwards = 0
+
+    def get_device(self):
+        return self.dummy.device
+
+    def forward(self, idx, kv_cache=None):
+        self.forwards += 1
+        B, T = idx.shape
+        positions = kv_cache.next_positions()[:, None] + torch.arange(T)  # (B, T)
+        k = (positions + 1 - self.prompt_len).clamp(min=0, max=len(self.script) - 1)
+        logits = torch.full((B, T, self.config.vocab_size), -1e9)
+        logits.scatter_(-1, torch.tensor(self.script)[k][..., None], 0.0)
+        if self.stop_logit is not None:  # a constant chance to stop at every step
+            logits[..., self.stop_token] = self.stop_logit
+        kv_cache.advance(T)
+        return logits
+
+
+class TableModel(torch.nn.Module):
+    """A model whose logits are a learnable table lookup: the gradient of the objective is easy to
+    compute independently."""
+
+    def __init__(self, vocab=100):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(vocab, vocab))
+
+    def hidden_states(self, idx):
+        return self.table[idx]  # (B, T, V): the "hidden state" is already the logits row
+
+    def hidden_states_shared_prefix(self, prefix, rows):
+        return self.table[prefix], self.table[rows]  # a lookup does not depend on what came before
+
+    def logits(self, hidden):
+        return hidden

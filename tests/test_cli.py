@@ -1,0 +1,116 @@
+"""nanochat.cli: a library error (the facts) becomes one line on stderr that adds which flag to change or
+which script to run; --debug, declared once, shows the traceback instead."""
+
+import pytest
+
+from nanochat import cli
+from nanochat.checkpoint_manager import find_checkpoint, load_checkpoint
+from nanochat.common import UserError, compute_init, requested_dtype
+from nanochat.tokenizer import get_tokenizer
+from nanochat.wandb_utils import WandbStartError
+from tasks.gsm8k import find_local_dir
+from tasks.registry import resolve_task_class
+
+
+def checkpoint_dir(base, files=()):
+    """$base/chatsft_checkpoints/d2 holding `files` {name: bytes}."""
+    d = base / "chatsft_checkpoints" / "d2"
+    d.mkdir(parents=True)
+    for name, data in dict(files).items():
+        (d / name).write_bytes(data)
+    return str(d)
+
+
+def raise_(error):
+    raise error
+
+
+# name: (the library call that fails in a fresh base dir, what the printed line ends with)
+CASES = {
+    "no checkpoint family": (lambda base: find_checkpoint("sft"), "; or create one with `python -m scripts.chat_sft`"),
+    "unknown tag": (lambda base: checkpoint_dir(base) and find_checkpoint("sft", "d9"),
+                    "available tags: d2; pick one with --model-tag"),
+    "no steps": (lambda base: checkpoint_dir(base) and find_checkpoint("sft", "d2"),
+                 "; pick another --model-tag, or train or copy a checkpoint there"),
+    "unknown step": (lambda base: checkpoint_dir(base, {"model_000001.pt": b""}) and find_checkpoint("sft", "d2", 5),
+                     "available steps: 1; pick one with --model-step"),
+    "no meta": (lambda base: load_checkpoint(checkpoint_dir(base, {"model_000001.pt": b""}), 1, "cpu"),
+                "no meta_000001.json; copy the meta file too, or pick another --model-step"),
+    "corrupt model": (lambda base: load_checkpoint(checkpoint_dir(base, {"model_000001.pt": b"junk", "meta_000001.json": b"{}"}),
+                                                   1, "cpu"),
+                      "; delete it or pick another --model-step"),
+    "no tokenizer": (lambda base: get_tokenizer(), "; train a nanochat tokenizer with `python -m scripts.tok_train`"),
+    "no GSM8K": (lambda base: find_local_dir("main", "train", data_dir=str(base)),
+                 "; or run `python -m scripts.prepare_gsm8k --from DIR`"),
+    "no task class": (lambda base: resolve_task_class("tasks.gsm8k:NoSuchClass"),
+                      "has no class 'NoSuchClass' (the name after ':'); check --task (chat_sft: --tasks)"),
+    "wandb refused": (lambda base: raise_(WandbStartError("r", "no API key")), "; or pass --run=dummy to turn wandb off"),
+    "bad dtype": (lambda base: requested_dtype("fp8"), "error: --dtype must be float32 or bfloat16, got 'fp8'"),
+    "unknown device": (lambda base: compute_init("tpu"),
+                       "error: --device-type 'tpu' is unknown; use cuda, cpu or mps (or leave it empty to autodetect)"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_library_error_holds_facts_and_the_line_adds_the_flag(name, tmp_path, monkeypatch, capsys):
+    """The library's message names no flag or script; run_main's one line adds them."""
+    for var in ("RANK", "WORLD_SIZE", "NANOCHAT_DEBUG"):
+        monkeypatch.delenv(var, raising=False)
+
+    def fresh_base_dir(name):
+        base = tmp_path / name
+        base.mkdir()
+        monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+        return base
+
+    call, ending = CASES[name]
+    with pytest.raises(UserError) as e:
+        call(fresh_base_dir("library"))
+    assert "--" not in str(e.value) and "scripts." not in str(e.value), str(e.value)
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.run_main(lambda argv: call(fresh_base_dir("script")), [])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1 and err.rstrip("\n").endswith(ending), err
+
+
+def test_long_error_comes_through_whole(capsys):
+    """A one-line error is never cut (it used to end mid-word at 300 characters, losing the fix it named)."""
+    message = " ".join(f"word{i:03d}" for i in range(71)) + " -- pass --the-fix"  # 514 characters
+    assert len(message) > 500
+
+    def main(argv):
+        raise UserError(message)
+
+    with pytest.raises(SystemExit) as e:
+        cli.run_main(main, [])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+@pytest.mark.parametrize("argv, env, expected", [
+    (["--task=x", "--debug", "--num-steps", "3"], None, True),
+    (["--num-steps", "-1", "pos"], None, False),
+    (["--debugger"], None, False),   # another flag, not an abbreviation of --debug
+    (["--debug=1"], None, False),    # malformed: the script's own parser reports it
+    ([], "1", True),                 # NANOCHAT_DEBUG=1
+])
+def test_debug_is_read_through_the_flags_declaration(argv, env, expected, monkeypatch):
+    if env is None:
+        monkeypatch.delenv("NANOCHAT_DEBUG", raising=False)
+    else:
+        monkeypatch.setenv("NANOCHAT_DEBUG", env)
+    assert cli.debug_requested(argv) is expected
+
+
+def test_debug_reraises_and_the_scripts_parser_accepts_it(monkeypatch):
+    monkeypatch.delenv("NANOCHAT_DEBUG", raising=False)
+
+    def main(argv):
+        args = cli.add_debug_flag(cli.ArgumentParser()).parse_args(argv)
+        assert args.debug
+        raise UserError("boom")
+
+    with pytest.raises(UserError, match="boom"):
+        cli.run_main(main, ["--debug"])
