@@ -199,13 +199,6 @@ def row_denominators(targets, loss_norm, device_batch_size, examples_per_rank, c
     raise ValueError(f"loss_norm must be one of {', '.join(LOSS_NORMS)}, got {loss_norm!r}")
 
 
-def row_weights(targets, advantages, device_batch_size, examples_per_rank):
-    """Each row's weight in nanochat's objective: the objective is sum over rows r and their valid positions
-    t of logp[r, t] * w[r], with w[r] = adv[r] / (valid targets of r's pass * passes * examples_per_rank),
-    which is pass_objective summed over the question's passes. targets: (R, T); advantages: (R,) -> (R,)."""
-    return advantages / pass_denominators(targets, device_batch_size, examples_per_rank).to(advantages.dtype)
-
-
 def clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high):
     """PPO's clipped surrogate per sampled token (to be maximised), all (N,):
     min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A) with rho = exp(logp - old_logp).
@@ -278,7 +271,7 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
 
     batches: this rank's QuestionBatch list. By default the objective is nanochat's: each question's rows
     form passes of device_batch_size rows, each pass normalized by its own valid-target count (see
-    row_weights). loss (PolicyLoss, default nanochat's) picks another normalization, masks truncated rows,
+    pass_denominators). loss (PolicyLoss, default nanochat's) picks another normalization, masks truncated rows,
     and sets the PPO clip range and the KL coefficient; counts: the step's StepCounts, which the token,
     sequence and constant normalizations need (computed here when None; under a process group that is a
     collective, so compute it once per step with step_counts and pass it). reference: the frozen model of

@@ -14,13 +14,21 @@ import torch
 from gloo_ranks import run_ranks
 from nanochat.cli import run_main
 from nanochat.rl import (PolicyLoss, _row_hidden_states, _trained_rows, accumulate_policy_gradient, advantages_from_rewards,
-                         clipped_surrogate, k3_kl, make_question_batch, row_weights, step_counts, token_logprobs_and_entropy)
+                         clipped_surrogate, k3_kl, make_question_batch, pass_denominators, step_counts,
+                         token_logprobs_and_entropy)
 from rl_options_worker import CASES, questions, run_case
 from scripts import chat_rl, compare_runs, rl_variants
 from helpers import TableModel
 from helpers import TINY_RL_FLAGS, random_model, tiny_config
 
 LN2, LN8 = math.log(2), math.log(8)
+
+
+def row_weights(targets, advantages, device_batch_size, examples_per_rank):
+    """Each row's weight in nanochat's objective: the objective is sum over rows r and their valid positions
+    t of logp[r, t] * w[r], with w[r] = adv[r] / (valid targets of r's pass * passes * examples_per_rank),
+    which is pass_objective summed over the question's passes. targets: (R, T); advantages: (R,) -> (R,)."""
+    return advantages / pass_denominators(targets, device_batch_size, examples_per_rank).to(advantages.dtype)
 
 
 def nanochat_objective_gradient(model, batches, device_batch_size, examples_per_rank, micro_batch_rows=None,
