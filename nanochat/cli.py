@@ -87,7 +87,7 @@ HINTS = {
     UnknownStepError: "pick one with --model-step",
     MissingMetaError: "copy the meta file too, or pick another --model-step",
     CorruptCheckpointError: "delete it or pick another --model-step",
-    TokenizerError: "train a nanochat tokenizer with `python -m scripts.tok_train`",
+    TokenizerError: "or train a nanochat tokenizer with `python -m scripts.tok_train`",
     WandbStartError: "or pass --run=dummy to turn wandb off",
     GSM8KUnavailableError: "or run `python -m scripts.prepare_gsm8k --from DIR`",
     TaskNotFoundError: "check --task (chat_sft: --tasks)",

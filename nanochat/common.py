@@ -38,11 +38,15 @@ class SettingError(UserError):
 
 def rank_and_world():
     """(rank, world_size) of this process: the process group's once it is up, else what torchrun set in
-    RANK and WORLD_SIZE (before compute_init, e.g. for a validation error), else (0, 1).
+    RANK and WORLD_SIZE (before compute_init, e.g. for a validation error), else (0, 1). The environment
+    counts only when it is a whole torchrun launch (is_ddp_launch), the rule compute_init follows: a launcher
+    that sets RANK without LOCAL_RANK runs one process, which must then save, evaluate and step as rank 0.
     The one place the library learns its rank."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if is_ddp_launch():
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return 0, 1
 
 
 def get_rank():

@@ -147,7 +147,7 @@ def detect_generation(state_dict, meta, requested=None):
         elif width == 32:
             found, how = GENERATIONS["ve_late"], ("value embeddings, meta layout of 2026-01-31 .. 2026-03-08; "
                                                   "assumed the last forward of that era (the files cannot tell it "
-                                                  "from ve and ve_mar2)")
+                                                  "from ve and ve_mar2; the model_generation setting chooses)")
             if requested is not None and requested.name in VE_ERA_WITH_NEW_META:
                 return requested, "value embeddings, meta layout of 2026-01-31 .. 2026-03-08; chosen by the caller"
         else:

@@ -127,16 +127,16 @@ def parse_args(argv):
 def validate_args(args):
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     require(not args.configs.strip() or (names and all(n in CONFIGS for n in names)),
-         f"--configs={args.configs!r}: give a comma-separated subset of {', '.join(CONFIGS)}")
+            f"--configs={args.configs!r}: give a comma-separated subset of {', '.join(CONFIGS)}")
     require(len(set(names)) == len(names), f"--configs={args.configs!r} names a config twice")
     require(args.source in ("", "sft", "rl"), f"--source must be empty (random init), sft or rl, got {args.source!r}")
     require(args.source or (args.model_tag is None and args.model_step is None),
-         "--model-tag/--model-step choose a checkpoint; pass --source=sft|rl with them")
+            "--model-tag/--model-step choose a checkpoint; pass --source=sft|rl with them")
     for name in ("depth", "vocab_size", "sequence_len", "num_questions", "num_samples", "max_new_tokens",
                  "device_batch_size", "peak_matmul_size", "profile_rows"):
         require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     require(args.num_samples % args.device_batch_size == 0,
-         f"--num-samples ({args.num_samples}) must be a multiple of --device-batch-size ({args.device_batch_size})")
+            f"--num-samples ({args.num_samples}) must be a multiple of --device-batch-size ({args.device_batch_size})")
     require(args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}")
     require(args.top_k >= 0, f"--top-k must be >= 0, got {args.top_k}")
     require(args.max_rows >= 0, f"--max-rows must be >= 0, got {args.max_rows}")

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_checkpoint, find_last_step, list_tags, load_checkpoint,
-                                         load_model, make_checkpoint_dir, save_checkpoint, update_meta)
+from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_checkpoint, list_steps, list_tags, load_checkpoint, load_model,
+                                         make_checkpoint_dir, save_checkpoint, update_meta)
 from nanochat.cli import (ArgumentParser, add_debug_flag, add_model_generation_flag, add_optimizer_flags, add_runtime_flags,
                           run_main)
 from nanochat.common import (GracefulStop, UserError, autocast_context, compute_cleanup, compute_dtype, compute_init,
@@ -115,24 +115,24 @@ def validate_args(args, world_size):
     when --num-samples < --device-batch-size, for example)."""
     args.dtype = requested_dtype(args.dtype)
     require(args.rollout_dtype in ("auto", "float32", "bfloat16"),
-         f"--rollout-dtype must be auto, float32 or bfloat16, got {args.rollout_dtype!r}")
+            f"--rollout-dtype must be auto, float32 or bfloat16, got {args.rollout_dtype!r}")
     require(args.source in CHECKPOINT_DIRS, f"--source must be {', '.join(CHECKPOINT_DIRS)}, got {args.source!r}")
     resolve_task_class(args.task)  # an unknown --task is reported now, not after the checkpoint has loaded
     if args.output_tag is not None:
         require(args.output_tag not in ("", ".", "..") and "/" not in args.output_tag and os.sep not in args.output_tag,
-             f"--output-tag must be a directory name (no '/'), got {args.output_tag!r}")
+                f"--output-tag must be a directory name (no '/'), got {args.output_tag!r}")
         require(not args.resume, "--resume continues a run in its own directory and --output-tag names a new run's; "
-                              "pass only one")
+                                 "pass only one")
     if args.source == "rl" and args.model_tag is not None:
         resolve_output_tag(args, args.model_tag, depth=None)  # refuses the run it reads
     for name in ("device_batch_size", "examples_per_step", "num_samples", "max_new_tokens", "num_epochs", "eval_examples"):
         require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     require(args.num_samples % args.device_batch_size == 0,
-         f"--num-samples ({args.num_samples}) must be a multiple of --device-batch-size ({args.device_batch_size}); "
-         f"e.g. --device-batch-size={_largest_divisor_at_most(args.num_samples, args.device_batch_size)}")
+            f"--num-samples ({args.num_samples}) must be a multiple of --device-batch-size ({args.device_batch_size}); "
+            f"e.g. --device-batch-size={_largest_divisor_at_most(args.num_samples, args.device_batch_size)}")
     require(args.examples_per_step % world_size == 0,
-         f"--examples-per-step ({args.examples_per_step}) must be divisible by the number of ranks ({world_size}); "
-         f"use a multiple of {world_size}")
+            f"--examples-per-step ({args.examples_per_step}) must be divisible by the number of ranks ({world_size}); "
+            f"use a multiple of {world_size}")
     require(args.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     require(args.top_k >= 0, f"--top-k must be >= 0 (0 = disabled), got {args.top_k}")
     require(args.max_rows >= 0, f"--max-rows must be >= 0 (0 = from the memory budget), got {args.max_rows}")
@@ -205,7 +205,13 @@ def resolve_resume(spec):
         raise UserError(f"--resume: no RL run {tag!r} in {rl_root}; available: {', '.join(list_tags(rl_root)) or 'none'}")
     if step and not step.isdigit():
         raise UserError(f"--resume={spec}: the step after ':' must be a number")
-    return tag, int(step) if step else find_last_step(directory)
+    steps = list_steps(directory)  # checked here: the loader's own error would point at --model-step
+    if not steps:
+        raise UserError(f"--resume: the RL run {tag!r} in {rl_root} has no saved step; start a new run with --overwrite")
+    if step and int(step) not in steps:
+        raise UserError(f"--resume={spec}: run {tag!r} has no step {int(step)}; saved steps: "
+                        f"{', '.join(map(str, steps))} (e.g. --resume={tag}:{steps[-1]})")
+    return tag, int(step) if step else steps[-1]
 
 
 def resolve_output_tag(args, source_tag, depth):
@@ -286,7 +292,6 @@ class RLRun:
     --resume restored the run's own and the output tag and dtypes were resolved; every checkpoint records it."""
     config: argparse.Namespace
     model: torch.nn.Module
-    tokenizer: object
     engine: Engine
     optimizers: list
     policy_loss: PolicyLoss
@@ -342,8 +347,6 @@ def setup_run(args, rank, world_size, device):
                         f"({args.examples_per_step}); lower --examples-per-step or pass --num-steps")
     print0(f"Calculated number of steps: {num_steps}")
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], args.output_tag)
-    if not args.resume:
-        prepare_output_dir(checkpoint_dir, args.overwrite, rank == 0)
     # Muon orthogonalizes in the run's compute dtype: bf16 where it is native (nanochat's numerics), fp32 otherwise
     optimizers = scale_initial_lr(model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
                                                          matrix_lr=args.matrix_lr, weight_decay=args.weight_decay,
@@ -351,12 +354,15 @@ def setup_run(args, rank, world_size, device):
                                   args.init_lr_frac)
     for opt, state in zip(optimizers, optimizer_state["optimizers"] if optimizer_state else []):
         opt.load_state_dict(state)  # also restores each group's initial_lr and lr
+    reference = load_reference(start, device, args.model_generation) if args.kl_coef > 0 else None
+    if not args.resume:  # last: --overwrite clears the old run only once everything else has loaded
+        prepare_output_dir(checkpoint_dir, args.overwrite, rank == 0)
     return RLRun(
-        config=args, model=model, tokenizer=tokenizer, optimizers=optimizers,
+        config=args, model=model, optimizers=optimizers,
         engine=Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb),
         policy_loss=PolicyLoss(loss_norm=args.loss_norm, max_new_tokens=args.max_new_tokens, mask_truncated=args.mask_truncated,
                                clip_low=args.clip_low, clip_high=args.clip_high, kl_coef=args.kl_coef),
-        reference=load_reference(start, device, args.model_generation) if args.kl_coef > 0 else None,
+        reference=reference,
         train_task=train_task, val_task=val_task, num_steps=num_steps, start_step=start_step, start_checkpoint=start,
         checkpoint_dir=checkpoint_dir, rank=rank, world_size=world_size, device=device,
         history=list(meta.get("history", [])) if args.resume else [],

@@ -35,8 +35,8 @@ import torch.distributed as dist
 from nanochat.checkpoint_manager import list_steps, load_model, save_checkpoint
 from nanochat.cli import (ArgumentParser, add_debug_flag, add_model_generation_flag, add_optimizer_flags, add_runtime_flags,
                           run_main)
-from nanochat.common import (UserError, all_reduce_mean, autocast_context, compute_cleanup, rank_share, require,
-                             compute_dtype, compute_init, get_base_dir, get_dist_info, print0, requested_dtype)
+from nanochat.common import (UserError, all_reduce_mean, autocast_context, compute_cleanup, compute_dtype, compute_init,
+                             get_base_dir, get_dist_info, print0, rank_share, require, requested_dtype)
 from nanochat.gpt import HEAD_DIM, build_fresh_model
 from nanochat.optim import guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.sft import (accumulate_gradient, count_targets, loss_sums, make_micro_batches,
@@ -108,13 +108,13 @@ def validate_args(args, world_size):
     require(args.depth >= 0, f"--depth must be >= 1 for a fresh model, or 0 to load --source, got {args.depth}")
     if args.depth > 0:
         require(args.model_tag is None and args.model_step is None,
-             "--model-tag/--model-step choose a checkpoint to load; they do not apply with --depth (a fresh model)")
+                "--model-tag/--model-step choose a checkpoint to load; they do not apply with --depth (a fresh model)")
         args.sequence_len = DEFAULT_SEQUENCE_LEN if args.sequence_len is None else args.sequence_len
         require(args.sequence_len >= 2, f"--sequence-len must be >= 2, got {args.sequence_len}")
     else:
         require(args.source in ("base", "mid", "sft"), f"--source must be base, mid or sft, got {args.source!r}")
         require(args.sequence_len is None, "--sequence-len sets the context of a fresh --depth model; a loaded "
-                                        "checkpoint keeps its own (use --max-seq-len to train on shorter rows)")
+                                           "checkpoint keeps its own (use --max-seq-len to train on shorter rows)")
     names = parse_task_names(args.tasks)
     for name in names:
         resolve_task_class(name)  # an unknown task fails now, not after the model is loaded
@@ -124,8 +124,8 @@ def validate_args(args, world_size):
         require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     per_step = args.device_batch_size * world_size
     require(args.examples_per_step % per_step == 0,
-         f"--examples-per-step ({args.examples_per_step}) must be a multiple of --device-batch-size ({args.device_batch_size})"
-         f" x ranks ({world_size}) = {per_step}; e.g. --examples-per-step={max(1, args.examples_per_step // per_step) * per_step}")
+            f"--examples-per-step ({args.examples_per_step}) must be a multiple of --device-batch-size ({args.device_batch_size})"
+            f" x ranks ({world_size}) = {per_step}; e.g. --examples-per-step={max(1, args.examples_per_step // per_step) * per_step}")
     require(args.num_steps == -1 or args.num_steps >= 1, f"--num-steps must be >= 1, or -1 to derive it from epochs, got {args.num_steps}")
     require(args.max_seq_len >= 0, f"--max-seq-len must be >= 1, or 0 for the model's sequence_len, got {args.max_seq_len}")
     for name in ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay"):

@@ -19,7 +19,7 @@ run's tokenizer directory instead of training a new one (nanochat uses 65,536 to
 import os
 import time
 
-from nanochat.cli import ArgumentParser, add_debug_flag, run_main
+from nanochat.cli import ArgumentParser, add_debug_flag, error_line, run_main
 from nanochat.common import UserError, get_base_dir, print0
 from nanochat.tokenizer import Tokenizer
 
@@ -85,8 +85,8 @@ def read_gsm8k(max_chars):
     from tasks.gsm8k import load_rows
     try:
         train, test = load_rows("main", "train"), load_rows("main", "test")
-    except UserError as e:
-        raise UserError(f"{e}; or train on your own text with --input FILE") from e
+    except UserError as e:  # the hint run_main would have added, then this script's own alternative
+        raise UserError(f"{error_line(e)}; or train on your own text with --input FILE") from e
     docs, total = [], 0
     for row in train:
         doc = row["question"] + "\n" + row["answer"]

@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 
 from nanochat.common import UserError, get_base_dir
-from tasks.common import FinalAnswerTask
+from tasks.common import FinalAnswerTask, extract_answer  # noqa: F401  (nanochat's tasks/gsm8k.py defines it: user code imports it from here)
 
 SUBSETS = ("main", "socratic")
 SPLITS = ("train", "test")

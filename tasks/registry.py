@@ -38,7 +38,7 @@ def resolve_task_class(name):
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise TaskNotFoundError(name, f"cannot import task module {module_name!r} ({e}); "
-                                      f"is the module on PYTHONPATH?") from e
+                                      f"the module must be importable (on PYTHONPATH)") from e
     cls = getattr(module, class_name, None)
     if cls is None:
         raise TaskNotFoundError(name, f"module {module_name!r} has no class {class_name!r} (the name after ':')")

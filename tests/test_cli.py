@@ -39,7 +39,7 @@ CASES = {
     "corrupt model": (lambda base: load_checkpoint(checkpoint_dir(base, {"model_000001.pt": b"junk", "meta_000001.json": b"{}"}),
                                                    1, "cpu"),
                       "; delete it or pick another --model-step"),
-    "no tokenizer": (lambda base: get_tokenizer(), "; train a nanochat tokenizer with `python -m scripts.tok_train`"),
+    "no tokenizer": (lambda base: get_tokenizer(), "; or train a nanochat tokenizer with `python -m scripts.tok_train`"),
     "no GSM8K": (lambda base: find_local_dir("main", "train", data_dir=str(base)),
                  "; or run `python -m scripts.prepare_gsm8k --from DIR`"),
     "no task class": (lambda base: resolve_task_class("tasks.gsm8k:NoSuchClass"),

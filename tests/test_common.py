@@ -64,11 +64,15 @@ def test_requested_dtype_names_where_a_bad_value_came_from(monkeypatch):
 def test_rank_comes_from_the_process_group_else_torchrun_env(tmp_path, monkeypatch):
     """One source of the rank for print0, reports, wandb, checkpoints and the optimizers: torchrun's RANK and
     WORLD_SIZE until the process group is up, the group's own rank and size from then on."""
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
     assert common.rank_and_world() == (0, 1)
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
+    # Regression: a launcher that sets RANK and WORLD_SIZE but not LOCAL_RANK runs one process (compute_init's
+    # rule); reading rank 3 here made that process skip saving the model and evaluate 1/4 of the questions.
+    assert common.rank_and_world() == (0, 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
     assert common.rank_and_world() == (3, 4) and common.get_rank() == 3
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:

@@ -8,8 +8,7 @@ import pytest
 
 from nanochat.common import UserError
 from scripts import prepare_gsm8k
-from tasks.common import extract_answer
-from tasks.gsm8k import GSM8K, GSM8KUnavailableError, answer_to_parts, read_jsonl_rows
+from tasks.gsm8k import GSM8K, GSM8KUnavailableError, answer_to_parts, extract_answer, read_jsonl_rows
 
 
 def rows_of(path):

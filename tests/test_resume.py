@@ -62,6 +62,33 @@ def test_resume_errors_are_one_line(sft, base_dir, capsys):
     assert "pass only one" in capsys.readouterr().err
 
 
+def test_resume_of_a_missing_step_names_the_saved_ones(sft, base_dir, capsys):
+    """Regression: --resume=TAG:STEP of a step that was never saved ended with the loader's hint to pick
+    another --model-step, a flag that does nothing with --resume."""
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_main(chat_rl.main, ["--resume=d2:7", "--device-type=cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "run 'd2' has no step 7; saved steps: 1 (e.g. --resume=d2:1)" in err
+    assert "--model-step" not in err
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_one_has_loaded(sft, base_dir, monkeypatch, capsys):
+    """Regression: --overwrite cleared the old run before the --kl-coef reference model was loaded, so a
+    failure there (out of memory for the second copy) lost the old run for nothing."""
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1"])
+    before = sorted(os.listdir(rl_dir(base_dir)))
+
+    def failing_reference(*args, **kwargs):
+        raise chat_rl.UserError("simulated: the reference model does not fit")
+    monkeypatch.setattr(chat_rl, "load_reference", failing_reference)
+    with pytest.raises(SystemExit):
+        run_main(chat_rl.main, TINY_RL_FLAGS + ["--num-steps=2", "--overwrite", "--kl-coef=0.1"])
+    assert "simulated" in capsys.readouterr().err
+    assert sorted(os.listdir(rl_dir(base_dir))) == before
+
+
 def test_non_finite_steps_are_skipped_then_abort(sft, base_dir, monkeypatch, capsys):
     calls = []
 
