@@ -380,7 +380,6 @@ class GPT(nn.Module):
         softcap = self.generation.softcap
         return softcap * torch.tanh(logits / softcap)
 
-
     def hidden_states(self, idx, kv_cache=None):
         """idx: (B, T) int64 -> (B, T, n_embd): the normalized output of the last block (see forward)."""
         B, T = idx.shape

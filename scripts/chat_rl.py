@@ -276,11 +276,11 @@ def restore_resume(args, world_size, device):
 def start_new_run(args, device):
     """The --source checkpoint a new run starts from. Sets args.output_tag. Returns (model, tokenizer, meta)."""
     _, source_tag, source_step = find_checkpoint(args.source, args.model_tag, args.model_step)
-    if args.source == "rl":
-        resolve_output_tag(args, source_tag, depth=None)  # refuse writing into the source run before loading it
+    # from an RL run the tag is known (and the source run refused) before loading; else it may need the depth
+    output_tag = resolve_output_tag(args, source_tag, depth=None) if args.source == "rl" else None
     model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=source_tag, step=source_step,
                                         generation=args.model_generation)
-    args.output_tag = resolve_output_tag(args, source_tag, model.config.n_layer)
+    args.output_tag = output_tag or resolve_output_tag(args, source_tag, model.config.n_layer)
     meta["start_checkpoint"] = {"source": args.source, "model_tag": source_tag, "step": source_step}
     print0(f"Starting a new RL run from {args.source} {source_tag} step {source_step}; writing to {args.output_tag}")
     return model, tokenizer, meta
