@@ -106,7 +106,8 @@ def test_default_dir_and_non_master_rank(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
     monkeypatch.setenv("RANK", "0")
     assert get_report().report_dir == str(tmp_path / "base" / "report")
-    monkeypatch.setenv("RANK", "1")
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2")):  # rank 1 of a torchrun launch
+        monkeypatch.setenv(name, value)
     other = get_report()
     assert isinstance(other, DummyReport)
     assert log_chat_rl(other, CONFIG, fake_history(), EVALS) is None
