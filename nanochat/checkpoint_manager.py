@@ -276,19 +276,23 @@ def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=Non
     if not os.path.exists(jpath):
         raise MissingMetaError(checkpoint_dir, step)
     model_data = _torch_load(mpath, device)
-    optimizer_data = None
-    if load_optimizer:
-        opath = optim_path(checkpoint_dir, step, get_rank() if rank is None else rank)
-        if not os.path.exists(opath):
-            raise UserError(f"no optimizer state {opath}: this checkpoint was saved without it (or with fewer ranks); "
-                            f"resume from a step saved with optimizer state, or start the optimizer fresh")
-        optimizer_data = _torch_load(opath, device)
+    optimizer_data = load_optimizer_state(checkpoint_dir, step, device, rank) if load_optimizer else None
     try:
         with open(jpath, encoding="utf-8") as f:
             meta_data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(jpath, f"corrupted (not valid json: {e})") from e
     return model_data, optimizer_data, meta_data
+
+
+def load_optimizer_state(checkpoint_dir, step, device, rank=None):
+    """This rank's optimizer shard of a saved step (without reading the model file, which a resume has already
+    loaded). rank: None = common.get_rank()."""
+    opath = optim_path(checkpoint_dir, step, get_rank() if rank is None else rank)
+    if not os.path.exists(opath):
+        raise UserError(f"no optimizer state {opath}: this checkpoint was saved without it (or with fewer ranks); "
+                        f"resume from a step saved with optimizer state, or start the optimizer fresh")
+    return _torch_load(opath, device)
 
 
 def _patch_state_dict(model_data, device):

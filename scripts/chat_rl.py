@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_checkpoint, list_steps, list_tags, load_checkpoint, load_model,
-                                         make_checkpoint_dir, save_checkpoint, update_meta)
+from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_checkpoint, list_steps, list_tags, load_model,
+                                         load_optimizer_state, make_checkpoint_dir, save_checkpoint, update_meta)
 from nanochat.cli import (ArgumentParser, add_debug_flag, add_model_generation_flag, add_optimizer_flags, add_runtime_flags,
                           run_main)
 from nanochat.common import (GracefulStop, UserError, autocast_context, compute_cleanup, compute_dtype, compute_init,
@@ -262,8 +262,8 @@ def restore_resume(args, world_size, device):
     vars(args).update(saved)
     if changed:
         print0(f"--resume: using the run's saved settings for {', '.join(changed)}")
-    _, optimizer_state, _ = load_checkpoint(os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], tag), resume_step,
-                                            device, load_optimizer=True)
+    # the shard alone: load_model has read the model file already (a second read is the model's size again)
+    optimizer_state = load_optimizer_state(os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], tag), resume_step, device)
     if optimizer_state.get("world_size") != world_size:
         raise UserError(f"--resume: the checkpoint was written by {optimizer_state.get('world_size')} ranks; "
                         f"resume with the same number of ranks (got {world_size})")
