@@ -189,10 +189,23 @@ def compute_cleanup():
         dist.destroy_process_group()
 
 
+def collective_device(device):
+    """Where a tensor that ranks reduce together must live: the rank's CUDA device (NCCL reduces CUDA tensors
+    only), else the CPU (gloo)."""
+    device = torch.device(device)
+    return device if device.type == "cuda" else torch.device("cpu")
+
+
+def reduction_dtype(device):
+    """The dtype of sums reduced across ranks: float64 on the CPU, float32 on a GPU. Decided by the device's
+    type, so torch.device("cpu") and "cpu" get the same precision."""
+    return torch.float64 if torch.device(device).type == "cpu" else torch.float32
+
+
 def all_reduce_mean(x, device="cpu"):
     """Average a python float or tensor over ranks (identity without a process group).
-    `device` must be the rank's compute device under NCCL (NCCL reduces CUDA tensors only)."""
-    t = torch.as_tensor(x, dtype=torch.float64 if device == "cpu" else torch.float32, device=device).clone()
+    `device`: see collective_device."""
+    t = torch.as_tensor(x, dtype=reduction_dtype(device), device=device).clone()
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         t /= dist.get_world_size()

@@ -13,7 +13,7 @@ from math import comb
 import torch
 import torch.distributed as dist
 
-from nanochat.common import rank_and_world, rank_share
+from nanochat.common import rank_and_world, rank_share, reduction_dtype
 from nanochat.rollout import Sampling, sample_questions
 
 
@@ -47,7 +47,7 @@ def sample_outcomes(engine, task, indices, num_samples, max_new_tokens, temperat
 
 def aggregate_pass_at_k(outcomes, num_samples, device="cpu"):
     """Sum per-k counts over this rank's questions, then over ranks; returns PassAtK."""
-    counts = torch.zeros(2 * num_samples + 1, dtype=torch.float64 if device == "cpu" else torch.float32, device=device)
+    counts = torch.zeros(2 * num_samples + 1, dtype=reduction_dtype(device), device=device)
     for o in outcomes:
         correct = [int(r) for r in o.rewards]
         c = sum(correct)

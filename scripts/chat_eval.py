@@ -19,7 +19,7 @@ import time
 
 from nanochat.checkpoint_manager import load_model
 from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_flag, run_main
-from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_dtype, compute_init, get_base_dir, print0,
+from nanochat.common import (UserError, autocast_context, collective_device, compute_cleanup, compute_dtype, compute_init, get_base_dir, print0,
                              requested_dtype)
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
@@ -85,7 +85,7 @@ def main(argv):
         engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb)
         task = make_task(args.task, "test")
         num_examples = len(task) if args.num_examples == -1 else min(args.num_examples, len(task))
-        common = dict(device=device, seed=args.seed, max_new_tokens=args.max_new_tokens)
+        common = dict(device=collective_device(device), seed=args.seed, max_new_tokens=args.max_new_tokens)
         t0 = time.time()
         with autocast:
             greedy, _ = evaluate_pass_at_k(engine, task, num_examples, 1, temperature=0.0, top_k=None, **common)

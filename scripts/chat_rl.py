@@ -32,9 +32,9 @@ from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_checkpoint, list_
                                          load_optimizer_state, make_checkpoint_dir, save_checkpoint, update_meta)
 from nanochat.cli import (ArgumentParser, add_debug_flag, add_model_generation_flag, add_optimizer_flags, add_runtime_flags,
                           run_main)
-from nanochat.common import (GracefulStop, UserError, autocast_context, compute_cleanup, compute_dtype, compute_init,
-                             format_duration, get_base_dir, get_dist_info, print0, remaining_seconds, require,
-                             requested_dtype)
+from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup, compute_dtype,
+                             compute_init, format_duration, get_base_dir, get_dist_info, print0, remaining_seconds,
+                             require, requested_dtype)
 from nanochat.engine import Engine, fastest_decode_dtype
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.metrics import objective_metrics, reduce_metrics, rollout_metrics
@@ -323,7 +323,7 @@ class RLRun:
 
     @property
     def reduce_device(self):
-        return self.device if self.device.type == "cuda" else "cpu"  # NCCL reduces CUDA tensors only
+        return collective_device(self.device)
 
     def autocast(self, rollouts=False):
         return autocast_context(self.device, getattr(torch, self.config.rollout_dtype if rollouts else self.config.dtype))

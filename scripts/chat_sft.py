@@ -35,8 +35,9 @@ import torch.distributed as dist
 from nanochat.checkpoint_manager import list_steps, load_model, save_checkpoint
 from nanochat.cli import (ArgumentParser, add_debug_flag, add_model_generation_flag, add_optimizer_flags, add_runtime_flags,
                           run_main)
-from nanochat.common import (UserError, all_reduce_mean, autocast_context, compute_cleanup, compute_dtype, compute_init,
-                             get_base_dir, get_dist_info, print0, rank_share, require, requested_dtype)
+from nanochat.common import (UserError, all_reduce_mean, autocast_context, collective_device, compute_cleanup,
+                             compute_dtype, compute_init, get_base_dir, get_dist_info, print0, rank_share, require,
+                             requested_dtype)
 from nanochat.gpt import HEAD_DIM, build_fresh_model
 from nanochat.optim import guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.sft import (accumulate_gradient, count_targets, loss_sums, make_micro_batches,
@@ -227,7 +228,7 @@ def run(args, task_names, rank, world_size, device):
     master = rank == 0
     args.dtype = str(compute_dtype(device, args.dtype)).removeprefix("torch.")  # the config records what runs
     autocast = autocast_context(device, getattr(torch, args.dtype))
-    reduce_device = device if device.type == "cuda" else "cpu"  # NCCL reduces CUDA tensors only
+    reduce_device = collective_device(device)
 
     model, tokenizer = load_start_model(args, device)
     config = model.config

@@ -93,3 +93,14 @@ def test_remaining_seconds_excludes_eval_time():
     # before any eval was timed there is nothing to add; with nothing timed at all, nothing to estimate
     assert common.remaining_seconds([5.0], 2, [], 3) == (pytest.approx(10.0), 0.0)
     assert common.remaining_seconds([], 2) == (0.0, 0.0)
+
+
+def test_reductions_take_precision_and_place_from_the_device_type():
+    """Regression: the float64 rule compared `device == "cpu"`, which is False for torch.device("cpu"), so
+    chat_eval (passing its torch.device) summed pass@k counts in float32 on a CPU."""
+    assert common.reduction_dtype("cpu") == common.reduction_dtype(torch.device("cpu")) == torch.float64
+    assert common.reduction_dtype(torch.device("cuda", 0)) == torch.float32
+    assert common.collective_device("cpu") == torch.device("cpu")
+    assert common.collective_device(torch.device("mps")) == torch.device("cpu")  # gloo reduces CPU tensors
+    assert common.collective_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert common.all_reduce_mean(0.1, torch.device("cpu")) == 0.1  # float64: the python float comes back exact
