@@ -332,7 +332,7 @@ def build_model(checkpoint_dir, step, device, phase, generation=None):
     nanochat.generations), or a name to choose among the generations the files cannot tell apart."""
     if phase not in ("train", "eval"):
         raise ValueError(f"phase must be 'train' or 'eval', got {phase!r}")
-    from nanochat.generations import UnknownCheckpoint, detect_generation, summarize_keys, supported_generations
+    from nanochat.generations import detect_generation, summarize_keys, supported_generations
     from nanochat.gpt import GPT, GPTConfig
     from nanochat.tokenizer import get_tokenizer
 
@@ -346,9 +346,7 @@ def build_model(checkpoint_dir, step, device, phase, generation=None):
     model_data = _patch_state_dict(model_data, device)
     try:
         gen, how = detect_generation(model_data, meta_data, requested=generation)
-    except UnknownCheckpoint as e:
-        raise UserError(f"{mpath}: {e}") from e
-    except ValueError as e:
+    except ValueError as e:  # UnknownCheckpoint, or a requested generation the files contradict
         raise UserError(f"{mpath}: {e}") from e
     model_config = _patch_model_config(meta_data["model_config"], GPTConfig, jpath)
     meta_data = {**meta_data, "model_config": model_config}

@@ -15,7 +15,7 @@ import traceback
 
 from nanochat.checkpoint_manager import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
                                          UnknownStepError, UnknownTagError)
-from nanochat.common import SettingError, UserError, get_rank
+from nanochat.common import SettingError, UserError, get_rank, require
 from nanochat.tokenizer import TokenizerError
 from nanochat.wandb_utils import WandbStartError
 from tasks.gsm8k import GSM8KUnavailableError
@@ -62,6 +62,12 @@ def add_optimizer_flags(parser):
     parser.add_argument("--recipe", type=str, default="2026-01", choices=("2026-01", "2026-07"),
                         help="optimizer recipe: 2026-01 (nanochat of January 2026: AdamW + Muon) or 2026-07 "
                              "(nanochat of July 2026: MuonAdamW with per-group betas and weight decay)")
+
+
+def check_optimizer_flags(args):
+    """Refuse a negative value of the flags add_optimizer_flags declares."""
+    for name in ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay"):
+        require(getattr(args, name) >= 0, f"{flag_name(name)} must be >= 0, got {getattr(args, name)}")
 
 
 def add_model_generation_flag(parser):

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_checkpoint, list_steps, list_tags, load_model,
                                          load_optimizer_state, make_checkpoint_dir, save_checkpoint, update_meta)
 from nanochat.cli import (ArgumentParser, add_debug_flag, add_model_generation_flag, add_optimizer_flags, add_runtime_flags,
-                          run_main)
+                          check_optimizer_flags, run_main)
 from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup, compute_dtype,
                              compute_init, format_duration, get_base_dir, get_dist_info, print0, remaining_seconds,
                              require, requested_dtype)
@@ -137,8 +137,7 @@ def validate_args(args, world_size):
     require(args.top_k >= 0, f"--top-k must be >= 0 (0 = disabled), got {args.top_k}")
     require(args.max_rows >= 0, f"--max-rows must be >= 0 (0 = from the memory budget), got {args.max_rows}")
     require(args.memory_budget_gb > 0, f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
-    for name in ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay"):
-        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    check_optimizer_flags(args)
     require(0 < args.init_lr_frac <= 1, f"--init-lr-frac must be in (0, 1], got {args.init_lr_frac}")
     require(args.eval_every == -1 or args.eval_every >= 1, f"--eval-every must be >= 1, or -1 to disable, got {args.eval_every}")
     require(args.save_every == -1 or args.save_every >= 1, f"--save-every must be >= 1, or -1 for the last step only, got {args.save_every}")
@@ -248,7 +247,6 @@ def prepare_output_dir(checkpoint_dir, overwrite, master):
     if master:
         for f in old:
             os.remove(os.path.join(checkpoint_dir, f))
-
 
 
 def restore_resume(args, world_size, device):
@@ -523,8 +521,7 @@ def save(run, step):
 
 def main(argv):
     args = parse_args(argv)
-    _, rank, _, world_size = get_dist_info()
-    validate_args(args, world_size)
+    validate_args(args, world_size=get_dist_info()[3])
     _, rank, _, world_size, device = compute_init(args.device_type)
     stop = GracefulStop().install()
     try:

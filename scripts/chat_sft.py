@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from nanochat.checkpoint_manager import list_steps, load_model, save_checkpoint
 from nanochat.cli import (ArgumentParser, add_debug_flag, add_model_generation_flag, add_optimizer_flags, add_runtime_flags,
-                          run_main)
+                          check_optimizer_flags, run_main)
 from nanochat.common import (UserError, all_reduce_mean, autocast_context, collective_device, compute_cleanup,
                              compute_dtype, compute_init, get_base_dir, get_dist_info, print0, rank_share, require,
                              requested_dtype)
@@ -129,8 +129,7 @@ def validate_args(args, world_size):
             f" x ranks ({world_size}) = {per_step}; e.g. --examples-per-step={max(1, args.examples_per_step // per_step) * per_step}")
     require(args.num_steps == -1 or args.num_steps >= 1, f"--num-steps must be >= 1, or -1 to derive it from epochs, got {args.num_steps}")
     require(args.max_seq_len >= 0, f"--max-seq-len must be >= 1, or 0 for the model's sequence_len, got {args.max_seq_len}")
-    for name in ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay"):
-        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    check_optimizer_flags(args)
     if args.init_lr_frac is None:
         args.init_lr_frac = INIT_LR_FRAC_SCRATCH if args.depth > 0 else INIT_LR_FRAC_FINETUNE
     require(0 < args.init_lr_frac <= 1, f"--init-lr-frac must be in (0, 1], got {args.init_lr_frac}")
