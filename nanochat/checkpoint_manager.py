@@ -21,7 +21,6 @@ checkpoint family); nanochat.cli adds which flag to change or which script makes
 
 import dataclasses
 import errno
-import glob
 import json
 import os
 import pickle
@@ -123,15 +122,6 @@ class CorruptCheckpointError(CheckpointError):
 # -----------------------------------------------------------------------------
 # saving
 
-def _stage(path, write_fn):
-    """files.stage, after removing temp files of the same target left by killed processes (garbage: only
-    one process writes each checkpoint file)."""
-    directory, name = os.path.split(path)
-    for stale in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.tmp-*")):
-        remove_if_exists(stale)
-    return stage(path, write_fn)
-
-
 def _write_error(directory, name, e):
     reason = e.strerror or str(e)
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -182,7 +172,7 @@ def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data,
         for path, write_fn in files:
             current = path
             staged.append(temp_path(path))
-            _stage(path, write_fn)
+            stage(path, write_fn, sweep_stale=True)  # temp files of killed runs: one process writes each file
         for path, _ in files:
             current = path
             os.replace(staged[0], path)
@@ -205,7 +195,7 @@ def update_meta(checkpoint_dir, step, meta_data):
     meta_bytes = json.dumps(meta_data, indent=2).encode("utf-8")
     path = meta_path(checkpoint_dir, step)
     try:
-        atomic_write(path, meta_bytes)
+        atomic_write(path, meta_bytes, sweep_stale=True)
     except OSError as e:
         raise _write_error(checkpoint_dir, os.path.basename(path), e) from e
 

@@ -7,6 +7,7 @@ therefore never leaves half a file under the final name: readers see the old fil
 commits several files in an order of its own (checkpoint_manager renames the model file last).
 """
 
+import glob
 import os
 
 
@@ -24,9 +25,15 @@ def remove_if_exists(path):
         pass
 
 
-def stage(path, write_fn):
+def stage(path, write_fn, sweep_stale=False):
     """write_fn(binary file) into `path`'s temp file, flushed and fsynced; returns the temp path.
-    On failure the temp file may remain: the caller removes it (see atomic_write)."""
+    On failure the temp file may remain: the caller removes it (see atomic_write).
+    sweep_stale: first remove the temp files of `path` that other (killed) processes left; only for a file
+    that one process at a time writes (a checkpoint file), or a live writer's temp file would go too."""
+    if sweep_stale:
+        directory, name = os.path.split(path)
+        for stale in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.tmp-*")):
+            remove_if_exists(stale)
     tmp = temp_path(path)
     with open(tmp, "wb") as f:
         write_fn(f)
@@ -51,17 +58,17 @@ def fsync_dir(directory):
         pass
 
 
-def atomic_write(path, contents):
+def atomic_write(path, contents, sweep_stale=False):
     """Replace the file `path` with `contents`: bytes, a str (written as UTF-8), or a function that writes
     to the open binary file. On any failure the temp file is removed and the error re-raised; an existing
-    file at `path` is then left as it was."""
+    file at `path` is then left as it was. sweep_stale: see stage."""
     if callable(contents):
         write_fn = contents
     else:
         data = contents.encode("utf-8") if isinstance(contents, str) else contents
         write_fn = lambda f: f.write(data)
     try:
-        os.replace(stage(path, write_fn), path)
+        os.replace(stage(path, write_fn, sweep_stale), path)
     except BaseException:
         try:
             remove_if_exists(temp_path(path))

@@ -37,3 +37,21 @@ def test_a_relative_path_is_written_in_the_working_directory(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     atomic_write("plot.png", b"png")
     assert (tmp_path / "plot.png").read_bytes() == b"png"
+
+
+def test_checkpoint_writes_sweep_temp_files_that_killed_runs_left(tmp_path):
+    """A killed save leaves a hidden .<name>.tmp-<pid>; the next write of that checkpoint file removes it
+    (one process at a time writes it), update_meta included. Other files' temps and plain atomic writes,
+    where another live process may be writing, are left alone."""
+    from nanochat.checkpoint_manager import save_checkpoint, update_meta
+    save_checkpoint(str(tmp_path), 1, {"w": 1}, None, {"step": 1})
+    stale = [tmp_path / ".meta_000001.json.tmp-999999", tmp_path / ".model_000001.pt.tmp-999998"]
+    other = tmp_path / ".report.md.tmp-999997"
+    for path in stale + [other]:
+        path.write_bytes(b"half")
+    update_meta(str(tmp_path), 1, {"step": 1, "eval": 0.5})
+    assert not stale[0].exists() and stale[1].exists() and other.exists()
+    save_checkpoint(str(tmp_path), 1, {"w": 2}, None, {"step": 1})
+    assert not stale[1].exists() and other.exists()
+    atomic_write(str(tmp_path / "report.md"), "text")
+    assert other.exists()
