@@ -371,6 +371,7 @@ class SpecialIds:
         self.python_start, self.python_end = get("<|python_start|>"), get("<|python_end|>")
         self.output_start, self.output_end = get("<|output_start|>"), get("<|output_end|>")
         self.assistant_end, self.bos = get("<|assistant_end|>"), tokenizer.get_bos_token_id()
+        self.terminal = {self.assistant_end, self.bos}  # a sampled one ends the row (not kept in its Completion)
 
 
 class Row:
@@ -401,7 +402,7 @@ class Row:
         """One step: (the token emitted, its mask). A queued forced token wins over the sampled one."""
         token, mask = (self.forced.popleft(), 0) if self.forced else (sampled_token, 1)
         self.steps += 1
-        if token in (self.special.assistant_end, self.special.bos):
+        if token in self.special.terminal:
             self.out.ended = True
         else:
             self.out.tokens.append(token)

@@ -73,13 +73,6 @@ def validate_args(args):
         raise UserError("chat_cli runs in one process; launch it with `python -m scripts.chat_cli`, not torchrun")
 
 
-def special_ids(tokenizer):
-    """The engine's tool-token ids, plus `terminal`: the tokens that end an answer."""
-    sp = SpecialIds(tokenizer)
-    sp.terminal = {sp.assistant_end, sp.bos}
-    return sp
-
-
 # a bracketed span of the transcript: its opening token and the mask that token carries, its closing token
 Span = namedtuple("Span", "opener mask closer label color")
 
@@ -94,7 +87,7 @@ class AnswerPrinter:
 
     def __init__(self, tokenizer, out, color=False):
         self.tokenizer, self.out, self.color = tokenizer, out, color
-        self.sp = special_ids(tokenizer)
+        self.sp = SpecialIds(tokenizer)
         self.segment, self.written = [], 0   # token ids of the current text segment; its characters written
         # the bracketed spans: a sampled calculator call, and the result the engine forced in
         self.spans = (Span(self.sp.python_start, 1, self.sp.python_end, "python", CYAN),
@@ -145,7 +138,7 @@ def answer_parts(tokenizer, tokens):
     """The assistant message for a sampled answer (tokens without the terminal token): a list of
     {"type": "text" | "python" | "python_output", "text": ...} parts, as render_conversation takes them.
     A python block the answer left open (cut by the length cap) is kept as a python part."""
-    sp = special_ids(tokenizer)
+    sp = SpecialIds(tokenizer)
     opener = {sp.python_start: "python", sp.output_start: "python_output"}
     closer = {sp.python_end: "python", sp.output_end: "python_output"}
     parts, kind, run = [], "text", []
