@@ -10,14 +10,15 @@ holds the rows being decoded, each in a slot of one KV cache; `Engine._rollout` 
 their rows into free slots and steps the batch until every row has finished.
 """
 
+import math
+import time
 from collections import deque
 from dataclasses import dataclass
-
-import math
 
 import torch
 
 from nanochat.calculator import format_result, use_calculator
+from nanochat.common import autocast_context, synchronize
 from nanochat.gpt import attend, sequence_masks, window_mask
 from nanochat.sampling import row_seeds, sample_next_token
 
@@ -702,9 +703,6 @@ def fastest_decode_dtype(model, candidates, rows=16, context=64, steps=3, margin
     noise on a busy machine does not flip a close call from run to run. bf16 is not faster everywhere: on
     CPUs with AVX512-BF16 but no AMX, decode matmuls of many rows in bf16 lose to fp32 (measured 1.5x), while
     training matmuls gain. One candidate is returned as is, without timing."""
-    import time
-
-    from nanochat.common import autocast_context, synchronize
     if len(candidates) == 1:
         return candidates[0]
     device = model.get_device()
