@@ -9,6 +9,8 @@ process group. Everything else asks `torch.distributed.is_initialized()`; nothin
 
 import contextlib
 import os
+import platform
+import re
 import signal
 import sys
 
@@ -129,19 +131,66 @@ def compute_init(device_type="", seed=42):
     return is_ddp, rank, local_rank, world_size, device
 
 
+CPU_BF16_KINDS = ("none", "avx512-bf16", "amx")
+CPU_BF16_ENV = "NANOCHAT_CPU_BF16"
+
+
+def cpu_bf16_kind():
+    """How this CPU multiplies bf16: "amx" (AMX tiles), "avx512-bf16" (AVX512-BF16 dot products, no AMX) or
+    "none". Without either, PyTorch's CPU bf16 matmul takes a slow path: measured on an AVX2-only AMD EPYC,
+    0.001 TFLOP/s against 0.18 in fp32. $NANOCHAT_CPU_BF16 replaces the probe with one of those values, so
+    that one machine can run the branches every other CPU kind takes (bf16 then runs, slowly, where the
+    chip has no native support: meant for tests on tiny models)."""
+    override = os.environ.get(CPU_BF16_ENV, "")
+    if not override:
+        return probed_cpu_bf16_kind()
+    if override not in CPU_BF16_KINDS:
+        raise UserError(f"{CPU_BF16_ENV} must be one of {', '.join(CPU_BF16_KINDS)} (or unset to probe the CPU), "
+                        f"got {override!r}")
+    return override
+
+
+def probed_cpu_bf16_kind():
+    """cpu_bf16_kind as the CPU reports it, whatever the override says."""
+    probe = lambda name: getattr(torch.cpu, name, lambda: False)()  # private, so probe before calling
+    if probe("_is_amx_tile_supported"):
+        return "amx"
+    return "avx512-bf16" if probe("_is_avx512_bf16_supported") else "none"
+
+
+def cpu_name():
+    """The CPU's model name ("AMD EPYC 9B14"), from /proc/cpuinfo where there is one."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            match = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.MULTILINE)
+    except OSError:  # not Linux
+        return name
+    return match.group(1).strip() if match else name
+
+
+def cpu_summary():
+    """One line naming what makes this machine's numbers what they are: the CPU, its bf16 support (probed, and
+    the $NANOCHAT_CPU_BF16 override if set), torch's version and its thread count."""
+    bf16 = probed_cpu_bf16_kind()
+    if os.environ.get(CPU_BF16_ENV):
+        bf16 = f"{cpu_bf16_kind()} ({CPU_BF16_ENV}; probed: {bf16})"
+    return (f"CPU {cpu_name()}, {os.cpu_count()} logical cores | bf16: {bf16} | torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
+
+
 def cpu_has_native_bf16():
-    """True when this CPU multiplies bf16 natively (AVX512-BF16 or AMX). Without either, PyTorch's CPU bf16
-    matmul falls back to a slow path: measured on an AVX2-only AMD EPYC, 0.001 TFLOP/s against 0.18 in fp32."""
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, so probe before calling
-    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+    """True when this CPU multiplies bf16 natively (AVX512-BF16 or AMX; see cpu_bf16_kind)."""
+    return cpu_bf16_kind() != "none"
 
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 
 
 def requested_dtype(dtype):
     """The precision a run asks for: `dtype` when given (the --dtype flag; None = not given), else
-    $NANOCHAT_DTYPE (how current nanochat sets it), else bfloat16. A value other than float32/bfloat16 is a
+    $NANOCHAT_DTYPE (how current nanochat sets it), else "auto": bf16 where it is fast (on a CPU or MPS the
+    scripts that measure decide; see nanochat.precision). A value other than auto/float32/bfloat16 is a
     UserError naming where it came from (a SettingError for `dtype`)."""
     env = os.environ.get("NANOCHAT_DTYPE")
     if dtype is not None:
@@ -149,23 +198,28 @@ def requested_dtype(dtype):
     elif env:
         value = env
     else:
-        return "bfloat16"
+        return "auto"
     if value not in DTYPES:
-        problem = f"must be float32 or bfloat16, got {value!r}"
+        problem = f"must be auto, float32 or bfloat16, got {value!r}"
         raise SettingError("dtype", problem) if dtype is not None else UserError(f"NANOCHAT_DTYPE {problem}")
     return value
 
 
 def compute_dtype(device, requested):
-    """The autocast dtype for `requested` ('bfloat16' | 'float32') on `device`. bf16 is kept where it is
-    fast; a CPU without native bf16 computes in float32 instead (a note says so), since bf16 there would
-    make the run ~100x slower."""
+    """The autocast dtype for `requested` ("auto" | "bfloat16" | "float32") on `device`, before any
+    measurement: float32 when asked; else bf16, except on a CPU without native bf16, which computes in
+    float32 instead (a note says so), since bf16 there would make the run ~100x slower."""
     if requested == "float32":
         return torch.float32
     if device.type == "cpu" and not cpu_has_native_bf16():
         print0("note: this CPU has no native bf16 (no AVX512-BF16 or AMX), so computing in float32 instead of bfloat16")
         return torch.float32
     return torch.bfloat16
+
+
+def dtype_name(dtype):
+    """torch.bfloat16 -> "bfloat16": how configs and checkpoints record a dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
 def synchronize(device):

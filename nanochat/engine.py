@@ -11,14 +11,12 @@ their rows into free slots and steps the batch until every row has finished.
 """
 
 import math
-import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from nanochat.calculator import format_result, use_calculator
-from nanochat.common import autocast_context, synchronize
 from nanochat.gpt import attend, sequence_masks, window_mask
 from nanochat.sampling import row_seeds, sample_next_token
 
@@ -695,35 +693,3 @@ class Engine:
             if events:
                 yield events
 
-
-def fastest_decode_dtype(model, candidates, rows=16, context=64, steps=3, margin=1.2):
-    """Of `candidates` (torch dtypes, the preferred first), the one in which a batched decode step of `model`
-    runs fastest on its device: `rows` rows over `context` cached tokens, the best of `steps` timed steps after
-    a warm-up each. Another candidate replaces the first only when it is faster by `margin`, so that timing
-    noise on a busy machine does not flip a close call from run to run. bf16 is not faster everywhere: on
-    CPUs with AVX512-BF16 but no AMX, decode matmuls of many rows in bf16 lose to fp32 (measured 1.5x), while
-    training matmuls gain. One candidate is returned as is, without timing."""
-    if len(candidates) == 1:
-        return candidates[0]
-    device = model.get_device()
-    context = max(1, min(context, model.config.sequence_len - steps - 2))
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (rows, context), generator=gen).to(device)
-    best = {}
-    with torch.no_grad():
-        for dtype in candidates:
-            with autocast_context(device, dtype):
-                cache = KVCache.for_model(model, rows, context + steps + 1, dtype)
-                model(prompt, kv_cache=cache)
-                token = prompt[:, -1:]
-                model(token, kv_cache=cache)  # warm-up
-                times = []
-                for _ in range(steps):
-                    synchronize(device)
-                    t0 = time.perf_counter()
-                    model(token, kv_cache=cache)
-                    synchronize(device)
-                    times.append(time.perf_counter() - t0)
-            best[dtype] = min(times)
-    fastest = min(candidates, key=lambda d: best[d])
-    return fastest if best[fastest] * margin < best[candidates[0]] else candidates[0]

@@ -47,8 +47,8 @@ import torch
 import torch.nn as nn
 
 from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_flag, run_main
-from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_init, cpu_has_native_bf16,
-                             synchronize, get_base_dir, get_dist_info, grad_norm, print0, require)
+from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_init, cpu_bf16_kind,
+                             cpu_has_native_bf16, cpu_name, synchronize, get_base_dir, get_dist_info, grad_norm, print0, require)
 from nanochat.engine import Engine, SharedPromptKVCache
 from nanochat.flops import matmul_flops_per_token, rollout_flops, train_flops
 from nanochat.gpt import build_fresh_model
@@ -239,11 +239,8 @@ class PeakMemory:
 
 
 def machine_info(device):
-    cpu = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):
-        match = re.search(r"^model name\s*:\s*(.+)$", open("/proc/cpuinfo").read(), re.MULTILINE)
-        cpu = match.group(1).strip() if match else cpu
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "cpu": cpu,
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "cpu": cpu_name(),
+            "cpu_bf16": cpu_bf16_kind(),
             "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "platform": platform.platform(), "python": platform.python_version()}
 

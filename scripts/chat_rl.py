@@ -32,13 +32,14 @@ from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_checkpoint, list_
                                          load_optimizer_state, make_checkpoint_dir, save_checkpoint, update_meta)
 from nanochat.cli import (ArgumentParser, add_debug_flag, add_model_generation_flag, add_optimizer_flags, add_runtime_flags,
                           check_optimizer_flags, run_main)
-from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup, compute_dtype,
-                             compute_init, format_duration, get_base_dir, get_dist_info, print0, remaining_seconds,
-                             require, requested_dtype)
-from nanochat.engine import Engine, fastest_decode_dtype
+from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup,
+                             compute_init, cpu_has_native_bf16, dtype_name, format_duration, get_base_dir, get_dist_info, print0,
+                             remaining_seconds, require, requested_dtype)
+from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.metrics import objective_metrics, reduce_metrics, rollout_metrics
 from nanochat.optim import guarded_step, lr_multiplier, scale_initial_lr
+from nanochat.precision import MARGIN, PREFERENCE, fastest_decode_dtype, fastest_training_dtype, rank0_choice
 from nanochat.report import get_report, log_chat_rl
 from nanochat.rl import LOSS_NORMS, PolicyLoss, TrainStats, accumulate_policy_gradient, step_counts
 from nanochat.rollout import Sampling, question_seed, sample_questions, step_question_indices
@@ -51,8 +52,9 @@ def parse_args(argv):
     # logging and runtime
     add_runtime_flags(p)
     p.add_argument("--rollout-dtype", type=str, default="auto",
-                   help="dtype of rollouts and evals: auto (with a bf16 --dtype on a CPU, whichever of bf16 and fp32 "
-                        "decodes faster here, measured at the start and kept on --resume), float32 or bfloat16")
+                   help="dtype of rollouts and evals: auto (float32 with --dtype=float32; else bfloat16 on a GPU, and "
+                        "on a CPU/MPS bfloat16 only where a decode step measured at the start is 1.2x faster; kept "
+                        "on --resume), float32 or bfloat16")
     # model to start from, and where the run is written
     p.add_argument("--source", type=str, default="sft",
                    help="checkpoint family to start from: base|mid|sft|rl (rl: a new run from an RL checkpoint)")
@@ -167,22 +169,37 @@ def load_reference(start, device, generation):
     return reference
 
 
-def rollout_dtype(model, device, args):
-    """The rollout dtype's name: --rollout-dtype when it names one; with auto, the compute dtype, except
-    that a bf16 run on a CPU or MPS decodes in whichever of bf16 and fp32 is faster there (measured now, on
-    rank 0's device: every rank uses its choice)."""
-    if args.rollout_dtype != "auto":
-        return args.rollout_dtype
-    if args.dtype == "float32" or device.type == "cuda":
-        return args.dtype
-    candidates = [torch.bfloat16, torch.float32]
-    choice = torch.tensor([candidates.index(fastest_decode_dtype(model, candidates))])
-    if dist.is_initialized():  # every rank decodes as rank 0 measured (and as the checkpoint records); a CPU
-        dist.broadcast(choice, src=0)  # tensor: this path runs on CPU/MPS only, whose process group is gloo
-    name = str(candidates[int(choice)]).removeprefix("torch.")
-    print0(f"rollouts decode in {name}: measured faster than {'float32' if name == 'bfloat16' else 'bfloat16'} "
-           f"on this {device.type} (--rollout-dtype to choose)")
+def phase_dtype(phase, device, requested, measure):
+    """The dtype name one phase (phase: "training" or "rollouts") runs in, for `requested` (auto, float32 or
+    bfloat16: --dtype or --rollout-dtype). float32 when asked, or where bf16 is not native (a note says so);
+    bf16 when asked, or for auto on CUDA; for auto on a CPU or MPS with native bf16, the faster of the two by
+    measure(candidates): fp32 unless bf16 wins by the margin (measured on rank 0; every rank takes its choice)."""
+    what, flag = {"training": ("training computes", "--dtype"), "rollouts": ("rollouts decode", "--rollout-dtype")}[phase]
+    if requested == "float32":
+        return "float32"
+    if device.type == "cpu" and not cpu_has_native_bf16():
+        print0(f"note: this CPU has no native bf16 (no AVX512-BF16 or AMX), so {what} in float32")
+        return "float32"
+    if requested == "bfloat16" or device.type == "cuda":
+        return "bfloat16"
+    name = dtype_name(rank0_choice(lambda: measure(list(PREFERENCE)), list(PREFERENCE)))
+    print0(f"{what} in {name}: bfloat16 measured {'at least' if name == 'bfloat16' else 'less than'} {MARGIN}x as fast "
+           f"as float32 on this {device.type} ({flag} to choose)")
     return name
+
+
+def resolve_dtypes(args, model, tokenizer, train_task, device):
+    """Set args.dtype and args.rollout_dtype to what will run: the run's config and checkpoints record them, so
+    a resumed run computes as it did. Training is timed on one micro-batch of the run's own shape (the first
+    question's prompt plus --max-new-tokens), rollouts on a batched decode step. --rollout-dtype=auto is float32
+    with a float32 --dtype, else measured on its own: decoding and training gain from bf16 on different CPUs."""
+    requested = args.dtype
+    length = len(tokenizer.render_for_completion(train_task[0])) + args.max_new_tokens
+    args.dtype = phase_dtype("training", device, requested, lambda candidates: fastest_training_dtype(
+        model, args.device_batch_size, length, candidates))
+    rollout_request = "float32" if args.rollout_dtype == "auto" and requested == "float32" else args.rollout_dtype
+    args.rollout_dtype = phase_dtype("rollouts", device, rollout_request,
+                                     lambda candidates: fastest_decode_dtype(model, candidates))
 
 
 # flags that define the run; --resume restores them from the checkpoint so the continuation is exact
@@ -336,9 +353,8 @@ def setup_run(args, rank, world_size, device):
     else:
         model, tokenizer, meta = start_new_run(args, device)
     start = meta.get("start_checkpoint")
-    args.dtype = str(compute_dtype(device, args.dtype)).removeprefix("torch.")  # the config records what runs
-    args.rollout_dtype = rollout_dtype(model, device, args)  # recorded, so a resumed run decodes as it did
     train_task, val_task = make_task(args.task, "train"), make_task(args.task, "test")
+    resolve_dtypes(args, model, tokenizer, train_task, device)
     num_steps = args.num_steps if args.num_steps > 0 else (len(train_task) // args.examples_per_step) * args.num_epochs
     if num_steps < 1:
         raise UserError(f"the {args.task} train split has {len(train_task)} questions, fewer than --examples-per-step "

@@ -8,7 +8,8 @@
 # 2. installs torch into it unless it already has one: the CPU build (torch==2.13.0), or, where nvidia-smi
 #    shows an NVIDIA GPU, a CUDA build (PyPI's torch for Linux);
 # 3. installs this package with its test extras (pip install -e ".[test]");
-# 4. runs pytest and exits with pytest's exit code.
+# 4. prints one line naming the CPU, its bf16 support, torch's version and thread count;
+# 5. runs pytest and exits with pytest's exit code.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,6 +31,8 @@ else
     "$venv_python" -m pip install --quiet torch==2.13.0  # pinned: an unpinned torch pulls GBs of CUDA wheels
 fi
 "$venv_python" -m pip install --quiet -e ".[test]"
+# which machine this is, so that a red log says which CPU kind (and bf16 path) the numbers came from
+"$venv_python" -c "from nanochat.common import cpu_summary; print('tests/run.sh: ' + cpu_summary())"
 
 # with arguments they replace `tests` (a path selects; with options only, pyproject's testpaths is `tests`)
 [ $# -gt 0 ] || set -- tests

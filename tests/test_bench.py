@@ -85,9 +85,10 @@ def test_config_subset_without_baseline_has_no_ratios(base_dir, tmp_path):
     assert "step_speedup_x" not in results["batched_fp32"]
 
 
-@pytest.mark.parametrize("native_bf16", [True, False])
-def test_default_configs_measure_bf16_only_where_it_is_native(native_bf16, monkeypatch, capsys):
-    monkeypatch.setattr(bench_rl, "cpu_has_native_bf16", lambda: native_bf16)
+@pytest.mark.parametrize("kind", ["none", "avx512-bf16", "amx"])
+def test_default_configs_measure_bf16_only_where_it_is_native(kind, monkeypatch, capsys):
+    monkeypatch.setenv("NANOCHAT_CPU_BF16", kind)
+    native_bf16 = kind != "none"
     assert bench_rl.validate_args(bench_rl.parse_args([])) is None  # no --configs: the device decides
     names = [c.name for c in bench_rl.default_configs(torch.device("cpu"))]
     expected = ["baseline", "batched_plain", "batched_fp32"] + (["batched_bf16"] if native_bf16 else [])

@@ -87,7 +87,7 @@ def test_missing_checkpoint_is_one_line_and_exit_2(base_dir):
     (["-t", "-1"], "--temperature must be >= 0"),
     (["-k", "-5"], "--top-k must be >= 0"),
     (["--max-new-tokens=0"], "--max-new-tokens must be >= 1"),
-    (["--dtype=float16"], "--dtype must be float32 or bfloat16"),
+    (["--dtype=float16"], "--dtype must be auto, float32 or bfloat16"),
     (["--temp=0"], "unrecognized arguments: --temp=0"),
 ])
 def test_bad_flags_are_one_line(flags, message, capsys):

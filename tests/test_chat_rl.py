@@ -43,7 +43,7 @@ def test_eval_prints_pass_at_k(sft, base_dir, capsys):
     (["--num-samples=4", "--device-batch-size=8"], "--num-samples (4) must be a multiple of --device-batch-size (8)"),
     (["--num-samples=12", "--device-batch-size=8"], "e.g. --device-batch-size=6"),
     (["--temperature=-1"], "--temperature must be >= 0"),
-    (["--dtype=float16"], "--dtype must be float32 or bfloat16"),
+    (["--dtype=float16"], "--dtype must be auto, float32 or bfloat16"),
     (["--eval-every=0"], "--eval-every must be >= 1, or -1"),
     (["--init-lr-frac=0"], "--init-lr-frac must be in (0, 1]"),
     (["--task=nosuchtask"], "unknown task 'nosuchtask'"),
@@ -97,15 +97,16 @@ def test_unknown_task_is_reported_before_any_checkpoint_is_opened(tmp_path, monk
 def test_nanochat_dtype_environment_variable(sft, base_dir, monkeypatch):
     """NANOCHAT_DTYPE (how current nanochat sets precision) is honoured when --dtype is not given, and an
     explicit --dtype wins over it. The CPU is made to look bf16-capable so that bfloat16 would really run."""
-    from nanochat import common
-    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: True)
-    no_dtype = [f for f in TINY_RL_FLAGS if not f.startswith("--dtype")] + ["--num-steps=1"]
+    monkeypatch.setenv("NANOCHAT_CPU_BF16", "avx512-bf16")
+    no_dtype = [f for f in TINY_RL_FLAGS if not f.startswith("--dtype")] + ["--num-steps=1", "--rollout-dtype=float32"]
     recorded = lambda: json.loads((base_dir / "chatrl_checkpoints" / "d2" / "meta_000000.json").read_text())["user_config"]["dtype"]
 
     monkeypatch.setenv("NANOCHAT_DTYPE", "float32")
     chat_rl.main(no_dtype)
-    assert recorded() == "float32"  # without the variable this run would have been bfloat16
+    assert recorded() == "float32"
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    chat_rl.main(no_dtype + ["--overwrite"])
+    assert recorded() == "bfloat16"  # forced: not measured
     chat_rl.main(no_dtype + ["--dtype=float32", "--overwrite"])
     assert recorded() == "float32"
 
@@ -200,25 +201,83 @@ def test_two_ranks_end_with_the_same_weights_as_one(sft, base_dir, tmp_path):
     assert rewards(single.stdout) == rewards(double.stdout)
 
 
-def test_rollout_dtype_is_recorded_and_kept_on_resume(sft, base_dir, monkeypatch, capsys):
-    """auto with a bf16 run on a CPU measures which dtype decodes faster; the choice is recorded in the
-    meta and a resumed run keeps it instead of measuring again (it could come out otherwise)."""
-    import json
-    measured = []
+@pytest.fixture
+def measurements(monkeypatch):
+    """chat_rl's two timings replaced by scripted answers: `answers[phase]` is the dtype the timing of that phase
+    returns ("training" or "rollouts"); each call is recorded in `calls` as (phase, candidates)."""
+    state = {"answers": {"training": torch.float32, "rollouts": torch.float32}, "calls": []}
 
-    def fake_fastest(model, candidates):
-        measured.append(candidates)
-        return torch.float32 if len(measured) == 1 else torch.bfloat16
+    def fake(phase):
+        def measure(model, *args):
+            state["calls"].append((phase, args[-1]))
+            return state["answers"][phase]
+        return measure
+    monkeypatch.setattr(chat_rl, "fastest_training_dtype", fake("training"))
+    monkeypatch.setattr(chat_rl, "fastest_decode_dtype", fake("rollouts"))
+    return state
 
-    monkeypatch.setattr(chat_rl, "fastest_decode_dtype", fake_fastest)
-    flags = [f for f in TINY_RL_FLAGS if not f.startswith("--dtype")] + ["--dtype=bfloat16", "--save-every=1"]
-    chat_rl.main(flags + ["--num-steps=3"])
+
+def recorded_dtypes(base_dir, step):
+    config = json.loads((base_dir / "chatrl_checkpoints" / "d2" / f"meta_{step:06d}.json").read_text())["user_config"]
+    return config["dtype"], config["rollout_dtype"]
+
+
+AUTO_FLAGS = [f for f in TINY_RL_FLAGS if not f.startswith("--dtype")]
+
+
+@pytest.mark.parametrize("kind", ["none", "avx512-bf16", "amx"])
+@pytest.mark.parametrize("training, rollouts", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_auto_dtypes_follow_the_cpu_kind_and_the_measurements(kind, training, rollouts, sft, base_dir, monkeypatch,
+                                                                measurements, capsys):
+    """--dtype=auto (the default): a CPU without native bf16 computes both phases in float32 without timing
+    anything; one with AVX512-BF16 or AMX times training and decoding separately, fp32 preferred (the
+    candidates' order), and runs and records what each timing chose."""
+    monkeypatch.setenv("NANOCHAT_CPU_BF16", kind)
+    monkeypatch.delenv("NANOCHAT_DTYPE", raising=False)
+    measurements["answers"].update(training=training, rollouts=rollouts)
+    chat_rl.main(AUTO_FLAGS + ["--num-steps=1"])
+    out = capsys.readouterr().out
+    name = lambda dtype: str(dtype).removeprefix("torch.")
+    if kind == "none":
+        assert measurements["calls"] == []
+        assert recorded_dtypes(base_dir, 0) == ("float32", "float32")
+        assert "so training computes in float32" in out and "so rollouts decode in float32" in out
+    else:
+        preference = [torch.float32, torch.bfloat16]
+        assert measurements["calls"] == [("training", preference), ("rollouts", preference)]
+        assert recorded_dtypes(base_dir, 0) == (name(training), name(rollouts))
+        assert f"training computes in {name(training)}" in out and f"rollouts decode in {name(rollouts)}" in out
+
+
+@pytest.mark.parametrize("kind", ["none", "avx512-bf16", "amx"])
+def test_forced_dtypes_are_not_measured(kind, sft, base_dir, monkeypatch, measurements):
+    """--dtype=float32 runs both phases in float32; --dtype=bfloat16 trains in bf16 where it is native (float32
+    elsewhere) and lets auto rollouts be measured; --rollout-dtype forces the rollouts. No forced phase is timed."""
+    monkeypatch.setenv("NANOCHAT_CPU_BF16", kind)
+    native = kind != "none"
+    chat_rl.main(AUTO_FLAGS + ["--num-steps=1", "--dtype=float32"])
+    assert recorded_dtypes(base_dir, 0) == ("float32", "float32") and measurements["calls"] == []
+    measurements["answers"]["rollouts"] = torch.bfloat16
+    chat_rl.main(AUTO_FLAGS + ["--num-steps=1", "--dtype=bfloat16", "--overwrite"])
+    expected = "bfloat16" if native else "float32"
+    assert recorded_dtypes(base_dir, 0) == (expected, expected)
+    assert [phase for phase, _ in measurements["calls"]] == (["rollouts"] if native else [])
+    chat_rl.main(AUTO_FLAGS + ["--num-steps=1", "--dtype=float32", "--rollout-dtype=bfloat16", "--overwrite"])
+    assert recorded_dtypes(base_dir, 0) == ("float32", expected)
+    assert len(measurements["calls"]) == (1 if native else 0)
+
+
+def test_measured_dtypes_are_recorded_and_kept_on_resume(sft, base_dir, monkeypatch, measurements, capsys):
+    """The measured choices are recorded in the meta and a resumed run keeps them instead of measuring again
+    (timing could come out otherwise)."""
+    monkeypatch.setenv("NANOCHAT_CPU_BF16", "avx512-bf16")
+    monkeypatch.delenv("NANOCHAT_DTYPE", raising=False)
+    measurements["answers"].update(training=torch.bfloat16, rollouts=torch.float32)
+    chat_rl.main(AUTO_FLAGS + ["--num-steps=3", "--save-every=1"])
     rl_dir = base_dir / "chatrl_checkpoints" / "d2"
-    meta = json.loads((rl_dir / "meta_000001.json").read_text())
-    assert meta["user_config"]["rollout_dtype"] == "float32" and len(measured) == 1
+    assert recorded_dtypes(base_dir, 1) == ("bfloat16", "float32") and len(measurements["calls"]) == 2
     (rl_dir / "meta_000002.json").unlink()
     (rl_dir / "model_000002.pt").unlink()
+    measurements["answers"].update(training=torch.float32, rollouts=torch.bfloat16)  # would flip both if asked
     chat_rl.main(["--resume=d2:1", "--device-type=cpu"])
-    meta = json.loads((rl_dir / "meta_000002.json").read_text())
-    assert meta["user_config"]["rollout_dtype"] == "float32" and len(measured) == 1  # not measured again
-    assert "rollouts decode in float32" in capsys.readouterr().out
+    assert recorded_dtypes(base_dir, 2) == ("bfloat16", "float32") and len(measurements["calls"]) == 2

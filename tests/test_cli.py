@@ -45,7 +45,7 @@ CASES = {
     "no task class": (lambda base: resolve_task_class("tasks.gsm8k:NoSuchClass"),
                       "has no class 'NoSuchClass' (the name after ':'); check --task (chat_sft: --tasks)"),
     "wandb refused": (lambda base: raise_(WandbStartError("r", "no API key")), "; or pass --run=dummy to turn wandb off"),
-    "bad dtype": (lambda base: requested_dtype("fp8"), "error: --dtype must be float32 or bfloat16, got 'fp8'"),
+    "bad dtype": (lambda base: requested_dtype("fp8"), "error: --dtype must be auto, float32 or bfloat16, got 'fp8'"),
     "unknown device": (lambda base: compute_init("tpu"),
                        "error: --device-type 'tpu' is unknown; use cuda, cpu or mps (or leave it empty to autodetect)"),
 }

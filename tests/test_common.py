@@ -10,6 +10,8 @@ from nanochat import common
 
 @pytest.mark.parametrize("device, native, requested, expected", [
     ("cpu", True, "bfloat16", torch.bfloat16),
+    ("cpu", True, "auto", torch.bfloat16),       # before any measurement (chat_rl times it; see test_precision)
+    ("cpu", False, "auto", torch.float32),
     ("cpu", False, "bfloat16", torch.float32),   # emulated bf16 would be ~100x slower than fp32
     ("cpu", True, "float32", torch.float32),
     ("cuda", False, "bfloat16", torch.bfloat16),  # the CPU's abilities say nothing about a GPU
@@ -18,13 +20,32 @@ from nanochat import common
 def test_compute_dtype(device, native, requested, expected, monkeypatch, capsys):
     monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: native)
     assert common.compute_dtype(torch.device(device), requested) == expected
-    fell_back = requested == "bfloat16" and expected == torch.float32
+    fell_back = requested != "float32" and expected == torch.float32
     assert ("computing in float32 instead of bfloat16" in capsys.readouterr().out) == fell_back
 
 
-def test_native_bf16_probe_agrees_with_torch():
-    expected = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    assert common.cpu_has_native_bf16() == expected
+def test_native_bf16_probe_agrees_with_torch(monkeypatch):
+    monkeypatch.delenv("NANOCHAT_CPU_BF16", raising=False)
+    amx, avx512_bf16 = torch.cpu._is_amx_tile_supported(), torch.cpu._is_avx512_bf16_supported()
+    assert common.cpu_bf16_kind() == ("amx" if amx else "avx512-bf16" if avx512_bf16 else "none")
+    assert common.cpu_has_native_bf16() == (amx or avx512_bf16)
+
+
+@pytest.mark.parametrize("kind", ["none", "avx512-bf16", "amx"])
+def test_cpu_bf16_override_replaces_the_probe(kind, monkeypatch, capsys):
+    """$NANOCHAT_CPU_BF16 makes this machine decide as that CPU kind would, whatever it is."""
+    monkeypatch.setenv("NANOCHAT_CPU_BF16", kind)
+    assert common.cpu_bf16_kind() == kind
+    assert common.cpu_has_native_bf16() == (kind != "none")
+    expected = torch.float32 if kind == "none" else torch.bfloat16
+    assert common.compute_dtype(torch.device("cpu"), "auto") == expected
+
+
+def test_cpu_bf16_override_refuses_an_unknown_kind(monkeypatch):
+    monkeypatch.setenv("NANOCHAT_CPU_BF16", "avx2")
+    with pytest.raises(common.UserError, match="^NANOCHAT_CPU_BF16 must be one of none, avx512-bf16, amx "
+                                                r"\(or unset to probe the CPU\), got 'avx2'$"):
+        common.cpu_bf16_kind()
 
 
 def test_autocast_context_runs_matmuls_in_the_chosen_dtype():
@@ -37,7 +58,8 @@ def test_autocast_context_runs_matmuls_in_the_chosen_dtype():
 
 
 @pytest.mark.parametrize("flag, env, expected", [
-    (None, None, "bfloat16"),           # nanochat's chat_rl default
+    (None, None, "auto"),               # bf16 where it is fast (nanochat's chat_rl default is bfloat16 on CUDA)
+    ("auto", "float32", "auto"),
     (None, "float32", "float32"),       # current nanochat sets precision with NANOCHAT_DTYPE
     (None, "bfloat16", "bfloat16"),
     ("bfloat16", "float32", "bfloat16"),  # an explicit --dtype wins over the environment
@@ -53,12 +75,12 @@ def test_requested_dtype(flag, env, expected, monkeypatch):
 
 def test_requested_dtype_names_where_a_bad_value_came_from(monkeypatch):
     monkeypatch.setenv("NANOCHAT_DTYPE", "float16")
-    with pytest.raises(common.UserError, match="NANOCHAT_DTYPE must be float32 or bfloat16, got 'float16'"):
+    with pytest.raises(common.UserError, match="NANOCHAT_DTYPE must be auto, float32 or bfloat16, got 'float16'"):
         common.requested_dtype(None)
     # the argument's value: the library names the setting; nanochat.cli shows it as --dtype (test_cli.py)
-    with pytest.raises(common.SettingError, match="^dtype must be float32 or bfloat16, got 'fp8'$") as e:
+    with pytest.raises(common.SettingError, match="^dtype must be auto, float32 or bfloat16, got 'fp8'$") as e:
         common.requested_dtype("fp8")
-    assert (e.value.setting, e.value.problem) == ("dtype", "must be float32 or bfloat16, got 'fp8'")
+    assert (e.value.setting, e.value.problem) == ("dtype", "must be auto, float32 or bfloat16, got 'fp8'")
 
 
 def test_rank_comes_from_the_process_group_else_torchrun_env(tmp_path, monkeypatch):

@@ -205,29 +205,6 @@ def test_shared_prompts_fit_more_rows(tiny_model, tiny_tokenizer):
     assert rows[0] > 2 * rows[1]
 
 
-def test_fastest_decode_dtype_picks_a_candidate(tiny_model, monkeypatch):
-    """One candidate is returned without timing; of two, the one whose timed steps were shorter by the
-    margin (1.2x), else the first (preferred) one."""
-    from nanochat import engine as engine_module
-    assert engine_module.fastest_decode_dtype(tiny_model, [torch.float32]) == torch.float32
-    clock = iter(range(1000))
-    slow = {torch.bfloat16: 5.0, torch.float32: 1.0}  # seconds each timed step of that dtype takes
-    state = {}
-
-    def fake_perf_counter():
-        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32
-        state["t"] = state.get("t", 0.0) + slow[dtype] * (next(clock) % 2)
-        return state["t"]
-
-    import time
-    monkeypatch.setattr(time, "perf_counter", fake_perf_counter)
-    assert engine_module.fastest_decode_dtype(tiny_model, [torch.bfloat16, torch.float32]) == torch.float32
-    slow.update({torch.bfloat16: 0.5})
-    assert engine_module.fastest_decode_dtype(tiny_model, [torch.bfloat16, torch.float32]) == torch.bfloat16
-    slow.update({torch.bfloat16: 1.1})  # fp32 faster, but within the margin: the preferred first one stays
-    assert engine_module.fastest_decode_dtype(tiny_model, [torch.bfloat16, torch.float32]) == torch.bfloat16
-
-
 def test_row_runs_the_tool_state_machine(tiny_tokenizer):
     """Row alone, fed tokens by hand: a completed <|python_start|> expr <|python_end|> queues <|output_start|>
     value <|output_end|>, emitted with mask 0 in place of whatever is sampled (even a terminal token); a

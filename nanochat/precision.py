@@ -1,0 +1,101 @@
+"""
+The dtypes a run computes in where that is a measured choice.
+
+On a GPU bf16 autocast is simply faster. On a CPU it depends on the chip and on the work: without AVX512-BF16
+or AMX, bf16 matmuls take a slow path (never chosen; see common.compute_dtype); with AVX512-BF16 but no AMX,
+a d4 model's training step is ~1.7x slower in bf16 than in fp32 while a large decode batch may gain; with AMX
+bf16 usually wins. So a run that may use bf16 on a CPU or MPS times one step of its own work each way at its
+start, and keeps fp32 (nanochat's CPU numerics) unless bf16 is clearly faster. The choice is made on rank 0
+and every rank takes it, so that all ranks compute alike.
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from nanochat.common import autocast_context, synchronize
+from nanochat.engine import KVCache
+
+# bf16 replaces fp32 only when this many times faster: timing noise on a busy machine must not flip a close
+# call from one run to the next
+MARGIN = 1.2
+PREFERENCE = (torch.float32, torch.bfloat16)  # the preferred first
+
+
+def fastest_dtype(make_step, candidates, device, repeats=3, margin=MARGIN):
+    """Of `candidates` (torch dtypes, the preferred first), the one under whose autocast one call of the step
+    runs fastest on `device`. make_step(dtype), called under that autocast, prepares and returns the step (a
+    no-argument callable); it is called once to warm up, then `repeats` times timed, and the best time counts.
+    Another candidate replaces the first only when faster by `margin`. One candidate is returned untimed."""
+    if len(candidates) == 1:
+        return candidates[0]
+    best = {}
+    for dtype in candidates:
+        with autocast_context(device, dtype):
+            step = make_step(dtype)
+            step()  # warm-up: first calls allocate and pick kernels
+            times = []
+            for _ in range(repeats):
+                synchronize(device)
+                t0 = time.perf_counter()
+                step()
+                synchronize(device)
+                times.append(time.perf_counter() - t0)
+        best[dtype] = min(times)
+    fastest = min(candidates, key=best.get)
+    return fastest if best[fastest] * margin < best[candidates[0]] else candidates[0]
+
+
+def random_tokens(model, rows, length):
+    """(rows, length) token ids drawn from a fixed generator: the same timing input in every run, and the
+    global random state untouched (the run's sampling depends on it)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    return torch.randint(0, model.config.vocab_size, (rows, length), generator=gen).to(model.get_device())
+
+
+def fastest_decode_dtype(model, candidates, rows=16, context=64, repeats=3, margin=MARGIN):
+    """The dtype (of `candidates`, see fastest_dtype) in which a batched KV-cached decode step of `model` runs
+    fastest: `rows` rows over `context` cached tokens."""
+    context = max(1, min(context, model.config.sequence_len - repeats - 2))
+    prompt = random_tokens(model, rows, context)
+
+    def make_step(dtype):
+        cache = KVCache.for_model(model, rows, context + repeats + 1, dtype)
+        model(prompt, kv_cache=cache)
+        token = prompt[:, -1:]
+        return lambda: model(token, kv_cache=cache)
+
+    with torch.no_grad():
+        return fastest_dtype(make_step, candidates, model.get_device(), repeats, margin)
+
+
+def fastest_training_dtype(model, rows, length, candidates, repeats=2, margin=MARGIN):
+    """The dtype (of `candidates`, see fastest_dtype) in which one training micro-batch of `model` (forward and
+    backward of `rows` sequences of `length` tokens) runs fastest. The gradients it makes are discarded."""
+    length = max(2, min(length, model.config.sequence_len))
+    tokens = random_tokens(model, rows, length + 1)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    was_training = model.training
+    model.train()
+
+    def make_step(dtype):
+        def step():
+            model(inputs, targets).backward()
+            model.zero_grad(set_to_none=True)
+        return step
+
+    try:
+        return fastest_dtype(make_step, candidates, model.get_device(), repeats, margin)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+
+
+def rank0_choice(choose, candidates):
+    """candidates[i] for the i that choose() returns on rank 0; the other ranks do not call it and wait for
+    rank 0's answer. A CPU tensor: only CPU and MPS runs measure, and their process group is gloo."""
+    index = torch.tensor([candidates.index(choose()) if not dist.is_initialized() or dist.get_rank() == 0 else 0])
+    if dist.is_initialized():
+        dist.broadcast(index, src=0)
+    return candidates[int(index)]
