@@ -16,6 +16,7 @@ import traceback
 from nanochat.checkpoint_manager import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
                                          UnknownStepError, UnknownTagError)
 from nanochat.common import SettingError, UserError, get_rank, require
+from nanochat.engine import DECODE_MODES
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
 from nanochat.tokenizer import TokenizerError
 from nanochat.wandb_utils import WandbStartError
@@ -54,6 +55,14 @@ def add_runtime_flags(parser, wandb_run=True):
                         help="auto|float32|bfloat16 compute dtype (autocast); default: $NANOCHAT_DTYPE, else auto: "
                              "bfloat16 on a GPU, on a CPU bfloat16 only where it is native (AVX512-BF16, AMX) and, in "
                              "chat_rl, measured faster at the start")
+
+
+def add_decode_flag(parser):
+    """--decode: how the rollout engine runs its decode step (nanochat.engine.decode_mode). The tokens are the
+    same in every mode; only the speed differs."""
+    parser.add_argument("--decode", type=str, default="auto", choices=DECODE_MODES,
+                        help="decode step of rollouts: auto (graph on CUDA, eager elsewhere), eager (exact shapes), "
+                             "static (bucketed shapes, eagerly), graph (bucketed shapes replayed from CUDA graphs)")
 
 
 def add_optimizer_flags(parser):

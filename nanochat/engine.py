@@ -36,6 +36,8 @@ class KVCache:
 
     k, v: (n_layer, B, T_max, n_kv_head, head_dim)
     pos:  (B,) int64, how many tokens of each row are cached (rows may differ).
+    active: (B,) int64, 1 for a row in use; a forward advances only those (a static-shape decode step runs
+          every row of its bucket, and a free row must stay where it was: at 0).
     prev_embedding: (B, 1, embed_dim) or None: the normed embedding of each row's last cached token, for
           generations that smear it into the next position (zeros for an empty row: adds nothing).
 
@@ -52,9 +54,10 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.active = torch.ones(batch_size, dtype=torch.long, device=device)
         self.prev_embedding = (None if embed_dim is None else
                                torch.zeros(batch_size, 1, embed_dim, device=device, dtype=embed_dtype))
-        self.known_max_pos = None  # int(pos.max()), set by decode_rows for the one forward that follows
+        self.known_keys = None  # keys the next forward reads, when the caller knows them (decode_view)
 
     @classmethod
     def for_model(cls, model, batch_size, seq_len, dtype=None):
@@ -73,7 +76,7 @@ class KVCache:
 
     def reset(self):
         self.pos.zero_()
-        self.known_max_pos = None
+        self.known_keys = None
         if self.prev_embedding is not None:
             self.prev_embedding.zero_()
 
@@ -82,26 +85,34 @@ class KVCache:
         return int(self.pos.max())
 
     def advance(self, num_tokens):
-        self.pos += num_tokens
-        self.known_max_pos = None
+        self.pos.add_(self.active, alpha=num_tokens)
+        self.known_keys = None
 
     def next_positions(self):
         """(B,) the absolute position each row's next token takes."""
         return self.pos.clone()
 
-    def decode_rows(self, rows):
-        """For a single-token step of the first `rows` rows: (a view of them, the key/value positions its
-        attention reads per layer: every row's keys 0..Tk-1). The view knows its largest position, so the
-        step's forward does not read it from the device again."""
+    def decode_capacity(self):
+        """Keys a decode step can read: the cache's positions."""
+        return self.max_seq_len
+
+    def decode_view(self, rows, keys, last_position=None):
+        """The first `rows` rows for a single-token step whose attention reads keys 0..keys-1, which must cover
+        every active row's keys, this step's included (the caller knows the rows' positions: nothing is read
+        from the device; last_position, the largest, is checked by the caller)."""
         view = self.rows(0, rows)
-        view.known_max_pos = int(view.pos.max())  # the step's one host sync
-        return view, rows * (view.known_max_pos + 1)
+        view.known_keys = keys
+        return view
+
+    @staticmethod
+    def keys_read(rows, keys):
+        """Key/value positions a decode step of decode_view(rows, keys) reads per layer."""
+        return rows * keys
 
     def attention_plan(self, T, windows, max_positions):
         """For a forward of T tokens per row: their positions (B, T), the mask of each window over the keys
         0..Tk-1 every layer attends to, and the attention context (writes the new keys, reads the row's)."""
-        top = int(self.pos.max()) if self.known_max_pos is None else self.known_max_pos  # a host sync if unknown
-        Tk = top + T  # keys 0..Tk-1 cover every row
+        Tk = int(self.pos.max()) + T if self.known_keys is None else self.known_keys  # a host sync if unknown
         if Tk > self.max_seq_len or Tk > max_positions:
             raise ValueError(f"KV cache overflow: {Tk} positions needed, the cache holds {self.max_seq_len} "
                              f"and the rotary tables {max_positions}")
@@ -116,8 +127,9 @@ class KVCache:
         """A cache over rows [start, stop) that shares storage with this one (writes land here)."""
         view = KVCache.__new__(KVCache)
         view.k, view.v, view.pos = self.k[:, start:stop], self.v[:, start:stop], self.pos[start:stop]
+        view.active = self.active[start:stop]
         view.prev_embedding = None if self.prev_embedding is None else self.prev_embedding[start:stop]
-        view.known_max_pos = None
+        view.known_keys = None
         return view
 
     def copy_rows(self, dst, src):
@@ -125,8 +137,14 @@ class KVCache:
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
         self.pos[dst] = self.pos[src]
+        self.active[dst] = self.active[src]
         if self.prev_embedding is not None:
             self.prev_embedding[dst] = self.prev_embedding[src]
+
+    def release_row(self, row):
+        """Row `row` is free: it stays at position 0 and no forward moves it (its entries are never read)."""
+        self.active[row] = 0
+        self.pos[row] = 0
 
     def fill_rows_from(self, start, stop, prompt_cache):
         """Rows [start, stop) become copies of the single row of `prompt_cache` (a prefilled prompt)."""
@@ -134,6 +152,7 @@ class KVCache:
         self.k[:, start:stop, :length] = prompt_cache.k[:, 0:1]
         self.v[:, start:stop, :length] = prompt_cache.v[:, 0:1]
         self.pos[start:stop] = prompt_cache.pos[0]
+        self.active[start:stop] = 1
         if self.prev_embedding is not None:
             self.prev_embedding[start:stop] = prompt_cache.prev_embedding[0:1]
 
@@ -162,7 +181,10 @@ class SharedPromptKVCache:
     k, v:           (n_layer, B, n_kv_head, capacity, head_dim);     pos: (B,) suffix tokens cached
                     capacity grows on demand (doubling, up to suffix_cap), so rows that end early never pay
                     for max_tokens positions
-    slot, sample:   (B,) the row's prompt slot and its index among that prompt's rows
+    slot, sample:   (B,) the row's prompt slot and its index among that prompt's rows; a free row has sample
+                    rows_per_slot: in a static cache, a spare column of the prompt attention's layout that no
+                    row in use shares (a dynamic one never runs free rows)
+    active:         (B,) 1 for a row in use, as in KVCache
     prev_embedding: (B, 1, embed_dim) or None, as in KVCache
 
     Only single-token decode steps run on it (prompts are prefilled into a one-row KVCache, then stored
@@ -173,21 +195,25 @@ class SharedPromptKVCache:
     """
 
     def __init__(self, batch_size, slots, prompt_cap, suffix_cap, num_heads, head_dim, num_layers, device="cpu",
-                 dtype=torch.float32, rows_per_slot=1, embed_dim=None, embed_dtype=torch.float32):
+                 dtype=torch.float32, rows_per_slot=1, embed_dim=None, embed_dtype=torch.float32, static=False):
         self.pool_k = torch.zeros(num_layers, slots, num_heads, prompt_cap, head_dim, device=device, dtype=dtype)
         self.pool_v = torch.zeros_like(self.pool_k)
         self.pool_len = torch.zeros(slots, dtype=torch.long, device=device)
         self.suffix_cap = suffix_cap
-        capacity = min(suffix_cap, self.INITIAL_SUFFIX_CAPACITY)
+        # static: for decode steps over a fixed number of rows (free ones included) that may be captured: every
+        # position is allocated now, so the storage never moves, and free rows get a spare sample column
+        self.static = static
+        capacity = suffix_cap if static else min(suffix_cap, self.INITIAL_SUFFIX_CAPACITY)
         self.k = torch.zeros(num_layers, batch_size, num_heads, capacity, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.slot = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.sample = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.rows_per_slot = rows_per_slot  # the largest sample index + 1 (num_samples)
+        self.sample = torch.full((batch_size,), rows_per_slot, dtype=torch.long, device=device)  # all rows free
+        self.active = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.prev_embedding = (None if embed_dim is None else
                                torch.zeros(batch_size, 1, embed_dim, device=device, dtype=embed_dtype))
-        self.known_maxima = None  # (pos.max(), next_positions().max()), set by decode_rows for one forward
+        self.known_keys = None  # (suffix keys, largest next position) the next forward reads, set by decode_view
 
     INITIAL_SUFFIX_CAPACITY = 64
 
@@ -207,10 +233,11 @@ class SharedPromptKVCache:
             setattr(self, name, new)
 
     @classmethod
-    def for_model(cls, model, batch_size, slots, prompt_cap, suffix_cap, rows_per_slot, dtype=None):
+    def for_model(cls, model, batch_size, slots, prompt_cap, suffix_cap, rows_per_slot, dtype=None, static=False):
         heads, head_dim, layers, device, param_dtype, embed_dim = cache_geometry(model)
         return cls(batch_size, slots, prompt_cap, suffix_cap, heads, head_dim, layers, device=device,
-                   dtype=dtype or param_dtype, rows_per_slot=rows_per_slot, embed_dim=embed_dim, embed_dtype=param_dtype)
+                   dtype=dtype or param_dtype, rows_per_slot=rows_per_slot, embed_dim=embed_dim, embed_dtype=param_dtype,
+                   static=static)
 
     @staticmethod
     def bytes_per_token(model, dtype):
@@ -236,6 +263,7 @@ class SharedPromptKVCache:
         self.pos[start:stop] = 0
         self.slot[start:stop] = slot
         self.sample[start:stop] = torch.arange(first_sample, first_sample + stop - start, device=self.pos.device)
+        self.active[start:stop] = 1
         if self.prev_embedding is not None:
             self.prev_embedding[start:stop] = prompt_cache.prev_embedding[0:1]
 
@@ -243,10 +271,17 @@ class SharedPromptKVCache:
         """Row dst[i] becomes a copy of row src[i]. dst, src: (N,) long."""
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
-        for t in (self.pos, self.slot, self.sample):
+        for t in (self.pos, self.slot, self.sample, self.active):
             t[dst] = t[src]
         if self.prev_embedding is not None:
             self.prev_embedding[dst] = self.prev_embedding[src]
+
+    def release_row(self, row):
+        """Row `row` is free: at position 0, in the spare sample column, and no forward moves it."""
+        self.active[row] = 0
+        self.pos[row] = 0
+        self.slot[row] = 0
+        self.sample[row] = self.rows_per_slot
 
     def rows(self, start, stop):
         """A cache over rows [start, stop) sharing this one's storage and pool (start must be 0: the active
@@ -256,40 +291,47 @@ class SharedPromptKVCache:
         view = SharedPromptKVCache.__new__(SharedPromptKVCache)
         view.__dict__.update(self.__dict__)
         view.k, view.v = self.k[:, :stop], self.v[:, :stop]
-        view.pos, view.slot, view.sample = self.pos[:stop], self.slot[:stop], self.sample[:stop]
+        view.pos, view.slot, view.sample, view.active = self.pos[:stop], self.slot[:stop], self.sample[:stop], self.active[:stop]
         view.suffix_cap = self.k.size(3)  # a view cannot grow: the base cache grows before views are taken
         view.prev_embedding = None if self.prev_embedding is None else self.prev_embedding[:stop]
-        view.known_maxima = None
+        view.known_keys = None
         return view
 
     def advance(self, num_tokens):
-        self.pos += num_tokens
-        self.known_maxima = None
+        self.pos.add_(self.active, alpha=num_tokens)
+        self.known_keys = None
 
     def next_positions(self):
         """(B,) the absolute position each row's next token takes: its prompt's length plus its completion's."""
         return self.pool_len[self.slot] + self.pos
 
-    def _maxima(self):
-        """(largest suffix position, largest next position) as python ints: one host sync."""
-        return tuple(torch.stack([self.pos.max(), self.next_positions().max()]).tolist())
+    def decode_capacity(self):
+        """Completion keys a decode step can read: all it may grow to."""
+        return self.suffix_cap
 
-    def decode_rows(self, rows):
-        """For a single-token step of the first `rows` rows: grow the suffix storage to hold it, and return (a
-        view of them, the key/value positions its attention reads per layer: each pool slot's prompt once, and
-        every row's completion so far). The view knows its largest positions, so the step's forward does not
-        read them from the device again."""
-        maxima = self.rows(0, rows)._maxima()  # the step's one host sync
-        self.ensure_suffix_capacity(maxima[0] + 1)
+    def decode_view(self, rows, keys, last_position):
+        """The first `rows` rows for a single-token step whose attention reads keys 0..keys-1 of each row's
+        completion (covering every active row's, this step's included) and whose largest position is
+        last_position: the caller knows them, so nothing is read from the device. Grows the completion storage
+        first when needed."""
+        self.ensure_suffix_capacity(keys)
         view = self.rows(0, rows)  # after growing: a view cannot grow
-        view.known_maxima = maxima
-        return view, self.pool_k.size(1) * self.pool_k.size(3) + rows * (maxima[0] + 1)
+        view.known_keys = (keys, last_position)
+        return view
+
+    def keys_read(self, rows, keys):
+        """Key/value positions a decode step of decode_view(rows, keys) reads per layer: each pool slot's prompt
+        once, and `keys` per row."""
+        return self.pool_k.size(1) * self.pool_k.size(3) + rows * keys
 
     def attention_plan(self, T, windows, max_positions):
         if T != 1:
             raise ValueError(f"SharedPromptKVCache runs single-token decode steps only, got {T} tokens per row")
-        top, last_position = self._maxima() if self.known_maxima is None else self.known_maxima
-        suffix_keys = top + 1
+        if self.known_keys is None:  # one host sync
+            top, last_position = torch.stack([self.pos.max(), self.next_positions().max()]).tolist()
+            suffix_keys = top + 1
+        else:
+            suffix_keys, last_position = self.known_keys
         positions = self.next_positions()  # (B,)
         if suffix_keys > self.k.size(3) or last_position >= max_positions:
             raise ValueError(f"KV cache overflow: {suffix_keys} completion positions needed, the cache holds "
@@ -322,7 +364,7 @@ class _SharedPromptAttention:
         scale = 1.0 / math.sqrt(D)
         # prompt part: the queries of each slot's rows laid out as (slot, kv head, sample, rep) -> one matmul per
         # slot and kv head reads that prompt's keys once
-        slots, G = c.pool_k.size(1), c.rows_per_slot
+        slots, G = c.pool_k.size(1), c.rows_per_slot + c.static  # + the spare column of free rows, if in the step
         grid = q.new_zeros(slots, Hkv, G, rep, D)
         grid[c.slot, :, c.sample] = q
         pool_k, pool_v = c.pool_k[layer_idx].to(q.dtype), c.pool_v[layer_idx].to(q.dtype)  # (slots, Hkv, Lp, D)
@@ -450,6 +492,7 @@ class PrefilledPrompt:
     num_samples: int
     cache: KVCache             # one row: the prompt's keys and values
     logits: torch.Tensor       # (1, V) after the prompt: every sample's first token is drawn from these
+    length: int                # the prompt's tokens
     admitted: int = 0          # samples 0..admitted-1 have had a slot
 
     @property
@@ -469,9 +512,16 @@ class DecodeBatch:
     With a SharedPromptKVCache (pool_slots given) each prompt's keys sit once in a pool slot, from its prefill
     until its last row finishes. A row is any object with `request`, `feed(sampled) -> (token, mask)` and
     `finished` (a Row); events are [(row, token, mask)] for the rows that emitted a token.
+
+    The decode step (`run_step`) is static: it reads and writes only tensors allocated here or in the cache,
+    takes the rows' positions from the host's own count (`offset`, `cached`) instead of the device, and runs a
+    shape that `shapes` chooses: exactly the active rows and keys (eager, the default), or buckets that hold
+    free rows too (their writes stay in their own slot, they never advance), so that a few shapes cover a
+    whole rollout and `runner` can replay them from CUDA graphs. Per step the host reads the sampled tokens
+    once and writes the next inputs (forced tool tokens included) in one copy.
     """
 
-    def __init__(self, model, cache, temperature, top_k, stats, pool_slots=None):
+    def __init__(self, model, cache, temperature, top_k, stats, pool_slots=None, shapes=None, runner=None):
         self.model, self.cache, self.stats = model, cache, stats
         self.temperature, self.top_k = temperature, top_k
         B, self.device = cache.batch_size, model.get_device()
@@ -479,6 +529,13 @@ class DecodeBatch:
         self.next_input = torch.zeros(B, dtype=torch.long, device=self.device)
         self.seeds = torch.zeros(B, dtype=torch.long, device=self.device)
         self.steps = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.sampled = torch.zeros(B, dtype=torch.long, device=self.device)  # the decode step's output
+        cache.active.zero_()  # every slot free
+        self.offset = [0] * B      # per slot: absolute position of the first key in its own storage (the prompt's
+        self.cached = [0] * B      # length with a shared prompt, else 0), and how many keys it holds there
+        self.rotary_len = getattr(model, "rotary_len", None)
+        self.shapes = shapes or exact_shape
+        self.runner = runner(self.run_step) if runner else self.run_step
         self.free_pool = None if pool_slots is None else deque(range(pool_slots))
         self.pool_slot = {}        # request -> the pool slot holding its prompt
         self.unfinished = {}       # request -> its rows not finished yet, admitted or not
@@ -502,7 +559,7 @@ class DecodeBatch:
             self.pool_slot[request] = self.free_pool.popleft()
             self.cache.store_prompt(self.pool_slot[request], cache)
         self.unfinished[request] = num_samples
-        return PrefilledPrompt(request, seed, num_samples, cache, logits)
+        return PrefilledPrompt(request, seed, num_samples, cache, logits, len(prompt))
 
     def admit(self, prompt, rows):
         """`rows`, samples prompt.next_samples(free_slots) of `prompt`, take the first free slots, starting
@@ -510,42 +567,62 @@ class DecodeBatch:
         lo, hi, first = len(self.rows), len(self.rows) + len(rows), prompt.admitted
         if self.free_pool is not None:
             self.cache.admit_rows(lo, hi, self.pool_slot[prompt.request], first, prompt.cache)
+            self.offset[lo:hi], self.cached[lo:hi] = [prompt.length] * len(rows), [0] * len(rows)
         else:
             self.cache.fill_rows_from(lo, hi, prompt.cache)
+            self.offset[lo:hi], self.cached[lo:hi] = [0] * len(rows), [prompt.length] * len(rows)
         self.seeds[lo:hi] = row_seeds(prompt.seed, range(first, first + len(rows)), self.device)
         self.steps[lo:hi] = 0
         self.rows.extend(rows)
         prompt.admitted += len(rows)
-        return self._sample_and_feed(prompt.logits.expand(len(rows), -1), lo)
+        sampled = sample_next_token(prompt.logits.expand(len(rows), -1), self.seeds[lo:hi], self.steps[lo:hi],
+                                    self.temperature, self.top_k)
+        self.steps[lo:hi] += 1
+        return self._feed(sampled.tolist(), lo)
 
     def decode_step(self):
         """One forward of every active row on its next input, then each samples and emits. Returns events."""
         n = len(self.rows)
         if n == 0:
             return []
-        view, positions_read = self.cache.decode_rows(n)
-        logits = self.model(self.next_input[:n, None], kv_cache=view)[:, -1, :]  # (n, V)
+        keys = max(self.cached[:n]) + 1  # this step's key included
+        last_position = max(o + c for o, c in zip(self.offset[:n], self.cached[:n]))
+        if self.rotary_len is not None and last_position >= self.rotary_len:
+            raise ValueError(f"KV cache overflow: position {last_position} is past the rotary tables ({self.rotary_len})")
+        if keys > self.cache.decode_capacity():
+            raise ValueError(f"KV cache overflow: {keys} positions needed, the cache holds {self.cache.decode_capacity()}")
+        rows, keys = self.shapes(n, keys, self.cache.batch_size, self.cache.decode_capacity())
+        self.runner(rows, keys, last_position)
+        for i in range(n):
+            self.cached[i] += 1
         stats = self.stats
-        stats.kv_positions_read += positions_read
+        stats.kv_positions_read += self.cache.keys_read(rows, keys)
         stats.decode_forwards += 1
         stats.row_steps += n
         stats.max_batch_rows = max(stats.max_batch_rows, n)
-        return self._sample_and_feed(logits, 0)
+        return self._feed(self.sampled[:n].tolist(), 0)  # the step's one read from the device
 
-    def _sample_and_feed(self, logits, lo):
-        """Rows lo.. (to the last) draw from logits (n, V), each with its own stream, and emit; what they
-        emit is their next input, and the finished ones leave. Returns their events."""
+    def run_step(self, rows, keys, last_position):
+        """The static decode step over slots 0..rows-1, attending to keys 0..keys-1 of each: forward, sample
+        into self.sampled, advance the streams of the rows in use. No host read, no shape that depends on data."""
+        view = self.cache.decode_view(rows, keys, last_position)
+        logits = self.model(self.next_input[:rows, None], kv_cache=view)[:, -1, :]  # (rows, V)
+        self.sampled[:rows] = sample_next_token(logits, self.seeds[:rows], self.steps[:rows], self.temperature, self.top_k)
+        self.steps[:rows] += self.cache.active[:rows]
+
+    def _feed(self, tokens, lo):
+        """Rows lo.. (to the last) take their sampled tokens (python ints) and emit; what they emit is their
+        next input (written in one copy), and the finished ones leave. Returns their events."""
         hi = len(self.rows)
-        sampled = sample_next_token(logits, self.seeds[lo:hi], self.steps[lo:hi], self.temperature, self.top_k)
-        self.steps[lo:hi] += 1
-        events = [(row, *row.feed(token)) for row, token in zip(self.rows[lo:hi], sampled.tolist())]
+        events = [(row, *row.feed(token)) for row, token in zip(self.rows[lo:hi], tokens)]
         self.next_input[lo:hi] = torch.tensor([token for _, token, _ in events], dtype=torch.long, device=self.device)
         self.retire([lo + j for j, (row, _, _) in enumerate(events) if row.finished])
         return events
 
     def retire(self, slots):
         """The rows in `slots` leave. The active rows stay a dense prefix: the last row moves into each hole,
-        with its cache row (smear's prev_embedding included) and its next input, seed and step."""
+        with its cache row (smear's prev_embedding included) and its next input, seed and step; the slot it
+        leaves is released."""
         for i in sorted(slots, reverse=True):
             self._row_done(self.rows[i].request)
             last = len(self.rows) - 1
@@ -554,6 +631,8 @@ class DecodeBatch:
                 for t in (self.next_input, self.seeds, self.steps):
                     t[i] = t[last]
                 self.rows[i] = self.rows[last]
+                self.offset[i], self.cached[i] = self.offset[last], self.cached[last]
+            self.cache.release_row(last)
             self.rows.pop()
 
     def _row_done(self, request):
@@ -562,6 +641,78 @@ class DecodeBatch:
             del self.unfinished[request]
             if self.free_pool is not None:
                 self.free_pool.append(self.pool_slot.pop(request))
+
+
+def exact_shape(rows, keys, max_rows, max_keys):
+    """The eager step's shape: exactly the rows in use and the keys they need (no work on free slots)."""
+    return rows, keys
+
+
+# rows of a static step: powers of two and the halfway points between them, so that at most a third of a
+# step's rows are free ones; keys in multiples of KEY_BUCKET. A 256-row, 256-token rollout uses a few dozen shapes.
+ROW_BUCKETS = sorted({2 ** i for i in range(16)} | {3 * 2 ** i for i in range(15)})
+KEY_BUCKET = 32
+
+
+def bucketed_shape(rows, keys, max_rows, max_keys):
+    """The static step's shape: the smallest row bucket holding `rows` (at most the cache's rows) and `keys`
+    rounded up to a multiple of KEY_BUCKET (at most the cache's keys)."""
+    row_bucket = next(b for b in ROW_BUCKETS if b >= rows) if rows <= ROW_BUCKETS[-1] else rows
+    return min(max_rows, row_bucket), min(max_keys, -(-keys // KEY_BUCKET) * KEY_BUCKET)
+
+
+class GraphedStep:
+    """A static decode step replayed from CUDA graphs, one per shape. A shape's first step runs eagerly (it
+    also warms up kernels and workspaces), its second is captured (capture records without running) and then
+    replayed, like every later one. All graphs share one memory pool: they never run at once. Autocast's
+    weight-cast cache is off while capturing (a cached cast would be freed after the capture)."""
+
+    def __init__(self, step):
+        self.step, self.graphs, self.seen, self.pool = step, {}, set(), None
+
+    def __call__(self, rows, keys, last_position):
+        shape = (rows, keys)
+        graph = self.graphs.get(shape)
+        if graph is None and shape not in self.seen:
+            self.seen.add(shape)
+            self.step(rows, keys, last_position)
+            return
+        if graph is None:
+            graph = torch.cuda.CUDAGraph()
+            autocast = dict(dtype=torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"))
+            with torch.autocast("cuda", cache_enabled=False, **autocast), torch.cuda.graph(graph, pool=self.pool):
+                self.step(rows, keys, last_position)
+            self.pool = graph.pool()
+            self.graphs[shape] = graph
+        graph.replay()
+
+
+DECODE_MODES = ("auto", "eager", "static", "graph")
+DECODE_DESCRIPTIONS = {
+    "eager": "exact shapes, run eagerly",
+    "static": "bucketed static shapes, run eagerly",
+    "graph": "bucketed static shapes replayed from CUDA graphs",
+}
+
+
+def decode_mode(mode, device):
+    """The decode mode that runs for `mode` on `device`: auto = graph on CUDA, eager elsewhere. eager = exact
+    shapes (the rows in use, the keys they need); static = bucketed shapes run eagerly (what a graph captures;
+    any device); graph = bucketed shapes replayed from CUDA graphs (CUDA only)."""
+    if mode not in DECODE_MODES:
+        raise ValueError(f"decode mode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
+    if mode == "auto":
+        return "graph" if device.type == "cuda" else "eager"
+    if mode == "graph" and device.type != "cuda":
+        raise ValueError(f"decode mode graph needs a CUDA device (CUDA graphs), got {device.type}; use static or eager")
+    return mode
+
+
+def decode_plan(mode):
+    """(shapes, runner, static cache) of a decode mode that runs (see decode_mode)."""
+    if mode == "eager":
+        return exact_shape, None, False
+    return bucketed_shape, GraphedStep if mode == "graph" else None, True
 
 
 # -----------------------------------------------------------------------------
@@ -580,13 +731,14 @@ class Engine:
     does not depend on the batch it shares.
     """
 
-    def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True):
+    def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True, decode="auto"):
         self.model = model
         self.tokenizer = tokenizer
         self.special = SpecialIds(tokenizer)
         self.max_rows = max_rows
         self.memory_budget_gb = memory_budget_gb
         self.share_prompts = share_prompts
+        self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
         self.last_stats = RolloutStats()
 
     # -- nanochat's API ------------------------------------------------------------
@@ -656,12 +808,13 @@ class Engine:
         cap = max_rows or self.max_rows or self.rows_for_budget(longest, max_tokens, dtype, num_samples)
         B = max(1, min(cap, num_prompts * num_samples))
         pool_slots = self.prompt_slots(B, num_samples, num_prompts) if self.share_prompts else None
+        shapes, runner, static = decode_plan(self.decode)
         if self.share_prompts:
-            cache = SharedPromptKVCache.for_model(model, B, pool_slots, longest, max_tokens, num_samples, dtype)
+            cache = SharedPromptKVCache.for_model(model, B, pool_slots, longest, max_tokens, num_samples, dtype, static)
         else:
             cache = KVCache.for_model(model, B, longest + max_tokens, dtype)
         self.last_stats = RolloutStats()
-        return DecodeBatch(model, cache, temperature, top_k, self.last_stats, pool_slots)
+        return DecodeBatch(model, cache, temperature, top_k, self.last_stats, pool_slots, shapes, runner)
 
     @torch.no_grad()
     def _rollout(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows=None):

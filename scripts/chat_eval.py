@@ -18,7 +18,7 @@ import time
 
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_flag, run_main
+from nanochat.cli import ArgumentParser, add_debug_flag, add_decode_flag, add_model_generation_flag, run_main
 from nanochat.common import (UserError, autocast_context, collective_device, compute_cleanup, compute_dtype, compute_init, get_base_dir, print0,
                              requested_dtype)
 from nanochat.engine import Engine
@@ -43,9 +43,11 @@ def parse_args(argv):
     p.add_argument("--top-k", type=int, default=50, help="top-k for pass@k sampling (0 = disabled)")
     p.add_argument("--max-rows", type=int, default=0, help="max rows per rollout batch (0 = from the memory budget)")
     p.add_argument("--memory-budget-gb", type=float, default=4.0, help="KV-cache memory a rollout batch may use")
+    add_decode_flag(p)
     # runtime and output
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
-    p.add_argument("--dtype", type=str, default=None, help="float32|bfloat16; default: $NANOCHAT_DTYPE, else bfloat16")
+    p.add_argument("--dtype", type=str, default=None,
+                   help="auto|float32|bfloat16; default: $NANOCHAT_DTYPE, else auto (bfloat16 where it is native)")
     p.add_argument("--output", type=str, default="", help="JSON output path (default: $NANOCHAT_BASE_DIR/report/chat_eval_<source>.json)")
     p.add_argument("--seed", type=int, default=0, help="base sampling seed (question i uses seed + i)")
     add_debug_flag(p)
@@ -82,7 +84,8 @@ def main(argv):
         autocast = autocast_context(device, compute_dtype(device, args.dtype))
         model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step,
                                             generation=args.model_generation)
-        engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb)
+        engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
+                        decode=args.decode)
         task = make_task(args.task, "test")
         num_examples = len(task) if args.num_examples == -1 else min(args.num_examples, len(task))
         common = dict(device=collective_device(device), seed=args.seed, max_new_tokens=args.max_new_tokens)

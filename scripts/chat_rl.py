@@ -30,12 +30,12 @@ import torch.distributed as dist
 
 from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_checkpoint, list_steps, list_tags, load_model,
                                          load_optimizer_state, make_checkpoint_dir, save_checkpoint, update_meta)
-from nanochat.cli import (ArgumentParser, add_debug_flag, add_model_generation_flag, add_optimizer_flags, add_runtime_flags,
-                          check_optimizer_flags, run_main)
+from nanochat.cli import (ArgumentParser, add_debug_flag, add_decode_flag, add_model_generation_flag, add_optimizer_flags,
+                          add_runtime_flags, check_optimizer_flags, run_main)
 from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup,
                              compute_init, cpu_has_native_bf16, dtype_name, format_duration, get_base_dir, get_dist_info, print0,
                              remaining_seconds, require, requested_dtype)
-from nanochat.engine import Engine
+from nanochat.engine import DECODE_DESCRIPTIONS, Engine
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.metrics import objective_metrics, reduce_metrics, rollout_metrics
 from nanochat.optim import guarded_step, lr_multiplier, scale_initial_lr
@@ -79,6 +79,7 @@ def parse_args(argv):
     p.add_argument("--max-rows", type=int, default=0,
                    help="max rows decoded together in one rollout batch (0 = as many as --memory-budget-gb allows)")
     p.add_argument("--memory-budget-gb", type=float, default=4.0, help="KV-cache memory the rollout batch may use")
+    add_decode_flag(p)
     # optimization
     add_optimizer_flags(p)
     p.add_argument("--init-lr-frac", type=float, default=0.05, help="every lr is multiplied by this at the start")
@@ -204,7 +205,7 @@ def resolve_dtypes(args, model, tokenizer, train_task, device):
 
 # flags that define the run; --resume restores them from the checkpoint so the continuation is exact
 RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows", "memory_budget_gb", "max_bad_steps",
-                 "output_tag")  # a resumed run writes to its own directory
+                 "output_tag", "decode")  # a resumed run writes to its own directory
 
 
 def resolve_resume(spec):
@@ -369,11 +370,14 @@ def setup_run(args, rank, world_size, device):
     for opt, state in zip(optimizers, optimizer_state["optimizers"] if optimizer_state else []):
         opt.load_state_dict(state)  # also restores each group's initial_lr and lr
     reference = load_reference(start, device, args.model_generation) if args.kl_coef > 0 else None
+    engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
+                    decode=args.decode)
+    print0(f"rollouts: {engine.decode} decode step ({DECODE_DESCRIPTIONS[engine.decode]}; --decode to choose)")
     if not args.resume:  # last: --overwrite clears the old run only once everything else has loaded
         prepare_output_dir(checkpoint_dir, args.overwrite, rank == 0)
     return RLRun(
         config=args, model=model, optimizers=optimizers,
-        engine=Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb),
+        engine=engine,
         policy_loss=PolicyLoss(loss_norm=args.loss_norm, max_new_tokens=args.max_new_tokens, mask_truncated=args.mask_truncated,
                                clip_low=args.clip_low, clip_high=args.clip_high, kl_coef=args.kl_coef),
         reference=reference,

@@ -180,12 +180,14 @@ def test_kv_cache_decode_matches_nanochat(gen_base, name):
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
-def test_greedy_generations_match_nanochat(gen_base, name):
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_greedy_generations_match_nanochat(gen_base, name, decode):
     """Through generate_batch (nanochat's API) and the batched generate_many, with few rows so that rows
-    are admitted from prefilled prompts while others decode. Prompt 2 plus 48 tokens passes sequence_len."""
+    are admitted from prefilled prompts while others decode. Prompt 2 plus 48 tokens passes sequence_len.
+    Both decode steps: eager (exact shapes) and static (bucketed shapes with free rows, what CUDA graphs run)."""
     model, tokenizer, _ = load(gen_base, name)
     ref = generation_reference(name)
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, tokenizer, decode=decode)
     kwargs = dict(num_samples=ref["greedy_num_samples"], max_tokens=ref["greedy_max_tokens"], temperature=0.0)
     for conversation, prompt in zip(ref["greedy_prompt_conversations"], ref["greedy_prompts"]):
         assert tokenizer.render_for_completion(conversation) == prompt

@@ -1,0 +1,132 @@
+"""The static decode step (what CUDA graphs capture): bucketed shapes that hold free rows give the same tokens
+as the eager step, it reads nothing from the device and touches no host tensor (proved on the meta device),
+and on a GPU the replayed graphs equal eager decoding. nanochat's own greedy generations are checked in
+both decode modes in test_generations.py."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nanochat.checkpoint_manager import build_model
+from nanochat.engine import (KEY_BUCKET, ROW_BUCKETS, DecodeBatch, Engine, GraphedStep, KVCache, RolloutStats,
+                             SharedPromptKVCache, bucketed_shape, decode_mode, decode_plan, exact_shape)
+from helpers import ScriptedModel, install_generation, random_model, tiny_config
+
+GENERATIONS = ["oct2025", "jan2026", "ve", "ve_late", "mar9", "smear"]
+
+
+def prompt_of(tokenizer, question):
+    return tokenizer.render_for_completion({"messages": [{"role": "user", "content": question},
+                                                         {"role": "assistant", "content": ""}]})
+
+
+def rollouts(engine, prompts, **kwargs):
+    out = engine.generate_many(prompts, **kwargs)
+    return [[(c.tokens, c.masks, c.ended, c.tool_calls, c.tool_successes) for c in per] for per in out]
+
+
+def test_bucketed_shapes_cover_the_step_and_stay_few():
+    for rows in range(1, 300):
+        bucket, keys = bucketed_shape(rows, 37, max_rows=1000, max_keys=1000)
+        assert rows <= bucket <= max(rows + 1, rows * 3 // 2) and bucket in ROW_BUCKETS  # a third free at most
+        assert keys == 64
+    assert bucketed_shape(200, 250, max_rows=210, max_keys=240) == (210, 240)  # never past the cache
+    shapes = {bucketed_shape(r, k, 256, 256) for r in range(1, 257) for k in range(1, 257)}
+    assert len(shapes) == len([b for b in ROW_BUCKETS if b <= 256]) * (256 // KEY_BUCKET)
+
+
+def test_decode_modes():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [decode_mode(m, cpu) for m in ("auto", "eager", "static")] == ["eager", "eager", "static"]
+    assert [decode_mode(m, cuda) for m in ("auto", "eager", "static", "graph")] == ["graph", "eager", "static", "graph"]
+    assert decode_plan("static") == (bucketed_shape, None, True) and decode_plan("graph")[1] is GraphedStep
+    assert decode_plan("eager") == (exact_shape, None, False)
+    with pytest.raises(ValueError, match="decode mode graph needs a CUDA device"):
+        decode_mode("graph", cpu)
+    with pytest.raises(ValueError, match="decode mode must be one of auto, eager, static, graph, got 'fast'"):
+        decode_mode("fast", cpu)
+
+
+@pytest.mark.parametrize("name", GENERATIONS)
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_static_sampling_equals_eager_for_every_generation(name, share_prompts, tmp_path, monkeypatch):
+    """Sampled rollouts (T=1, top-k 50) of nanochat's fixture checkpoints, with rows admitted into freed slots
+    (max_rows below the rows wanted): token for token the same in both decode modes."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    model, tokenizer, _ = build_model(str(install_generation(tmp_path, name)), 5, "cpu", "eval")
+    prompts = [prompt_of(tokenizer, q) for q in ("What is 12 times 7?", "Tom has 3 apples", "Hi")]
+    kwargs = dict(num_samples=5, max_tokens=24, temperature=1.0, top_k=50, seeds=[4, 5, 6], max_rows=7)
+    eager = rollouts(Engine(model, tokenizer, decode="eager", share_prompts=share_prompts), prompts, **kwargs)
+    static = rollouts(Engine(model, tokenizer, decode="static", share_prompts=share_prompts), prompts, **kwargs)
+    assert static == eager
+
+
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_static_tool_calls_and_early_ends_equal_eager(tiny_tokenizer, share_prompts):
+    """A scripted model that calls the calculator and stops at random steps: forced outputs, masks, tool counts
+    and ends are the same in both modes, and rows end at many different steps (slots are freed and refilled)."""
+    tok = tiny_tokenizer
+    ps, pe, end = (tok.encode_special(s) for s in ("<|python_start|>", "<|python_end|>", "<|assistant_end|>"))
+    prompts = [prompt_of(tok, "three more words")] * 4  # one length: the script is indexed by completion position
+    script = [ps, *tok.encode("6*7"), pe] + tok.encode("a b c d e f g") + [ps, *tok.encode("1/0"), pe] + tok.encode("h i j") * 3
+    model = ScriptedModel(script, len(prompts[0]), tok.get_vocab_size(), stop_token=end, stop_logit=-2.5)
+    kwargs = dict(num_samples=6, max_tokens=40, temperature=1.0, seed=11, max_rows=9)
+    eager = rollouts(Engine(model, tok, decode="eager", share_prompts=share_prompts), prompts, **kwargs)
+    static = rollouts(Engine(model, tok, decode="static", share_prompts=share_prompts), prompts, **kwargs)
+    assert static == eager
+    assert len({len(c[0]) for per in eager for c in per}) > 3 and any(c[3] >= 1 and c[4] >= 1 for per in eager for c in per)
+
+
+class DeviceOnly(TorchDispatchMode):
+    """Fails any op that reads a tensor to the host (.item(), .tolist(), nonzero, a tensor-valued `if` raise on
+    meta tensors anyway) or mixes in a CPU tensor (a host-to-device copy inside the step): the ops a CUDA graph
+    capture cannot hold. Counts the ops it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        for a in list(args) + list((kwargs or {}).values()):
+            for t in (a if isinstance(a, (list, tuple)) else [a]):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    raise AssertionError(f"{func} touches a {t.device} tensor inside the decode step")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("generation", ["jan2026", "smear", "ve"])
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_static_step_runs_on_the_meta_device(generation, share_prompts, tiny_tokenizer):
+    """Every tensor on `meta`, so any host read raises: the step (forward, sampling, stream advance) over a
+    bucket of 6 slots with 4 in use and 32 keys is pure device work of fixed shape."""
+    config = tiny_config(sequence_len=64, vocab_size=tiny_tokenizer.get_vocab_size(), window_pattern="SL")
+    model = random_model(config, generation=generation).to("meta")
+    if share_prompts:
+        cache = SharedPromptKVCache.for_model(model, 6, 2, 16, 40, rows_per_slot=4, static=True)
+    else:
+        cache = KVCache.for_model(model, 6, 56)
+    batch = DecodeBatch(model, cache, 1.0, 50, RolloutStats(), pool_slots=2 if share_prompts else None)
+    with DeviceOnly() as mode, torch.no_grad():
+        batch.run_step(6, 32, last_position=40)
+    assert mode.ops > 50 and batch.sampled.device.type == "meta"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_replay_equals_eager(dtype, tiny_tokenizer):
+    """On a GPU: rollouts replayed from CUDA graphs (several row and key buckets: 40 rows that end at different
+    steps) give exactly the eager step's tokens."""
+    config = tiny_config(sequence_len=128, vocab_size=tiny_tokenizer.get_vocab_size(), window_pattern="SL")
+    model = random_model(config, generation="smear").cuda()
+    end = tiny_tokenizer.encode_special("<|assistant_end|>")
+    with torch.no_grad():
+        model.lm_head.weight[end] *= 2.5  # rows end at varied steps
+    prompts = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold 48 clips", "c", "d e f", "g")]
+    kwargs = dict(num_samples=8, max_tokens=60, temperature=1.0, top_k=50, seeds=[1, 2, 3, 4, 5])
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        eager = rollouts(Engine(model, tiny_tokenizer, decode="eager"), prompts, **kwargs)
+        engine = Engine(model, tiny_tokenizer, decode="graph")
+        graph = rollouts(engine, prompts, **kwargs)
+    assert graph == eager
+    assert len({len(c[0]) for per in eager for c in per}) > 2
