@@ -14,15 +14,21 @@ Algorithm:
   5. one Muon (matrices) + AdamW (embeddings, unembedding, scalars) step with every lr scaled by
      --init-lr-frac and decaying linearly to 0 over the run; steps with a non-finite loss or gradient
      are skipped;
-  6. every --eval-every steps, the loss on the test splits' trained-on tokens; at the end the model goes to
-     $NANOCHAT_BASE_DIR/chatsft_checkpoints/<tag>/model_<steps>.pt (+ meta), where chat_rl's
-     `--source=sft` finds it.
+  6. every --eval-every steps, the loss on the test splits' trained-on tokens;
+  7. with --stop-at-pass1=LO:HI, every --stop-check-every steps the sampled pass@1 (T=1) on the last
+     --stop-check-questions train questions of the first task (left out of training; see nanochat/stop_rule.py),
+     and the run stops at the first check in [LO, HI] (the lr schedule stays the one over the step cap);
+  8. at the end the model goes to $NANOCHAT_BASE_DIR/chatsft_checkpoints/<tag>/model_<step>.pt (+ meta), where
+     chat_rl's `--source=sft` finds it.
 
 Launch:
   python -m scripts.chat_sft                                                       # 1 GPU: finetune mid_checkpoints
   torchrun --standalone --nproc_per_node=8 -m scripts.chat_sft -- --run=my_run     # 8 GPUs
   python -m scripts.chat_sft --device-type=cpu --depth=4 --tasks=arithmetic --num-steps=150 \\
       --examples-per-step=32 --device-batch-size=32                               # CPU, a d4 model from scratch
+  python -m scripts.chat_sft --device-type=cpu --depth=2 --tasks=arithmetic --arithmetic-difficulty=1 \\
+      --num-steps=300 --stop-at-pass1=0.25:0.5 --stop-check-every=5 --examples-per-step=16 \\
+      --device-batch-size=16                                # CPU, stopped at partial credit (the learning test's SFT)
 """
 
 import json
@@ -42,6 +48,7 @@ from nanochat.gpt import HEAD_DIM, build_fresh_model
 from nanochat.optim import guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.sft import (accumulate_gradient, count_targets, loss_sums, make_micro_batches,
                           mixture_order, rank_positions)
+from nanochat.stop_rule import MissedBandError, PassBand, held_out_indices, measure_pass1, parse_band
 from nanochat.tokenizer import get_tokenizer
 from nanochat.wandb_utils import init_wandb
 from tasks.registry import make_task, resolve_task_class
@@ -51,6 +58,9 @@ DEFAULT_SEQUENCE_LEN = 512
 # a model trained from scratch here needs the full lrs.
 INIT_LR_FRAC_FINETUNE = 0.02
 INIT_LR_FRAC_SCRATCH = 1.0
+# the --stop-check-* flags: their defaults, which apply with --stop-at-pass1 only
+STOP_CHECK_DEFAULTS = {"stop_check_every": 10, "stop_check_questions": 64, "stop_check_samples": 4,
+                       "stop_check_max_tokens": 256}
 
 
 def parse_args(argv):
@@ -91,6 +101,21 @@ def parse_args(argv):
                    help="val loss period in steps, also before the first and after the last step (-1 = never)")
     p.add_argument("--eval-examples", type=int, default=400, help="test conversations used for the val loss")
     p.add_argument("--output-tag", type=str, default=None, help="checkpoint subdirectory to write (default d<n_layer>)")
+    # stop on held-out accuracy (nanochat/stop_rule.py)
+    p.add_argument("--stop-at-pass1", type=str, default="",
+                   help="LO:HI, e.g. 0.25:0.5: stop at the first check whose held-out sampled pass@1 is in [LO, HI]; "
+                        "the run fails if it reaches the step cap below LO or jumps past HI (empty = train to the cap)")
+    p.add_argument("--stop-check-every", type=int, default=None,
+                   help=f"steps between held-out pass@1 checks, also at the step cap "
+                        f"(default {STOP_CHECK_DEFAULTS['stop_check_every']})")
+    p.add_argument("--stop-check-questions", type=int, default=None,
+                   help=f"held-out questions: the last ones of the first task's train split, left out of training "
+                        f"(default {STOP_CHECK_DEFAULTS['stop_check_questions']})")
+    p.add_argument("--stop-check-samples", type=int, default=None,
+                   help=f"samples per held-out question, at T=1 and top-k 50 "
+                        f"(default {STOP_CHECK_DEFAULTS['stop_check_samples']})")
+    p.add_argument("--stop-check-max-tokens", type=int, default=None,
+                   help=f"cap on a held-out sample's length in tokens (default {STOP_CHECK_DEFAULTS['stop_check_max_tokens']})")
     add_debug_flag(p)
     return p.parse_args(argv)
 
@@ -134,7 +159,21 @@ def validate_args(args, world_size):
         args.init_lr_frac = INIT_LR_FRAC_SCRATCH if args.depth > 0 else INIT_LR_FRAC_FINETUNE
     require(0 < args.init_lr_frac <= 1, f"--init-lr-frac must be in (0, 1], got {args.init_lr_frac}")
     require(args.eval_every == -1 or args.eval_every >= 1, f"--eval-every must be >= 1, or -1 to disable, got {args.eval_every}")
+    validate_stop_flags(args)
     return names
+
+
+def validate_stop_flags(args):
+    """--stop-at-pass1 and the --stop-check-* flags that only mean something with it (defaults filled in)."""
+    if not args.stop_at_pass1:
+        for name in STOP_CHECK_DEFAULTS:
+            require(getattr(args, name) is None, f"--{name.replace('_', '-')} applies with --stop-at-pass1, which is not given")
+        return
+    parse_band(args.stop_at_pass1)
+    for name, default in STOP_CHECK_DEFAULTS.items():
+        value = default if getattr(args, name) is None else getattr(args, name)
+        require(value >= 1, f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        setattr(args, name, value)
 
 
 def load_tasks(names, split, arithmetic_difficulty):
@@ -202,6 +241,41 @@ def load_start_model(args, device):
     return model, tokenizer
 
 
+def held_out_questions(args, task_names, train_tasks):
+    """With --stop-at-pass1: the indices of the held-out questions in the first task's train split (its last
+    --stop-check-questions), which training leaves out. None without it."""
+    if not args.stop_at_pass1:
+        return None
+    task, name = train_tasks[0], task_names[0]
+    if getattr(task, "eval_type", "generative") != "generative":
+        raise UserError(f"--stop-at-pass1 samples answers to the first task of --tasks, but {name!r} is {task.eval_type}, "
+                        f"not generative; put a generative task (gsm8k, arithmetic) first in --tasks")
+    if args.stop_check_questions >= len(task):
+        raise UserError(f"--stop-check-questions ({args.stop_check_questions}) holds out every train question of {name!r} "
+                        f"({len(task)}); hold out fewer")
+    return held_out_indices(len(task), args.stop_check_questions)
+
+
+def check_stop(band, model, tokenizer, task, held_out, args, step, num_steps, autocast, reduce_device):
+    """One held-out pass@1 check at `step` (task[i] for i in held_out), logged. True = stop here; raises
+    MissedBandError (see PassBand.observe)."""
+    t0 = time.time()
+    pass1 = measure_pass1(model, tokenizer, task, held_out, args.stop_check_samples, args.stop_check_max_tokens,
+                          autocast, reduce_device, seed=args.seed)
+    print0(f"step {step}/{num_steps} | held-out pass@1 {pass1:.4f} (band {band.describe()}) | check {time.time() - t0:.1f}s")
+    stop = band.observe(step, pass1, final=step == num_steps)
+    if stop:
+        print0(f"stop: step {step}/{num_steps} | held-out pass@1 {pass1:.4f} in the band {band.describe()} "
+               f"({len(held_out)} train questions x {args.stop_check_samples} samples)")
+    return stop
+
+
+def stop_record(band, held_out, args, task_name):
+    """The checkpoint meta's "stop": the band, the checks, and which held-out questions were asked."""
+    return {**band.summary(), "task": task_name, "split": "train", "questions": len(held_out),
+            "first_question": held_out.start, "samples": args.stop_check_samples}
+
+
 def val_micro_batches(args, task_names, tokenizer, pad_token, rank, world_size):
     """This rank's share of the first --eval-examples test conversations, rendered once (the val set does not
     change during the run)."""
@@ -237,28 +311,44 @@ def run(args, task_names, rank, world_size, device):
     wandb_run = init_wandb(args.run, "nanochat-sft", vars(args))
 
     train_tasks = load_tasks(task_names, "train", args.arithmetic_difficulty)
-    train_order = mixture_order([len(t) for t in train_tasks], args.seed)
+    held_out = held_out_questions(args, task_names, train_tasks)
+    train_sizes = [len(t) for t in train_tasks]
+    if held_out is not None:
+        train_sizes[0] = held_out.start  # the held-out questions are the last ones: train on those before them
+    train_order = mixture_order(train_sizes, args.seed)
     num_steps = args.num_steps if args.num_steps > 0 else len(train_order) * args.num_epochs // args.examples_per_step
     if num_steps < 1:
         raise UserError(f"--tasks={args.tasks} has {len(train_order)} train conversations, fewer than --examples-per-step "
                         f"({args.examples_per_step}) x --num-epochs ({args.num_epochs}); lower --examples-per-step or pass --num-steps")
-    print0(f"train: {len(train_order):,} conversations from {', '.join(task_names)} | {num_steps} steps of "
+    held_out_note = "" if held_out is None else f" ({args.stop_check_questions} of {task_names[0]} held out)"
+    print0(f"train: {len(train_order):,} conversations from {', '.join(task_names)}{held_out_note} | {num_steps} steps of "
            f"{args.examples_per_step} | lr x{args.init_lr_frac}")
 
     output_tag = args.output_tag or f"d{config.n_layer}"
     checkpoint_dir = os.path.join(get_base_dir(), "chatsft_checkpoints", output_tag)
-    newer = [s for s in list_steps(checkpoint_dir) if s > num_steps]
+    # with a stop rule the run may save as early as the first check
+    earliest_save = min(args.stop_check_every, num_steps) if held_out is not None else num_steps
+    newer = [s for s in list_steps(checkpoint_dir) if s > earliest_save]
     if newer:  # found before training, not after: loading the "last step" of the tag would skip this run's model
-        raise UserError(f"{checkpoint_dir} already holds model_{newer[-1]:06d}.pt, a later step than the {num_steps} this run "
-                        f"will save, so `--source=sft` would keep loading that one; pass --output-tag=<new tag> or move it away")
+        what = f"the {num_steps} this run will save" if held_out is None else f"step {earliest_save}, where this run may stop"
+        raise UserError(f"{checkpoint_dir} already holds model_{newer[-1]:06d}.pt, a later step than {what}, "
+                        f"so `--source=sft` would keep loading that one; pass --output-tag=<new tag> or move it away")
 
     pad_token = tokenizer.encode_special("<|assistant_end|>")  # any id works: padded positions have target -1
     val_batches = val_micro_batches(args, task_names, tokenizer, pad_token, rank, world_size) if args.eval_every > 0 else []
 
     optimizers = setup_optimizers(model, args)
-    val_loss = None
+    band = PassBand(*parse_band(args.stop_at_pass1)) if held_out is not None else None
+    val_loss, missed = None, None
     for step in range(num_steps + 1):  # `step` updates done so far
         last_step = step == num_steps
+        if band is not None and step > 0 and (step % args.stop_check_every == 0 or last_step):
+            try:
+                last_step = check_stop(band, model, tokenizer, train_tasks[0], held_out, args, step, num_steps, autocast,
+                                       reduce_device)
+            except MissedBandError as e:
+                missed, last_step = e, True
+            wandb_run.log({"step": step, "held_out_pass1": band.last[1]})
         if args.eval_every > 0 and (step % args.eval_every == 0 or last_step):
             val_loss = evaluate_val_loss(model, val_batches, device, reduce_device, autocast)
             print0(f"step {step}/{num_steps} | val loss {val_loss:.4f}")
@@ -281,14 +371,21 @@ def run(args, task_names, rank, world_size, device):
         print0(f"step {step + 1}/{num_steps} | loss {loss:.4f} | lrm {lrm:.3f} | dt {dt:.0f}ms | grad norm {gnorm:.3f}")
         wandb_run.log({"step": step + 1, "loss": loss, "lrm": lrm, "grad_norm": gnorm, "dt_ms": dt})
 
+    # A run that missed the band still saves its model (nothing is lost: it is a finished, valid checkpoint, and its
+    # meta's stop.in_band says it missed), then fails with the error, so that a pipeline does not go on with it.
     if master:
-        meta = {"step": num_steps, "model_config": model.meta_model_config(), "generation": model.generation.name,
+        meta = {"step": step, "model_config": model.meta_model_config(), "generation": model.generation.name,
                 "user_config": vars(args), "val_loss": val_loss}
-        save_checkpoint(checkpoint_dir, num_steps, model.state_dict(), None, meta)
-        print0(f"Saved checkpoint to {checkpoint_dir} (model_{num_steps:06d}.pt)")
+        if band is not None:
+            meta["stop"] = stop_record(band, held_out, args, task_names[0])
+        save_checkpoint(checkpoint_dir, step, model.state_dict(), None, meta)
+        note = "" if missed is None else f", outside the band {band.describe()}"
+        print0(f"Saved checkpoint to {checkpoint_dir} (model_{step:06d}.pt{note})")
     wandb_run.finish()
     if dist.is_initialized():
         dist.barrier()  # no rank tears down the process group while rank 0 is still writing
+    if missed is not None:
+        raise missed
 
 
 if __name__ == "__main__":

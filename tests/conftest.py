@@ -72,15 +72,22 @@ def sft(base_dir, tiny_tokenizer):
     return make_sft_checkpoint(base_dir, tiny_tokenizer.get_vocab_size())
 
 
-ONE_STEP_SFT_STEPS = 140
+# SFT stops on held-out sampled pass@1, not at a step count: on the steep part of the curve another CPU's kernels
+# move the accuracy at a fixed step by more than the learning test's precondition allows (issue 28)
+ONE_STEP_SFT_BAND = "0.25:0.5"
+ONE_STEP_SFT_MAX_STEPS = 300
 
 
 @pytest.fixture(scope="session")
 def one_step_sft(tmp_path_factory):
     """A $NANOCHAT_BASE_DIR with a 512-token tokenizer trained on one-step arithmetic text and a 2-layer model
-    SFT'd from scratch on that task in fp32 for ONE_STEP_SFT_STEPS steps (~15 s), stopped early on purpose:
-    measured, 0.38 sampled pass@1 (T=1) on 256 test questions (110 steps: 0.02, 130: 0.26, 150: 0.47, 170: 0.63;
-    greedy 0.78 at 130, 0.88 at 150), so RL has room to improve it."""
+    SFT'd from scratch on that task in fp32, stopped on purpose at partial credit, so RL has room to improve it:
+    chat_sft's --stop-at-pass1 stops it at the first check (every 5 steps) whose sampled pass@1 (T=1, 4 samples)
+    on 64 held-out train questions is in ONE_STEP_SFT_BAND, with the lr decaying over ONE_STEP_SFT_MAX_STEPS.
+    Measured on the 2-core development machine (AMD EPYC, AVX2): held-out pass@1 0.03 at step 65, 0.09 at 70,
+    0.21 at 75, stopped at step 80 with 0.344 (0.358 on the learning test's 256 test questions x 8 samples), in
+    ~18 s of which ~10 s are the 16 checks. The fixed 140 steps this replaces gave 0.38 on the test questions
+    here but 0.77 on an Intel AVX512 CPU, where the learning test's precondition failed."""
     import contextlib
     import io
     import torch
@@ -101,7 +108,8 @@ def one_step_sft(tmp_path_factory):
         mp.setenv("NANOCHAT_BASE_DIR", str(base))
         torch.set_num_threads(1)  # a 2-layer model gains nothing from threads; spinning OpenMP threads cost a lot
         run_main(chat_sft.main, ["--depth=2", "--tasks=arithmetic", "--arithmetic-difficulty=1",
-                                 f"--num-steps={ONE_STEP_SFT_STEPS}", "--eval-every=-1", "--device-type=cpu", "--dtype=float32",
-                                 "--examples-per-step=16", "--device-batch-size=16"])
+                                 f"--num-steps={ONE_STEP_SFT_MAX_STEPS}", f"--stop-at-pass1={ONE_STEP_SFT_BAND}",
+                                 "--stop-check-every=5", "--stop-check-max-tokens=64", "--eval-every=-1", "--device-type=cpu",
+                                 "--dtype=float32", "--examples-per-step=16", "--device-batch-size=16"])
         torch.set_num_threads(threads)
     return base

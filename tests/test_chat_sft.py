@@ -1,5 +1,6 @@
 """SFT: the batch builder, the step's loss normalization, the example order, the non-finite guard, flag
-validation, a tiny run from scratch whose checkpoint chat_rl's loader picks up, and 2 gloo ranks vs 1 process."""
+validation, a tiny run from scratch whose checkpoint chat_rl's loader picks up, 2 gloo ranks vs 1 process, and
+the stop on held-out pass@1 (--stop-at-pass1, nanochat/stop_rule.py)."""
 
 import contextlib
 import io
@@ -14,10 +15,16 @@ from nanochat.checkpoint_manager import load_model
 from nanochat.cli import run_main
 from nanochat.sft import (accumulate_gradient, collate_rows, count_targets, loss_sums, make_micro_batches,
                           mixture_order, rank_positions, render_rows)
+from nanochat.engine import Engine
+from nanochat.evaluation import sample_outcomes
+from nanochat.optim import lr_multiplier
+from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError, PassBand, held_out_indices, measure_pass1
+from scripts import chat_sft
 from scripts.chat_sft import build_fresh_model, main, train_step
 from tasks.arithmetic import Arithmetic
 from gloo_ranks import run_ranks
-from helpers import random_model, tiny_config
+from helpers import PYTHONPATH, random_model, tiny_config
+from rl_toy_task import ParityTask
 
 
 @pytest.fixture(autouse=True)
@@ -264,9 +271,16 @@ def test_two_gloo_ranks_finetune_to_the_same_weights_as_one_process(scratch_run)
     (["--tasks=nosuchtask"], "unknown task 'nosuchtask'"),
     (["--tasks=gsm8k,"], "empty entry"),
     (["--tasks=gsm8k", "--arithmetic-difficulty=2"], "not in --tasks"),
-    (["--dtype=float16"], "--dtype must be float32 or bfloat16"),
+    (["--dtype=float16"], "--dtype must be auto, float32 or bfloat16"),
     (["--init-lr-frac=0"], "--init-lr-frac must be in (0, 1]"),
     (["--model-tag=d4"], "do not apply with --depth"),
+    (["--stop-at-pass1=0.3"], "--stop-at-pass1 must be LO:HI (two numbers such as 0.25:0.5), got '0.3'"),
+    (["--stop-at-pass1=0.5:0.3"], "--stop-at-pass1 must be LO:HI with 0 <= LO < HI <= 1, got '0.5:0.3'"),
+    (["--stop-at-pass1=0.2:1.5"], "--stop-at-pass1 must be LO:HI with 0 <= LO < HI <= 1"),
+    (["--stop-at-pass1=0.2:0.5", "--stop-check-every=0"], "--stop-check-every must be >= 1, got 0"),
+    (["--stop-at-pass1=0.2:0.5", "--stop-check-questions=0"], "--stop-check-questions must be >= 1, got 0"),
+    (["--stop-at-pass1=0.2:0.5", "--stop-check-samples=-1"], "--stop-check-samples must be >= 1, got -1"),
+    (["--stop-check-every=5"], "--stop-check-every applies with --stop-at-pass1, which is not given"),
 ])
 def test_invalid_flags_exit_2_with_one_line(base_dir, capsys, flags, message):
     with pytest.raises(SystemExit) as exc:
@@ -306,3 +320,209 @@ def test_checkpoint_records_the_dtype_the_run_computed_in(base_dir, monkeypatch,
     assert "computing in float32 instead of bfloat16" in capsys.readouterr().out
     meta = json.loads((base_dir / "chatsft_checkpoints" / "dtype" / "meta_000001.json").read_text())
     assert meta["user_config"]["dtype"] == "float32"
+
+
+# ----------------------------------------------------------------------------- stop on held-out pass@1
+
+def test_pass_band_continues_below_stops_inside_and_fails_above_or_at_the_cap():
+    band = PassBand(0.25, 0.5)
+    assert band.observe(5, 0.0) is False and band.observe(10, 0.2499) is False
+    assert band.observe(15, 0.25) is True  # both ends belong to the band
+    assert band.summary() == {"band": [0.25, 0.5], "step": 15, "pass1": 0.25, "in_band": True,
+                              "checks": [[5, 0.0], [10, 0.2499], [15, 0.25]]}
+    assert PassBand(0.25, 0.5).observe(5, 0.5) is True
+    assert PassBand(0.25, 0.5).observe(300, 0.4, final=True) is True  # in the band at the cap: a stop, not an error
+
+    band = PassBand(0.25, 0.5)
+    band.observe(5, 0.1)
+    with pytest.raises(JumpedOverBandError) as exc:
+        band.observe(10, 0.6)
+    assert str(exc.value) == "held-out sampled pass@1 jumped over the band [0.25, 0.5]: 0.6000 at step 10, from 0.1000 at step 5"
+    assert exc.value.band is band and band.summary()["in_band"] is False and band.last == (10, 0.6)
+    with pytest.raises(JumpedOverBandError, match="0.9000 at step 5, at the first check"):
+        PassBand(0.25, 0.5).observe(5, 0.9)
+
+    band = PassBand(0.25, 0.5)
+    assert band.observe(10, 0.1, final=False) is False
+    with pytest.raises(BandNotReachedError) as exc:
+        band.observe(12, 0.2, final=True)
+    assert str(exc.value) == "held-out sampled pass@1 is 0.2000 at step 12, the step cap, still below the band [0.25, 0.5]"
+    assert band.summary()["step"] == 12 and not band.in_band()
+
+
+def test_held_out_questions_are_the_last_ones():
+    assert list(held_out_indices(16, 4)) == [12, 13, 14, 15]
+    for k in (0, 16):
+        with pytest.raises(ValueError, match=f"cannot hold out {k} of 16"):
+            held_out_indices(16, k)
+
+
+class RecordingParity(ParityTask):
+    """ParityTask that notes, at each grading, whether the model it watches was in train mode."""
+    model = None
+    modes = []
+
+    def evaluate(self, conversation, response_text):
+        self.modes.append(self.model.training)
+        return super().evaluate(conversation, response_text)
+
+
+def test_measure_pass1_is_the_mean_fraction_of_correct_samples_in_eval_mode(tiny_tokenizer):
+    """A real measurement on a random tiny model (ParityTask: ~half the samples correct): the counts of
+    sample_outcomes at T=1, top-k 50, sampled in eval mode under the given autocast; the model's mode comes back."""
+    model = random_model(tiny_config(sequence_len=64, vocab_size=tiny_tokenizer.get_vocab_size()), noise=0.3)
+    task = RecordingParity(split="train")
+    RecordingParity.model, RecordingParity.modes = model, []
+    indices = held_out_indices(len(task), 6)
+    entered = []
+
+    @contextlib.contextmanager
+    def autocast():
+        entered.append(True)
+        yield
+
+    model.train()
+    pass1 = measure_pass1(model, tiny_tokenizer, task, indices, 4, 12, autocast(), "cpu", seed=3)
+    assert model.training and entered == [True]
+    assert RecordingParity.modes and not any(RecordingParity.modes)
+    model.eval()
+    outcomes = sample_outcomes(Engine(model, tiny_tokenizer), task, list(indices), 4, 12, temperature=1.0, top_k=50, seed=3)
+    rewards = [r for o in outcomes for r in o.rewards]
+    assert 0 < sum(rewards) < len(rewards)  # mixed, so the mean is a real check
+    assert pass1 == pytest.approx(sum(rewards) / len(rewards), abs=1e-12)
+
+
+STOP_FLAGS = ["--depth=1", "--sequence-len=64", "--tasks=rl_toy_task:ParityTask", "--examples-per-step=4",
+              "--device-batch-size=4", "--eval-every=-1", "--dtype=float32", "--device-type=cpu",
+              "--stop-at-pass1=0.25:0.5", "--stop-check-questions=4"]
+
+
+def scripted_sft(monkeypatch, values, flags):
+    """chat_sft on ParityTask (16 train questions, the last 4 held out) with measure_pass1 answering `values` in
+    turn. Returns (exit code, stdout, stderr lines, the held-out indices each check asked for, the questions trained on)."""
+    checks, trained = [], []
+
+    def measure(model, tokenizer, task, indices, *args, **kwargs):
+        checks.append(list(indices))
+        return values[len(checks) - 1]
+
+    def micro_batches(tokenizer, conversations, *args):
+        trained.extend(c["messages"][0]["content"] for c in conversations)
+        return make_micro_batches(tokenizer, conversations, *args)
+
+    monkeypatch.setattr(chat_sft, "measure_pass1", measure)
+    monkeypatch.setattr(chat_sft, "make_micro_batches", micro_batches)
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            run_main(main, STOP_FLAGS + flags)
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue().splitlines(), checks, trained
+
+
+def _stop_meta(base_dir, step):
+    checkpoint_dir = base_dir / "chatsft_checkpoints" / "stop"
+    assert sorted(os.listdir(checkpoint_dir)) == [f"meta_{step:06d}.json", f"model_{step:06d}.pt"]
+    return json.loads((checkpoint_dir / f"meta_{step:06d}.json").read_text())
+
+
+def test_stops_at_the_first_check_in_the_band_and_records_it(base_dir, monkeypatch):
+    code, out, err, checks, trained = scripted_sft(monkeypatch, [0.1, 0.3, 0.4],
+                                                   ["--num-steps=6", "--stop-check-every=2", "--output-tag=stop"])
+    assert code == 0 and err == []
+    assert checks == [[12, 13, 14, 15]] * 2
+    assert len(trained) == 4 * 4
+    step_lines = [line for line in out.splitlines() if re.match(r"step \d+/\d+ \| loss ", line)]
+    assert [line.split(" |")[0] for line in step_lines] == [f"step {s}/6" for s in range(1, 5)]
+    assert f"| lrm {lr_multiplier(3, 6):.3f} |" in step_lines[-1]  # the schedule is the one over the cap
+    assert re.search(r"^step 2/6 \| held-out pass@1 0\.1000 \(band \[0\.25, 0\.5\]\) \| check \d+\.\ds$", out, re.M)
+    assert ("stop: step 4/6 | held-out pass@1 0.3000 in the band [0.25, 0.5] "
+            "(4 train questions x 4 samples)\n") in out
+    meta = _stop_meta(base_dir, 4)
+    assert meta["step"] == 4
+    assert meta["stop"] == {"band": [0.25, 0.5], "step": 4, "pass1": 0.3, "in_band": True, "checks": [[2, 0.1], [4, 0.3]],
+                            "task": "rl_toy_task:ParityTask", "split": "train", "questions": 4, "first_question": 12,
+                            "samples": 4}
+    assert meta["user_config"]["stop_check_samples"] == 4 and meta["user_config"]["stop_check_max_tokens"] == 256
+
+
+def test_the_held_out_questions_are_never_trained_on(base_dir, monkeypatch):
+    """7 steps of 4 take 28 examples, more than two passes over the 12 questions left for training; the cap is
+    checked too, though 7 is not a multiple of the check period. Below the band there, the run fails with one
+    line and keeps its model, marked as outside the band."""
+    code, out, err, checks, trained = scripted_sft(monkeypatch, [0.0, 0.1, 0.2],
+                                                   ["--num-steps=7", "--stop-check-every=3", "--output-tag=stop"])
+    assert sorted(set(trained)) == sorted(f"question {i}" for i in range(12))
+    assert len(trained) == 28 and all(trained.count(f"question {i}") >= 2 for i in range(12))
+    assert checks == [[12, 13, 14, 15]] * 3
+    assert code == 2
+    assert err == ["error: held-out sampled pass@1 is 0.2000 at step 7, the step cap, still below the band [0.25, 0.5]; "
+                   "allow more steps (a larger --num-steps) or lower the band of --stop-at-pass1"]
+    assert "(model_000007.pt, outside the band [0.25, 0.5])" in out and "stop: " not in out
+    meta = _stop_meta(base_dir, 7)
+    assert meta["stop"]["in_band"] is False and meta["stop"]["checks"] == [[3, 0.0], [6, 0.1], [7, 0.2]]
+
+
+def test_a_jump_over_the_band_fails_with_one_line_and_keeps_the_model(base_dir, monkeypatch):
+    code, out, err, checks, trained = scripted_sft(monkeypatch, [0.1, 0.7],
+                                                   ["--num-steps=6", "--stop-check-every=2", "--output-tag=stop"])
+    assert code == 2 and len(checks) == 2 and len(trained) == 4 * 4
+    assert err == ["error: held-out sampled pass@1 jumped over the band [0.25, 0.5]: 0.7000 at step 4, from 0.1000 at "
+                   "step 2; check more often (a smaller --stop-check-every) or widen the band of --stop-at-pass1"]
+    meta = _stop_meta(base_dir, 4)
+    assert meta["stop"]["in_band"] is False and meta["stop"]["pass1"] == 0.7
+
+
+class CategoricalParity(ParityTask):
+    eval_type = "categorical"
+
+
+@pytest.mark.parametrize("flags,message", [
+    ([f"--tasks={__name__}:CategoricalParity"], f"but '{__name__}:CategoricalParity' is categorical, not generative; "
+                                                f"put a generative task (gsm8k, arithmetic) first in --tasks"),
+    (["--stop-check-questions=16"], "--stop-check-questions (16) holds out every train question of "
+                                    "'rl_toy_task:ParityTask' (16); hold out fewer"),
+])
+def test_stop_rule_needs_a_generative_first_task_with_questions_left(base_dir, capsys, flags, message):
+    with pytest.raises(SystemExit) as exc:
+        run_main(main, STOP_FLAGS + ["--num-steps=2"] + flags)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_refuses_a_tag_holding_a_step_after_the_earliest_stop(base_dir, monkeypatch, capsys):
+    """With a stop rule the run may save at its first check, so a checkpoint of the tag at a later step, even
+    one before the cap, would be the one `--source=sft` loads."""
+    code, *_ = scripted_sft(monkeypatch, [0.3], ["--num-steps=4", "--stop-check-every=3", "--output-tag=stop"])
+    assert code == 0 and sorted(os.listdir(base_dir / "chatsft_checkpoints" / "stop"))[1] == "model_000003.pt"
+    code, _, err, checks, _ = scripted_sft(monkeypatch, [0.3], ["--num-steps=8", "--stop-check-every=2", "--output-tag=stop"])
+    assert code == 2 and checks == []
+    assert "already holds model_000003.pt, a later step than step 2, where this run may stop" in err[0]
+
+
+def test_two_gloo_ranks_measure_and_stop_as_one_process(sft, base_dir, monkeypatch):
+    """A real held-out measurement on 2 gloo ranks, each sampling half of the 6 held-out questions: the
+    counts are summed over ranks, so both ranks take the decision of one process and rank 0 records the
+    pass@1 of all 6 questions, which is that of the saved model (same seeds)."""
+    common = ["--source=sft", "--model-tag=d2", "--tasks=rl_toy_task:ParityTask", "--num-steps=3", "--examples-per-step=4",
+              "--device-batch-size=2", "--eval-every=-1", "--dtype=float32", "--device-type=cpu", "--seed=9",
+              "--stop-at-pass1=0:1", "--stop-check-every=1", "--stop-check-questions=6", "--stop-check-max-tokens=12"]
+    run_main(main, common + ["--output-tag=single"])
+    monkeypatch.setenv("PYTHONPATH", PYTHONPATH)  # the ranks import rl_toy_task from tests/
+    run_ranks(lambda rank: ["-m", "scripts.chat_sft", *common, "--output-tag=two"])
+    checkpoints = base_dir / "chatsft_checkpoints"
+    single = json.loads((checkpoints / "single" / "meta_000001.json").read_text())["stop"]
+    two = json.loads((checkpoints / "two" / "meta_000001.json").read_text())["stop"]
+    assert single["step"] == two["step"] == 1
+    assert two["pass1"] == pytest.approx(single["pass1"], abs=1e-9)
+
+    model, tokenizer, _ = load_model("sft", "cpu", "eval", model_tag="single")
+    task = ParityTask(split="train")
+    outcomes = sample_outcomes(Engine(model, tokenizer), task, list(held_out_indices(len(task), 6)), 4, 12,
+                               temperature=1.0, top_k=50, seed=9)
+    rates = [sum(o.rewards) / 4 for o in outcomes]
+    assert single["pass1"] == pytest.approx(sum(rates) / 6, abs=1e-12)
+    # rank 0's own half scores differently, so a missing sum over ranks would show
+    assert sum(rates[0::2]) / 3 != pytest.approx(sum(rates) / 6)

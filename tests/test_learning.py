@@ -1,16 +1,22 @@
-"""RL learns: from a 2-layer model SFT'd briefly on one-step arithmetic (the `one_step_sft` fixture), 100 steps
-of chat_rl raise sampled pass@1 on 256 held-out questions by at least 0.10 absolute.
+"""RL learns: from a 2-layer model SFT'd on one-step arithmetic until it has partial credit (the `one_step_sft`
+fixture), 100 steps of chat_rl raise sampled pass@1 on 256 held-out questions by at least 0.10 absolute.
+
+The starting point is set by accuracy, not by a step count: the fixture's SFT stops at the first check whose
+sampled pass@1 on 64 held-out *train* questions is in [0.25, 0.5] (chat_sft --stop-at-pass1), so the model has
+partial credit on any machine (a fixed 140 steps gave 0.38 on one CPU and 0.77 on an Intel AVX512 one, issue 28).
+The test questions are other questions, so the precondition below allows a margin around that band.
 
 Why the margin is not noise. Both models are scored on the same 256 test questions with the same sampling seeds,
 8 samples per question at T=1, so the test looks at the paired per-question differences d_i = p_i(after) -
 p_i(before) of the fraction of correct samples. Their mean is the gain; their standard error is std(d) / 16.
 The test asserts the gain is both >= 0.10 and >= 3 standard errors (a noise-only gain that large has a chance
-of about 1 in 700). Measured on the development machine: 0.383 -> 0.552 (+0.169, SE 0.012). Run with the
-advantage's sign flipped (rewarding the wrong answers), the same 100 steps drive pass@1 to 0.002 instead, and
-the test fails; that was checked by hand (see the README's "Expected results").
+of about 1 in 700). Measured on the 2-core development machine (AMD EPYC, AVX2): SFT stopped at step 80 with
+held-out pass@1 0.344, then 0.358 -> 0.608 on the test questions (+0.250, SE 0.015). Run with the advantage's
+sign flipped (rewarding the wrong answers), the same 100 steps drive pass@1 from 0.358 to 0.004 instead, and
+the test fails; that was checked by hand.
 
 Everything runs in fp32 (--dtype=float32), so the trajectory does not depend on whether this CPU has native bf16.
-Runtime: SFT ~15 s, RL ~75 s, evals ~10 s on one thread of the 2-core CI machine."""
+Runtime: SFT ~18 s (80 steps and 16 checks), RL and the two evals ~90 s, on one thread of the 2-core machine."""
 
 import contextlib
 import io
@@ -50,6 +56,7 @@ def test_rl_raises_held_out_pass_at_1_beyond_noise(one_step_sft, monkeypatch):
     torch.set_num_threads(1)
     try:
         before = per_question_pass_rates("sft", base)
+        # holds by construction (SFT stopped in [0.25, 0.5] on other questions); kept as the test's premise
         assert 0.15 <= sum(before) / len(before) <= 0.6, "the SFT model must have partial credit for this test to mean anything"
         with contextlib.redirect_stdout(io.StringIO()):
             run_main(chat_rl.main, [f"--task={TASK}", "--device-type=cpu", "--dtype=float32", "--examples-per-step=16", "--num-samples=8",
