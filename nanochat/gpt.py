@@ -474,12 +474,12 @@ class GPT(nn.Module):
 HEAD_DIM = 64  # fresh models: n_embd = 64 * depth (nanochat's aspect ratio), so depth heads of 64
 
 
-def build_fresh_model(depth, sequence_len, vocab_size, device):
+def build_fresh_model(depth, sequence_len, vocab_size, device, window_pattern="L"):
     """A randomly initialized GPT of nanochat's shape for `depth`: width HEAD_DIM * depth, heads of HEAD_DIM."""
     n_embd = depth * HEAD_DIM
     n_head = n_embd // HEAD_DIM
     config = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
-                       n_kv_head=n_head, n_embd=n_embd, window_pattern="L")
+                       n_kv_head=n_head, n_embd=n_embd, window_pattern=window_pattern)
     with device:
         model = GPT(config)  # allocated on the target device directly (a meta-device build costs a torch._dynamo import)
     model.init_weights()

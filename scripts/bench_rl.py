@@ -68,12 +68,17 @@ class BenchConfig:
     dtype: torch.dtype   # compute dtype (bf16 = autocast; weights stay fp32)
     lean: bool           # skip work that cannot change the gradient: prompts' KV stored once in decoding, each
                          # prompt computed once in training, zero-advantage rows not trained (chat_rl's way)
+    decode: str = "eager"  # the engine's decode mode (nanochat.engine.decode_mode); tokens are the same in each
 
 
 CONFIGS = {c.name: c for c in (BenchConfig("baseline", False, torch.float32, False),
                                 BenchConfig("batched_plain", True, torch.float32, False),
                                 BenchConfig("batched_fp32", True, torch.float32, True),
-                                BenchConfig("batched_bf16", True, torch.bfloat16, True))}
+                                BenchConfig("batched_fp32_static", True, torch.float32, True, "static"),
+                                BenchConfig("batched_bf16", True, torch.bfloat16, True),
+                                BenchConfig("batched_bf16_graph", True, torch.bfloat16, True, "graph"))}
+# nanochat's d20 of January 2026 (561M parameters), random weights: the shapes the GPU figures are quoted for
+PRESETS = {"d20": dict(depth=20, vocab_size=65536, sequence_len=2048, window_pattern="SSSL")}
 BENCH_STEP = 0           # the chat_rl step whose questions and seeds the benchmark uses
 FORCED_END_LOGIT = 1e4   # beats any softcapped logit (|x| <= 15) plus Gumbel noise (< 20)
 
@@ -96,6 +101,10 @@ def parse_args(argv):
                    help="vocabulary of the random-init model; its tokenizer is $NANOCHAT_BASE_DIR/tokenizer if that "
                         "has this size, else one trained on GSM8K train text (cached under $NANOCHAT_BASE_DIR/bench_rl)")
     p.add_argument("--sequence-len", type=int, default=1024, help="context length of the random-init model")
+    p.add_argument("--window-pattern", type=str, default="L", help="sliding-window pattern of the random-init model")
+    p.add_argument("--preset", type=str, default="", choices=("",) + tuple(PRESETS),
+                   help="d20: the random-init model in nanochat's d20 shapes (depth 20, vocab 65536 (give "
+                        "$NANOCHAT_BASE_DIR/tokenizer that size), sequence_len 2048, SSSL windows)")
     # the work (chat_rl's defaults)
     p.add_argument("--task", type=str, default="gsm8k",
                    help="questions and reward: gsm8k (with a random-init model: nothing is rewarded, rows run to the "
@@ -113,6 +122,11 @@ def parse_args(argv):
     p.add_argument("--max-rows", type=int, default=0, help="batched configs: max rows decoded together (0 = memory budget)")
     p.add_argument("--memory-budget-gb", type=float, default=4.0, help="KV-cache memory a rollout batch may use")
     p.add_argument("--init-lr-frac", type=float, default=0.05, help="chat_rl's initial lr fraction (the optimizer step runs with it)")
+    p.add_argument("--force-advantages", action="store_true",
+                   help="give every row advantage +1 or -1 (alternating) after the rollouts, so that a random model's "
+                        "full batch is trained (it earns no reward, so nothing would be)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measured steps per config, one after another (rollout time of the first and last is reported)")
     # measurement
     p.add_argument("--early-stop-mean", type=float, default=64.0,
                    help="mean completion length of the +early runs (0 = skip them)")
@@ -125,6 +139,9 @@ def parse_args(argv):
 
 
 def validate_args(args):
+    for name, value in PRESETS.get(args.preset, {}).items():
+        setattr(args, name, value)
+    require(args.repeat >= 1, f"--repeat must be >= 1, got {args.repeat}")
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     require(not args.configs.strip() or (names and all(n in CONFIGS for n in names)),
             f"--configs={args.configs!r}: give a comma-separated subset of {', '.join(CONFIGS)}")
@@ -149,17 +166,34 @@ def validate_args(args):
 
 
 def default_configs(device):
-    """Every config, except bf16 on a CPU without native bf16: there a bf16 matmul is ~100x slower than fp32,
-    so measuring it would take hours, and chat_rl computes in fp32 on such a CPU anyway."""
+    """Every config that runs here at speed: CUDA graphs only on CUDA; no bf16 on a CPU without native bf16
+    (there a bf16 matmul is ~100x slower than fp32, so measuring it would take hours, and chat_rl computes in
+    fp32 on such a CPU anyway)."""
+    configs = [c for c in CONFIGS.values() if c.decode != "graph" or device.type == "cuda"]
     if device.type == "cpu" and not cpu_has_native_bf16():
         print0("note: no native bf16 on this CPU (no AVX512-BF16 or AMX): skipping batched_bf16 "
                "(chat_rl runs in fp32 here; --configs=batched_bf16 measures it anyway)")
-        return [c for c in CONFIGS.values() if c.dtype != torch.bfloat16]
-    return list(CONFIGS.values())
+        return [c for c in configs if c.dtype != torch.bfloat16]
+    return configs
 
 
 # -----------------------------------------------------------------------------
 # Machine: matmul peak, memory, description
+
+
+def memory_bandwidth(device, megabytes=512, reps=5):
+    """Best bytes/s of copying a `megabytes` tensor on the device (read + write counted)."""
+    src = torch.empty(megabytes * 2 ** 20 // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = math.inf
+    for _ in range(reps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best
 
 
 def matmul_peak_flops(device, dtype, size, reps=10, warmup=2):
@@ -286,7 +320,7 @@ def build_bench_model(args, device):
         return model, tokenizer, {"source": args.source, "model_tag": args.model_tag, "step": meta.get("step")}
     tokenizer, tokenizer_dir = bench_tokenizer(args.vocab_size, GSM8K(split="train"))
     torch.manual_seed(args.seed)
-    model = build_fresh_model(args.depth, args.sequence_len, args.vocab_size, device)
+    model = build_fresh_model(args.depth, args.sequence_len, args.vocab_size, device, args.window_pattern)
     return model.eval(), tokenizer, {"source": "random init", "tokenizer": tokenizer_dir}
 
 
@@ -384,7 +418,7 @@ def batched_rollouts(engine, task, indices, args):
 def rl_step(model, rollout_model, tokenizer, optimizers, task, indices, config, args, device):
     """One chat_rl step (rollouts, forward/backward, grad norm, optimizer step), timed by phase."""
     engine = Engine(rollout_model, tokenizer, max_rows=(args.max_rows or None) if config.batched else None,
-                    memory_budget_gb=args.memory_budget_gb, share_prompts=config.lean)
+                    memory_budget_gb=args.memory_budget_gb, share_prompts=config.lean, decode=config.decode)
     autocast = autocast_context(device, config.dtype)
     synchronize(device)
     t0 = time.perf_counter()
@@ -394,6 +428,11 @@ def rl_step(model, rollout_model, tokenizer, optimizers, task, indices, config, 
         batches, rows, work = rollouts(engine, task, indices, args)
     synchronize(device)
     t1 = time.perf_counter()
+    work["tokens_digest"] = hashlib.sha1(repr([b.inputs.tolist() for b in batches]).encode()).hexdigest()[:16]
+    if args.force_advantages:
+        batches = [dataclasses.replace(b, advantages=torch.tensor([1.0 - 2 * (r % 2) for r in range(len(b.advantages))],
+                                                                  device=b.advantages.device, dtype=b.advantages.dtype))
+                   for b in batches]
     model.train()
     trained = accumulate_policy_gradient(model, batches, args.device_batch_size, len(indices), device, autocast,
                                          share_prompt=config.lean, skip_zero_advantage=config.lean)
@@ -415,8 +454,9 @@ def fresh_optimizers(model, init_lr_frac):
     return scale_initial_lr(model.setup_optimizers(ortho_dtype=torch.float32), init_lr_frac)
 
 
-def measure(model, initial_state, tokenizer, task, indices, config, early_stop_mean, args, device, memory, peaks):
-    """Run one configuration from the initial weights: an untimed warm-up, then the measured step."""
+def measure(model, initial_state, tokenizer, task, indices, config, early_stop_mean, args, device, memory, peaks, bandwidth):
+    """Run one configuration from the initial weights: an untimed warm-up, then the measured step (--repeat of
+    them, one after another; the figures are the first's, with every rollout's time)."""
     model.load_state_dict(initial_state)
     rollout_model = model
     if early_stop_mean:
@@ -428,13 +468,19 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
     model.load_state_dict(initial_state)
 
     resident_mb = memory.reset()
-    m = rl_step(model, rollout_model, tokenizer, optimizers, task, indices, config, args, device)
+    runs = [rl_step(model, rollout_model, tokenizer, optimizers, task, indices, config, args, device)
+            for _ in range(args.repeat)]
     peak_mb = memory.peak_mb()
     del optimizers
 
+    m = runs[0]
     batches, rows, work = m["batches"], m.pop("rows"), m.pop("work")
     kv_bytes = SharedPromptKVCache.bytes_per_token(model, config.dtype) * work["kv_positions_read"]
     peak = peaks[str(config.dtype).removeprefix("torch.")]
+    # the decode step's roofline: every weight read once (in the compute dtype) plus the keys/values read
+    decode_ms = 1000 * m["rollout_seconds"] / max(work["decode_forwards"], 1)
+    step_bytes = model.num_params() * torch.tensor([], dtype=config.dtype).element_size() + kv_bytes / max(work["decode_forwards"], 1)
+    bound_ms = 1000 * step_bytes / bandwidth
     r_tokens = sum(n for b in batches for n in b.completion_lengths)
     r_flops = sum(rollout_flops(model, plen, prefills, steps) for plen, prefills, steps in rows)
     t_tokens, t_flops = sum(b.inputs.numel() for b in batches), train_flops(model, batches)
@@ -447,7 +493,26 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
             "train_mfu": t_flops / m["train_seconds"] / peak,
             "rows": sum(len(steps) for _, _, steps in rows), **work,
             "kv_bytes_per_decoded_token": kv_bytes / max(work["row_steps"], 1),
+            "decode_ms_per_step": decode_ms, "bytes_per_decode_step": step_bytes, "bandwidth_bound_ms": bound_ms,
+            "decode_x_bound": decode_ms / bound_ms,
+            "rollout_seconds_each": [r["rollout_seconds"] for r in runs],
             "resident_mb_at_start": resident_mb, "peak_memory_mb": peak_mb}
+
+
+def mark_identical_tokens(results, configs):
+    """A config decoding in another mode than eager records whether its rollouts' tokens equal those of the eager
+    config of the same dtype and work (the modes must sample the same tokens; only their speed may differ)."""
+    by_name = {c.name: c for c in configs}
+    for name, r in results.items():
+        base_name, _, suffix = name.partition("+")
+        config = by_name[base_name]
+        if config.decode == "eager":
+            continue
+        twin = next((c.name for c in configs if c.decode == "eager" and (c.batched, c.dtype, c.lean) ==
+                     (config.batched, config.dtype, config.lean)), None)
+        twin_name = twin and twin + ("+" + suffix if suffix else "")
+        other = results.get(twin_name) if twin else None
+        r["tokens_identical_to"] = (twin_name, other["tokens_digest"] == r["tokens_digest"]) if other else None
 
 
 def add_ratios(results):
@@ -468,7 +533,7 @@ def _ratio(a, b):
 def format_table(results):
     def ratio(r, key):
         return f"{r[key]:6.2f}" if r.get(key) is not None else "     -"
-    lines = [f"{'config':<20} {'roll tok/s':>10} {'x':>6} {'train tok/s':>11} {'x':>6} {'roll MFU':>8} {'train MFU':>9} "
+    lines = [f"{'config':<26} {'roll tok/s':>10} {'x':>6} {'train tok/s':>11} {'x':>6} {'roll MFU':>8} {'train MFU':>9} "
              f"{'step s':>8} {'speedup':>7} {'peak MB':>8}"]
     for name, r in results.items():
         # training throughput counts every row's tokens (the work a plain step does); with no row trained
@@ -478,15 +543,25 @@ def format_table(results):
                      f"{100 * r['train_mfu']:8.2f}%")
         else:
             train = f"{'-':>11} {'-':>6} {100 * r['rollout_mfu']:7.2f}% {'-':>9}"
-        lines.append(f"{name:<20} {r['rollout_tokens_per_s']:10.1f} {ratio(r, 'rollout_tokens_per_s_x')} "
+        lines.append(f"{name:<26} {r['rollout_tokens_per_s']:10.1f} {ratio(r, 'rollout_tokens_per_s_x')} "
                      f"{train} {r['step_seconds']:8.2f} {ratio(r, 'step_speedup_x'):>7} {r['peak_memory_mb']:8.0f}")
     lines.append("")
-    lines.append(f"{'config':<20} {'tokens':>7} {'rows':>5} {'row_steps':>9} {'rows x longest':>14} "
+    lines.append(f"{'config':<26} {'tokens':>7} {'rows':>5} {'row_steps':>9} {'rows x longest':>14} "
                  f"{'rollout s':>9} {'train s':>8} {'optim s':>8} {'trained':>7} {'skipped':>7} {'KV B/token':>10}")
     for name, r in results.items():
-        lines.append(f"{name:<20} {r['rollout_tokens']:7d} {r['rows']:5d} {r['row_steps']:9d} {r['rows_x_longest']:14d} "
+        lines.append(f"{name:<26} {r['rollout_tokens']:7d} {r['rows']:5d} {r['row_steps']:9d} {r['rows_x_longest']:14d} "
                      f"{r['rollout_seconds']:9.2f} {r['train_seconds']:8.2f} {r['optimizer_seconds']:8.2f} "
                      f"{r['rows_trained']:7d} {r['rows_skipped']:7d} {r['kv_bytes_per_decoded_token']:10.0f}")
+    lines.append("")
+    lines.append(f"{'config':<26} {'decode ms/step':>14} {'MB/step':>8} {'bound ms':>8} {'x bound':>7} "
+                 f"{'rollout s first..last':>21} {'tokens':>24}")
+    for name, r in results.items():
+        each = r["rollout_seconds_each"]
+        same = r.get("tokens_identical_to")
+        tokens = "" if same is None else f"{'=' if same[1] else 'DIFFER from'} {same[0]}"
+        lines.append(f"{name:<26} {r['decode_ms_per_step']:14.2f} {r['bytes_per_decode_step'] / 2 ** 20:8.1f} "
+                     f"{r['bandwidth_bound_ms']:8.3f} {r['decode_x_bound']:7.1f} {f'{each[0]:.2f}..{each[-1]:.2f}':>21} "
+                     f"{tokens:>24}")
     return "\n".join(lines)
 
 
@@ -604,6 +679,8 @@ def run(args, configs, device):
     dtypes = sorted({str(c.dtype).removeprefix("torch.") for c in configs}, reverse=True)  # float32 first
     peaks = {name: matmul_peak_flops(device, getattr(torch, name), args.peak_matmul_size) for name in dtypes}
     print0(f"matmul peak ({args.peak_matmul_size}^2): " + ", ".join(f"{n} {p / 1e12:.3f} TFLOP/s" for n, p in peaks.items()))
+    bandwidth = memory_bandwidth(device)
+    print0(f"memory bandwidth (device copy): {bandwidth / 1e9:.1f} GB/s")
 
     task = make_task(args.task, "train")
     if args.num_questions > len(task):
@@ -625,10 +702,11 @@ def run(args, configs, device):
             name = config.name + suffix
             print0(f"running {name} ...", end=" ")
             results[name] = measure(model, initial_state, tokenizer, task, indices, config, mean_length, args, device,
-                                    memory, peaks)
+                                    memory, peaks, bandwidth)
             r = results[name]
             print0(f"step {r['step_seconds']:.1f}s (rollout {r['rollout_seconds']:.1f}s, train {r['train_seconds']:.1f}s, "
                    f"optimizer {r['optimizer_seconds']:.1f}s)")
+    mark_identical_tokens(results, configs)
     lean_batches = results.get("batched_fp32", {}).get("batches")
     for r in results.values():
         r.pop("batches")
@@ -653,7 +731,8 @@ def run(args, configs, device):
     if skipping:
         print0("\n" + format_no_signal_table(skipping))
     report = {"machine": {**info, "load_average_before": load_before, "load_average_after": load_average()},
-              "settings": vars(args), "model": model_info, "peak_flops": peaks, "memory_method": memory.method,
+              "settings": vars(args), "model": model_info, "peak_flops": peaks, "memory_bandwidth": bandwidth,
+              "memory_method": memory.method,
               "results": results, "greedy_bf16_vs_fp32": agreement, "no_signal_training": skipping}
     with open(args.output, "w") as f:
         json.dump(report, f, indent=2)

@@ -18,13 +18,36 @@ METRICS = ["rollout_seconds", "train_seconds", "optimizer_seconds", "step_second
            "train_tokens_per_s", "train_flops", "train_flops_per_s", "train_mfu", "rows", "prefill_tokens",
            "decode_forwards", "row_steps", "rows_x_longest", "resident_mb_at_start", "peak_memory_mb",
            "rollout_tokens_per_s_x", "train_tokens_per_s_x", "step_speedup_x", "kv_positions_read",
-           "kv_bytes_per_decoded_token"]
+           "kv_bytes_per_decoded_token", "decode_ms_per_step", "bytes_per_decode_step", "bandwidth_bound_ms",
+           "decode_x_bound"]
 
 
 def tiny_gpt(n_layer=1, window_pattern="L"):
     """One head of width 64 over the tiny tokenizer's 400 tokens: the sizes the FLOP counts below are worked out for."""
     return random_model(tiny_config(sequence_len=128, vocab_size=400, n_layer=n_layer, n_head=1, n_kv_head=1,
                                     window_pattern=window_pattern))
+
+
+def test_static_decode_config_samples_the_same_tokens_and_forced_advantages_train_every_row(base_dir, tmp_path, capsys):
+    """batched_fp32_static (the bucketed step CUDA graphs replay) is checked against batched_fp32's tokens and
+    says so; --force-advantages makes a random model's whole batch trainable; --repeat times every step."""
+    output = tmp_path / "bench.json"
+    bench_rl.main(TINY_FLAGS + ["--configs=batched_fp32,batched_fp32_static", "--force-advantages", "--repeat=3",
+                                f"--output={output}", "--no-signal-fractions="])
+    results = json.loads(output.read_text())["results"]
+    assert results["batched_fp32_static"]["tokens_identical_to"] == ["batched_fp32", True]
+    assert results["batched_fp32_static+early"]["tokens_identical_to"] == ["batched_fp32+early", True]
+    assert "tokens_identical_to" not in results["batched_fp32"]
+    for r in results.values():
+        assert r["rows_trained"] == r["rows"] == 8 and len(r["rollout_seconds_each"]) == 3
+        assert r["bandwidth_bound_ms"] > 0 and r["decode_x_bound"] == r["decode_ms_per_step"] / r["bandwidth_bound_ms"]
+    assert "= batched_fp32+early" in capsys.readouterr().out
+
+
+def test_d20_preset_sets_nanochats_d20_shapes():
+    args = bench_rl.parse_args(["--preset=d20"])
+    bench_rl.validate_args(args)
+    assert (args.depth, args.vocab_size, args.sequence_len, args.window_pattern) == (20, 65536, 2048, "SSSL")
 
 
 def test_report_has_every_config_and_metric(base_dir, tmp_path, capsys):
@@ -91,8 +114,8 @@ def test_default_configs_measure_bf16_only_where_it_is_native(kind, monkeypatch,
     native_bf16 = kind != "none"
     assert bench_rl.validate_args(bench_rl.parse_args([])) is None  # no --configs: the device decides
     names = [c.name for c in bench_rl.default_configs(torch.device("cpu"))]
-    expected = ["baseline", "batched_plain", "batched_fp32"] + (["batched_bf16"] if native_bf16 else [])
-    assert names == expected
+    expected = ["baseline", "batched_plain", "batched_fp32", "batched_fp32_static"] + (["batched_bf16"] if native_bf16 else [])
+    assert names == expected  # CUDA graphs (batched_bf16_graph) only on CUDA
     assert ("skipping batched_bf16" in capsys.readouterr().out) == (not native_bf16)
 
 
