@@ -12,13 +12,13 @@ their rows into free slots and steps the batch until every row has finished.
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from nanochat.calculator import format_result, use_calculator
 from nanochat.gpt import attend, sequence_masks, window_mask
-from nanochat.sampling import row_seeds, sample_next_token
+from nanochat.sampling import row_seeds, sample_with_logprobs
 
 
 def cache_geometry(model):
@@ -396,12 +396,16 @@ class _SharedPromptAttention:
 @dataclass
 class Completion:
     """One sampled continuation of a prompt. tokens exclude the terminal token; masks: 1 = sampled by
-    the model, 0 = forced by the tool (calculator output)."""
+    the model, 0 = forced by the tool (calculator output). Per token, the sampler's log-probabilities (nan for
+    a forced token, see sampling.sample_with_logprobs): logprobs under the model at temperature 1 over the
+    whole vocabulary (what the trainer computes), sampling_logprobs under the distribution sampled from."""
     tokens: list
     masks: list
     ended: bool = False        # True if the model emitted <|assistant_end|> or <|bos|>; False if cut at max_tokens
     tool_calls: int = 0        # <|python_end|> seen
     tool_successes: int = 0    # ... of which the calculator returned a value
+    logprobs: list = field(default_factory=list)
+    sampling_logprobs: list = field(default_factory=list)
 
 
 class SpecialIds:
@@ -439,8 +443,9 @@ class Row:
     def finished(self):
         return self.out.ended or self.steps >= self.max_tokens
 
-    def feed(self, sampled_token):
-        """One step: (the token emitted, its mask). A queued forced token wins over the sampled one."""
+    def feed(self, sampled_token, logprobs=(math.nan, math.nan)):
+        """One step: (the token emitted, its mask). A queued forced token wins over the sampled one. logprobs:
+        the sampled token's (under the model, under the sampled distribution), kept with a sampled token."""
         token, mask = (self.forced.popleft(), 0) if self.forced else (sampled_token, 1)
         self.steps += 1
         if token in self.special.terminal:
@@ -448,6 +453,9 @@ class Row:
         else:
             self.out.tokens.append(token)
             self.out.masks.append(mask)
+            model_lp, sampling_lp = logprobs if mask else (math.nan, math.nan)
+            self.out.logprobs.append(model_lp)
+            self.out.sampling_logprobs.append(sampling_lp)
             self._track_tool_call(token)
         return token, mask
 
@@ -511,7 +519,8 @@ class DecodeBatch:
     Per slot: next_input (B,) the token it feeds next; seeds, steps (B,) its random stream (sample_next_token).
     With a SharedPromptKVCache (pool_slots given) each prompt's keys sit once in a pool slot, from its prefill
     until its last row finishes. A row is any object with `request`, `feed(sampled) -> (token, mask)` and
-    `finished` (a Row); events are [(row, token, mask)] for the rows that emitted a token.
+    `finished` (a Row; feed also takes the sampled token's log-probabilities); events are [(row, token, mask)] for
+    the rows that emitted a token.
 
     The decode step (`run_step`) is static: it reads and writes only tensors allocated here or in the cache,
     takes the rows' positions from the host's own count (`offset`, `cached`) instead of the device, and runs a
@@ -529,7 +538,9 @@ class DecodeBatch:
         self.next_input = torch.zeros(B, dtype=torch.long, device=self.device)
         self.seeds = torch.zeros(B, dtype=torch.long, device=self.device)
         self.steps = torch.zeros(B, dtype=torch.long, device=self.device)
-        self.sampled = torch.zeros(B, dtype=torch.long, device=self.device)  # the decode step's output
+        # the decode step's output per slot: (token, its log-probability under the model, under the sampled
+        # distribution), as float32 (token ids are exact below 2**24) so that the host reads it in one copy
+        self.sampled = torch.zeros(B, 3, dtype=torch.float32, device=self.device)
         cache.active.zero_()  # every slot free
         self.offset = [0] * B      # per slot: absolute position of the first key in its own storage (the prompt's
         self.cached = [0] * B      # length with a shared prompt, else 0), and how many keys it holds there
@@ -575,10 +586,10 @@ class DecodeBatch:
         self.steps[lo:hi] = 0
         self.rows.extend(rows)
         prompt.admitted += len(rows)
-        sampled = sample_next_token(prompt.logits.expand(len(rows), -1), self.seeds[lo:hi], self.steps[lo:hi],
-                                    self.temperature, self.top_k)
+        sampled = sample_with_logprobs(prompt.logits.expand(len(rows), -1), self.seeds[lo:hi], self.steps[lo:hi],
+                                       self.temperature, self.top_k)
         self.steps[lo:hi] += 1
-        return self._feed(sampled.tolist(), lo)
+        return self._feed(torch.stack([sampled[0].float(), *sampled[1:]], dim=1).tolist(), lo)
 
     def decode_step(self):
         """One forward of every active row on its next input, then each samples and emits. Returns events."""
@@ -607,14 +618,18 @@ class DecodeBatch:
         into self.sampled, advance the streams of the rows in use. No host read, no shape that depends on data."""
         view = self.cache.decode_view(rows, keys, last_position)
         logits = self.model(self.next_input[:rows, None], kv_cache=view)[:, -1, :]  # (rows, V)
-        self.sampled[:rows] = sample_next_token(logits, self.seeds[:rows], self.steps[:rows], self.temperature, self.top_k)
+        tokens, model_lp, sampling_lp = sample_with_logprobs(logits, self.seeds[:rows], self.steps[:rows], self.temperature,
+                                                             self.top_k)
+        self.sampled[:rows] = torch.stack([tokens.float(), model_lp, sampling_lp], dim=1)
         self.steps[:rows] += self.cache.active[:rows]
 
-    def _feed(self, tokens, lo):
-        """Rows lo.. (to the last) take their sampled tokens (python ints) and emit; what they emit is their
-        next input (written in one copy), and the finished ones leave. Returns their events."""
+    def _feed(self, sampled, lo):
+        """Rows lo.. (to the last) take their sampled (token, log-probability under the model, under the sampled
+        distribution) and emit; what they emit is their next input (written in one copy), and the finished ones
+        leave. Returns their events."""
         hi = len(self.rows)
-        events = [(row, *row.feed(token)) for row, token in zip(self.rows[lo:hi], tokens)]
+        events = [(row, *row.feed(int(token), (model_lp, sampling_lp)))
+                  for row, (token, model_lp, sampling_lp) in zip(self.rows[lo:hi], sampled)]
         self.next_input[lo:hi] = torch.tensor([token for _, token, _ in events], dtype=torch.long, device=self.device)
         self.retire([lo + j for j, (row, _, _) in enumerate(events) if row.finished])
         return events

@@ -21,6 +21,11 @@ The objective's diagnostics (`objective_metrics`, from nanochat.rl.TrainStats), 
   trained_tokens             sampled tokens of the trained rows (their weight)
   clip_fraction, approx_kl   last PPO epoch: tokens whose ratio was clipped; mean (rho - 1) - log rho
   kl_ref                     mean k3 KL of the policy to the reference model (--kl-coef)
+The sampler-trainer gap, over the trained tokens (the first epoch's forward against the engine's log-probabilities):
+  sampler_tokens             trained tokens that have a sampler log-probability (their weight)
+  sampler_gap_mean/max       mean and max |logp_trainer - logp_sampler|
+  sampler_k3                 mean k3 estimate of KL(sampler || trainer): exp(d) - d - 1, d = logp_trainer - logp_sampler
+  corrected_fraction         tokens the rollout correction changed (token-tis: weight capped; sequence-mask: row dropped)
 """
 
 import math
@@ -51,6 +56,11 @@ REDUCTIONS = {
     "clip_fraction": ("mean", "trained_tokens"),
     "approx_kl": ("mean", "trained_tokens"),
     "kl_ref": ("mean", "trained_tokens"),
+    "sampler_tokens": ("sum", None),
+    "sampler_gap_mean": ("mean", "sampler_tokens"),
+    "sampler_gap_max": ("max", None),
+    "sampler_k3": ("mean", "sampler_tokens"),
+    "corrected_fraction": ("mean", "sampler_tokens"),
 }
 _STD_MEAN = {"reward_std": "reward_mean"}  # a "std" metric and the mean it is taken around
 
@@ -119,10 +129,13 @@ def rollout_metrics(rewards_per_question, completions_per_question, max_new_toke
 
 def objective_metrics(first, last):
     """The objective's diagnostics from one step's TrainStats (nanochat.rl): the first epoch's loss (minus the objective;
-    the ranks' mean is the step's, as the optimizers average gradients), its trained tokens and its mean KL to
-    the reference (with --kl-coef), the last PPO epoch's clipped fraction and KL from the old policy
-    (measured in its forward, after the earlier epochs' updates)."""
-    out = {"loss": -first.objective, "trained_tokens": float(first.tokens)}
+    the ranks' mean is the step's, as the optimizers average gradients), its trained tokens, its sampler-trainer
+    gap and its mean KL to the reference (with --kl-coef), the last PPO epoch's clipped fraction and KL from the
+    old policy (measured in its forward, after the earlier epochs' updates). The gap's keys are there on every
+    rank, with weight 0 where nothing was trained, so that ranks reduce the same keys."""
+    out = {"loss": -first.objective, "trained_tokens": float(first.tokens), "sampler_tokens": float(first.sampler_tokens),
+           "sampler_gap_mean": first.sampler_gap_mean, "sampler_gap_max": first.sampler_gap_max,
+           "sampler_k3": first.sampler_k3, "corrected_fraction": first.corrected_fraction}
     if last.clip_fraction is not None:
         out.update(clip_fraction=last.clip_fraction, approx_kl=last.approx_kl)
     if first.kl_ref is not None:

@@ -148,7 +148,8 @@ CHAT_RL_SECTION = "Chat RL"
 
 def log_chat_rl(report, config, history, eval_history, section=CHAT_RL_SECTION):
     """Write the RL section: the run config, the final step's metrics, pass@k at the first and last eval,
-    and plots of reward, completion length and pass@1 against step (PNGs next to the markdown).
+    and plots of reward, completion length, the sampler-trainer gap and pass@1 against step (PNGs next to the
+    markdown).
 
     config: dict (e.g. vars(args)), shown whole, in its order.
     history: list of per-step dicts, each with "step", "reward_mean" and "completion_len_mean" (the keys of
@@ -206,6 +207,15 @@ def log_chat_rl(report, config, history, eval_history, section=CHAT_RL_SECTION):
                                                  "generated tokens",
                                                  [(steps, [h["completion_len_mean"] for h in history],
                                                    "completion_len_mean")], band=band)))
+        # the sampler-trainer gap, on the steps that trained a token (the others measured nothing)
+        gap = [h for h in history if h.get("sampler_tokens")]
+        if gap:
+            plots.append(("sampler-trainer gap", _plot(os.path.join(report.report_dir, f"{stem}-sampler-gap.png"),
+                                                       "|logp trainer - logp sampler|",
+                                                       [([h["step"] for h in gap], [h["sampler_gap_mean"] for h in gap],
+                                                         "sampler_gap_mean"),
+                                                        ([h["step"] for h in gap], [h["sampler_gap_max"] for h in gap],
+                                                         "sampler_gap_max")], marker=".")))
     if eval_history:
         plots.append(("pass@1", _plot(os.path.join(report.report_dir, f"{stem}-pass1.png"), "pass@1",
                                       [([s for s, _ in eval_history], [d["pass@1"] for _, d in eval_history],

@@ -20,8 +20,15 @@ W is the number of ranks: the optimizers average gradients over ranks, so a rank
   PPO epochs      epoch 1 is the on-policy term above; epochs 2.. use old logp_t from epoch 1's forward and
                   min(rho*A, clip(rho, 1 - clip_low, 1 + clip_high)*A) / D_i with rho = exp(logp - old logp)  (PPO, DAPO)
   KL penalty      - kl_coef * k3_t / D_i, k3 = exp(ref - logp) - (ref - logp) - 1, ref = the frozen starting model
+  rollout correction (for the sampler-trainer gap; s_t = the sampler's log-probability of the token under the model
+                  at T=1 over the whole vocabulary, recorded by the engine, and w_t = exp(logp_t - s_t) detached):
+                    token-tis      each token's term times min(w_t, cap)                   (truncated importance sampling)
+                    sequence-mask  a row's terms dropped when prod_t w_t leaves [1/cap, cap]
+Whatever the options, the first epoch measures the gap on the trained tokens: mean and max |logp_t - s_t| and the
+k3 estimate of KL(sampler || trainer), mean of exp(d) - d - 1 with d = logp_t - s_t.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +47,8 @@ class QuestionBatch:
     completion_lengths: list   # (R,) number of generated tokens per row (terminal token excluded)
     prompt_length: int         # tokens of the prompt every row starts with
     truncated: torch.Tensor = None  # (R,) bool: the row was cut at max_new_tokens (None: no row was)
+    sampler_logprobs: torch.Tensor = None  # (R, T) float: the sampler's log-probability of each target (under
+                                           # the model at T=1, whole vocabulary); nan where target is -1; None: unknown
 
 
 ADVANTAGE_STD_EPS = 1e-4
@@ -54,7 +63,8 @@ def advantages_from_rewards(rewards, scale_by_std=False):
     return advantages
 
 
-def make_question_batch(prompt, completions, rewards, pad_token, truncated=None, scale_by_std=False):
+def make_question_batch(prompt, completions, rewards, pad_token, truncated=None, scale_by_std=False,
+                        sampler_logprobs=None):
     """Build the training tensors for one question.
 
     prompt: list of token ids; completions: list of (tokens, masks) per sample (mask 1 = sampled,
@@ -62,15 +72,23 @@ def make_question_batch(prompt, completions, rewards, pad_token, truncated=None,
     `pad_token` (mask 0), so padding, the prompt and forced tokens never carry gradient.
     truncated: per sample, True if it was cut at the length cap (Completion.ended False); default none.
     scale_by_std: divide the advantages by the rewards' std (see advantages_from_rewards).
+    sampler_logprobs: per sample, the sampler's log-probability of each of its tokens (Completion.logprobs),
+    placed where that token is a target.
     """
     rows = [(list(prompt) + list(toks), [0] * len(prompt) + list(masks)) for toks, masks in completions]
     inputs, targets = collate_rows(rows, pad_token)  # the model is only credited for tokens it chose
     rewards = torch.tensor(rewards, dtype=torch.float32)
     truncated = torch.zeros(len(rows), dtype=torch.bool) if truncated is None else torch.tensor(truncated, dtype=torch.bool)
+    sampler = None
+    if sampler_logprobs is not None:  # the token at sequence position P + j is the target at position P + j - 1
+        sampler = torch.full(targets.shape, float("nan"))
+        for r, logprobs in enumerate(sampler_logprobs):
+            sampler[r, len(prompt) - 1:len(prompt) - 1 + len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
+        sampler[targets < 0] = float("nan")
     return QuestionBatch(inputs=inputs, targets=targets, rewards=rewards,
                          advantages=advantages_from_rewards(rewards, scale_by_std),
                          completion_lengths=[len(toks) for toks, _ in completions], prompt_length=len(prompt),
-                         truncated=truncated)
+                         truncated=truncated, sampler_logprobs=sampler)
 
 
 def pass_objective(logp, targets, advantages, num_passes, examples_per_rank, num_valid=None):
@@ -108,6 +126,7 @@ def token_logprobs_and_entropy(logits, targets):
 
 
 LOSS_NORMS = ("pass", "token", "sequence", "constant")
+ROLLOUT_CORRECTIONS = ("none", "token-tis", "sequence-mask")
 
 
 @dataclass
@@ -119,10 +138,17 @@ class PolicyLoss:
     clip_low: float = 0.2         # PPO epochs after the first clip the ratio to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.2
     kl_coef: float = 0.0          # weight of the k3 KL penalty to the reference model (0: no penalty)
+    rollout_correction: str = "none"  # none | token-tis | sequence-mask (see the module docstring)
+    correction_cap: float = 2.0       # token-tis: the weight's cap; sequence-mask: the ratio's band [1/cap, cap]
 
     def __post_init__(self):
         if self.loss_norm not in LOSS_NORMS:
             raise ValueError(f"loss_norm must be one of {', '.join(LOSS_NORMS)}, got {self.loss_norm!r}")
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"rollout_correction must be one of {', '.join(ROLLOUT_CORRECTIONS)}, "
+                             f"got {self.rollout_correction!r}")
+        if not self.correction_cap > 1:
+            raise ValueError(f"correction_cap must be > 1, got {self.correction_cap}")
         if self.loss_norm == "constant" and self.max_new_tokens < 1:
             raise ValueError("loss_norm='constant' divides by max_new_tokens; pass the rollouts' length cap (>= 1)")
 
@@ -231,6 +257,12 @@ class TrainStats:
     kl_ref: float = None            # with kl_coef > 0: mean k3 KL(policy || reference) over the tokens
     old_logprobs: list = None       # first epoch: per question (R, T) logp of the sampled tokens (detached)
     ref_logprobs: list = None       # first epoch, kl_coef > 0: the reference's, likewise
+    correction_weights: list = None  # first epoch, with a rollout correction: per question (R, T) its weights
+    sampler_tokens: int = 0          # first epoch: trained tokens with a sampler log-probability, over which:
+    sampler_gap_mean: float = 0.0    #   mean |logp - sampler logp|
+    sampler_gap_max: float = 0.0     #   max |logp - sampler logp|
+    sampler_k3: float = 0.0          #   mean k3 estimate of KL(sampler || trainer)
+    corrected_fraction: float = 0.0  #   tokens the rollout correction changed (token-tis: capped; sequence-mask: dropped)
 
 
 def _trained_rows(targets, weights, any_weight=False):
@@ -298,8 +330,10 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
     if loss.loss_norm != "pass" and counts is None:
         counts = step_counts(batches, loss.mask_truncated, device)
     micro = micro_batch_rows or device_batch_size
+    correct = loss.rollout_correction != "none"
     tally = _Tally(old_logprobs=[] if first else first_epoch.old_logprobs,
-                   ref_logprobs=([] if use_kl else None) if first else first_epoch.ref_logprobs)
+                   ref_logprobs=([] if use_kl else None) if first else first_epoch.ref_logprobs,
+                   correction_weights=([] if correct else None) if first else first_epoch.correction_weights)
     for q, batch in enumerate(batches):
         question_targets = trainable_targets(batch, loss.mask_truncated)  # (R, T)
         denominators = row_denominators(question_targets, loss.loss_norm, device_batch_size, examples_per_rank, counts,
@@ -313,6 +347,8 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
             tally.old_logprobs.append(torch.zeros(question_targets.shape, device=device))
             if use_kl:
                 tally.ref_logprobs.append(torch.zeros(question_targets.shape, device=device))
+            if correct:
+                tally.correction_weights.append(torch.ones(question_targets.shape, device=device))
         question = _Question(q, batch, question_targets, denominators, weights)
         for lo in range(0, len(rows), micro):
             _backward_chunk(model, question, torch.tensor(rows[lo:lo + micro]), loss, first, reference, device, autocast,
@@ -338,6 +374,7 @@ class _Tally:
     """Running sums of one epoch of accumulate_policy_gradient, turned into TrainStats at the end."""
     old_logprobs: list
     ref_logprobs: list
+    correction_weights: list = None
     objective: float = 0.0
     entropy_sum: float = 0.0
     tokens: int = 0
@@ -346,15 +383,53 @@ class _Tally:
     clipped: int = 0
     approx_kl_sum: float = 0.0
     kl_ref_sum: float = 0.0
+    sampler: list = None  # device sums over the chunks: tokens, |d| sum, |d| max, k3 sum, corrected tokens
+
+    def add_gap(self, gap, corrected):
+        """gap: (N,) trainer minus sampler log-probabilities of a chunk's tokens that have both."""
+        values = torch.stack([torch.tensor(float(gap.numel()), device=gap.device), gap.abs().sum(),
+                              gap.abs().max() if gap.numel() else gap.new_zeros(()), (torch.exp(gap) - gap - 1).sum(),
+                              corrected.float()])
+        if self.sampler is None:
+            self.sampler = values
+        else:
+            self.sampler = torch.stack([self.sampler[0] + values[0], self.sampler[1] + values[1],
+                                        torch.maximum(self.sampler[2], values[2]), self.sampler[3] + values[3],
+                                        self.sampler[4] + values[4]])
 
     def stats(self, first, use_kl):
         per_token = lambda total: total / self.tokens if self.tokens else 0.0
+        tokens, gap_sum, gap_max, k3_sum, corrected = self.sampler.tolist() if self.sampler is not None else [0.0] * 5
+        per_sampled = lambda total: total / tokens if tokens else 0.0
         return TrainStats(objective=self.objective, entropy=self.entropy_sum / self.tokens if self.tokens else float("nan"),
                           rows_trained=self.rows_trained, rows_total=self.rows_total, tokens=self.tokens,
                           clip_fraction=None if first else per_token(self.clipped),
                           approx_kl=None if first else per_token(self.approx_kl_sum),
                           kl_ref=per_token(self.kl_ref_sum) if use_kl else None,
-                          old_logprobs=self.old_logprobs, ref_logprobs=self.ref_logprobs)
+                          old_logprobs=self.old_logprobs, ref_logprobs=self.ref_logprobs,
+                          correction_weights=self.correction_weights, sampler_tokens=int(tokens),
+                          sampler_gap_mean=per_sampled(gap_sum), sampler_gap_max=gap_max, sampler_k3=per_sampled(k3_sum),
+                          corrected_fraction=per_sampled(corrected))
+
+
+def _sampler_gap(logp, sampler, row_index, num_rows, loss, tally):
+    """Tally the gap between the trainer's log-probabilities logp (N,) (detached) and the sampler's (N,) of the
+    same tokens (nan where unknown), and return the rollout correction's weights (N,), or None without one.
+    row_index (N,): each token's row among the chunk's num_rows."""
+    known = ~torch.isnan(sampler)
+    gap = torch.where(known, logp - sampler, torch.zeros_like(logp))
+    if loss.rollout_correction == "token-tis":
+        weights = torch.where(known, torch.exp(gap).clamp(max=loss.correction_cap), torch.ones_like(gap))
+        changed = (known & (gap > math.log(loss.correction_cap))).sum()
+    elif loss.rollout_correction == "sequence-mask":
+        row_log_ratio = torch.zeros(num_rows, device=logp.device, dtype=gap.dtype).index_add_(0, row_index, gap)
+        kept = (row_log_ratio.abs() <= math.log(loss.correction_cap))[row_index]  # (N,)
+        weights = kept.to(logp.dtype)
+        changed = (~kept).sum()
+    else:
+        weights, changed = None, torch.zeros((), device=logp.device)
+    tally.add_gap(gap[known], changed)
+    return weights
 
 
 def _backward_chunk(model, question, chunk, loss, first, reference, device, autocast, share_prompt, tally):
@@ -376,12 +451,21 @@ def _backward_chunk(model, question, chunk, loss, first, reference, device, auto
     token_denominators = per_token(question.denominators).to(logp.dtype)
     if first:
         # on-policy: the ratio is 1, so the clipped surrogate's gradient is A * grad logp (nanochat's term)
-        pg_objective = (logp * per_token(question.weights).to(logp.dtype)).sum()
+        token_weights = per_token(question.weights).to(logp.dtype)
+        if batch.sampler_logprobs is not None:
+            sampler = batch.sampler_logprobs[chunk].to(device)[:, offset:][valid]  # (N,)
+            correction = _sampler_gap(logp.detach(), sampler, row_index, chunk.numel(), loss, tally)
+            if correction is not None:
+                token_weights = token_weights * correction
+                tally.correction_weights[q][where] = correction
+        pg_objective = (logp * token_weights).sum()
         tally.old_logprobs[q][where] = logp.detach()
     else:
         old_logp = tally.old_logprobs[q][where]
         surrogate, ratio, clipped = clipped_surrogate(logp, old_logp, per_token(batch.advantages).to(logp.dtype),
                                                       loss.clip_low, loss.clip_high)
+        if tally.correction_weights is not None:  # the first epoch's correction of the sampler's tokens holds
+            surrogate = surrogate * tally.correction_weights[q][where]
         pg_objective = (surrogate / token_denominators).sum()
         with torch.no_grad():
             tally.clipped += int(clipped.sum())

@@ -78,6 +78,7 @@ def sample_questions(engine, task, indices, seeds, sampling, score=None, scale_b
         texts = [tokenizer.decode(c.tokens) for c in completions]
         rewards = [float(score(conv, text)) for text in texts]
         batch = make_question_batch(prompt, [(c.tokens, c.masks) for c in completions], rewards, pad,
-                                    truncated=[not c.ended for c in completions], scale_by_std=scale_by_std)
+                                    truncated=[not c.ended for c in completions], scale_by_std=scale_by_std,
+                                    sampler_logprobs=[c.logprobs for c in completions])
         rollouts.append(QuestionRollout(index=index, completions=completions, texts=texts, rewards=rewards, batch=batch))
     return rollouts

@@ -46,15 +46,29 @@ def sample_next_token(logits, seeds, steps, temperature=1.0, top_k=None):
     temperature 0 is argmax. Otherwise top-k (k > 0) then a draw from softmax(logits / T), done as
     Gumbel-max: argmax(logits/T + Gumbel noise) has exactly that distribution.
     """
+    return sample_with_logprobs(logits, seeds, steps, temperature, top_k)[0]
+
+
+def sample_with_logprobs(logits, seeds, steps, temperature=1.0, top_k=None):
+    """sample_next_token's tokens (B,) with two log-probabilities of each, (B,) float32:
+    - under the model's own distribution: log-softmax of the logits at temperature 1 over the whole vocabulary,
+      the quantity the trainer computes for the same token (their difference is the sampler-trainer gap);
+    - under the distribution actually sampled from: temperature and top-k applied (0 for greedy, which is
+      deterministic), the denominator of an exact importance ratio."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if temperature == 0.0:
-        return torch.argmax(logits, dim=-1)
     logits = logits.float()
+    full = torch.log_softmax(logits, dim=-1)
+    if temperature == 0.0:
+        tokens = torch.argmax(logits, dim=-1)
+        return tokens, full.gather(-1, tokens[:, None]).squeeze(-1), torch.zeros_like(full[:, 0])
     if top_k is not None and 0 < top_k < logits.size(-1):
         values, indices = torch.topk(logits, top_k, dim=-1)  # (B, k), sorted, so candidate order is stable
     else:
         values, indices = logits, None
+    scaled = values / temperature
     gumbel = -torch.log(-torch.log(row_uniforms(seeds, steps, values.size(-1))))
-    choice = torch.argmax(values / temperature + gumbel, dim=-1, keepdim=True)  # (B, 1)
-    return (indices.gather(-1, choice) if indices is not None else choice).squeeze(-1)
+    choice = torch.argmax(scaled + gumbel, dim=-1, keepdim=True)  # (B, 1)
+    tokens = (indices.gather(-1, choice) if indices is not None else choice).squeeze(-1)
+    sampled = torch.log_softmax(scaled, dim=-1).gather(-1, choice).squeeze(-1)
+    return tokens, full.gather(-1, tokens[:, None]).squeeze(-1), sampled

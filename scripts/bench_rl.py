@@ -446,6 +446,8 @@ def rl_step(model, rollout_model, tokenizer, optimizers, task, indices, config, 
     t3 = time.perf_counter()
     return {"rollout_seconds": t1 - t0, "train_seconds": t2 - t1, "optimizer_seconds": t3 - t2, "step_seconds": t3 - t0,
             "rows_trained": trained.rows_trained, "rows_skipped": trained.rows_total - trained.rows_trained,
+            "sampler_tokens": trained.sampler_tokens, "sampler_gap_mean": trained.sampler_gap_mean,
+            "sampler_gap_max": trained.sampler_gap_max, "sampler_k3": trained.sampler_k3,
             "batches": batches, "rows": rows, "work": work}
 
 
@@ -554,14 +556,16 @@ def format_table(results):
                      f"{r['rows_trained']:7d} {r['rows_skipped']:7d} {r['kv_bytes_per_decoded_token']:10.0f}")
     lines.append("")
     lines.append(f"{'config':<26} {'decode ms/step':>14} {'MB/step':>8} {'bound ms':>8} {'x bound':>7} "
-                 f"{'rollout s first..last':>21} {'tokens':>24}")
+                 f"{'rollout s first..last':>21} {'gap mean/max':>17} {'tokens':>24}")
     for name, r in results.items():
         each = r["rollout_seconds_each"]
         same = r.get("tokens_identical_to")
         tokens = "" if same is None else f"{'=' if same[1] else 'DIFFER from'} {same[0]}"
+        # the sampler-trainer gap of the trained tokens (none trained: nothing measured)
+        gap = f"{r['sampler_gap_mean']:.1e}/{r['sampler_gap_max']:.1e}" if r["sampler_tokens"] else "-"
         lines.append(f"{name:<26} {r['decode_ms_per_step']:14.2f} {r['bytes_per_decode_step'] / 2 ** 20:8.1f} "
                      f"{r['bandwidth_bound_ms']:8.3f} {r['decode_x_bound']:7.1f} {f'{each[0]:.2f}..{each[-1]:.2f}':>21} "
-                     f"{tokens:>24}")
+                     f"{gap:>17} {tokens:>24}")
     return "\n".join(lines)
 
 

@@ -41,7 +41,7 @@ from nanochat.metrics import objective_metrics, reduce_metrics, rollout_metrics
 from nanochat.optim import guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.precision import MARGIN, PREFERENCE, fastest_decode_dtype, fastest_training_dtype, rank0_choice
 from nanochat.report import get_report, log_chat_rl
-from nanochat.rl import LOSS_NORMS, PolicyLoss, TrainStats, accumulate_policy_gradient, step_counts
+from nanochat.rl import LOSS_NORMS, ROLLOUT_CORRECTIONS, PolicyLoss, TrainStats, accumulate_policy_gradient, step_counts
 from nanochat.rollout import Sampling, question_seed, sample_questions, step_question_indices
 from nanochat.wandb_utils import init_wandb, log_samples_table
 from tasks.registry import make_task, resolve_task_class
@@ -98,6 +98,12 @@ def parse_args(argv):
     p.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clipped above at 1 + clip-high (DAPO: 0.28)")
     p.add_argument("--kl-coef", type=float, default=0.0,
                    help="weight of the k3 KL penalty to the starting model (0 = none; > 0 loads a second copy)")
+    p.add_argument("--rollout-correction", type=str, default="none",
+                   help="correct for the gap between the sampler's and the trainer's log-probabilities: none (nanochat), "
+                        "token-tis (each token's term times min(ratio, cap)) or sequence-mask (drop rows whose "
+                        "sequence ratio leaves [1/cap, cap]); ratio = exp(logp_trainer - logp_sampler), whole vocabulary")
+    p.add_argument("--rollout-correction-cap", type=float, default=2.0,
+                   help="the cap of --rollout-correction (> 1)")
     # eval and checkpoints
     p.add_argument("--eval-every", type=int, default=60, help="pass@k eval period in steps (-1 = never)")
     p.add_argument("--eval-examples", type=int, default=400, help="test questions used by the eval")
@@ -151,6 +157,9 @@ def validate_args(args, world_size):
     require(0 <= args.clip_low < 1, f"--clip-low must be in [0, 1) (the ratio is clipped at 1 - clip-low), got {args.clip_low}")
     require(args.clip_high >= 0, f"--clip-high must be >= 0, got {args.clip_high}")
     require(args.kl_coef >= 0, f"--kl-coef must be >= 0 (0 = no KL penalty), got {args.kl_coef}")
+    require(args.rollout_correction in ROLLOUT_CORRECTIONS,
+            f"--rollout-correction must be {', '.join(ROLLOUT_CORRECTIONS)}, got {args.rollout_correction!r}")
+    require(args.rollout_correction_cap > 1, f"--rollout-correction-cap must be > 1, got {args.rollout_correction_cap}")
     require(not (args.resume and args.overwrite), "--resume continues a run and --overwrite replaces it; pass only one")
 
 
@@ -379,7 +388,8 @@ def setup_run(args, rank, world_size, device):
         config=args, model=model, optimizers=optimizers,
         engine=engine,
         policy_loss=PolicyLoss(loss_norm=args.loss_norm, max_new_tokens=args.max_new_tokens, mask_truncated=args.mask_truncated,
-                               clip_low=args.clip_low, clip_high=args.clip_high, kl_coef=args.kl_coef),
+                               clip_low=args.clip_low, clip_high=args.clip_high, kl_coef=args.kl_coef,
+                               rollout_correction=args.rollout_correction, correction_cap=args.rollout_correction_cap),
         reference=reference,
         train_task=train_task, val_task=val_task, num_steps=num_steps, start_step=start_step, start_checkpoint=start,
         checkpoint_dir=checkpoint_dir, rank=rank, world_size=world_size, device=device,
@@ -513,6 +523,9 @@ def format_step_line(run, m, elapsed):
             f"entropy {m['entropy']:.3f} | gnorm {m['grad_norm']:.3f} | lrm {m['lrm']:.3f} | "
             + (f"clip {m['clip_fraction']:.3f} kl_old {m['approx_kl']:.2e} | " if "clip_fraction" in m else "")
             + (f"kl_ref {m['kl_ref']:.2e} | " if "kl_ref" in m else "")
+            + (f"sampler gap {m['sampler_gap_mean']:.1e}/{m['sampler_gap_max']:.1e} k3 {m['sampler_k3']:.1e}"
+               + (f" corrected {m['corrected_fraction']:.3f}" if run.config.rollout_correction != "none" else "") + " | "
+               if m.get("sampler_tokens") else "")
             + f"rollout {m['time/rollout']:.1f}s train {m['time/train']:.1f}s {m['rollout_tokens_per_s']:.0f} tok/s | "
             f"elapsed {format_duration(elapsed)} eta {format_duration(eta_train)}"
             + (f" + eval {format_duration(eta_eval)}" if eta_eval else ""))

@@ -54,6 +54,9 @@ def test_eval_prints_pass_at_k(sft, base_dir, capsys):
     (["--source=rl", "--model-tag=d2", "--output-tag=d2"], "--output-tag=d2 is the RL run --source=rl reads"),
     (["--resume", "--output-tag=x"], "--resume continues a run in its own directory"),
     (["--output-tag=a/b"], "--output-tag must be a directory name"),
+    (["--rollout-correction=tis"], "--rollout-correction must be none, token-tis, sequence-mask, got 'tis'"),
+    (["--rollout-correction-cap=1"], "--rollout-correction-cap must be > 1, got 1.0"),
+    (["--decode=fast"], "--decode"),
 ])
 def test_invalid_flags_exit_with_one_line(sft, flags, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -293,3 +296,22 @@ def test_decode_modes_train_the_same_model(sft, base_dir, capsys):
         assert f"rollouts: {mode} decode step" in capsys.readouterr().out
         weights[mode] = torch.load(rl_dir / "model_000001.pt", weights_only=True)
     assert all(torch.equal(weights["eager"][k], weights["static"][k]) for k in weights["eager"])
+
+
+@pytest.mark.parametrize("correction", ["none", "token-tis"])
+def test_sampler_gap_is_in_the_step_line_history_and_report(correction, sft, base_dir, capsys):
+    """Every step that trained a token logs the sampler-trainer gap (fp32 here: rounding, far below 1e-4) in its
+    line and the run's history, and the report plots it; with a correction, the corrected fraction too."""
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", f"--rollout-correction={correction}"])
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("Step ") and "Average reward" in line]
+    history = json.loads((base_dir / "chatrl_checkpoints" / "d2" / "meta_000001.json").read_text())["history"]
+    trained = [h for h in history if h["rows_trained"] > 0]
+    assert len(lines) == 2 and trained
+    for h, line in zip(history, lines):
+        assert ("sampler gap" in line) == (h["sampler_tokens"] > 0)
+        assert ("corrected" in line) == (h["sampler_tokens"] > 0 and correction != "none")
+    for h in trained:
+        assert h["sampler_tokens"] == h["trained_tokens"] and 0 <= h["sampler_gap_mean"] <= h["sampler_gap_max"] < 1e-4
+        assert h["corrected_fraction"] == 0.0  # no ratio near the cap in fp32
+    assert (base_dir / "report" / "chat-rl-sampler-gap.png").exists()
