@@ -8,8 +8,9 @@ Each example becomes a two-message conversation. The reference answer's calculat
     -> [text "Natalia sold 48/2 = ", python "48/2", python_output "24", text "24 clips in May.\n#### 72"]
 
 Data comes from a local directory of `train.jsonl` / `test.jsonl` (fields `question`, `answer`, in the
-hub's row order) when there is one, else from the Hugging Face hub. Either way the rows are shuffled with
-`datasets.Dataset.shuffle(seed=42)`, so example i is the same question whatever the source.
+hub's row order) when there is one, else from the Hugging Face hub. Either way the rows are shuffled as
+`datasets.Dataset.shuffle(seed=42)` shuffles them (numpy's `default_rng(42).permutation`), so example i is the
+same question whatever the source; a local copy needs no `datasets` import (a GPU box without it works).
 Local directory, first that applies: the `data_dir` argument, $NANOCHAT_GSM8K_DIR, or
 $NANOCHAT_BASE_DIR/data/gsm8k if it holds the split (`python -m scripts.prepare_gsm8k` fills it).
 The socratic subset lives in a `socratic/` subdirectory of a local directory.
@@ -20,6 +21,8 @@ import os
 import re
 import urllib.error
 import urllib.request
+
+import numpy as np
 
 from nanochat.common import UserError, get_base_dir
 from tasks.common import FinalAnswerTask, extract_answer  # noqa: F401  (nanochat's tasks/gsm8k.py defines it: user code imports it from here)
@@ -115,26 +118,30 @@ def hub_reachable(timeout=3.0):
     return True
 
 
+def shuffled(rows, seed=SHUFFLE_SEED):
+    """rows in the order datasets.Dataset.shuffle(seed=seed) gives: the permutation numpy's default_rng(seed)
+    draws for their number (tests/test_gsm8k.py checks the two agree where datasets is installed)."""
+    return [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))]
+
+
 def load_rows(subset="main", split="train", data_dir=None):
     """The split's rows [{"question", "answer"}] in the shuffled (seed 42) order nanochat uses."""
-    import datasets  # slow to import; only needed here
     if subset not in SUBSETS:
         raise UserError(f"unknown GSM8K subset {subset!r}; use one of {', '.join(SUBSETS)}")
     if split not in SPLITS:
         raise UserError(f"unknown GSM8K split {split!r}; use one of {', '.join(SPLITS)}")
     local_dir = find_local_dir(subset, split, data_dir)
     if local_dir is not None:
-        ds = datasets.Dataset.from_list(read_jsonl_rows(split_filename(local_dir, subset, split)))
-    else:
-        if not hub_offline() and not hub_reachable():
-            raise GSM8KUnavailableError(subset, split, "no local copy, and the Hugging Face hub is unreachable "
-                                                       "(HF_HUB_OFFLINE=1 uses a copy in the Hugging Face cache)")
-        try:
-            ds = datasets.load_dataset(HUB_NAME, subset, split=split)
-        except (OSError, datasets.exceptions.DatasetsError) as e:  # ConnectionError, not in the offline cache, ...
-            raise GSM8KUnavailableError(subset, split, f"no local copy, and the hub failed ({e})") from e
-    # the same permutation for the local and the hub copy: Dataset.shuffle draws it from the seed and the length
-    return ds.shuffle(seed=SHUFFLE_SEED).select_columns(["question", "answer"]).to_list()
+        return shuffled(read_jsonl_rows(split_filename(local_dir, subset, split)))
+    import datasets  # slow to import; only the hub needs it
+    if not hub_offline() and not hub_reachable():
+        raise GSM8KUnavailableError(subset, split, "no local copy, and the Hugging Face hub is unreachable "
+                                                   "(HF_HUB_OFFLINE=1 uses a copy in the Hugging Face cache)")
+    try:
+        ds = datasets.load_dataset(HUB_NAME, subset, split=split)
+    except (OSError, datasets.exceptions.DatasetsError) as e:  # ConnectionError, not in the offline cache, ...
+        raise GSM8KUnavailableError(subset, split, f"no local copy, and the hub failed ({e})") from e
+    return shuffled(ds.select_columns(["question", "answer"]).to_list())  # the local copy's permutation
 
 
 class GSM8K(FinalAnswerTask):

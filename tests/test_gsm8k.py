@@ -1,6 +1,8 @@
 """GSM8K: answer parsing into tool-call parts, answer extraction and reward, data order and data location."""
 
 import json
+import subprocess
+import sys
 
 import datasets
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 from nanochat.common import UserError
 from scripts import prepare_gsm8k
 from tasks.gsm8k import GSM8K, GSM8KUnavailableError, answer_to_parts, extract_answer, read_jsonl_rows
+from helpers import REPO
 
 
 def rows_of(path):
@@ -120,6 +123,19 @@ def test_local_order_is_the_hub_shuffle_order(gsm8k_dir, split):
     perm = np.random.default_rng(42).permutation(len(rows))
     assert questions == [rows[i]["question"] for i in perm]
     assert questions != [r["question"] for r in rows]
+
+
+def test_a_local_copy_needs_no_datasets_package(gsm8k_dir):
+    """A GPU box without `datasets` reads a local GSM8K: the order comes from numpy alone (the test above checks
+    it is datasets' order). Run where importing datasets fails."""
+    code = ("import sys; sys.modules['datasets'] = None\n"  # any `import datasets` now raises ImportError
+            "from tasks.gsm8k import GSM8K\n"
+            f"task = GSM8K(split='test', data_dir={str(gsm8k_dir)!r})\n"
+            "print(task[0]['messages'][0]['content'][:40])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = rows_of(gsm8k_dir / "test.jsonl")
+    assert out.stdout.strip() == rows[int(np.random.default_rng(42).permutation(len(rows))[0])]["question"][:40]
 
 
 def test_env_dir_and_base_dir_are_found(base_dir, gsm8k_dir, monkeypatch, capsys):
