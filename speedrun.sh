@@ -20,7 +20,10 @@
 #   WANDB_RUN              wandb run name for chat_rl (default dummy: no wandb)
 #   SPEEDRUN_SKIP_INSTALL  1: use the current Python environment, create no venv
 #   SPEEDRUN_DEVICE        cpu|cuda|mps (default: cuda if nvidia-smi sees a GPU, else cpu)
-#   SPEEDRUN_VOCAB_SIZE, SPEEDRUN_DEPTH, SPEEDRUN_SFT_STEPS      the bootstrap tokenizer and model
+#   SPEEDRUN_VOCAB_SIZE, SPEEDRUN_DEPTH   the bootstrap tokenizer and model
+#   SPEEDRUN_SFT_BAND      the bootstrap SFT stops when its held-out sampled pass@1 is in this band (default 0.3:0.6,
+#                          checked every SPEEDRUN_SFT_CHECK_EVERY steps, at most SPEEDRUN_SFT_STEPS steps);
+#                          empty: exactly SPEEDRUN_SFT_STEPS steps
 #   SPEEDRUN_RL_STEPS, SPEEDRUN_EVAL_EVERY, SPEEDRUN_RL_EVAL_EXAMPLES  the arithmetic RL run and its evals
 #   SPEEDRUN_EVAL_EXAMPLES  questions of the chat_eval before and after RL (400)
 set -euo pipefail
@@ -75,17 +78,23 @@ elif have_sft_checkpoint; then
 else
     BOOTSTRAPPED=1
     if [ "$DEVICE" = cuda ]; then
-        DEPTH="${SPEEDRUN_DEPTH:-8}"; SFT_STEPS="${SPEEDRUN_SFT_STEPS:-600}"; VOCAB="${SPEEDRUN_VOCAB_SIZE:-8192}"
+        DEPTH="${SPEEDRUN_DEPTH:-8}"; SFT_STEPS="${SPEEDRUN_SFT_STEPS:-1500}"; VOCAB="${SPEEDRUN_VOCAB_SIZE:-8192}"
+        CHECK_EVERY="${SPEEDRUN_SFT_CHECK_EVERY:-10}"
     else
-        DEPTH="${SPEEDRUN_DEPTH:-4}"; SFT_STEPS="${SPEEDRUN_SFT_STEPS:-120}"; VOCAB="${SPEEDRUN_VOCAB_SIZE:-2048}"
+        DEPTH="${SPEEDRUN_DEPTH:-4}"; SFT_STEPS="${SPEEDRUN_SFT_STEPS:-300}"; VOCAB="${SPEEDRUN_VOCAB_SIZE:-2048}"
+        CHECK_EVERY="${SPEEDRUN_SFT_CHECK_EVERY:-5}"
     fi
+    BAND="${SPEEDRUN_SFT_BAND-0.3:0.6}"
     echo "no SFT checkpoint in $NANOCHAT_BASE_DIR/chatsft_checkpoints: bootstrapping a d$DEPTH model on the arithmetic task"
     if [ ! -f "$NANOCHAT_BASE_DIR/tokenizer/tokenizer.pkl" ]; then
         python -m scripts.tok_train --vocab-size="$VOCAB"
     fi
-    # Stopped early on purpose: the model gets partial credit and RL has something to improve.
+    # Stopped early on purpose, on held-out accuracy rather than a step count (the curve is steep, and how
+    # fast it climbs depends on the machine): the model gets partial credit and RL has something to improve.
+    STOP=()
+    [ -n "$BAND" ] && STOP=(--stop-at-pass1="$BAND" --stop-check-every="$CHECK_EVERY" --stop-check-max-tokens=128)
     python -m scripts.chat_sft --depth="$DEPTH" --tasks=arithmetic --num-steps="$SFT_STEPS" --eval-every=-1 \
-        --device-type="$DEVICE"
+        --device-type="$DEVICE" "${STOP[@]}"
     touch "$NANOCHAT_BASE_DIR/speedrun_bootstrap"
 fi
 

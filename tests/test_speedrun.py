@@ -11,8 +11,9 @@ import pytest
 
 from helpers import REPO
 
+# a band every model is in: the bootstrap SFT stops at its first check (step 2 of at most 3)
 TINY = {"SPEEDRUN_SKIP_INSTALL": "1", "SPEEDRUN_DEVICE": "cpu", "SPEEDRUN_VOCAB_SIZE": "300", "SPEEDRUN_DEPTH": "1",
-        "SPEEDRUN_SFT_STEPS": "3", "SPEEDRUN_RL_STEPS": "2", "SPEEDRUN_EVAL_EXAMPLES": "3", "SPEEDRUN_EVAL_EVERY": "-1",
+        "SPEEDRUN_SFT_STEPS": "3", "SPEEDRUN_SFT_BAND": "0:1", "SPEEDRUN_SFT_CHECK_EVERY": "2", "SPEEDRUN_RL_STEPS": "2", "SPEEDRUN_EVAL_EXAMPLES": "3", "SPEEDRUN_EVAL_EVERY": "-1",
         "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 
 
@@ -39,12 +40,13 @@ def test_stages_run_in_order_and_leave_their_files(first_run, gsm8k_dir):
     # GSM8K copied from the local directory, byte for byte
     for split in ("train", "test"):
         assert (base / "data" / "gsm8k" / f"{split}.jsonl").read_bytes() == (gsm8k_dir / f"{split}.jsonl").read_bytes()
-    # bootstrap: a tokenizer of the asked size and a d1 SFT checkpoint at the last step
+    # bootstrap: a tokenizer of the asked size and a d1 SFT checkpoint where the held-out accuracy band stopped it
     assert "bootstrapping a d1 model on the arithmetic task" in out
     assert (base / "tokenizer" / "tokenizer.pkl").is_file() and (base / "tokenizer" / "token_bytes.pt").is_file()
     from nanochat.tokenizer import Tokenizer
     assert Tokenizer.from_directory(str(base / "tokenizer")).get_vocab_size() == 300
-    assert (base / "chatsft_checkpoints" / "d1" / "model_000003.pt").is_file()
+    assert re.search(r"^stop: step 2/3 \| held-out pass@1 \d\.\d{4} in the band \[0(\.0)?, 1(\.0)?\]", out, re.MULTILINE)
+    assert sorted(p.name for p in (base / "chatsft_checkpoints" / "d1").glob("model_*.pt")) == ["model_000002.pt"]
     # RL wrote its final checkpoint; both evals wrote their JSON on the arithmetic test split
     assert sorted(p.name for p in (base / "chatrl_checkpoints" / "d1").glob("model_*.pt")) == ["model_000001.pt"]
     for source in ("sft", "rl"):
@@ -65,7 +67,7 @@ def test_stages_run_in_order_and_leave_their_files(first_run, gsm8k_dir):
 
 def test_second_run_reuses_the_bootstrapped_checkpoint(first_run, gsm8k_dir):
     base, _ = first_run
-    sft = base / "chatsft_checkpoints" / "d1" / "model_000003.pt"
+    sft = base / "chatsft_checkpoints" / "d1" / "model_000002.pt"
     before = sft.stat().st_mtime_ns
     out = run_speedrun(base, gsm8k_dir)
     assert "using the SFT checkpoint an earlier speedrun bootstrapped" in out
