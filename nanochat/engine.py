@@ -490,6 +490,8 @@ class RolloutStats:
     row_steps: int = 0          # sum over decode forwards of the rows in the batch
     max_batch_rows: int = 0
     kv_positions_read: int = 0  # cached key/value positions the decode steps' attention read, per layer
+    rows_allocated: int = 0     # rows of the KV cache the call allocated (set before allocating: an
+                                # out-of-memory there still tells how many rows were tried)
 
 
 @dataclass
@@ -824,11 +826,11 @@ class Engine:
         B = max(1, min(cap, num_prompts * num_samples))
         pool_slots = self.prompt_slots(B, num_samples, num_prompts) if self.share_prompts else None
         shapes, runner, static = decode_plan(self.decode)
+        self.last_stats = RolloutStats(rows_allocated=B)
         if self.share_prompts:
             cache = SharedPromptKVCache.for_model(model, B, pool_slots, longest, max_tokens, num_samples, dtype, static)
         else:
             cache = KVCache.for_model(model, B, longest + max_tokens, dtype)
-        self.last_stats = RolloutStats()
         return DecodeBatch(model, cache, temperature, top_k, self.last_stats, pool_slots, shapes, runner)
 
     @torch.no_grad()

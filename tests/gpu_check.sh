@@ -3,8 +3,9 @@
 #
 #   NANOCHAT_BASE_DIR=/path/with/tokenizer-65536 NANOCHAT_GSM8K_DIR=/path/to/gsm8k bash tests/gpu_check.sh [OUT_DIR]
 #
-# 1. the GPU tests: CUDA-graph replay equal to eager decoding (bf16 and fp32), and every test that skips
-#    without a GPU;
+# 1. the GPU tests (tests/test_cuda.py: NCCL under torchrun, bf16 vs fp32 step, a real out-of-memory, chat_sft and
+#    chat_eval on CUDA, checkpoints across devices; CUDA-graph replay equal to eager decoding), with the static
+#    decode and sampler-gap tests beside them;
 # 2. the d20 rollout benchmark (nanochat's January-2026 d20 shapes, random weights, GSM8K prompts, 16
 #    questions x 16 samples x 256 tokens, every row forced to run to the cap): eager bf16 decoding against
 #    the graph-replayed static step, 5 consecutive steps each (first and last rollout time), tokens checked
@@ -19,7 +20,8 @@ mkdir -p "$out"
 python=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 "$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'; print(torch.__version__, torch.cuda.get_device_name(0))" || exit 2
-"$python" -m pytest -q -p no:cacheprovider -rs tests/test_static_decode.py 2>&1 | tee "$out/gpu_tests.log"
+"$python" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_static_decode.py tests/test_sampler_gap.py \
+    2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16,batched_bf16_graph \
     --early-stop-mean=0 --no-signal-fractions= --repeat=5 --force-advantages --memory-budget-gb=16 \

@@ -315,3 +315,27 @@ def test_sampler_gap_is_in_the_step_line_history_and_report(correction, sft, bas
         assert h["sampler_tokens"] == h["trained_tokens"] and 0 <= h["sampler_gap_mean"] <= h["sampler_gap_max"] < 1e-4
         assert h["corrected_fraction"] == 0.0  # no ratio near the cap in fp32
     assert (base_dir / "report" / "chat-rl-sampler-gap.png").exists()
+
+
+def test_out_of_memory_while_allocating_the_rollout_cache_halves_the_rows(sft, base_dir, monkeypatch, capsys):
+    """On a GPU the usual out-of-memory is the KV cache's allocation, before any row decodes: the retry still
+    knows how many rows were tried (the cache's), halves them until the cache fits, and the step samples what a
+    run with that many rows samples (rows do not change what is sampled)."""
+    from nanochat.engine import SharedPromptKVCache
+    flags = TINY_RL_FLAGS + ["--num-steps=1", "--num-samples=8", "--device-batch-size=8"]
+    chat_rl.main(flags + ["--max-rows=8"])
+    reference = capsys.readouterr().out
+    real = SharedPromptKVCache.for_model.__func__
+    tried = []
+
+    def small_memory(cls, model, batch_size, *args, **kwargs):
+        tried.append(batch_size)
+        if batch_size > 8:
+            raise torch.OutOfMemoryError("simulated: the cache does not fit")
+        return real(cls, model, batch_size, *args, **kwargs)
+    monkeypatch.setattr(SharedPromptKVCache, "for_model", classmethod(small_memory))
+    chat_rl.main(flags + ["--overwrite"])  # 4 questions x 8 samples: 32 rows tried first
+    out = capsys.readouterr().out
+    assert tried == [32, 16, 8] and "retrying with --max-rows=16" in out and "retrying with --max-rows=8" in out
+    reward = lambda text: [line.split("Average reward: ")[1].split(" ")[0] for line in text.splitlines() if "Average reward" in line]
+    assert reward(out) == reward(reference) and len(reward(out)) == 1

@@ -112,6 +112,7 @@ def test_static_step_runs_on_the_meta_device(generation, share_prompts, tiny_tok
     assert mode.ops > 50 and batch.sampled.device.type == "meta"
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_replay_equals_eager(dtype, tiny_tokenizer):
