@@ -29,7 +29,7 @@ k3 estimate of KL(sampler || trainer), mean of exp(d) - d - 1 with d = logp_t - 
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -271,13 +271,19 @@ def _trained_rows(targets, weights, any_weight=False):
     return [r for r in range(targets.size(0)) if (any_weight or weights[r] != 0) and bool((targets[r] >= 0).any())]
 
 
+def _prompt_offset(prompt_length, length, share_prompt):
+    """The first position _row_hidden_states keeps for rows of `length` inputs: with a shared prompt of
+    prompt_length tokens, its last position (the one predicting the first completion token), else 0."""
+    return prompt_length - 1 if share_prompt and 1 <= prompt_length <= length else 0
+
+
 def _row_hidden_states(model, inputs, prompt_length, share_prompt):
     """Hidden states (B, T', C) of the positions that can carry a target, and the offset T - T' they start at.
     With share_prompt the prompt (the first prompt_length tokens, the same in every row) goes through the
     model once and each row's tokens after it attend to it; its last position (the one predicting the first
     completion token) is the only prompt position kept."""
     P, T = prompt_length, inputs.size(1)
-    if not share_prompt or P < 1 or P > T:
+    if _prompt_offset(P, T, share_prompt) == 0:
         return model.hidden_states(inputs), 0
     B = inputs.size(0)
     if P == T:
@@ -375,6 +381,8 @@ class _Tally:
     old_logprobs: list
     ref_logprobs: list
     correction_weights: list = None
+    chunk_sums: list = field(default_factory=list)    # per chunk, on the device: (objective, mean entropy)
+    chunk_tokens: list = field(default_factory=list)  # per chunk: its sampled tokens
     objective: float = 0.0
     entropy_sum: float = 0.0
     tokens: int = 0
@@ -385,19 +393,27 @@ class _Tally:
     kl_ref_sum: float = 0.0
     sampler: list = None  # device sums over the chunks: tokens, |d| sum, |d| max, k3 sum, corrected tokens
 
-    def add_gap(self, gap, corrected):
-        """gap: (N,) trainer minus sampler log-probabilities of a chunk's tokens that have both."""
-        values = torch.stack([torch.tensor(float(gap.numel()), device=gap.device), gap.abs().sum(),
-                              gap.abs().max() if gap.numel() else gap.new_zeros(()), (torch.exp(gap) - gap - 1).sum(),
-                              corrected.float()])
+    def add_gap(self, gap, known, corrected):
+        """gap: (N,) trainer minus sampler log-probabilities of a chunk's tokens (0 where `known` is False: the
+        sampler's is missing); corrected: how many the rollout correction changed. Kept on the device."""
+        absolute = gap.abs()  # 0 where unknown: neutral for the sum and the max
+        values = torch.stack([known.sum().to(gap.dtype), absolute.sum(), absolute.max(), (torch.exp(gap) - gap - 1).sum(),
+                              corrected.to(gap.dtype)])
         if self.sampler is None:
             self.sampler = values
         else:
-            self.sampler = torch.stack([self.sampler[0] + values[0], self.sampler[1] + values[1],
-                                        torch.maximum(self.sampler[2], values[2]), self.sampler[3] + values[3],
-                                        self.sampler[4] + values[4]])
+            self.sampler = torch.cat([self.sampler[:2] + values[:2], torch.maximum(self.sampler[2:3], values[2:3]),
+                                      self.sampler[3:] + values[3:]])
 
     def stats(self, first, use_kl):
+        """TrainStats of the epoch: the device sums are read here, once."""
+        host = lambda x: float(x) if isinstance(x, torch.Tensor) else x
+        self.clipped, self.approx_kl_sum, self.kl_ref_sum = map(host, (self.clipped, self.approx_kl_sum, self.kl_ref_sum))
+        # summed on the host in float64, chunk by chunk, as the objective used to be: the same number to the bit
+        for (objective, entropy), tokens in zip(torch.stack(self.chunk_sums).tolist() if self.chunk_sums else [],
+                                                self.chunk_tokens):
+            self.objective += objective
+            self.entropy_sum += entropy * tokens
         per_token = lambda total: total / self.tokens if self.tokens else 0.0
         tokens, gap_sum, gap_max, k3_sum, corrected = self.sampler.tolist() if self.sampler is not None else [0.0] * 5
         per_sampled = lambda total: total / tokens if tokens else 0.0
@@ -428,32 +444,36 @@ def _sampler_gap(logp, sampler, row_index, num_rows, loss, tally):
         changed = (~kept).sum()
     else:
         weights, changed = None, torch.zeros((), device=logp.device)
-    tally.add_gap(gap[known], changed)
+    tally.add_gap(gap, known, changed)
     return weights
 
 
 def _backward_chunk(model, question, chunk, loss, first, reference, device, autocast, share_prompt, tally):
     """Forward and backward the rows `chunk` (N,) of one question, adding their terms to the model's gradient
-    and to the tally."""
+    and to the tally. Which positions carry a target is worked out on the host (the batch lives there), so the
+    chunk reads nothing back from the device: its sums stay on the device until the epoch ends."""
     q, batch = question.index, question.batch
-    inputs, chunk_targets = batch.inputs[chunk].to(device), question.targets[chunk].to(device)
+    targets = question.targets[chunk]  # (B, T) on the host
+    offset = _prompt_offset(batch.prompt_length, targets.size(1), share_prompt)  # positions before it are prompt
+    valid = targets[:, offset:] >= 0  # (B, T')
+    row_host, position_host = valid.nonzero(as_tuple=True)  # (N,): each target's row and position, row-major
+    num_tokens = row_host.numel()
+    row_index, position = row_host.to(device), position_host.to(device)
+    inputs = batch.inputs[chunk].to(device)
     with autocast:
-        hidden, offset = _row_hidden_states(model, inputs, batch.prompt_length, share_prompt)
-        targets = chunk_targets[:, offset:]  # positions before `offset` are prompt: no target there
-        valid = targets >= 0  # (B, T')
+        hidden, _ = _row_hidden_states(model, inputs, batch.prompt_length, share_prompt)
         # logits only where there is a target (sampled tokens): no vocabulary-wide work for prompt,
         # forced tool-output and padding positions
-        logits = model.logits(hidden[valid])  # (N, V)
-    logp, entropy = token_logprobs_and_entropy(logits, targets[valid])  # (N,)
-    row_index, position = valid.nonzero(as_tuple=True)
+        logits = model.logits(hidden[row_index, position])  # (N, V)
+    logp, entropy = token_logprobs_and_entropy(logits, targets[:, offset:][valid].to(device))  # (N,)
     where = (chunk.to(device)[row_index], position + offset)  # each token's place in the question's (R, T)
-    per_token = lambda row_values: row_values[chunk].to(device)[:, None].expand_as(targets)[valid]  # (R,) -> (N,)
+    per_token = lambda row_values: row_values[chunk].to(device)[row_index]  # (R,) -> (N,)
     token_denominators = per_token(question.denominators).to(logp.dtype)
     if first:
         # on-policy: the ratio is 1, so the clipped surrogate's gradient is A * grad logp (nanochat's term)
         token_weights = per_token(question.weights).to(logp.dtype)
         if batch.sampler_logprobs is not None:
-            sampler = batch.sampler_logprobs[chunk].to(device)[:, offset:][valid]  # (N,)
+            sampler = batch.sampler_logprobs[chunk][:, offset:][valid].to(device)  # (N,)
             correction = _sampler_gap(logp.detach(), sampler, row_index, chunk.numel(), loss, tally)
             if correction is not None:
                 token_weights = token_weights * correction
@@ -468,18 +488,18 @@ def _backward_chunk(model, question, chunk, loss, first, reference, device, auto
             surrogate = surrogate * tally.correction_weights[q][where]
         pg_objective = (surrogate / token_denominators).sum()
         with torch.no_grad():
-            tally.clipped += int(clipped.sum())
-            tally.approx_kl_sum += ((ratio - 1) - (logp - old_logp)).sum().item()
+            tally.clipped = tally.clipped + clipped.sum()
+            tally.approx_kl_sum = tally.approx_kl_sum + ((ratio - 1) - (logp - old_logp)).sum()
     objective = pg_objective
     if loss.kl_coef > 0:
         if first:
             with torch.no_grad(), autocast:
-                tally.ref_logprobs[q][where] = _reference_logprobs(reference, inputs, chunk_targets, batch.prompt_length,
-                                                                   share_prompt)
+                tally.ref_logprobs[q][where] = _reference_logprobs(reference, inputs, question.targets[chunk].to(device),
+                                                                   batch.prompt_length, share_prompt)
         kl = k3_kl(logp, tally.ref_logprobs[q][where])  # (N,)
         objective = pg_objective - loss.kl_coef * (kl / token_denominators).sum()
-        tally.kl_ref_sum += kl.detach().sum().item()
+        tally.kl_ref_sum = tally.kl_ref_sum + kl.detach().sum()
     (-objective).backward()
-    tally.objective += objective.item()
-    tally.entropy_sum += entropy.item() * int(valid.sum())
-    tally.tokens += int(valid.sum())
+    tally.chunk_sums.append(torch.stack([objective.detach().float(), entropy.float()]))
+    tally.chunk_tokens.append(num_tokens)
+    tally.tokens += num_tokens

@@ -1,11 +1,13 @@
 """The calculator tool: nanochat's values for what it allows, None for everything else, in bounded time."""
 
 import threading
-import time
+import tracemalloc
+from types import SimpleNamespace
 
 import pytest
 
-from nanochat.calculator import MAX_STRING_CHARS, evaluate, format_result, use_calculator
+import nanochat.calculator
+from nanochat.calculator import MAX_EXPRESSION_CHARS, MAX_STRING_CHARS, evaluate, format_result, use_calculator
 
 
 @pytest.mark.parametrize("expr, expected", [
@@ -63,17 +65,25 @@ def test_formatted_as_nanochat_prints_it(value, text):
 
 
 def test_memory_cap_refuses_growing_strings():
-    """replace can multiply a string's length; a chain that would pass the cap returns nothing, quickly,
-    and never builds the string. Width methods (zfill, ljust, ...) are not in the tool's language at all."""
+    """replace can multiply a string's length; a chain that would pass the cap returns nothing and never
+    builds the string: the traced peak stays under 3 * MAX_STRING_CHARS bytes (a replace's receiver and
+    result, each at most the cap in one-byte characters, and the parse of an expression shorter than the cap),
+    where one replace past the cap here would build 10 * MAX_STRING_CHARS. Width methods (zfill, ljust, ...)
+    are not in the tool's language at all."""
     grow = ".replace('a', 'aaaaaaaaaa')"
     assert evaluate("'a'" + grow * 5) == "a" * 10 ** 5 and 10 ** 5 <= MAX_STRING_CHARS
-    t0 = time.monotonic()
-    assert evaluate("'a'" + grow * 6) is None
-    assert evaluate("'a'" + grow * 30 + ".count('a')") is None
+    assert MAX_EXPRESSION_CHARS <= MAX_STRING_CHARS
     empty_needle = "'ab'.replace('', '" + "x" * 300 + "')"  # inserts at the 3 gaps: 902 characters
-    assert len(evaluate(empty_needle)) == 902
-    assert evaluate(empty_needle + ".replace('x', '" + "y" * 200 + "')") is None  # 180,002 characters
-    assert time.monotonic() - t0 < 1.0
+    tracemalloc.start()
+    try:
+        assert evaluate("'a'" + grow * 6, timeout=float("inf")) is None  # the cap refuses, not the time limit
+        assert evaluate("'a'" + grow * 30 + ".count('a')", timeout=float("inf")) is None
+        assert len(evaluate(empty_needle)) == 902
+        assert evaluate(empty_needle + ".replace('x', '" + "y" * 200 + "')", timeout=float("inf")) is None  # 180,002
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * MAX_STRING_CHARS, peak
     assert evaluate("'aXa'.replace('a', 'bb', 1)") == "bbXa"
     assert use_calculator("'a'.zfill(99999999999).count('a')") is None
     assert use_calculator("'a'.ljust(99999999999).count('a')") is None
@@ -83,28 +93,49 @@ def test_not_a_string():
     assert use_calculator(None) is None and use_calculator(12) is None
 
 
-def test_huge_values_return_none_or_value_quickly():
-    """A product of long numbers is bounded by the expression length; printing past Python's 4300-digit
-    limit gives None instead of an exception in the engine."""
+def test_huge_values_are_bounded_by_the_expression_length():
+    """Without ** a product has at most as many digits as its factors together, so the expression's length
+    bounds every number (and so the time to compute it); printing past Python's 4300-digit limit gives None
+    instead of an exception in the engine."""
     expr = "*".join(["9" * 90] * 10)  # ~900 digits
-    t0 = time.monotonic()
-    value = use_calculator(expr)
-    assert value == int("9" * 90) ** 10
+    value = use_calculator(expr, timeout=float("inf"))
+    assert value == int("9" * 90) ** 10 and len(str(value)) <= len(expr) <= MAX_EXPRESSION_CHARS
     assert format_result(value) == str(value)
-    assert time.monotonic() - t0 < 1.0
+    assert use_calculator("9" * 90 + "**10") is None
     assert format_result(10 ** 5000) is None
     assert format_result(None) is None  # a refused call forces no output (not the text 'None')
 
 
-def test_deep_nesting_is_refused_quickly_from_a_worker_thread():
-    """nanochat's SIGALRM timeout raises outside the main thread; this calculator needs no signal."""
+def in_worker_thread(fn, join_timeout):
+    """fn() run in a thread of its own (nanochat's SIGALRM timeout raises outside the main thread), joined
+    for at most join_timeout seconds: a guard against a hang, not a measure of speed."""
     results = []
-    exprs = ["(" * 400 + "1" + ")" * 400, "(" * 90 + "1" + ")" * 90, "-" * 999 + "1"]
-    thread = threading.Thread(target=lambda: results.extend(use_calculator(e, timeout=0.5) for e in exprs))
-    t0 = time.monotonic()
+    thread = threading.Thread(target=lambda: results.append(fn()))
     thread.start()
-    thread.join(timeout=5)
-    assert not thread.is_alive() and time.monotonic() - t0 < 3
-    assert results[0] is None          # over the length cap
+    thread.join(timeout=join_timeout)
+    assert not thread.is_alive(), "the calculator hung in a worker thread"
+    return results[0]
+
+
+def test_the_time_limit_refuses_from_a_worker_thread(monkeypatch):
+    """The interpreter reads the clock before each node and refuses once the deadline has passed, in any
+    thread. A clock that advances one second per read makes the deadline fire at a known node, whatever the
+    machine's speed: `1+2+3+4` visits 8 nodes (Expression, 3 BinOps, 4 Constants) after the read that sets
+    the deadline, so it needs a limit of 8 seconds and is refused with 7."""
+    ticks = iter(range(10 ** 6))
+    monkeypatch.setattr(nanochat.calculator, "time", SimpleNamespace(monotonic=lambda: float(next(ticks))))
+    assert in_worker_thread(lambda: use_calculator("1+2+3+4", timeout=8), join_timeout=60) == 10
+    assert in_worker_thread(lambda: use_calculator("1+2+3+4", timeout=7), join_timeout=60) is None
+    assert in_worker_thread(lambda: use_calculator("'ab'.upper().count('A')", timeout=0), join_timeout=60) is None
+
+
+def test_deep_nesting_is_refused_or_evaluated_from_a_worker_thread():
+    """Parser-depth bombs come back as None or a value, never a hang or a RecursionError, in a worker thread.
+    The join waits 20 times the calls' own limits: only a hang can reach it."""
+    limit = 0.5
+    exprs = ["(" * 400 + "1" + ")" * 400, "(" * 90 + "1" + ")" * 90, "-" * 999 + "1"]
+    results = in_worker_thread(lambda: [use_calculator(e, timeout=limit) for e in exprs],
+                               join_timeout=20 * len(exprs) * limit)
+    assert results[0] is None          # past Python's parser limit of 200 nested parentheses: a SyntaxError
     assert results[1] == 1             # legal nesting still evaluates
     assert results[2] in (1, -1, None)  # 999 unary minus: a value or a refusal, never a hang

@@ -29,8 +29,7 @@ from helpers import REPO
 
 SEED = 1234
 MIN_CORPUS = 1000
-CALL_LIMIT_S = 3.0
-FUZZ_LIMIT_S = 20.0
+CALL_LIMIT_S = 3.0  # the time limit each call is given (use_calculator's timeout)
 RSS_LIMIT_MB = 200
 
 # the reference's own definition of "pure arithmetic" (deliberately not imported from the calculator)
@@ -352,12 +351,12 @@ def same_value(type_name, value, expected):
 
 CHILD_TIMEOUT_S = 60
 
-# argv: corpus.json progress_file out.json. An audit hook (inert unless `active`) sees every exec/eval of code,
-# import, open, os.system and subprocess at the C level, whoever calls them. The positive control at the end
-# shows the hook is live.
+# argv: corpus.json progress_file out.json limit_seconds (each call's timeout). An audit hook (inert unless
+# `active`) sees every exec/eval of code, import, open, os.system and subprocess at the C level, whoever calls
+# them. The positive control at the end shows the hook is live.
 _FUZZ_CHILD = r"""
 import json, resource, sys, time, warnings
-corpus_path, progress_path, out_path = sys.argv[1:4]
+corpus_path, progress_path, out_path, limit = sys.argv[1:5]
 events, active = [], [False]
 sys.addaudithook(lambda event, args: events.append([event, repr(args)[:200]]) if active[0] else None)
 from nanochat.calculator import use_calculator
@@ -366,7 +365,6 @@ with open(corpus_path, encoding="utf-8") as f:
 progress = open(progress_path, "w")
 results = []
 rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-t_start = time.monotonic()
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     for i, expr in enumerate(corpus):
@@ -374,12 +372,11 @@ with warnings.catch_warnings(record=True) as caught:
         progress.flush()
         t0 = time.monotonic()
         active[0] = True
-        value = use_calculator(expr)
+        value = use_calculator(expr, timeout=float(limit))
         active[0] = False
         seconds = time.monotonic() - t0
         plain = type(value) in (int, float, str) or value is None
         results.append([type(value).__name__, value if plain else repr(value)[:200], seconds])
-total = time.monotonic() - t_start
 rss_growth_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
 calculator_events = list(events)
 events.clear()
@@ -389,7 +386,7 @@ open(out_path + ".probe", "w").close()
 active[0] = False
 control_events = sorted({e[0] for e in events})
 with open(out_path, "w", encoding="utf-8") as f:
-    json.dump({"results": results, "total": total, "rss_growth_mb": rss_growth_mb, "events": calculator_events,
+    json.dump({"results": results, "rss_growth_mb": rss_growth_mb, "events": calculator_events,
                "control_events": control_events, "warnings": [str(w.message) for w in caught]}, f)
 """
 
@@ -403,7 +400,8 @@ def fuzz(tmp_path_factory):
     corpus_path.write_text(json.dumps(corpus), encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     try:
-        child = subprocess.run([sys.executable, "-c", _FUZZ_CHILD, str(corpus_path), str(progress_path), str(out_path)],
+        child = subprocess.run([sys.executable, "-c", _FUZZ_CHILD, str(corpus_path), str(progress_path), str(out_path),
+                                str(CALL_LIMIT_S)],
                                cwd=work, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         index = int(progress_path.read_text().split()[-1])
@@ -413,9 +411,9 @@ def fuzz(tmp_path_factory):
     types = [r[0] for r in out["results"]]
     values = [r[1] for r in out["results"]]
     return SimpleNamespace(corpus=corpus, known=known, types=types, values=values,
-                           durations=[r[2] for r in out["results"]], total=out["total"],
-                           rss_growth_mb=out["rss_growth_mb"], events=out["events"],
-                           control_events=out["control_events"], warnings=out["warnings"], sentinel=sentinel)
+                           durations=[r[2] for r in out["results"]], rss_growth_mb=out["rss_growth_mb"],
+                           events=out["events"], control_events=out["control_events"], warnings=out["warnings"],
+                           sentinel=sentinel)
 
 
 def test_corpus_is_large_deterministic_and_covers_the_attack_families(tmp_path):
@@ -430,10 +428,15 @@ def test_corpus_is_large_deterministic_and_covers_the_attack_families(tmp_path):
         assert any(needle in e for e in a), needle
 
 
-def test_every_call_returns_quickly(fuzz):
-    slowest = max(range(len(fuzz.corpus)), key=lambda i: fuzz.durations[i])
-    assert fuzz.durations[slowest] < CALL_LIMIT_S, repr(fuzz.corpus[slowest][:200])
-    assert fuzz.total < FUZZ_LIMIT_S
+def test_every_call_returns_within_its_time_limit(fuzz):
+    """A call answers before its deadline or is refused by it: the interpreter reads the clock before each
+    node, so a call whose deadline passed (on a slow or loaded machine) returns None, at most one node's work
+    (one bounded operation) late; twice the limit leaves that overrun a whole limit. How fast the machine is
+    decides only how many calls the deadline refuses (none here: they take milliseconds), and a hang fails the
+    fixture at CHILD_TIMEOUT_S. test_calculator pins the deadline itself with a scripted clock."""
+    for expr, type_name, seconds in zip(fuzz.corpus, fuzz.types, fuzz.durations):
+        assert seconds <= CALL_LIMIT_S or type_name == "NoneType", (expr[:200], seconds, type_name)
+        assert seconds < 2 * CALL_LIMIT_S, (expr[:200], seconds)
 
 
 def test_results_are_none_numbers_strings_or_the_empty_tuple(fuzz):

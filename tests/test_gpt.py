@@ -27,16 +27,32 @@ def random_tokens(shape, seed=1):
     return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
 
 
+# Comparisons of two computations that are equal in exact arithmetic but sum in different orders (another
+# attention kernel, a cache, another CPU's vector width) run in float64: their difference is then rounding
+# of ~1e-16 relative, grown by a few layers of sums of <= 256 terms to < 1e-13 on the O(1) hidden states,
+# while a wrong key, position, window or mask moves them by > 1e-2. In fp32 the same rounding is ~1e-6,
+# close to any tolerance that is still tight, and its size depends on the CPU's kernels.
+FP64_TOL = dict(atol=1e-10, rtol=0)
+U32 = torch.finfo(torch.float32).eps / 2  # fp32 unit roundoff
+SOFTCAP = 15
+# GPT.logits returns float32 whatever the model's dtype: an fp64 model's logits z are cast to fp32 and
+# softcapped there, 15 tanh(z / 15). The cast and the division each round a value whose error reaches the
+# output scaled by sech^2(z / 15) (at most 0.45 * 15 u together), tanh errs by <= 2 ulps (4 u relative) and
+# the product by u, of values <= 15: within 6 u * 15 = 5.4e-6 of the exact softcapped logits.
+LOGITS_CAST_TOL = dict(atol=6 * U32 * SOFTCAP, rtol=0)
+
+
 # ----------------------------------------------------------------------------- an independent reference
 
 def reference_forward(model, idx):
-    """The spec's forward written out with plain tensor ops, reading only the model's weights."""
+    """The spec's forward written out with plain tensor ops, reading only the model's weights, in their dtype."""
     cfg = model.config
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     B, T = idx.shape
     H, Hkv, C = cfg.n_head, cfg.n_kv_head, cfg.n_embd
     D = C // H
-    eps = torch.finfo(torch.float32).eps
+    dtype = sd["lm_head.weight"].dtype
+    eps = torch.finfo(dtype).eps  # rms_norm's default
 
     def rms(x):
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
@@ -44,7 +60,7 @@ def reference_forward(model, idx):
     # rotary angles theta[p, i] = p * 10000^(-2i/D), tables rounded to bf16 as nanochat trained with them
     half = D // 2
     theta = torch.arange(T, dtype=torch.float32)[:, None] * (10000.0 ** (-(2.0 * torch.arange(half)) / D))[None, :]
-    cos, sin = theta.cos().bfloat16().float(), theta.sin().bfloat16().float()
+    cos, sin = theta.cos().bfloat16().to(dtype), theta.sin().bfloat16().to(dtype)
 
     def rotate(x):  # (B, T, heads, D): channel i pairs with i + D/2
         a, b = x[..., :half], x[..., half:]
@@ -65,7 +81,7 @@ def reference_forward(model, idx):
         q = rms(rotate((h @ sd[p + "attn.c_q.weight"].T).view(B, T, H, D)))
         k = rms(rotate((h @ sd[p + "attn.c_k.weight"].T).view(B, T, Hkv, D)))
         v = (h @ sd[p + "attn.c_v.weight"].T).view(B, T, Hkv, D)
-        y = torch.zeros(B, T, H, D)
+        y = torch.zeros(B, T, H, D, dtype=dtype)
         for head in range(H):
             g = head // (H // Hkv)  # consecutive query heads share a key/value head
             scores = torch.einsum("btd,bsd->bts", q[:, :, head], k[:, :, g]) / math.sqrt(D)
@@ -78,19 +94,23 @@ def reference_forward(model, idx):
         hidden = torch.clamp(rms(x) @ sd[p + "mlp.c_fc.weight"].T, min=0) ** 2
         x = x + hidden @ sd[p + "mlp.c_proj.weight"].T
     logits = (rms(x) @ sd["lm_head.weight"].T)[..., :cfg.vocab_size]
-    return 15 * torch.tanh(logits / 15)
+    return SOFTCAP * torch.tanh(logits / SOFTCAP)
 
 
 @pytest.mark.parametrize("pattern,n_layer,n_kv_head,T", [("L", 1, 4, 10), ("SL", 2, 2, 13), ("SSL", 3, 1, 20),
                                                          ("S", 2, 2, 13)])
 def test_forward_matches_reference_math(pattern, n_layer, n_kv_head, T):
     """T=13 and 20 exceed the short window (8) and T=20 also the long one (16): both windows bind.
-    Pattern "S" over 2 layers checks that the last layer is long whatever the pattern says."""
+    Pattern "S" over 2 layers checks that the last layer is long whatever the pattern says. In float64
+    (see FP64_TOL): the model's float32 logits are within their cast and softcap's rounding of the reference's
+    (in fp32 both sides carried ~7e-6 of rounding, against a tolerance of 1e-5)."""
     config = tiny_config(n_layer=n_layer, window_pattern=pattern, n_kv_head=n_kv_head, sequence_len=16)
-    model = random_model(config)
+    model = random_model(config).double()
     idx = random_tokens((2, T))
     with torch.no_grad():
-        torch.testing.assert_close(model(idx), reference_forward(model, idx), atol=1e-5, rtol=0)
+        logits, want = model(idx), reference_forward(model, idx)
+    assert logits.dtype == torch.float32 and want.dtype == torch.float64
+    torch.testing.assert_close(logits.double(), want, **LOGITS_CAST_TOL)
 
 
 def test_window_pattern_changes_logits():
@@ -158,15 +178,25 @@ def test_forward_shapes_softcap_and_loss_reductions():
     targets[2, 6] = -1
     logits = model(idx)
     assert logits.shape == (3, 7, VOCAB) and logits.dtype == torch.float32
-    assert logits.abs().max() < 15
+    assert logits.abs().max() < SOFTCAP
     per_token = model(idx, targets, loss_reduction="none")
     assert per_token.shape == (21,)
     valid = targets.view(-1) != -1
     assert torch.all(per_token[~valid] == 0)
-    expected = -torch.log_softmax(logits.detach(), -1).view(-1, VOCAB)[valid, targets.view(-1)[valid]]
-    torch.testing.assert_close(per_token[valid].detach(), expected, atol=1e-5, rtol=0)
-    torch.testing.assert_close(model(idx, targets).detach(), expected.mean(), atol=1e-6, rtol=0)
-    torch.testing.assert_close(model(idx, targets, loss_reduction="sum").detach(), expected.sum(), atol=1e-4, rtol=0)
+    # the exact losses of these fp32 logits (float64), from which fp32 cross-entropy, lse(z) - z_t, differs by
+    # rounding only: each exponential's argument z - max z (|.| < 2 SOFTCAP) rounds by u of its size, a
+    # relative error of the exponential; the sum of V of them adds (V - 1) u relative (Higham, Accuracy and
+    # Stability of Numerical Algorithms, (4.4)), which the log turns into as much absolute error; the
+    # exponentials, the log, adding the max and subtracting z_t round values below 2 SOFTCAP + log V. So
+    # per token at most (V + 5 (SOFTCAP + log V)) u = 2.4e-5. The mean and the sum of the n valid tokens add
+    # (n - 1) u of the sum of the terms, and the mean's division u of its value.
+    exact = -torch.log_softmax(logits.detach().double(), -1).view(-1, VOCAB)[valid, targets.view(-1)[valid]]
+    n = int(valid.sum())
+    per_token_bound = U32 * (VOCAB + 5 * (SOFTCAP + math.log(VOCAB)))
+    assert (per_token[valid].detach().double() - exact).abs().max() <= per_token_bound
+    mean, total = model(idx, targets).item(), model(idx, targets, loss_reduction="sum").item()
+    assert abs(mean - exact.mean().item()) <= per_token_bound + n * U32 * exact.mean().item()
+    assert abs(total - exact.sum().item()) <= n * per_token_bound + n * U32 * exact.sum().item()
 
 
 def test_init_weights():
@@ -206,24 +236,23 @@ KV_CASES = [
     dict(n_head=4, n_kv_head=2, window_pattern="SL"),
     dict(n_head=4, n_kv_head=1, window_pattern="SSL", n_layer=3),
 ]
-# Cached and full forwards reduce in different orders (different attention kernels), so logits of a few
-# units differ by some fp32 ulps: 1e-5 absolute plus 1e-5 relative (a wrong key or position is off by ~0.1+).
-KV_TOL = dict(atol=1e-5, rtol=1e-5)
+# Cached and full forwards reduce in different orders (different attention kernels): they are compared in
+# float64, model and cache, on the hidden states (FP64_TOL); the logits add the same fp32 cast to both.
 
 
 def cached_and_full_forward(cfg, rows, cache_len, chunks):
-    """A random model of `cfg` (sequence_len 16) on random tokens of `rows` rows, fed through a KV cache of
-    `cache_len` positions in the chunks [a, b) of `chunks`: (the chunks' logits concatenated, the full
-    forward's logits, the cache positions after each chunk)."""
+    """A random float64 model of `cfg` (sequence_len 16) on random tokens of `rows` rows, fed through a float64
+    KV cache of `cache_len` positions in the chunks [a, b) of `chunks`: (the chunks' hidden states
+    concatenated, the full forward's, the cache positions after each chunk)."""
     config = tiny_config(sequence_len=16, **cfg)
-    model = random_model(config)
+    model = random_model(config).double()
     idx = random_tokens((rows, chunks[-1][1]))
     with torch.no_grad():
-        full = model(idx)
-        cache = new_cache(config, rows, cache_len)
+        full = model.hidden_states(idx)
+        cache = new_cache(config, rows, cache_len, dtype=torch.float64)
         pieces, positions = [], []
         for a, b in chunks:
-            pieces.append(model(idx[:, a:b], kv_cache=cache))
+            pieces.append(model.hidden_states(idx[:, a:b], kv_cache=cache))
             positions.append(cache.pos.tolist())
     return torch.cat(pieces, dim=1), full, positions
 
@@ -233,37 +262,37 @@ def test_prefill_then_decode_matches_full_forward(cfg):
     """24 tokens with sequence_len 16: the short window (8) and the long one (16) both slide."""
     cached, full, positions = cached_and_full_forward(cfg, 1, 24, [(0, 10)] + [(t, t + 1) for t in range(10, 24)])
     assert positions[0] == [10] and positions[-1] == [24]
-    torch.testing.assert_close(cached, full, **KV_TOL)
+    torch.testing.assert_close(cached, full, **FP64_TOL)
 
 
 @pytest.mark.parametrize("cfg", KV_CASES)
 def test_chunks_with_several_rows_match_full_forward(cfg):
     """T > 1 with B > 1 in lockstep: prefill 5, then chunks of 4, 1 and 7 tokens."""
     cached, full, _ = cached_and_full_forward(cfg, 3, 20, [(0, 5), (5, 9), (9, 10), (10, 17)])
-    torch.testing.assert_close(cached, full, **KV_TOL)
+    torch.testing.assert_close(cached, full, **FP64_TOL)
 
 
 @pytest.mark.parametrize("window_pattern", ["L", "SL"])
 def test_rows_at_different_positions(window_pattern):
     """Two prompts of different lengths, each prefilled into its own row, then decoded together
-    (T=1 steps and a T=3 chunk): every row's logits equal a forward of that row alone."""
+    (T=1 steps and a T=3 chunk): every row's hidden states equal a forward of that row alone (float64)."""
     config = tiny_config(sequence_len=16, window_pattern=window_pattern)
-    model = random_model(config)
+    model = random_model(config).double()
     seqs = [random_tokens((1, 22), seed=3), random_tokens((1, 22), seed=4)]
     prompt_lens = [5, 11]
     with torch.no_grad():
-        alone = [model(s) for s in seqs]
-        cache = new_cache(config, 2, 24)
+        alone = [model.hidden_states(s) for s in seqs]
+        cache = new_cache(config, 2, 24, dtype=torch.float64)
         for b, (s, n) in enumerate(zip(seqs, prompt_lens)):
-            out = model(s[:, :n], kv_cache=cache.rows(b, b + 1))
-            torch.testing.assert_close(out, alone[b][:, :n], **KV_TOL)
+            out = model.hidden_states(s[:, :n], kv_cache=cache.rows(b, b + 1))
+            torch.testing.assert_close(out, alone[b][:, :n], **FP64_TOL)
         assert cache.pos.tolist() == prompt_lens
         offsets = [0, 1, 2, 5, 6, 8]  # tokens fed so far past each prompt
         for a, b in zip(offsets, offsets[1:]):
             chunk = torch.cat([s[:, n + a:n + b] for s, n in zip(seqs, prompt_lens)])  # (2, b - a)
-            out = model(chunk, kv_cache=cache)
+            out = model.hidden_states(chunk, kv_cache=cache)
             for r, n in enumerate(prompt_lens):
-                torch.testing.assert_close(out[r], alone[r][0, n + a:n + b], **KV_TOL)
+                torch.testing.assert_close(out[r], alone[r][0, n + a:n + b], **FP64_TOL)
     assert cache.pos.tolist() == [5 + 8, 11 + 8]
 
 
