@@ -80,15 +80,15 @@ def accumulate_gradient(model, micro_batches, denominator, device, autocast):
     denominator: the step's trained-on positions averaged over ranks (see the module docstring); with
     one process, simply the step's count. Returns this rank's contribution to the loss (python float).
     """
-    total = 0.0
+    losses = []  # on the device: read once, after the last backward, not once per micro-batch
     for inputs, targets in micro_batches:
         inputs, targets = inputs.to(device), targets.to(device)
         with autocast:
             loss_sum = model(inputs, targets, loss_reduction="sum")
         loss = loss_sum / denominator
         loss.backward()
-        total += loss.item()
-    return total
+        losses.append(loss.detach().float())
+    return sum(torch.stack(losses).tolist()) if losses else 0.0
 
 
 @torch.no_grad()
