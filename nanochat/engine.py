@@ -547,6 +547,7 @@ class DecodeBatch:
         self.offset = [0] * B      # per slot: absolute position of the first key in its own storage (the prompt's
         self.cached = [0] * B      # length with a shared prompt, else 0), and how many keys it holds there
         self.rotary_len = getattr(model, "rotary_len", None)
+        self.reuse_key = None      # set by the engine on a static batch it may reuse (Engine._new_batch)
         self.shapes = shapes or exact_shape
         self.runner = runner(self.run_step) if runner else self.run_step
         self.free_pool = None if pool_slots is None else deque(range(pool_slots))
@@ -669,6 +670,7 @@ def exact_shape(rows, keys, max_rows, max_keys):
 # step's rows are free ones; keys in multiples of KEY_BUCKET. A 256-row, 256-token rollout uses a few dozen shapes.
 ROW_BUCKETS = sorted({2 ** i for i in range(16)} | {3 * 2 ** i for i in range(15)})
 KEY_BUCKET = 32
+PROMPT_BUCKET = 64  # a static batch's prompt pool is rounded up to this, so that the next rollout can reuse it
 
 
 def bucketed_shape(rows, keys, max_rows, max_keys):
@@ -756,7 +758,13 @@ class Engine:
         self.memory_budget_gb = memory_budget_gb
         self.share_prompts = share_prompts
         self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
+        self.kept_batch = None  # a static batch between rollouts (see _new_batch); release() drops it
         self.last_stats = RolloutStats()
+
+    def release(self):
+        """Drop the static batch kept between rollouts (its KV cache and CUDA graphs), e.g. to give its memory
+        to training after an out-of-memory."""
+        self.kept_batch = None
 
     # -- nanochat's API ------------------------------------------------------------
     def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
@@ -819,19 +827,31 @@ class Engine:
 
     def _new_batch(self, num_prompts, longest, num_samples, max_tokens, temperature, top_k, max_rows):
         """An empty DecodeBatch: max_rows rows (else the engine's, else what the memory budget holds), at most
-        one per sample of every prompt, with a cache for prompts of up to `longest` tokens."""
+        one per sample of every prompt, with a cache for prompts of up to `longest` tokens. A static batch
+        (static and graph modes) is kept after a rollout that ran to its end and taken again by the next one
+        of the same shape, so its cache and its captured CUDA graphs are made once per run, not once per
+        rollout (its prompt pool rounded up to PROMPT_BUCKET positions, so prompts of other lengths fit)."""
         model = self.model
         dtype = self._cache_dtype(model.get_device())
         cap = max_rows or self.max_rows or self.rows_for_budget(longest, max_tokens, dtype, num_samples)
         B = max(1, min(cap, num_prompts * num_samples))
         pool_slots = self.prompt_slots(B, num_samples, num_prompts) if self.share_prompts else None
         shapes, runner, static = decode_plan(self.decode)
+        prompt_cap = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET if static else longest
+        key = (B, pool_slots, prompt_cap, max_tokens, num_samples, dtype, temperature, top_k, self.share_prompts)
         self.last_stats = RolloutStats(rows_allocated=B)
+        kept, self.kept_batch = self.kept_batch, None
+        if kept is not None and kept.reuse_key == key:
+            kept.stats = self.last_stats
+            return kept
+        del kept  # its memory is free before the new cache is allocated
         if self.share_prompts:
-            cache = SharedPromptKVCache.for_model(model, B, pool_slots, longest, max_tokens, num_samples, dtype, static)
+            cache = SharedPromptKVCache.for_model(model, B, pool_slots, prompt_cap, max_tokens, num_samples, dtype, static)
         else:
-            cache = KVCache.for_model(model, B, longest + max_tokens, dtype)
-        return DecodeBatch(model, cache, temperature, top_k, self.last_stats, pool_slots, shapes, runner)
+            cache = KVCache.for_model(model, B, prompt_cap + max_tokens, dtype)
+        batch = DecodeBatch(model, cache, temperature, top_k, self.last_stats, pool_slots, shapes, runner)
+        batch.reuse_key = key if static else None
+        return batch
 
     @torch.no_grad()
     def _rollout(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows=None):
@@ -862,4 +882,6 @@ class Engine:
                 pending = None if pending.fully_admitted else pending
             if events:
                 yield events
+        if batch.reuse_key is not None:  # every row retired and every pool slot freed: ready for the next rollout
+            self.kept_batch = batch
 

@@ -77,6 +77,32 @@ def test_static_tool_calls_and_early_ends_equal_eager(tiny_tokenizer, share_prom
     assert len({len(c[0]) for per in eager for c in per}) > 3 and any(c[3] >= 1 and c[4] >= 1 for per in eager for c in per)
 
 
+def test_a_static_batch_is_reused_by_the_next_rollout_of_its_shape(tiny_tokenizer):
+    """The static batch (its cache, and on CUDA its graphs) outlives a rollout that ran to its end and serves the
+    next one of the same shape, prompts of other lengths within the pool's rounding included; the tokens are
+    those of fresh eager engines. A longer prompt, or an interrupted rollout, gets a new batch."""
+    config = tiny_config(sequence_len=256, vocab_size=tiny_tokenizer.get_vocab_size(), window_pattern="SL")
+    model = random_model(config, generation="smear")
+    engine = Engine(model, tiny_tokenizer, decode="static")
+    kwargs = dict(num_samples=4, max_tokens=20, temperature=1.0, top_k=50, max_rows=6)
+    first = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold 48 clips")]
+    second = [prompt_of(tiny_tokenizer, q) for q in ("c", "d e f g")]
+    assert max(map(len, first + second)) <= 64
+    outs = [rollouts(engine, first, seeds=[1, 2], **kwargs)]
+    batch = engine.kept_batch
+    assert batch is not None
+    outs.append(rollouts(engine, second, seeds=[3, 4], **kwargs))
+    assert engine.kept_batch is batch  # reused, and kept again
+    assert outs == [rollouts(Engine(model, tiny_tokenizer, decode="eager"), p, seeds=s, **kwargs)
+                    for p, s in ((first, [1, 2]), (second, [3, 4]))]
+    long_prompt = [prompt_of(tiny_tokenizer, "word " * 40)]
+    rollouts(engine, long_prompt, seeds=[5], **kwargs)
+    assert engine.kept_batch is not batch and engine.kept_batch.reuse_key[2] == 128  # the pool rounded up to 128
+    stream = engine.generate(first[0], num_samples=2, max_tokens=10, seed=1)
+    next(stream)  # a rollout left unfinished: its batch is not kept
+    assert engine.kept_batch is None
+
+
 class DeviceOnly(TorchDispatchMode):
     """Fails any op that reads a tensor to the host (.item(), .tolist(), nonzero, a tensor-valued `if` raise on
     meta tensors anyway) or mixes in a CPU tensor (a host-to-device copy inside the step): the ops a CUDA graph
