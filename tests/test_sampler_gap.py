@@ -230,7 +230,7 @@ def test_no_correction_leaves_objective_and_gradient_bit_identical():
 
 
 def test_gap_metrics_reach_the_step_metrics():
-    first = SimpleNamespace(objective=-0.5, tokens=6, sampler_tokens=6, sampler_gap_mean=0.1, sampler_gap_max=0.3,
+    first = SimpleNamespace(objective=-0.5, tokens=6, entropy=0.7, rows_trained=2, sampler_tokens=6, sampler_gap_mean=0.1, sampler_gap_max=0.3,
                             sampler_k3=0.01, corrected_fraction=0.5, kl_ref=None)
     m = objective_metrics(first, SimpleNamespace(clip_fraction=None))
     assert (m["sampler_tokens"], m["sampler_gap_mean"], m["sampler_gap_max"], m["sampler_k3"], m["corrected_fraction"]) == \
