@@ -214,7 +214,7 @@ def resolve_dtypes(args, model, tokenizer, train_task, device):
 
 # flags that define the run; --resume restores them from the checkpoint so the continuation is exact
 RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows", "memory_budget_gb", "max_bad_steps",
-                 "output_tag", "decode", "recipe")  # a resumed run writes to its own directory
+                 "output_tag", "decode")  # a resumed run writes to its own directory
 
 
 def resolve_resume(spec):
@@ -377,7 +377,7 @@ def setup_run(args, rank, world_size, device):
                                                          recipe=args.recipe, ortho_dtype=getattr(torch, args.dtype)),
                                   args.init_lr_frac)
     for opt, state in zip(optimizers, optimizer_state["optimizers"] if optimizer_state else []):
-        opt.load_state_dict(state) if world_size == 1 else None  # also restores each group's initial_lr and lr
+        opt.load_state_dict(state)  # also restores each group's initial_lr and lr
     reference = load_reference(start, device, args.model_generation) if args.kl_coef > 0 else None
     engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
                     decode=args.decode)
