@@ -1,19 +1,23 @@
 """chat_cli: a piped conversation samples what the engine samples, calculator calls are shown with their
-results, -p answers once, and bad input is one line."""
+results, -p answers once, and bad input is one line. Expected transcripts are written out (the banner, the
+turn layout, `[python: ...]`) or decoded from the engine's tokens with the tokenizer, never built with
+chat_cli's own printer or message helpers."""
 
 import io
 import os
+from dataclasses import asdict
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from nanochat.checkpoint_manager import load_model
+from nanochat.checkpoint_manager import load_model, save_checkpoint
 from nanochat.cli import run_main
 from nanochat.engine import Engine
 from scripts import chat_cli
 from helpers import ScriptedModel
-from helpers import REPO
+from helpers import REPO, make_sft_checkpoint
 
 FLAGS = ["--device-type=cpu", "--dtype=float32", "--max-new-tokens=24"]
 
@@ -24,14 +28,34 @@ def run_cli(base_dir, args, stdin=""):
                           capture_output=True, text=True, timeout=120)
 
 
-def shown(tokenizer, completion):
-    """How chat_cli prints an engine Completion (its tokens and masks), final newline included."""
-    out = io.StringIO()
-    printer = chat_cli.AnswerPrinter(tokenizer, out)
-    for token, mask in zip(completion.tokens, completion.masks):
-        printer.feed(token, mask)
-    printer.finish()
-    return out.getvalue()
+BANNER = """NanoChat interactive mode
+--------------------------------------------------
+Type 'quit' or 'exit' (or Ctrl-D) to end the conversation
+Type 'clear' to start a new conversation
+Calculator calls show as [python: ...], their results as [output: ...]
+--------------------------------------------------"""
+
+
+def plain_text(tokenizer, completion):
+    """The text of an engine Completion that holds no special token (no calculator call to bracket), as the
+    tokenizer decodes it: what chat_cli must print for it."""
+    specials = {tokenizer.encode_special(name) for name in tokenizer.get_special_tokens()}
+    assert not specials & set(completion.tokens), "the model's answer holds a special token: pick another seed"
+    return tokenizer.decode(completion.tokens)
+
+
+@pytest.fixture
+def plain_sft(base_dir, tiny_tokenizer):
+    """`base_dir` with the `sft` fixture's random model, its special tokens' lm_head rows zeroed: their logit is 0
+    while about half of the 391 other tokens' random logits are positive, so greedy decoding and top-k 50 never
+    pick one. Its answers are plain text, which chat_cli must print exactly as the tokenizer decodes it."""
+    model = make_sft_checkpoint(base_dir, tiny_tokenizer.get_vocab_size())
+    specials = [tiny_tokenizer.encode_special(name) for name in tiny_tokenizer.get_special_tokens()]
+    with torch.no_grad():
+        model.lm_head.weight[specials] = 0.0
+    save_checkpoint(str(base_dir / "chatsft_checkpoints" / "d2"), 0, model.state_dict(), None,
+                    {"model_config": asdict(model.config), "step": 0})
+    return model
 
 
 def user(text):
@@ -45,31 +69,31 @@ def reply(tokenizer, conversation, **sampling):
     return Engine(model, tokenizer).generate_many([prompt], max_tokens=24, **sampling)[0][0]
 
 
-def test_piped_greedy_chat_is_the_engines_greedy_output(sft, base_dir, tiny_tokenizer):
+def test_piped_greedy_chat_is_the_engines_greedy_output(plain_sft, base_dir, tiny_tokenizer):
     """Two turns, `clear`, the first question again, then end of input: every answer is the engine's
     greedy completion of the conversation so far, rendered with render_for_completion."""
     result = run_cli(base_dir, FLAGS + ["-t", "0", "--seed=7"], stdin="hello there\nwhat is 2+2\nclear\nhello there\n")
     assert result.returncode == 0, result.stderr
     tok = tiny_tokenizer
     first = reply(tok, [user("hello there")], temperature=0.0)
-    history = [user("hello there"), {"role": "assistant", "content": chat_cli.answer_parts(tok, first.tokens)}]
+    history = [user("hello there"), {"role": "assistant", "content": plain_text(tok, first)}]
     second = reply(tok, history + [user("what is 2+2")], temperature=0.0)
-    expected = (chat_cli.BANNER + "\n"
-                + "\nUser: hello there\n" + "\nAssistant: " + shown(tok, first)
-                + "\nUser: what is 2+2\n" + "\nAssistant: " + shown(tok, second)
+    expected = (BANNER + "\n"
+                + "\nUser: hello there\n" + "\nAssistant: " + plain_text(tok, first) + "\n"
+                + "\nUser: what is 2+2\n" + "\nAssistant: " + plain_text(tok, second) + "\n"
                 + "\nUser: clear\nConversation cleared.\n"
-                + "\nUser: hello there\n" + "\nAssistant: " + shown(tok, first)
+                + "\nUser: hello there\n" + "\nAssistant: " + plain_text(tok, first) + "\n"
                 + "\nUser: \nGoodbye!\n")
     assert result.stdout == expected
     assert first.tokens != second.tokens  # the second answer really saw a different conversation
 
 
-def test_prompt_flag_answers_once_and_exits_0(sft, base_dir, tiny_tokenizer):
+def test_prompt_flag_answers_once_and_exits_0(plain_sft, base_dir, tiny_tokenizer):
     """-p prints only the answer: the engine's sample for the same seed at the default T=0.6, top-k 50."""
     result = run_cli(base_dir, FLAGS + ["-p", "hello there", "--seed=3"], stdin="never read\n")
     assert result.returncode == 0, result.stderr
     expected = reply(tiny_tokenizer, [user("hello there")], temperature=0.6, top_k=50, seed=3)
-    assert result.stdout == shown(tiny_tokenizer, expected)
+    assert result.stdout == plain_text(tiny_tokenizer, expected) + "\n"
     assert "Loading model" in result.stderr  # loading notes stay off stdout
 
 
@@ -108,6 +132,64 @@ def scripted_calculator(tokenizer, question):
     script = (tokenizer.encode("Let me compute ") + [sp["python_start"], *tokenizer.encode("6*7"), sp["python_end"]]
               + filler * len(forced) + tokenizer.encode(" so 42.") + [sp["assistant_end"]])
     return ScriptedModel(script, len(prompt), tokenizer.get_vocab_size())
+
+
+class ConversationModel(ScriptedModel):
+    """A ScriptedModel that answers by the conversation: at each prompt's prefill it records the prompt and picks
+    scripts[number of user turns in it], played from the prompt's end."""
+
+    def __init__(self, tokenizer, scripts):
+        super().__init__(scripts[1], 0, tokenizer.get_vocab_size())
+        self.scripts, self.user_start, self.prompts = scripts, tokenizer.encode_special("<|user_start|>"), []
+
+    def forward(self, idx, kv_cache=None):
+        if idx.size(1) > 1 and int(kv_cache.next_positions()[0]) == 0:  # a new prompt, whole
+            self.prompts.append(idx[0].tolist())
+            turns = int((idx[0] == self.user_start).sum())
+            assert turns in self.scripts, f"a prompt with {turns} user turns, no answer scripted for it"
+            self.script, self.prompt_len = self.scripts[turns], idx.size(1)
+        return super().forward(idx, kv_cache)
+
+
+def test_piped_chat_transcript_and_the_prompts_the_model_sees(tiny_tokenizer, monkeypatch, capsys):
+    """A whole session written out: each answer printed after its turn, the calculator call bracketed with the
+    engine's result, `clear` forgetting the conversation; and each prompt the model is given holds the earlier
+    turns as training renders them (the answer's calculator call and its output included)."""
+    tok = tiny_tokenizer
+    sp = lambda name: tok.encode_special(f"<|{name}|>")
+    forced = [sp("output_start"), *tok.encode("4"), sp("output_end")]  # the engine writes these, not the model
+    scripts = {
+        1: tok.encode("Hello!") + [sp("assistant_end")],
+        2: (tok.encode("Let me compute ") + [sp("python_start"), *tok.encode("2+2"), sp("python_end")]
+            + tok.encode("x") * len(forced) + tok.encode(" so 4.") + [sp("assistant_end")]),
+        3: tok.encode("You are welcome.") + [sp("assistant_end")],
+    }
+    model = ConversationModel(tok, scripts)
+    monkeypatch.setattr(chat_cli, "load_model", lambda *args, **kwargs: (model, tok, {}))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello there\nwhat is 2+2\nthanks\nclear\nhello there\n"))
+    assert chat_cli.main(FLAGS + ["--max-new-tokens=64"]) == 0
+    assert capsys.readouterr().out == (BANNER + "\n"
+                                       "\nUser: hello there\n"
+                                       "\nAssistant: Hello!\n"
+                                       "\nUser: what is 2+2\n"
+                                       "\nAssistant: Let me compute [python: 2+2][output: 4] so 4.\n"
+                                       "\nUser: thanks\n"
+                                       "\nAssistant: You are welcome.\n"
+                                       "\nUser: clear\n"
+                                       "Conversation cleared.\n"
+                                       "\nUser: hello there\n"
+                                       "\nAssistant: Hello!\n"
+                                       "\nUser: \n"
+                                       "Goodbye!\n")
+    first = "<|bos|><|user_start|>hello there<|user_end|><|assistant_start|>"
+    assert [tok.decode(p) for p in model.prompts] == [
+        first,
+        first + "Hello!<|assistant_end|><|user_start|>what is 2+2<|user_end|><|assistant_start|>",
+        first + "Hello!<|assistant_end|><|user_start|>what is 2+2<|user_end|><|assistant_start|>"
+        "Let me compute <|python_start|>2+2<|python_end|><|output_start|>4<|output_end|> so 4.<|assistant_end|>"
+        "<|user_start|>thanks<|user_end|><|assistant_start|>",
+        first,
+    ]
 
 
 @pytest.mark.parametrize("mode", ["chat", "prompt"])

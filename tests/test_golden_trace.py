@@ -13,7 +13,8 @@ algorithm (a denominator, a mask, an lr) moves these numbers by percents.
 
 After a change that is meant to alter the numerics, regenerate the file with
     NANOCHAT_UPDATE_GOLDEN=1 python -m pytest tests/test_golden_trace.py
-and say why in the commit.
+which rewrites it and then fails (saying so), so an update can never pass as a check; rerun without the
+variable, and say why in the commit.
 """
 
 import json
@@ -58,13 +59,39 @@ def test_chat_rl_matches_the_golden_trace(sft, base_dir, monkeypatch):
     trace = [{key: record[key] for key in TRACED} for record in meta["history"]]
     assert [record["step"] for record in meta["history"]] == list(range(STEPS))
 
+    check_against_golden(trace)
+    # the trace is not flat: the model learns from the forced samples, so a broken update would show
+    assert len({round(t["loss"], 6) for t in trace}) > 1 and all(t["grad_norm"] > 0 for t in trace)
+
+
+def check_against_golden(trace, path=GOLDEN):
+    """Compare `trace` with the committed one; with NANOCHAT_UPDATE_GOLDEN=1 write it there instead and fail."""
     if os.environ.get("NANOCHAT_UPDATE_GOLDEN") == "1":
-        GOLDEN.write_text(json.dumps({"flags": TINY_RL_FLAGS, "steps": STEPS, "trace": trace}, indent=1) + "\n")
-    golden = json.loads(GOLDEN.read_text())
+        path.write_text(json.dumps({"flags": TINY_RL_FLAGS, "steps": STEPS, "trace": trace}, indent=1) + "\n")
+        pytest.fail(f"NANOCHAT_UPDATE_GOLDEN=1: wrote the new golden trace to {path}; nothing was checked. Rerun "
+                    f"without the variable, and commit the file saying why the numerics changed", pytrace=False)
+    golden = json.loads(path.read_text())
     assert golden["flags"] == TINY_RL_FLAGS and golden["steps"] == STEPS, "the trace was recorded with other settings"
     # the rollouts are fixed, so the rewards and lengths are exact; the training numbers carry fp32 rounding
+    assert len(trace) == len(golden["trace"]), f"{len(trace)} steps traced, {len(golden['trace'])} in {path}"
     for step, (got, want) in enumerate(zip(trace, golden["trace"])):
         for key in TRACED:
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), f"step {step}: {key}"
-    # the trace is not flat: the model learns from the forced samples, so a broken update would show
-    assert len({round(t["loss"], 6) for t in trace}) > 1 and all(t["grad_norm"] > 0 for t in trace)
+
+
+def test_update_mode_writes_the_trace_and_fails(tmp_path, monkeypatch):
+    """Regression: NANOCHAT_UPDATE_GOLDEN=1 rewrote the file and then compared the run with what it had just
+    written, so the test passed whatever the code computed; left set (in a shell, in CI) it checked nothing."""
+    golden = json.loads(GOLDEN.read_text())
+    trace = [dict(record, loss=record["loss"] + 1.0) for record in golden["trace"]]  # a trace the file does not hold
+    path = tmp_path / "golden_trace.json"
+    path.write_text(GOLDEN.read_text())
+    monkeypatch.delenv("NANOCHAT_UPDATE_GOLDEN", raising=False)  # this test may run in an update session
+    with pytest.raises(AssertionError, match="step 0: loss"):
+        check_against_golden(trace, path)  # without the variable: compared, and the difference is caught
+    monkeypatch.setenv("NANOCHAT_UPDATE_GOLDEN", "1")
+    with pytest.raises(pytest.fail.Exception, match="wrote the new golden trace to .*nothing was checked"):
+        check_against_golden(trace, path)
+    assert json.loads(path.read_text()) == {"flags": TINY_RL_FLAGS, "steps": STEPS, "trace": trace}
+    monkeypatch.delenv("NANOCHAT_UPDATE_GOLDEN")
+    check_against_golden(trace, path)  # what was written is what the next run compares with

@@ -1,6 +1,7 @@
 """The algorithm options of the RL objective (--loss-norm, --advantage-std, --mask-truncated, --ppo-epochs with
---clip-low/--clip-high, --kl-coef): nanochat's gradient at their defaults, hand-computed numbers on tiny batches,
-2 gloo ranks against 1 process, chat_rl's validation and resume, and compare_runs."""
+--clip-low/--clip-high, --kl-coef): a regression guard that the defaults still compute what the loop before the
+options computed, hand-computed numbers on tiny batches, 2 gloo ranks against 1 process, chat_rl's validation and
+resume, and compare_runs. Each option against a reference written from its formula alone: test_rl_reference.py."""
 
 import copy
 import json
@@ -31,10 +32,13 @@ def row_weights(targets, advantages, device_batch_size, examples_per_rank):
     return advantages / pass_denominators(targets, device_batch_size, examples_per_rank).to(advantages.dtype)
 
 
-def nanochat_objective_gradient(model, batches, device_batch_size, examples_per_rank, micro_batch_rows=None,
-                                share_prompt=True, skip_zero_advantage=True):
-    """The policy-gradient loop as it was before the algorithm options, frozen here as the reference the
-    defaults must reproduce bit for bit (same rows, same chunks, same operations in the same order)."""
+def frozen_pre_options_loop(model, batches, device_batch_size, examples_per_rank, micro_batch_rows=None,
+                            share_prompt=True, skip_zero_advantage=True):
+    """The policy-gradient loop as it was before the algorithm options, frozen here: a regression guard, not a
+    reference. It is built from nanochat.rl's own helpers (pass_denominators, _trained_rows, _row_hidden_states,
+    token_logprobs_and_entropy), so it catches the options changing what the defaults compute (same rows, same
+    chunks, same operations in the same order: bit for bit), not a mistake those helpers share. The objective
+    checked against formulas written independently of nanochat.rl is in test_rl_reference.py."""
     micro = micro_batch_rows or device_batch_size
     total = 0.0
     for batch in batches:
@@ -65,13 +69,13 @@ def grads_of(model):
 
 @pytest.mark.parametrize("make_model", [lambda: TableModel(64), tiny_gpt], ids=["table", "gpt"])
 @pytest.mark.parametrize("variant", [{}, {"micro_batch_rows": 1}, {"share_prompt": False, "skip_zero_advantage": False}])
-def test_defaults_give_nanochats_gradient_bit_for_bit(make_model, variant):
-    """Every option at its default (also spelled out as a PolicyLoss, and with truncated rows recorded but not
-    masked) gives exactly the gradient of the loop that had no options."""
+def test_defaults_reproduce_the_frozen_pre_options_loop_bit_for_bit(make_model, variant):
+    """Regression guard: every option at its default (also spelled out as a PolicyLoss, and with truncated rows
+    recorded but not masked) gives exactly the gradient of the loop that had no options."""
     batches = questions()
     model = make_model()
     reference = copy.deepcopy(model)
-    want_objective = nanochat_objective_gradient(reference, batches, 2, 4, **variant)
+    want_objective = frozen_pre_options_loop(reference, batches, 2, 4, **variant)
     for loss in (None, PolicyLoss(loss_norm="pass", max_new_tokens=6, mask_truncated=False, clip_low=0.2,
                                   clip_high=0.2, kl_coef=0.0)):
         model.zero_grad(set_to_none=True)

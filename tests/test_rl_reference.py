@@ -1,0 +1,175 @@
+"""Every algorithm option of nanochat/rl.py against an independent reference: the objective of a small step
+written out from the formulas (torch.log_softmax and arithmetic on the raw token lists; no nanochat.rl helper),
+compared with accumulate_policy_gradient's TrainStats.objective and the gradient it accumulates.
+
+The model is helpers.TableModel, whose logits for the next token are a table row picked by the current token,
+so a sampled token's log-probability is log_softmax(table[previous token])[token]. The reference runs in float64
+on a copy of the table; the code under test in float32.
+
+The formulas (module docstring of nanochat/rl.py, and the papers it cites). Per question q with rewards r,
+row i, sampled token t (mask 1) of row i, and D_i the row's denominator:
+    A_i         = r_i - mean(r_q)                         (GRPO's advantage std: / (population std + 1e-4))
+    objective   = sum_i sum_t A_i * logp_it / D_i
+    D_i, pass       sampled tokens of i's pass (device_batch_size rows) * passes per question * questions
+    D_i, token      sampled tokens of the whole step                                   (DAPO)
+    D_i, sequence   sampled tokens of row i * rows of the step with a sampled token
+    D_i, constant   rows of q * max_new_tokens * questions of the step                 (Dr. GRPO)
+    mask truncated  rows cut at max_new_tokens have no token and count in no denominator
+    PPO epoch 2     A_i * logp_it -> min(rho A_i, clip(rho, 1 - clip_low, 1 + clip_high) A_i), rho = exp(logp - old)
+    KL              - kl_coef * sum_i sum_t k3_it / D_i,  k3 = exp(ref - logp) - (ref - logp) - 1
+"""
+
+import math
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from helpers import TableModel
+from nanochat.rl import PolicyLoss, accumulate_policy_gradient, make_question_batch
+
+VOCAB, PAD, DEVICE_BATCH_SIZE, MAX_NEW_TOKENS = 8, 0, 2, 5
+# (prompt, [(completion tokens, masks (0 = forced by the tool), reward, truncated at MAX_NEW_TOKENS)])
+QUESTIONS = [
+    ([1, 2], [([3, 4, 5], [1, 1, 1], 1.0, False),
+              ([6], [1], 0.0, False),
+              ([3, 7, 2, 4, 1], [1, 0, 0, 1, 1], 0.0, True),
+              ([5, 5], [1, 1], 1.0, False)]),
+    ([4], [([2, 2], [1, 1], 1.0, False),
+           ([7, 1, 3], [1, 1, 1], 0.0, False),
+           ([6, 6, 6, 6, 6], [1, 1, 1, 1, 1], 0.0, True),
+           ([1], [1], 0.0, False)]),
+    ([3, 3, 1], [([1, 2], [1, 1], 0.0, False),   # no reward signal: advantages 0, tokens still counted
+                 ([2], [1], 0.0, False),
+                 ([4, 4, 4], [1, 1, 1], 0.0, False),
+                 ([5], [1], 0.0, False)]),
+]
+
+
+def sampled_tokens(prompt, tokens, masks):
+    """(previous token, token) of each sampled position of one row."""
+    sequence = prompt + tokens
+    return [(sequence[len(prompt) + j - 1], tokens[j]) for j in range(len(tokens)) if masks[j]]
+
+
+def reference_objective(table, loss_norm="pass", mask_truncated=False, advantage_std=False, kl_coef=0.0,
+                        ref_table=None, old_table=None, clip_low=0.2, clip_high=0.2):
+    """The step's objective (a float64 scalar, differentiable in `table`) and the number of clipped tokens.
+    old_table: a PPO epoch after the first, whose old log-probabilities are the ones under old_table."""
+    rows = []  # (question, row in question, advantage, [(prev, token)])
+    for q, (prompt, samples) in enumerate(QUESTIONS):
+        rewards = [reward for _, _, reward, _ in samples]
+        mean = sum(rewards) / len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+        for i, (tokens, masks, reward, truncated) in enumerate(samples):
+            advantage = (reward - mean) / (std + 1e-4) if advantage_std else reward - mean
+            pairs = [] if (mask_truncated and truncated) else sampled_tokens(prompt, tokens, masks)
+            rows.append((q, i, advantage, pairs))
+    step_tokens = sum(len(pairs) for *_, pairs in rows)
+    step_sequences = sum(1 for *_, pairs in rows if pairs)
+    counted_rows = lambda q: sum(1 for qq, i, _, _ in rows if qq == q and not (mask_truncated and QUESTIONS[q][1][i][3]))
+    step_questions = sum(1 for q in range(len(QUESTIONS)) if counted_rows(q))
+    num_questions = len(QUESTIONS)
+
+    def denominator(q, i, pairs):
+        if loss_norm == "pass":
+            passes = len(QUESTIONS[q][1]) // DEVICE_BATCH_SIZE
+            first = i // DEVICE_BATCH_SIZE * DEVICE_BATCH_SIZE
+            in_pass = sum(len(p) for qq, ii, _, p in rows if qq == q and first <= ii < first + DEVICE_BATCH_SIZE)
+            return max(in_pass, 1) * passes * num_questions
+        if loss_norm == "token":
+            return step_tokens
+        if loss_norm == "sequence":
+            return len(pairs) * step_sequences
+        return counted_rows(q) * MAX_NEW_TOKENS * step_questions  # constant
+
+    logp_of = lambda t, prev, token: torch.log_softmax(t[prev], dim=-1)[token]
+    objective, clipped = torch.zeros((), dtype=torch.float64), 0
+    for q, i, advantage, pairs in rows:
+        if not pairs:
+            continue
+        D = denominator(q, i, pairs)
+        for prev, token in pairs:
+            logp = logp_of(table, prev, token)
+            if old_table is None:
+                term = advantage * logp
+            else:
+                rho = torch.exp(logp - logp_of(old_table, prev, token))
+                unclipped, clipped_term = rho * advantage, torch.clamp(rho, 1 - clip_low, 1 + clip_high) * advantage
+                term = torch.minimum(unclipped, clipped_term)
+                clipped += int(clipped_term < unclipped)
+            if kl_coef:
+                log_ratio = logp_of(ref_table, prev, token) - logp
+                term = term - kl_coef * (torch.exp(log_ratio) - log_ratio - 1)
+            objective = objective + term / D
+    return objective, clipped
+
+
+def batches(advantage_std=False):
+    return [make_question_batch(prompt, [(tokens, masks) for tokens, masks, _, _ in samples],
+                                [reward for _, _, reward, _ in samples], PAD,
+                                truncated=[truncated for *_, truncated in samples], scale_by_std=advantage_std)
+            for prompt, samples in QUESTIONS]
+
+
+def table_model(seed, scale=1.0):
+    torch.manual_seed(seed)
+    model = TableModel(VOCAB)
+    with torch.no_grad():
+        model.table.mul_(scale)
+    return model
+
+
+def reference_gradient(model, **options):
+    """(objective, d objective / d table, clipped tokens) of the reference at the model's table."""
+    table = model.table.detach().double().requires_grad_(True)
+    objective, clipped = reference_objective(table, **options)
+    objective.backward()
+    return objective.item(), table.grad, clipped
+
+
+CASES = {
+    "pass (nanochat)": {},
+    "token (DAPO)": dict(loss_norm="token"),
+    "sequence": dict(loss_norm="sequence"),
+    "constant (Dr. GRPO)": dict(loss_norm="constant"),
+    "pass, truncated masked": dict(mask_truncated=True),
+    "constant, truncated masked": dict(loss_norm="constant", mask_truncated=True),
+    "advantage std (GRPO)": dict(advantage_std=True),
+    "kl penalty": dict(kl_coef=0.3),
+    "token, truncated masked, kl": dict(loss_norm="token", mask_truncated=True, kl_coef=0.3),
+}
+
+
+@pytest.mark.parametrize("options", CASES.values(), ids=CASES.keys())
+def test_first_epoch_objective_and_gradient_equal_the_reference(options):
+    model, reference = table_model(0), table_model(1)
+    loss_options = {k: v for k, v in options.items() if k != "advantage_std"}
+    stats = accumulate_policy_gradient(model, batches(options.get("advantage_std", False)), DEVICE_BATCH_SIZE,
+                                       len(QUESTIONS), "cpu", nullcontext(),
+                                       loss=PolicyLoss(max_new_tokens=MAX_NEW_TOKENS, **loss_options),
+                                       reference=reference)
+    want, grad, _ = reference_gradient(model, ref_table=reference.table.detach().double(), **options)
+    assert stats.objective == pytest.approx(want, rel=1e-5, abs=1e-7)
+    assert want != 0 and grad.abs().max() > 0
+    torch.testing.assert_close(model.table.grad.double(), -grad, rtol=1e-4, atol=1e-6)  # the code descends -objective
+
+
+@pytest.mark.parametrize("options", [dict(), dict(loss_norm="token", clip_high=0.28), dict(loss_norm="sequence", kl_coef=0.3)],
+                         ids=["pass", "token, clip-high 0.28", "sequence, kl"])
+def test_ppo_second_epoch_equals_the_reference(options):
+    """Epoch 1 records the sampled tokens' log-probabilities under the model that sampled (`old`); epoch 2 runs
+    on a moved table (`new`), far enough that some ratios leave the clip range on both sides."""
+    old, new, reference = table_model(0), table_model(0), table_model(1)
+    with torch.no_grad():
+        new.table.add_(torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(5)) * 0.4)
+    loss = PolicyLoss(max_new_tokens=MAX_NEW_TOKENS, clip_low=0.2, **options)
+    first = accumulate_policy_gradient(old, batches(), DEVICE_BATCH_SIZE, len(QUESTIONS), "cpu", nullcontext(), loss=loss,
+                                       reference=reference)
+    stats = accumulate_policy_gradient(new, batches(), DEVICE_BATCH_SIZE, len(QUESTIONS), "cpu", nullcontext(), loss=loss,
+                                       reference=reference, first_epoch=first)
+    want, grad, clipped = reference_gradient(new, old_table=old.table.detach().double(),
+                                             ref_table=reference.table.detach().double(), **options)
+    assert stats.objective == pytest.approx(want, rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(new.table.grad.double(), -grad, rtol=1e-4, atol=1e-6)
+    assert 0 < clipped < stats.tokens and stats.clip_fraction == pytest.approx(clipped / stats.tokens)
