@@ -397,7 +397,8 @@ class _Tally:
         """gap: (N,) trainer minus sampler log-probabilities of a chunk's tokens (0 where `known` is False: the
         sampler's is missing); corrected: how many the rollout correction changed. Kept on the device."""
         absolute = gap.abs()  # 0 where unknown: neutral for the sum and the max
-        values = torch.stack([known.sum().to(gap.dtype), absolute.sum(), absolute.max(), (torch.exp(gap) - gap - 1).sum(),
+        values = torch.stack([known.sum().to(gap.dtype), absolute.sum(), absolute.max(),
+                              (torch.expm1(gap) - gap).clamp(min=0).sum(),  # k3 >= 0; expm1 keeps tiny gaps exact
                               corrected.to(gap.dtype)])
         if self.sampler is None:
             self.sampler = values

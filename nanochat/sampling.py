@@ -58,10 +58,11 @@ def sample_with_logprobs(logits, seeds, steps, temperature=1.0, top_k=None):
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     logits = logits.float()
-    full = torch.log_softmax(logits, dim=-1)
+    log_normalizer = torch.logsumexp(logits, dim=-1)  # (B,): one pass, no (B, V) log-softmax written out
+    model_logprob = lambda tokens: logits.gather(-1, tokens[:, None]).squeeze(-1) - log_normalizer
     if temperature == 0.0:
         tokens = torch.argmax(logits, dim=-1)
-        return tokens, full.gather(-1, tokens[:, None]).squeeze(-1), torch.zeros_like(full[:, 0])
+        return tokens, model_logprob(tokens), torch.zeros_like(log_normalizer)
     if top_k is not None and 0 < top_k < logits.size(-1):
         values, indices = torch.topk(logits, top_k, dim=-1)  # (B, k), sorted, so candidate order is stable
     else:
@@ -70,5 +71,5 @@ def sample_with_logprobs(logits, seeds, steps, temperature=1.0, top_k=None):
     gumbel = -torch.log(-torch.log(row_uniforms(seeds, steps, values.size(-1))))
     choice = torch.argmax(scaled + gumbel, dim=-1, keepdim=True)  # (B, 1)
     tokens = (indices.gather(-1, choice) if indices is not None else choice).squeeze(-1)
-    sampled = torch.log_softmax(scaled, dim=-1).gather(-1, choice).squeeze(-1)
-    return tokens, full.gather(-1, tokens[:, None]).squeeze(-1), sampled
+    sampled = scaled.gather(-1, choice).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    return tokens, model_logprob(tokens), sampled

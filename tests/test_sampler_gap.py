@@ -125,9 +125,10 @@ def test_bf16_decoding_gap_is_measured_and_bounded(generation_model):
 
 
 class BigramModel(TableModel):
-    """Logits = a table row of the current token, in decoding and in training alike (the two paths are the same
-    arithmetic, so the gap must be exactly 0 when each log-probability is matched with its own token). The
-    table makes rows call the calculator on "2*3" and end at varied steps."""
+    """Logits = a table row of the current token, in decoding and in training alike (the two paths compute the same
+    log-softmax, up to its last rounding: the sampler subtracts a logsumexp, the trainer takes log_softmax, so the
+    gap is a few ulps when each log-probability is matched with its own token, and O(1) when not). The table makes
+    rows call the calculator on "2*3" and end at varied steps."""
 
     def __init__(self, tokenizer):
         vocab = tokenizer.get_vocab_size()
@@ -153,7 +154,8 @@ class BigramModel(TableModel):
 @pytest.mark.parametrize("decode", ["eager", "static"])
 def test_gap_is_zero_through_calculator_calls_and_early_ends(decode, tiny_tokenizer):
     """Forced calculator output carries no sampler log-probability (nan, masked like its target) and every
-    sampled token after it is matched with its own position: the gap is exactly 0."""
+    sampled token after it is matched with its own position: the gap is rounding (log-probabilities near -5,
+    whose ulp is 5e-7)."""
     model = BigramModel(tiny_tokenizer)
     prompts = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold clips", "c")]
     stats, completions = gap_of(model, tiny_tokenizer, prompts, decode=decode, num_samples=6, max_tokens=40,
@@ -164,7 +166,7 @@ def test_gap_is_zero_through_calculator_calls_and_early_ends(decode, tiny_tokeni
         assert all(math.isnan(lp) == (m == 0) for lp, m in zip(c.logprobs, c.masks))
         assert all(lp == slp for lp, slp, m in zip(c.logprobs, c.sampling_logprobs, c.masks) if m)  # T=1, no top-k
     assert stats.sampler_tokens == sum(sum(c.masks) for c in completions)
-    assert stats.sampler_gap_max == 0.0 and stats.sampler_k3 == 0.0
+    assert stats.sampler_gap_max <= 4e-6 and stats.sampler_k3 <= 1e-11
 
 
 # ----------------------------------------------------------------------------- the corrections
