@@ -92,7 +92,9 @@ else
     # Stopped early on purpose, on held-out accuracy rather than a step count (the curve is steep, and how
     # fast it climbs depends on the machine): the model gets partial credit and RL has something to improve.
     STOP=()
-    [ -n "$BAND" ] && STOP=(--stop-at-pass1="$BAND" --stop-check-every="$CHECK_EVERY" --stop-check-max-tokens=128)
+    # a check samples 32 held-out questions 4 times, up to 64 tokens (solutions take ~50): a few seconds on a CPU
+    [ -n "$BAND" ] && STOP=(--stop-at-pass1="$BAND" --stop-check-every="$CHECK_EVERY" --stop-check-questions=32
+                            --stop-check-samples=4 --stop-check-max-tokens=64)
     # on a GPU a step's 32 conversations go through in one forward (4 at a time leaves it waiting on launches)
     ROWS=()
     [ "$DEVICE" = cuda ] && ROWS=(--device-batch-size=32)
