@@ -10,24 +10,35 @@ Writes are atomic: every file is written to a hidden temp file in the same direc
 only then renamed over its final name, so a crash or a full disk never leaves a truncated
 `model_N.pt` for the loader to pick up, and never touches the files of another step.
 
-Commit order (per process): all of this process's files are staged as temp files first; then they are
-renamed optimizer shard -> meta -> model. The model file is renamed last because it is the file that
-step resolution looks for (`model_N.pt`, as upstream nanochat does): once it is visible, the meta it
-needs is already there. A failure while staging leaves no trace of the step at all.
+Commit order: all files are staged as temp files first; then they are renamed optimizer shard -> meta ->
+model. The model file is renamed last because it is the file that step resolution looks for (`model_N.pt`,
+as upstream nanochat does): once it is visible, the meta it needs is already there. A failure while staging
+leaves no trace of the step at all. With `all_ranks=True` (every rank of a process group saves together, as
+chat_rl does) the ranks agree between the phases: every rank stages; if any rank failed (a full disk on one
+node), every rank removes its temp files and raises that rank's error; else every rank renames its shard,
+and only when all shards are in place does rank 0 rename the meta and then the model. A process killed at
+any moment (SIGKILL, a lost node) therefore leaves the previous step as the latest complete one on every rank.
+
+chat_rl's checkpoints also record a run id (in the meta and in every shard) and the world size, so that
+`--resume` can check each rank's shard against the step's meta before it trusts it (`load_shard_for_resume`),
+and `prune_checkpoints` removes a run's older steps (`--keep-last`) once a newer one is complete.
 
 Errors are UserErrors that carry the facts as attributes (the path, the available tags or steps, the
 checkpoint family); nanochat.cli adds which flag to change or which script makes a checkpoint.
 """
 
+import contextlib
 import dataclasses
 import errno
 import json
 import os
 import pickle
 import re
+import uuid
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from nanochat.common import UserError, get_base_dir, get_rank, print0
 from nanochat.files import atomic_write, fsync_dir, remove_if_exists, stage, temp_path
@@ -35,6 +46,9 @@ from nanochat.files import atomic_write, fsync_dir, remove_if_exists, stage, tem
 CHECKPOINT_DIRS = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
 
 MODEL_FILE_RE = re.compile(r"^model_(\d+)\.pt$")
+# every file of a step: model_N.pt, meta_N.json, optim_N_rank<r>.pt (group 1: the step; group 2: the rank)
+STEP_FILE_RE = re.compile(r"^(?:model_(\d+)\.pt|meta_(\d+)\.json|optim_(\d+)_rank(\d+)\.pt)$")
+TEMP_FILE_RE = re.compile(r"^\.(.+)\.tmp-\d+$")  # files.temp_path's name: .<final name>.tmp-<pid>
 TAG_RE = re.compile(r"d(\d+)")  # used with .match: a prefix, as nanochat's re.match(r"d(\d+)", tag): d32_long is 32
 
 
@@ -119,6 +133,38 @@ class CorruptCheckpointError(CheckpointError):
         self.reason = reason
 
 
+class ShardError(CheckpointError):
+    """An optimizer shard that is missing, or that is not the one its step's meta describes (another step, rank,
+    world size or run); `path` is the shard file, `reason` what was found."""
+
+    def __init__(self, path, reason):
+        super().__init__(f"optimizer shard {path} {reason}", path)
+        self.reason = reason
+
+
+class RankLostError(UserError):
+    """Another rank of the process group stopped answering (killed, its node lost) while this one was saving step
+    `step`: the save was abandoned. Every step whose model file exists is complete on every rank (see the module
+    docstring), so the latest of them is where to resume."""
+
+    def __init__(self, checkpoint_dir, step, error):
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        reason = re.sub(r"^\[\S+\] ", "", first_line).split(". ")[0]  # gloo: "[file.cc:537] Read error ...: reset by peer"
+        super().__init__(f"lost another rank while saving step {step} to {checkpoint_dir} ({reason}); the latest step "
+                         f"with a model file there is complete on every rank")
+        self.checkpoint_dir, self.step = checkpoint_dir, step
+
+
+class WorldSizeError(CheckpointError):
+    """A checkpoint written by `saved` ranks, read by a run of `current` ranks (its optimizer state is sharded
+    by rank, so it fits only the world size that wrote it)."""
+
+    def __init__(self, checkpoint_dir, step, saved, current):
+        super().__init__(f"checkpoint step {step} in {checkpoint_dir} was saved by {saved} rank{'s' * (saved != 1)}, "
+                         f"and this run has {current}", checkpoint_dir)
+        self.step, self.saved, self.current = step, saved, current
+
+
 # -----------------------------------------------------------------------------
 # saving
 
@@ -142,42 +188,67 @@ def make_checkpoint_dir(checkpoint_dir):
                         f"make its parent writable or set NANOCHAT_BASE_DIR to a writable directory") from e
 
 
-def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data, rank=None):
+def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data, rank=None, all_ranks=False):
     """Save one step. Rank 0 writes the model state dict and the meta json; every rank whose
     optimizer_data is not None writes its own optimizer shard. Other ranks may pass model_data=None.
     rank: this process's rank; None = common.get_rank().
+    all_ranks: every rank of the process group calls this together (chat_rl): model_N.pt appears only once every
+    rank's shard of step N is in place, and a failure on any rank raises on every rank, with the message of the
+    lowest failed rank, so rank 0 can say it (see the module docstring). Without a process group, as False.
 
     Disk errors (full disk, permissions) raise UserError after removing every temp file; an existing
     checkpoint of this or any other step is left as it was. Errors that are bugs (unpicklable or
-    non-json data) are cleaned up the same way but re-raised unchanged.
+    non-json data) are cleaned up the same way but re-raised unchanged (on the other ranks of an all_ranks save:
+    a UserError naming the rank).
     """
     rank = get_rank() if rank is None else rank
     if rank == 0 and model_data is None:
         raise ValueError("rank 0 must pass model_data (the model's state_dict) to save_checkpoint")
-    # serialize the meta before touching the disk: a non-json value is a bug and must not leave files behind
-    meta_bytes = json.dumps(meta_data, indent=2).encode("utf-8") if rank == 0 else None
-    make_checkpoint_dir(checkpoint_dir)
-
-    # (final path, write function), committed in this order; the model file goes last (see module docstring)
-    files = []
-    if optimizer_data is not None:
-        files.append((optim_path(checkpoint_dir, step, rank), lambda f: torch.save(optimizer_data, f)))
+    together = all_ranks and dist.is_initialized()
+    # (final path, write function): this rank's shard, then rank 0's meta and model (renamed in that order)
+    shard = [(optim_path(checkpoint_dir, step, rank), lambda f: torch.save(optimizer_data, f))]
+    shard = shard if optimizer_data is not None else []
+    rank0_files = []
     if rank == 0:
-        files.append((meta_path(checkpoint_dir, step), lambda f: f.write(meta_bytes)))
-        files.append((model_path(checkpoint_dir, step), lambda f: torch.save(model_data, f)))
+        rank0_files = [(meta_path(checkpoint_dir, step), lambda f: f.write(meta_bytes)),
+                       (model_path(checkpoint_dir, step), lambda f: torch.save(model_data, f))]
 
     staged = []  # temp paths not yet renamed
     current = None
     try:
-        for path, write_fn in files:
+        error = None
+        try:
+            # serialize the meta before touching the disk: a non-json value is a bug and must not leave files behind
+            meta_bytes = json.dumps(meta_data, indent=2).encode("utf-8") if rank == 0 else None
+            make_checkpoint_dir(checkpoint_dir)
+            for path, write_fn in shard + rank0_files:
+                current = path
+                staged.append(temp_path(path))
+                stage(path, write_fn, sweep_stale=True)  # temp files of killed runs: one process writes each file
+        except Exception as e:
+            error = e
+        if together:  # every rank learns whether every rank has staged its files, before any rename
+            with _peers(checkpoint_dir, step):
+                failed_rank, message = _first_failure(error and _failure_message(error, checkpoint_dir, current))
+            if error is None and failed_rank is not None:
+                raise UserError(f"rank {failed_rank}: {message}")
+        if error is not None:
+            raise error
+        for path, _ in shard:
             current = path
-            staged.append(temp_path(path))
-            stage(path, write_fn, sweep_stale=True)  # temp files of killed runs: one process writes each file
-        for path, _ in files:
+            os.replace(staged.pop(0), path)
+        if together:
+            fsync_dir(checkpoint_dir)
+            with _peers(checkpoint_dir, step):
+                dist.barrier()  # every rank's shard is in place: the step may become visible
+        for path, _ in rank0_files:
             current = path
-            os.replace(staged[0], path)
-            staged.pop(0)
+            os.replace(staged.pop(0), path)
         fsync_dir(checkpoint_dir)
+        if together:
+            with _peers(checkpoint_dir, step):
+                dist.barrier()  # complete on every rank before any returns to prune, or to exit (torchrun then
+                                # stops the other ranks, which could be rank 0 in the middle of its renames)
     except BaseException as e:
         for tmp in staged:
             try:
@@ -187,6 +258,90 @@ def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data,
         if isinstance(e, OSError):
             raise _write_error(checkpoint_dir, os.path.basename(current or checkpoint_dir), e) from e
         raise
+
+
+@contextlib.contextmanager
+def _peers(checkpoint_dir, step):
+    """Around a save's collectives: a rank that vanished (gloo: 'Connection reset by peer', a RuntimeError) is one
+    line on the ranks left, not a traceback."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise RankLostError(checkpoint_dir, step, e) from e
+
+
+def _failure_message(e, checkpoint_dir, current):
+    """One line for the other ranks about this rank's failed save."""
+    if isinstance(e, OSError):
+        return str(_write_error(checkpoint_dir, os.path.basename(current or checkpoint_dir), e))
+    return str(e) if isinstance(e, UserError) else f"{type(e).__name__} while saving a checkpoint: {e}"
+
+
+def _first_failure(message):
+    """Every rank's `message` (None = no failure) gathered: (rank, message) of the lowest rank that failed, or
+    (None, None). A collective: every rank of the process group calls it."""
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    failed = next(((r, m) for r, m in enumerate(messages) if m is not None), (None, None))
+    if failed[0] is not None:
+        # every rank is about to raise and tear the process group down; with the gather as the last collective, gloo
+        # aborted a rank at exit (SIGABRT: 5 of 16 2-rank resumes); a barrier last, as a run that ends well has: 0 of 48
+        dist.barrier()
+    return failed
+
+
+def new_run_id():
+    """A fresh id for a new run, the same on every rank (rank 0's, broadcast): recorded in the meta and in every
+    optimizer shard, so that a shard of another run is recognised on --resume."""
+    run_id = [uuid.uuid4().hex[:12]]
+    if dist.is_initialized():
+        dist.broadcast_object_list(run_id, src=0)
+    return run_id[0]
+
+
+def _step_of(name):
+    """(step, final file name) of a model, meta or shard file of a step, or of the temp file a killed save left for
+    one (.model_N.pt.tmp-<pid>); None for any other file."""
+    temp = TEMP_FILE_RE.match(name)
+    final = temp.group(1) if temp else name
+    m = STEP_FILE_RE.match(final)
+    return (int(next(g for g in m.groups()[:3] if g is not None)), final) if m else None
+
+
+def _owned(name, rank):
+    """Whether rank `rank` writes (and so removes) the step file `name`: rank 0 the model and meta, each rank its
+    own shard."""
+    m = STEP_FILE_RE.match(name)
+    return int(m.group(4)) == rank if m.group(4) is not None else rank == 0
+
+
+def prune_checkpoints(checkpoint_dir, step, keep_last, rank=None):
+    """After step `step` was saved, complete on every rank: remove the earlier steps of this run directory beyond the
+    `keep_last` most recent (`step` included), so that keep_last steps remain. Never removed: `step`, the steps
+    after it (a run resumed from an earlier step leaves them as they are), and any file outside `checkpoint_dir`.
+
+    Rank 0 decides which steps stay, from the model files it sees, and tells the other ranks (a node need not see
+    rank 0's files); each rank then removes only the files it writes: rank 0 a step's model file first (from then
+    on no loader sees the step), then its meta and shard; rank r its shard. Files of earlier steps that have no
+    model file (a save killed after its shards were renamed) go too, and so do the temp files killed saves left
+    (a half-written model can be as large as a whole one). A collective under a process group: every rank calls
+    it. Returns the steps this rank removed files of."""
+    rank = get_rank() if rank is None else rank
+    steps = [s for s in list_steps(checkpoint_dir) if s < step]
+    keep = [steps[-(keep_last - 1):] if keep_last > 1 else []]
+    if dist.is_initialized():
+        dist.broadcast_object_list(keep, src=0)
+    keep = set(keep[0])
+    doomed = []  # (step, this rank's file) of the steps that go
+    for name in os.listdir(checkpoint_dir):
+        found = _step_of(name)
+        if found and found[0] < step and found[0] not in keep and _owned(found[1], rank):
+            doomed.append((found[0], not name.startswith("model_"), name))  # a step's model file first
+    for _, _, name in sorted(doomed):
+        remove_if_exists(os.path.join(checkpoint_dir, name))
+    if doomed:
+        fsync_dir(checkpoint_dir)
+    return sorted({s for s, _, _ in doomed})
 
 
 def update_meta(checkpoint_dir, step, meta_data):
@@ -283,6 +438,56 @@ def load_optimizer_state(checkpoint_dir, step, device, rank=None):
         raise UserError(f"no optimizer state {opath}: this checkpoint was saved without it (or with fewer ranks); "
                         f"resume from a step saved with optimizer state, or start the optimizer fresh")
     return _torch_load(opath, device)
+
+
+def check_shard(data, path, step, rank, world_size, run_id):
+    """Raise ShardError unless `data` (the loaded file `path`) is the optimizer shard of rank `rank` in a save of
+    step `step` by `world_size` ranks of the run `run_id`. What a shard of an older version does not record
+    (run id, step, rank), and a run_id of None (a meta from before run ids), is not checked."""
+    if not isinstance(data, dict) or not isinstance(data.get("optimizers"), list):
+        raise ShardError(path, 'is not an optimizer shard (no "optimizers" list in it)')
+    if run_id is not None and data.get("run_id") != run_id:
+        raise ShardError(path, f"is from another run (run id {data.get('run_id')}; the meta of step {step} records "
+                               f"run {run_id})")
+    if data.get("step", step) != step:
+        raise ShardError(path, f"holds step {data['step']}, not step {step}")
+    if (data.get("rank", rank), data.get("world_size", world_size)) != (rank, world_size):
+        raise ShardError(path, f"was written by rank {data.get('rank', '?')} of {data.get('world_size', '?')} ranks, "
+                               f"not by rank {rank} of {world_size}")
+
+
+def load_shard_for_resume(checkpoint_dir, step, device, meta, world_size, rank=None):
+    """This rank's optimizer shard of a saved step, for a resume, checked before anything trusts it: the step was
+    saved by `world_size` ranks (the meta's "world_size", or for an older checkpoint the shard's own record; else
+    WorldSizeError), and the shard is there, readable (CorruptCheckpointError names it), and this rank's of that
+    save by the run the meta records (ShardError). Reads no other file (the model and meta are loaded already).
+
+    Under a process group every rank checks its own shard and the ranks compare results before any goes on: a fault
+    on one rank (its shard lost, truncated, from another run) raises on every rank, with the lowest failed rank's
+    message, so that rank 0 reports it. A collective then: every rank calls it. rank: None = common.get_rank()."""
+    rank = get_rank() if rank is None else rank
+    saved = meta.get("world_size")
+    if saved is not None and saved != world_size:
+        raise WorldSizeError(checkpoint_dir, step, saved, world_size)  # every rank reads the same meta: no collective
+    path, data, error = optim_path(checkpoint_dir, step, rank), None, None
+    try:
+        if not os.path.exists(path):
+            ranks = saved or world_size
+            raise ShardError(path, f"is missing (step {step} was saved by {ranks} rank{'s' * (ranks != 1)}; each "
+                                   f"writes its own shard)")
+        data = _torch_load(path, device)
+        if saved is None and isinstance(data, dict) and data.get("world_size", world_size) != world_size:
+            raise WorldSizeError(checkpoint_dir, step, data["world_size"], world_size)
+        check_shard(data, path, step, rank, world_size, meta.get("run_id"))
+    except UserError as e:
+        error = e
+    if dist.is_initialized():
+        failed_rank, message = _first_failure(None if error is None else str(error))
+        if error is None and failed_rank is not None:
+            raise CheckpointError(message, checkpoint_dir)
+    if error is not None:
+        raise error
+    return data
 
 
 def _patch_state_dict(model_data, device):

@@ -14,7 +14,7 @@ import sys
 import traceback
 
 from nanochat.checkpoint_manager import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
-                                         UnknownStepError, UnknownTagError)
+                                         RankLostError, UnknownStepError, UnknownTagError)
 from nanochat.common import SettingError, UserError, get_rank, require
 from nanochat.engine import DECODE_MODES
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
@@ -105,6 +105,7 @@ HINTS = {
     UnknownStepError: "pick one with --model-step",
     MissingMetaError: "copy the meta file too, or pick another --model-step",
     CorruptCheckpointError: "delete it or pick another --model-step",
+    RankLostError: "once every rank is back, continue with --resume",
     TokenizerError: "or train a nanochat tokenizer with `python -m scripts.tok_train`",
     WandbStartError: "or pass --run=dummy to turn wandb off",
     GSM8KUnavailableError: "or run `python -m scripts.prepare_gsm8k --from DIR`",

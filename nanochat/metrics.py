@@ -19,6 +19,7 @@ Keys of a metrics dict (all floats):
 The objective's diagnostics (`objective_metrics`, from nanochat.rl.TrainStats), when they apply:
   loss                       minus the on-policy objective (the step's, averaged over ranks like the gradients)
   trained_tokens             sampled tokens of the trained rows (their weight)
+  entropy                    mean policy entropy over those tokens; absent where no token was trained (see MEASURED_OVER)
   clip_fraction, approx_kl   last PPO epoch: tokens whose ratio was clipped; mean (rho - 1) - log rho
   kl_ref                     mean k3 KL of the policy to the reference model (--kl-coef)
 The sampler-trainer gap, over the trained tokens (the first epoch's forward against the engine's log-probabilities):
@@ -53,6 +54,7 @@ REDUCTIONS = {
     "rows_trained": ("sum", None),
     "loss": ("mean", "num_questions"),  # every rank has the same number of questions: the plain rank mean
     "trained_tokens": ("sum", None),
+    "entropy": ("mean", "trained_tokens"),
     "clip_fraction": ("mean", "trained_tokens"),
     "approx_kl": ("mean", "trained_tokens"),
     "kl_ref": ("mean", "trained_tokens"),
@@ -63,6 +65,9 @@ REDUCTIONS = {
     "corrected_fraction": ("mean", "sampler_tokens"),
 }
 _STD_MEAN = {"reward_std": "reward_mean"}  # a "std" metric and the mean it is taken around
+# a mean that measures nothing when its count is 0 -> that count: `drop_unmeasured` leaves it out then, so a step
+# that trained no row logs no entropy (not NaN, which charts as a gap at best, nor a 0 that reads like a measurement)
+MEASURED_OVER = {"entropy": "trained_tokens"}
 
 
 def rollout_metrics(rewards_per_question, completions_per_question, max_new_tokens, prompt_lengths, rows_trained=0):
@@ -132,8 +137,10 @@ def objective_metrics(first, last):
     the ranks' mean is the step's, as the optimizers average gradients), its trained tokens, its sampler-trainer
     gap and its mean KL to the reference (with --kl-coef), the last PPO epoch's clipped fraction and KL from the
     old policy (measured in its forward, after the earlier epochs' updates). The gap's keys are there on every
-    rank, with weight 0 where nothing was trained, so that ranks reduce the same keys."""
-    out = {"loss": -first.objective, "trained_tokens": float(first.tokens), "sampler_tokens": float(first.sampler_tokens),
+    rank, with weight 0 where nothing was trained, so that ranks reduce the same keys; so is the entropy (0.0 with
+    weight 0 there, and dropped by drop_unmeasured when no rank trained a token)."""
+    out = {"loss": -first.objective, "trained_tokens": float(first.tokens),
+           "entropy": first.entropy if first.tokens else 0.0, "sampler_tokens": float(first.sampler_tokens),
            "sampler_gap_mean": first.sampler_gap_mean, "sampler_gap_max": first.sampler_gap_max,
            "sampler_k3": first.sampler_k3, "corrected_fraction": first.corrected_fraction}
     if last.clip_fraction is not None:
@@ -141,6 +148,11 @@ def objective_metrics(first, last):
     if first.kl_ref is not None:
         out["kl_ref"] = first.kl_ref
     return out
+
+
+def drop_unmeasured(metrics):
+    """`metrics` without the MEASURED_OVER means whose count is 0 (or absent): what a step logs."""
+    return {k: v for k, v in metrics.items() if k not in MEASURED_OVER or metrics.get(MEASURED_OVER[k])}
 
 
 def reduce_metrics(metrics, device="cpu"):

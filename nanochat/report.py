@@ -148,8 +148,8 @@ CHAT_RL_SECTION = "Chat RL"
 
 def log_chat_rl(report, config, history, eval_history, section=CHAT_RL_SECTION):
     """Write the RL section: the run config, the final step's metrics, pass@k at the first and last eval,
-    and plots of reward, completion length, the sampler-trainer gap and pass@1 against step (PNGs next to the
-    markdown).
+    and plots of reward, completion length, entropy, the sampler-trainer gap and pass@1 against step (PNGs next
+    to the markdown; entropy and the gap on the steps that measured them).
 
     config: dict (e.g. vars(args)), shown whole, in its order.
     history: list of per-step dicts, each with "step", "reward_mean" and "completion_len_mean" (the keys of
@@ -207,6 +207,12 @@ def log_chat_rl(report, config, history, eval_history, section=CHAT_RL_SECTION):
                                                  "generated tokens",
                                                  [(steps, [h["completion_len_mean"] for h in history],
                                                    "completion_len_mean")], band=band)))
+        # the entropy, on the steps that trained a row (the others have none; older runs logged NaN there)
+        entropy = [h for h in history if isinstance(h.get("entropy"), (int, float)) and math.isfinite(h["entropy"])]
+        if entropy:
+            plots.append(("entropy", _plot(os.path.join(report.report_dir, f"{stem}-entropy.png"), "policy entropy",
+                                           [([h["step"] for h in entropy], [h["entropy"] for h in entropy], "entropy")],
+                                           marker=".")))
         # the sampler-trainer gap, on the steps that trained a token (the others measured nothing)
         gap = [h for h in history if h.get("sampler_tokens")]
         if gap:

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, find_checkpoint, list_steps, list_tags, load_model,
-                                         load_optimizer_state, make_checkpoint_dir, save_checkpoint, update_meta)
+from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, CheckpointError, WorldSizeError, find_checkpoint, list_steps,
+                                         list_tags, load_model, load_shard_for_resume, make_checkpoint_dir, new_run_id,
+                                         prune_checkpoints, save_checkpoint, update_meta)
 from nanochat.cli import (ArgumentParser, add_debug_flag, add_decode_flag, add_model_generation_flag, add_optimizer_flags,
                           add_runtime_flags, check_optimizer_flags, run_main)
 from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup,
@@ -37,7 +38,7 @@ from nanochat.common import (GracefulStop, UserError, autocast_context, collecti
                              remaining_seconds, require, requested_dtype)
 from nanochat.engine import DECODE_DESCRIPTIONS, Engine
 from nanochat.evaluation import evaluate_pass_at_k
-from nanochat.metrics import objective_metrics, reduce_metrics, rollout_metrics
+from nanochat.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
 from nanochat.optim import guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.precision import MARGIN, PREFERENCE, fastest_decode_dtype, fastest_training_dtype, rank0_choice
 from nanochat.report import get_report, log_chat_rl
@@ -108,6 +109,9 @@ def parse_args(argv):
     p.add_argument("--eval-every", type=int, default=60, help="pass@k eval period in steps (-1 = never)")
     p.add_argument("--eval-examples", type=int, default=400, help="test questions used by the eval")
     p.add_argument("--save-every", type=int, default=60, help="checkpoint period in steps (-1 = only the last step)")
+    p.add_argument("--keep-last", type=int, default=None,
+                   help="after each save, remove this run's older checkpoints beyond the last N (0 = keep all, as "
+                        "nanochat; the default, except that --resume keeps the run's own value unless given)")
     # robustness
     p.add_argument("--resume", type=str, nargs="?", const="latest", default="",
                    help="continue an RL run: --resume (the latest), --resume=TAG (its last step) or --resume=TAG:STEP")
@@ -150,6 +154,8 @@ def validate_args(args, world_size):
     require(0 < args.init_lr_frac <= 1, f"--init-lr-frac must be in (0, 1], got {args.init_lr_frac}")
     require(args.eval_every == -1 or args.eval_every >= 1, f"--eval-every must be >= 1, or -1 to disable, got {args.eval_every}")
     require(args.save_every == -1 or args.save_every >= 1, f"--save-every must be >= 1, or -1 for the last step only, got {args.save_every}")
+    require(args.keep_last is None or args.keep_last >= 0,
+            f"--keep-last must be >= 0 (0 = keep every checkpoint), got {args.keep_last}")
     require(args.num_steps == -1 or args.num_steps >= 1, f"--num-steps must be >= 1, or -1 to derive it from epochs, got {args.num_steps}")
     require(args.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {args.max_bad_steps}")
     require(args.loss_norm in LOSS_NORMS, f"--loss-norm must be {', '.join(LOSS_NORMS)}, got {args.loss_norm!r}")
@@ -214,7 +220,7 @@ def resolve_dtypes(args, model, tokenizer, train_task, device):
 
 # flags that define the run; --resume restores them from the checkpoint so the continuation is exact
 RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows", "memory_budget_gb", "max_bad_steps",
-                 "output_tag", "decode")  # a resumed run writes to its own directory
+                 "output_tag", "decode", "keep_last")  # a resumed run writes to its own directory
 
 
 def resolve_resume(spec):
@@ -278,24 +284,38 @@ def prepare_output_dir(checkpoint_dir, overwrite, master):
 
 def restore_resume(args, world_size, device):
     """--resume: the RL checkpoint to continue, with the run's saved settings put back into args (only
-    RUNTIME_FLAGS stay as given), so the continuation is the run it was. Returns (model, tokenizer, meta,
-    optimizer state, the step to start from)."""
+    RUNTIME_FLAGS stay as given), so the continuation is the run it was. Every rank's optimizer shard is checked
+    (present, readable, of this step, rank, world size and run) before the run goes on; a fault is one line on
+    every rank and nothing is written. Returns (model, tokenizer, meta, optimizer state, the step to start from)."""
     tag, resume_step = resolve_resume(args.resume)
-    model, tokenizer, meta = load_model("rl", device, phase="eval", model_tag=tag, step=resume_step)
+    checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], tag)
+    try:
+        model, tokenizer, meta = load_model("rl", device, phase="eval", model_tag=tag, step=resume_step)
+        # the shard alone: load_model has read the model file already (a second read is the model's size again)
+        optimizer_state = load_shard_for_resume(checkpoint_dir, resume_step, device, meta, world_size)
+    except CheckpointError as e:  # the loader's hint would name --model-step, which --resume does not read
+        raise UserError(f"--resume: {e}; {resume_hint(e, tag, resume_step, list_steps(checkpoint_dir))}") from e
     saved = {k: v for k, v in meta.get("user_config", {}).items() if k not in RUNTIME_FLAGS}
     changed = sorted(k for k, v in saved.items() if getattr(args, k, v) != v)
     vars(args).update(saved)
     if changed:
         print0(f"--resume: using the run's saved settings for {', '.join(changed)}")
-    # the shard alone: load_model has read the model file already (a second read is the model's size again)
-    optimizer_state = load_optimizer_state(os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], tag), resume_step, device)
-    if optimizer_state.get("world_size") != world_size:
-        raise UserError(f"--resume: the checkpoint was written by {optimizer_state.get('world_size')} ranks; "
-                        f"resume with the same number of ranks (got {world_size})")
     validate_args(args, world_size)
     args.output_tag = tag
     print0(f"Resuming RL run {tag} after step {resume_step}")
     return model, tokenizer, meta, optimizer_state, resume_step + 1
+
+
+def resume_hint(error, tag, step, steps):
+    """What to do about a checkpoint of run `tag` that cannot be resumed at `step` (steps: the saved ones)."""
+    if isinstance(error, WorldSizeError):
+        return (f"resume with {error.saved} rank{'s' * (error.saved != 1)} (torchrun --nproc_per_node={error.saved}); "
+                f"the optimizer state is sharded by rank")
+    others = [s for s in steps if s != step]
+    if not others:
+        return "no other step of this run is saved: start a new run with --overwrite"
+    return (f"resume another saved step (--resume={tag}:{others[-1]}; saved: {', '.join(map(str, others))}) "
+            f"or start a new run with --overwrite")
 
 
 def start_new_run(args, device):
@@ -330,6 +350,7 @@ class RLRun:
     rank: int
     world_size: int
     device: torch.device
+    run_id: str                            # recorded in every checkpoint's meta and shards (checked on --resume)
     history: list                          # per-step metrics, for the report
     eval_history: list                     # (step, pass@k dict)
     last_saved: int = None
@@ -362,6 +383,8 @@ def setup_run(args, rank, world_size, device):
         model, tokenizer, meta, optimizer_state, start_step = restore_resume(args, world_size, device)
     else:
         model, tokenizer, meta = start_new_run(args, device)
+    if args.keep_last is None:  # not given: a resumed run keeps its own disk policy, a new run every checkpoint
+        args.keep_last = (meta.get("user_config", {}).get("keep_last") if args.resume else None) or 0
     start = meta.get("start_checkpoint")
     train_task, val_task = make_task(args.task, "train"), make_task(args.task, "test")
     resolve_dtypes(args, model, tokenizer, train_task, device)
@@ -393,6 +416,7 @@ def setup_run(args, rank, world_size, device):
         reference=reference,
         train_task=train_task, val_task=val_task, num_steps=num_steps, start_step=start_step, start_checkpoint=start,
         checkpoint_dir=checkpoint_dir, rank=rank, world_size=world_size, device=device,
+        run_id=(meta.get("run_id") if args.resume else None) or new_run_id(),  # a new run (from any source): a new id
         history=list(meta.get("history", [])) if args.resume else [],
         eval_history=[tuple(e) for e in meta.get("eval_history", [])] if args.resume else [],
         last_saved=start_step - 1 if args.resume else None, micro_rows=args.device_batch_size)
@@ -498,15 +522,14 @@ def count_bad_step(run, step, result):
 
 def step_record(run, step, rollouts, result, t_rollout, t_train):
     """The step's metrics over all ranks, as logged to wandb and kept in the run's history."""
-    metrics = reduce_metrics({**rollout_metrics([r.rewards for r in rollouts], [r.completions for r in rollouts],
-                                                run.config.max_new_tokens, prompt_lengths=[r.prompt_length for r in rollouts],
-                                                rows_trained=result.first.rows_trained),
-                              **objective_metrics(result.first, result.last)}, run.reduce_device)
+    metrics = drop_unmeasured(reduce_metrics(
+        {**rollout_metrics([r.rewards for r in rollouts], [r.completions for r in rollouts], run.config.max_new_tokens,
+                           prompt_lengths=[r.prompt_length for r in rollouts], rows_trained=result.first.rows_trained),
+         **objective_metrics(result.first, result.last)}, run.reduce_device))
     num_tokens = metrics["completion_len_mean"] * metrics["num_samples"]  # generated this step, all ranks
     return {"step": step, **metrics, "reward": metrics["reward_mean"], "sequence_length": metrics["seq_len_mean"],
-            "completion_length": metrics["completion_len_mean"], "lrm": result.lrm, "entropy": result.first.entropy,
-            "grad_norm": result.grad_norm, "time/rollout": t_rollout, "time/train": t_train,
-            "rollout_tokens_per_s": num_tokens / max(t_rollout, 1e-9)}
+            "completion_length": metrics["completion_len_mean"], "lrm": result.lrm, "grad_norm": result.grad_norm,
+            "time/rollout": t_rollout, "time/train": t_train, "rollout_tokens_per_s": num_tokens / max(t_rollout, 1e-9)}
 
 
 def format_step_line(run, m, elapsed):
@@ -521,7 +544,8 @@ def format_step_line(run, m, elapsed):
             f"len {m['completion_len_min']:.0f}-{m['completion_len_max']:.0f} cut {m['truncated_fraction']:.2f} | "
             f"tool {m['tool_calls_per_sample']:.2f}/ok {m['tool_success_fraction']:.2f} | "
             f"trained {m['rows_trained']:.0f}/{m['num_samples']:.0f} rows | "
-            f"entropy {m['entropy']:.3f} | gnorm {m['grad_norm']:.3f} | lrm {m['lrm']:.3f} | "
+            + (f"entropy {m['entropy']:.3f} | " if "entropy" in m else "")  # none where no row was trained
+            + f"gnorm {m['grad_norm']:.3f} | lrm {m['lrm']:.3f} | "
             + (f"clip {m['clip_fraction']:.3f} kl_old {m['approx_kl']:.2e} | " if "clip_fraction" in m else "")
             + (f"kl_ref {m['kl_ref']:.2e} | " if "kl_ref" in m else "")
             + (f"sampler gap {m['sampler_gap_mean']:.1e}/{m['sampler_gap_max']:.1e} k3 {m['sampler_k3']:.1e}"
@@ -541,16 +565,23 @@ def sample_table(run, rollout):
 def meta_data(run, step):
     return {"step": step, "model_config": run.model.meta_model_config(), "generation": run.model.generation.name,
             "user_config": vars(run.config), "start_checkpoint": run.start_checkpoint, "history": run.history,
-            "eval_history": run.eval_history}
+            "eval_history": run.eval_history, "run_id": run.run_id, "world_size": run.world_size}
 
 
 def save(run, step):
-    """The model (rank 0) and every rank's optimizer shard, for --resume."""
-    save_checkpoint(run.checkpoint_dir, step, run.model.state_dict() if run.master else None,
-                    {"optimizers": [opt.state_dict() for opt in run.optimizers], "world_size": run.world_size},
-                    meta_data(run, step))
+    """The model (rank 0) and every rank's optimizer shard, for --resume; the step appears (model_N.pt) only once
+    every rank's shard is in place. Then --keep-last removes this run's older steps."""
+    shard = {"optimizers": [opt.state_dict() for opt in run.optimizers], "world_size": run.world_size,
+             "rank": run.rank, "step": step, "run_id": run.run_id}
+    save_checkpoint(run.checkpoint_dir, step, run.model.state_dict() if run.master else None, shard,
+                    meta_data(run, step), all_ranks=True)
     run.last_saved = step
     print0(f"Saved checkpoint to {run.checkpoint_dir} (step {step})")
+    if run.config.keep_last > 0:  # only this run's directory: the start checkpoint is another's (resolve_output_tag)
+        removed = prune_checkpoints(run.checkpoint_dir, step, run.config.keep_last)
+        if removed:
+            print0(f"--keep-last={run.config.keep_last}: removed step{'s' * (len(removed) > 1)} "
+                   f"{', '.join(map(str, removed))}")
 
 
 def main(argv):

@@ -15,7 +15,9 @@ Launch:
 """
 
 import json
+import math
 import os
+import statistics
 
 from nanochat.checkpoint_manager import NoStepsError, find_last_step, meta_path
 from nanochat.cli import ArgumentParser, add_debug_flag, run_main
@@ -79,11 +81,12 @@ def run_series(meta, smooth, pass_key="pass@1"):
     steps = [h["step"] for h in history]
     smoothed = lambda key: trailing_mean([h.get(key, float("nan")) for h in history], smooth)
     evals = meta.get("eval_history", [])
+    entropy = [h for h in history if math.isfinite(h.get("entropy", math.nan))]  # steps that trained a row (older runs: NaN)
     return {
         "reward": (steps, smoothed("reward_mean")),
         "pass@1": ([s for s, _ in evals], [d[pass_key] for _, d in evals]),
         "completion length": (steps, smoothed("completion_len_mean")),
-        "entropy": (steps, smoothed("entropy")),
+        "entropy": ([h["step"] for h in entropy], trailing_mean([h["entropy"] for h in entropy], smooth)),
     }
 
 
@@ -125,7 +128,8 @@ def summary_rows(runs, flags, window=10):
     rows = []
     for name, meta in runs:
         config, history, evals = meta.get("user_config", {}), meta["history"], meta.get("eval_history", [])
-        mean = lambda key, part: sum(h.get(key, float("nan")) for h in part) / len(part) if part else float("nan")
+        # over the steps that have the key (a step that trained no row has no entropy)
+        mean = lambda key, part: statistics.fmean([h[key] for h in part if key in h] or [float("nan")])
         first, last = history[:window], history[-window:]
         rows.append([name, " ".join(f"{k}={config.get(k)}" for k in flags) or "-", len(history),
                      evals[0][1]["pass@1"] if evals else float("nan"),

@@ -13,9 +13,14 @@ Launch (from the repo root; about a minute on a CPU):
   python tests/bad_input_table.py
 """
 
+import atexit
+import contextlib
 import errno
+import io
+import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,6 +37,7 @@ from helpers import PYTHONPATH, REPO, make_sft_checkpoint
 TOKENIZER_VOCAB = 400
 SFT_DIR = Path("chatsft_checkpoints") / "d2"
 SFT_MODEL = SFT_DIR / "model_000000.pt"
+RL_DIR = Path("chatrl_checkpoints") / "d2"
 # a run that finishes in seconds on a CPU; cases add their own flags after these
 TINY_FLAGS = ["--task=arithmetic", "--device-type=cpu", "--dtype=float32", "--examples-per-step=2", "--num-samples=2",
               "--device-batch-size=2", "--max-new-tokens=8", "--eval-every=-1", "--num-steps=1"]
@@ -62,6 +68,33 @@ def build_base_dir(base, model_vocab_size=None):
 def write_sft_checkpoint(base, vocab_size):
     """An untrained (init_weights) 2-layer model saved where chat_rl looks for an SFT checkpoint (SFT_DIR)."""
     make_sft_checkpoint(base, vocab_size, noise=0, sequence_len=64)
+
+
+_SAVED_RUNS = {}
+
+
+def saved_rl_runs():
+    """A base dir as build_base_dir's, holding two finished RL runs of TINY_FLAGS with --num-steps=3 --save-every=1
+    (steps 1 and 2 saved): chatrl_checkpoints/d2 and chatrl_checkpoints/other. Built once per process (in-process
+    runs, a few seconds in all) and removed at exit; the --resume cases copy from it."""
+    if "base" not in _SAVED_RUNS:
+        from scripts import chat_rl
+        root = tempfile.mkdtemp(prefix="bad-input-rl-")
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        base = build_base_dir(Path(root) / "nanochat")
+        previous = os.environ.get("NANOCHAT_BASE_DIR")
+        os.environ["NANOCHAT_BASE_DIR"] = str(base)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                for tag in ("d2", "other"):
+                    chat_rl.main(TINY_FLAGS + ["--num-steps=3", "--save-every=1", f"--output-tag={tag}"])
+        finally:
+            if previous is None:
+                os.environ.pop("NANOCHAT_BASE_DIR")
+            else:
+                os.environ["NANOCHAT_BASE_DIR"] = previous
+        _SAVED_RUNS["base"] = base
+    return _SAVED_RUNS["base"]
 
 
 # -----------------------------------------------------------------------------
@@ -138,6 +171,49 @@ def _empty_base_dir(base):
     return {"NANOCHAT_BASE_DIR": str(empty)}
 
 
+def _rl_run(base):
+    """A copy of saved_rl_runs()'s run d2 (steps 1 and 2) in `base`; returns its directory."""
+    shutil.copytree(saved_rl_runs() / RL_DIR, base / RL_DIR)
+    return base / RL_DIR
+
+
+def _shard_missing(base):
+    (_rl_run(base) / "optim_000002_rank0.pt").unlink()
+    return {}
+
+
+def _shard_truncated(base):
+    path = _rl_run(base) / "optim_000002_rank0.pt"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return {}
+
+
+def _shard_of_another_step(base):
+    run = _rl_run(base)
+    shutil.copyfile(run / "optim_000001_rank0.pt", run / "optim_000002_rank0.pt")
+    return {}
+
+
+def _shard_of_another_run(base):
+    shutil.copyfile(saved_rl_runs() / "chatrl_checkpoints" / "other" / "optim_000002_rank0.pt",
+                    _rl_run(base) / "optim_000002_rank0.pt")
+    return {}
+
+
+def _saved_by_two_ranks(base):
+    run = _rl_run(base)
+    meta = json.loads((run / "meta_000002.json").read_text())
+    (run / "meta_000002.json").write_text(json.dumps({**meta, "world_size": 2}))
+    shutil.copyfile(run / "optim_000002_rank0.pt", run / "optim_000002_rank1.pt")
+    return {}
+
+
+def _resumed_model_truncated(base):
+    path = _rl_run(base) / "model_000002.pt"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return {}
+
+
 def _three_ranks(base):
     return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}
 
@@ -154,6 +230,13 @@ CASES = [
     Case("--num-samples not a multiple of --device-batch-size", flags=["--num-samples=3", "--device-batch-size=2"]),
     Case("--resume together with --overwrite", flags=["--resume", "--overwrite"]),
     Case("--resume with no RL run to resume", flags=["--resume"]),
+    Case("--resume: the optimizer shard is missing", flags=["--resume"], setup=_shard_missing),
+    Case("--resume: the optimizer shard is truncated", flags=["--resume"], setup=_shard_truncated),
+    Case("--resume: the optimizer shard is another step's", flags=["--resume"], setup=_shard_of_another_step),
+    Case("--resume: the optimizer shard is another run's", flags=["--resume"], setup=_shard_of_another_run),
+    Case("--resume: saved by 2 ranks, resumed by 1", flags=["--resume"], setup=_saved_by_two_ranks),
+    Case("--resume: the model file is truncated", flags=["--resume"], setup=_resumed_model_truncated),
+    Case("negative --keep-last", flags=["--keep-last=-1"]),
     Case("negative --temperature", flags=["--temperature=-1"]),
     Case("--max-new-tokens=0", flags=["--max-new-tokens=0"]),
     Case("--init-lr-frac out of range", flags=["--init-lr-frac=2"]),

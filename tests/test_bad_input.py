@@ -31,6 +31,15 @@ EXPECTED = {
         "--num-samples (3) must be a multiple of --device-batch-size (2)", "--device-batch-size=1"],
     "--resume together with --overwrite": ["--resume", "--overwrite", "pass only one"],
     "--resume with no RL run to resume": ["no RL run in", "without --resume"],
+    "--resume: the optimizer shard is missing": ["optim_000002_rank0.pt is missing", "--resume=d2:1", "--overwrite"],
+    "--resume: the optimizer shard is truncated": ["optim_000002_rank0.pt is corrupted or truncated", "--resume=d2:1"],
+    "--resume: the optimizer shard is another step's": ["optim_000002_rank0.pt holds step 1, not step 2",
+                                                        "--resume=d2:1"],
+    "--resume: the optimizer shard is another run's": ["optim_000002_rank0.pt is from another run", "--resume=d2:1"],
+    "--resume: saved by 2 ranks, resumed by 1": ["step 2", "was saved by 2 ranks, and this run has 1",
+                                                 "--nproc_per_node=2"],
+    "--resume: the model file is truncated": ["model_000002.pt is corrupted or truncated", "--resume=d2:1"],
+    "negative --keep-last": ["--keep-last must be >= 0", "-1"],
     "negative --temperature": ["--temperature must be >= 0", "-1"],
     "--max-new-tokens=0": ["--max-new-tokens must be >= 1", "got 0"],
     "--init-lr-frac out of range": ["--init-lr-frac must be in (0, 1]", "2.0"],
@@ -55,6 +64,10 @@ BY_NAME = {case.name: case for case in CASES}
 SUBPROCESS_ONLY = {"3 ranks do not divide --examples-per-step=2"}
 FULL_DISK = "disk full while saving a checkpoint"
 IN_PROCESS = [c for c in CASES if c.name not in SUBPROCESS_ONLY and c.name != FULL_DISK]
+
+
+def digests(root):
+    return {f: hashlib.sha256((Path(root) / f).read_bytes()).hexdigest() for f in files_under(root)}
 
 
 def files_under(root):
@@ -99,12 +112,16 @@ def test_every_case_has_an_expectation():
 
 @pytest.mark.parametrize("case", IN_PROCESS, ids=[c.name for c in IN_PROCESS])
 def test_bad_input_is_one_line_and_exit_2(case, base, monkeypatch, capsys):
+    """...and every file as it was: none added, removed or changed (the --resume cases check a checkpoint before
+    anything of it is trusted or overwritten)."""
     apply_case(case, base, monkeypatch)
     before = files_under(base)
+    contents = digests(base)
     with pytest.raises(SystemExit) as e:
         run_main(chat_rl.main, TINY_FLAGS + case.flags)
     assert_one_line_error(e.value.code, capsys.readouterr().err, EXPECTED[case.name])
     assert_no_partial_files(before, files_under(base))
+    assert digests(base) == contents
     if case.name == "base dir does not exist":
         assert not (base / "does-not-exist").exists()  # a mistyped base dir is not created as a side effect
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from nanochat.checkpoint_manager import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
-                                         UnknownStepError, UnknownTagError, build_model, find_largest_model, find_last_step,
-                                         list_steps, load_checkpoint, load_model, save_checkpoint)
+                                         ShardError, UnknownStepError, UnknownTagError, build_model, check_shard,
+                                         find_largest_model, find_last_step, list_steps, load_checkpoint, load_model,
+                                         prune_checkpoints, save_checkpoint)
 from nanochat.common import UserError
 from nanochat.gpt import GPT
 from helpers import random_model, tiny_config  # every parameter random: a loader that dropped one would show
@@ -326,3 +327,41 @@ def test_optimizer_shards_per_rank(tmp_path, vocab):
 def test_rank1_alone_writes_only_its_shard(tmp_path):
     save_checkpoint(str(tmp_path), 3, None, {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}, {}, rank=1)
     assert files_of(tmp_path) == ["optim_000003_rank1.pt"]
+
+
+# ----------------------------------------------------------------------------- --keep-last and --resume's checks
+
+def test_prune_keeps_the_last_steps_and_removes_only_this_ranks_files(tmp_path):
+    """After step 9 is saved with keep_last=2: steps 9 and 7 stay; 3 and 5 go, with the shard and meta of step 4
+    whose model was never renamed (a killed save) and the temp files killed saves left for removed steps; step 12
+    (after the one just saved: a resumed run's abandoned future) stays. Rank 1 removes only its own shards; rank 0
+    the models, metas and its shards."""
+    names = [f"{kind}_{s:06d}{ext}" for s in (3, 5, 7, 9, 12) for kind, ext in (("model", ".pt"), ("meta", ".json"))]
+    names += [f"optim_{s:06d}_rank{r}.pt" for s in (3, 4, 5, 7, 9, 12) for r in (0, 1)] + ["meta_000004.json"]
+    names += [".model_000005.pt.tmp-123", ".optim_000004_rank1.pt.tmp-456", ".model_000009.pt.tmp-789", "notes.txt"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert prune_checkpoints(str(tmp_path), 9, 2, rank=1) == [3, 4, 5]
+    assert prune_checkpoints(str(tmp_path), 9, 2, rank=0) == [3, 4, 5]
+    assert files_of(tmp_path) == sorted(
+        [".model_000009.pt.tmp-789", "notes.txt"]
+        + [f"{kind}_{s:06d}{ext}" for s in (7, 9, 12) for kind, ext in (("model", ".pt"), ("meta", ".json"))]
+        + [f"optim_{s:06d}_rank{r}.pt" for s in (7, 9, 12) for r in (0, 1)])
+    assert prune_checkpoints(str(tmp_path), 9, 1, rank=0) == [7] and not (tmp_path / "model_000007.pt").exists()
+    assert (tmp_path / "optim_000007_rank1.pt").exists()  # rank 1's to remove
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"run_id": "other"}, "is from another run (run id other; the meta of step 4 records run abc)"),
+    ({"step": 3}, "holds step 3, not step 4"),
+    ({"rank": 1}, "was written by rank 1 of 2 ranks, not by rank 0 of 2"),
+    ({"world_size": 1}, "was written by rank 0 of 1 ranks, not by rank 0 of 2"),
+    ({"optimizers": None}, 'is not an optimizer shard (no "optimizers" list in it)'),
+])
+def test_a_shard_that_is_not_the_steps_is_named(tmp_path, change, message):
+    shard = {"optimizers": [], "run_id": "abc", "step": 4, "rank": 0, "world_size": 2}
+    check_shard(shard, "optim_000004_rank0.pt", 4, 0, 2, "abc")
+    with pytest.raises(ShardError) as e:
+        check_shard({**shard, **change}, "optim_000004_rank0.pt", 4, 0, 2, "abc")
+    assert str(e.value) == f"optimizer shard optim_000004_rank0.pt {message}"
+    check_shard({"optimizers": [], "world_size": 2}, "old.pt", 4, 0, 2, None)  # a shard from before run ids

@@ -8,7 +8,8 @@ import statistics
 import pytest
 
 from nanochat.engine import Completion
-from nanochat.metrics import REDUCTIONS, reduce_metrics, rollout_metrics
+from nanochat.metrics import REDUCTIONS, drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
+from nanochat.rl import TrainStats
 from gloo_ranks import run_ranks
 
 
@@ -70,6 +71,15 @@ def test_rollout_metrics_rejects_mismatched_inputs():
         rollout_metrics(rewards, completions, 10, PROMPTS[:2])
 
 
+def test_a_step_that_trained_nothing_has_no_entropy():
+    """Regression: a step with no trained token logged entropy NaN (nanochat.rl's mean over no tokens)."""
+    trained = TrainStats(objective=0.5, entropy=1.25, rows_trained=2, rows_total=4, tokens=7)
+    idle = TrainStats(objective=0.0, entropy=float("nan"), rows_trained=0, rows_total=4, tokens=0)
+    assert drop_unmeasured(objective_metrics(trained, trained))["entropy"] == 1.25
+    metrics = drop_unmeasured(objective_metrics(idle, idle))
+    assert "entropy" not in metrics and all(v == v for v in metrics.values())  # and no NaN left
+
+
 def test_reduce_metrics_without_process_group_is_identity():
     rewards, completions = batch()
     m = rollout_metrics(rewards, completions, 10, PROMPTS)
@@ -80,25 +90,32 @@ def test_reduce_metrics_without_process_group_is_identity():
 # 3 questions x 2 samples, short, with calls. A per-rank average would be wrong on every metric.
 RANK_DATA = [
     {"rewards": [[1.0, 0.0, 1.0, 1.0]], "prompts": [50],
-     "completions": [[[20, True, 0, 0], [30, False, 0, 0], [25, True, 0, 0], [22, True, 0, 0]]]},
+     "completions": [[[20, True, 0, 0], [30, False, 0, 0], [25, True, 0, 0], [22, True, 0, 0]]],
+     "trained": [[30, 2.0], [0, 0.0]]},  # (tokens, entropy) of two steps: this rank trains in the first only
     {"rewards": [[0.0, 0.0], [1.0, 0.0], [0.5, 0.5]], "prompts": [9, 12, 15],
      "completions": [[[3, True, 1, 1], [4, True, 0, 0]], [[5, True, 2, 0], [30, False, 0, 0]],
-                     [[6, True, 1, 1], [2, True, 0, 0]]]},
+                     [[6, True, 1, 1], [2, True, 0, 0]]],
+     "trained": [[0, float("nan")], [0, float("nan")]]},  # trains nothing: nanochat.rl's entropy is NaN then
 ]
 
 WORKER = """
 import json, sys
 import torch.distributed as dist
 from nanochat.engine import Completion
-from nanochat.metrics import reduce_metrics, rollout_metrics
+from nanochat.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
+from nanochat.rl import TrainStats
 data, out = json.loads(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo")
 completions = [[Completion(list(range(n)), [1] * n, ended, calls, ok) for n, ended, calls, ok in q]
                for q in data["completions"]]
 local = rollout_metrics(data["rewards"], completions, max_new_tokens=30, prompt_lengths=data["prompts"])
 reduced = reduce_metrics(local, "cpu")
+steps = []
+for tokens, entropy in data["trained"]:
+    stats = TrainStats(objective=0.0, entropy=entropy, rows_trained=1 if tokens else 0, rows_total=4, tokens=tokens)
+    steps.append(drop_unmeasured(reduce_metrics({**objective_metrics(stats, stats), "num_questions": 1.0}, "cpu")))
 dist.destroy_process_group()
-json.dump({"local": local, "reduced": reduced}, open(out, "w"))
+json.dump({"local": local, "reduced": reduced, "steps": steps}, open(out, "w"))
 """
 
 
@@ -116,6 +133,11 @@ def test_reduce_metrics_two_ranks_equals_union(tmp_path):
     assert results[0]["reduced"] == results[1]["reduced"]  # every rank gets the same numbers
     for key, want in union.items():
         assert results[0]["reduced"][key] == pytest.approx(want, rel=1e-12, abs=1e-12), key
+
+    # the entropy is the mean over every rank's trained tokens (rank 1 trained none: not a NaN, not half of rank 0's);
+    # a step no rank trained in has none
+    entropies = [[s.get("entropy") for s in result["steps"]] for result in results]
+    assert entropies == [[2.0, None], [2.0, None]]
 
     # the data is uneven enough that averaging per-rank values would have been caught
     naive = {k: (results[0]["local"][k] + results[1]["local"][k]) / 2 for k in union}

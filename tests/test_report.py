@@ -2,6 +2,7 @@
 (config table, pass@k at first and last eval, plots that decode as images)."""
 
 import platform
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,6 +72,29 @@ def test_chat_rl_section_without_evals(tmp_path):
     assert "No evaluation was run" in md and "pass1.png" not in md
     assert not (tmp_path / "chat-rl-pass1.png").exists()
     assert (tmp_path / "chat-rl-reward.png").exists()
+
+
+def test_entropy_plot_skips_the_steps_without_one(tmp_path, monkeypatch):
+    """Steps that trained no row have no entropy (older runs logged NaN there): the plot draws the others only,
+    and a run with no entropy at all has no entropy plot."""
+    import nanochat.report as report_module
+    drawn = {}
+    real_plot = report_module._plot
+
+    def plot(path, ylabel, series, **kwargs):
+        drawn[Path(path).name] = series
+        return real_plot(path, ylabel, series, **kwargs)
+    monkeypatch.setattr(report_module, "_plot", plot)
+    history = fake_history(5)
+    for step, entropy in ((0, 2.5), (2, float("nan")), (3, 2.25)):
+        history[step]["entropy"] = entropy
+    log_chat_rl(Report(tmp_path), CONFIG, history, [])
+    (xs, ys, label), = drawn["chat-rl-entropy.png"]
+    assert (xs, ys, label) == ([0, 3], [2.5, 2.25], "entropy")
+    assert "![entropy](chat-rl-entropy.png)" in (tmp_path / "chat-rl.md").read_text().splitlines()
+    drawn.clear()
+    log_chat_rl(Report(tmp_path / "none"), CONFIG, fake_history(3), [])
+    assert "chat-rl-entropy.png" not in drawn and "entropy" not in (tmp_path / "none" / "chat-rl.md").read_text()
 
 
 def test_chat_rl_section_rejects_history_without_metrics(tmp_path):
