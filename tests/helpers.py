@@ -136,3 +136,17 @@ class TableModel(torch.nn.Module):
 
     def logits(self, hidden):
         return hidden
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def weights(path):
+    """A saved model_<step>.pt's state dict."""
+    return torch.load(path, weights_only=True)
+
+
+def assert_same_weights(a, b):
+    """Two state dicts with the same keys and bitwise-equal tensors."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

@@ -8,10 +8,9 @@ import json
 import math
 
 import pytest
-import torch
 
 from gloo_ranks import run_ranks
-from helpers import REPO, TINY_RL_FLAGS
+from helpers import REPO, TINY_RL_FLAGS, assert_same_weights, weights
 from nanochat.cli import run_main
 from nanochat.engine import Engine
 from scripts import chat_rl
@@ -151,16 +150,6 @@ def test_lr_and_weight_decay_flags_reach_the_param_groups(recipe, optimizer_type
 
 
 # ----------------------------------------------------------------------------- resume
-
-def weights(path):
-    return torch.load(path, weights_only=True)
-
-
-def assert_same_weights(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-
 
 def drop_step(directory, step):
     for f in directory.glob(f"*_{step:06d}*"):

@@ -24,7 +24,7 @@ from nanochat.checkpoint_manager import list_steps, load_model, load_shard_for_r
 from nanochat.cli import run_main
 from scripts import chat_rl
 from gloo_ranks import free_port
-from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS, make_sft_checkpoint
+from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS, assert_same_weights, make_sft_checkpoint, weights
 
 FAULT_RUN = str(REPO / "tests" / "fault_run.py")
 STEPS = ["--num-steps=4", "--save-every=1"]  # saves steps 1, 2, 3; the faults hit step 2's save
@@ -33,16 +33,6 @@ LAST_STEP = ["meta_000003.json", "model_000003.pt", "optim_000003_rank0.pt"]  # 
 
 def rl_dir(base):
     return Path(base) / "chatrl_checkpoints" / "d2"
-
-
-def weights(path):
-    return torch.load(path, weights_only=True)
-
-
-def assert_same_weights(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 def digests(root):

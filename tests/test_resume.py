@@ -13,21 +13,11 @@ import torch
 from nanochat.cli import run_main
 from nanochat.rl import TrainStats
 from scripts import chat_rl
-from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS
+from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS, assert_same_weights, weights
 
 
 def rl_dir(base_dir):
     return base_dir / "chatrl_checkpoints" / "d2"
-
-
-def weights(path):
-    return torch.load(path, weights_only=True)
-
-
-def assert_same_weights(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 def test_resumed_run_ends_with_the_same_weights(sft, base_dir):
