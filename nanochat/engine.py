@@ -589,10 +589,9 @@ class DecodeBatch:
         self.steps[lo:hi] = 0
         self.rows.extend(rows)
         prompt.admitted += len(rows)
-        sampled = sample_with_logprobs(prompt.logits.expand(len(rows), -1), self.seeds[lo:hi], self.steps[lo:hi],
-                                       self.temperature, self.top_k)
+        self._draw(prompt.logits.expand(len(rows), -1), lo, hi)
         self.steps[lo:hi] += 1
-        return self._feed(torch.stack([sampled[0].float(), *sampled[1:]], dim=1).tolist(), lo)
+        return self._feed(self.sampled[lo:hi].tolist(), lo)
 
     def decode_step(self):
         """One forward of every active row on its next input, then each samples and emits. Returns events."""
@@ -621,10 +620,14 @@ class DecodeBatch:
         into self.sampled, advance the streams of the rows in use. No host read, no shape that depends on data."""
         view = self.cache.decode_view(rows, keys, last_position)
         logits = self.model(self.next_input[:rows, None], kv_cache=view)[:, -1, :]  # (rows, V)
-        tokens, model_lp, sampling_lp = sample_with_logprobs(logits, self.seeds[:rows], self.steps[:rows], self.temperature,
-                                                             self.top_k)
-        self.sampled[:rows] = torch.stack([tokens.float(), model_lp, sampling_lp], dim=1)
+        self._draw(logits, 0, rows)
         self.steps[:rows] += self.cache.active[:rows]
+
+    def _draw(self, logits, lo, hi):
+        """Slots lo..hi-1 draw from logits (hi - lo, V), each with its own stream, into self.sampled."""
+        tokens, model_lp, sampling_lp = sample_with_logprobs(logits, self.seeds[lo:hi], self.steps[lo:hi],
+                                                             self.temperature, self.top_k)
+        self.sampled[lo:hi] = torch.stack([tokens.float(), model_lp, sampling_lp], dim=1)
 
     def _feed(self, sampled, lo):
         """Rows lo.. (to the last) take their sampled (token, log-probability under the model, under the sampled

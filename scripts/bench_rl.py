@@ -48,7 +48,8 @@ import torch.nn as nn
 
 from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_flag, run_main
 from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_init, cpu_bf16_kind,
-                             cpu_has_native_bf16, cpu_name, synchronize, get_base_dir, get_dist_info, grad_norm, print0, require)
+                             cpu_has_native_bf16, cpu_name, dtype_name, synchronize, get_base_dir, get_dist_info, grad_norm,
+                             print0, require)
 from nanochat.engine import Engine, SharedPromptKVCache
 from nanochat.flops import matmul_flops_per_token, rollout_flops, train_flops
 from nanochat.gpt import build_fresh_model
@@ -478,7 +479,7 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
     m = runs[0]
     batches, rows, work = m["batches"], m.pop("rows"), m.pop("work")
     kv_bytes = SharedPromptKVCache.bytes_per_token(model, config.dtype) * work["kv_positions_read"]
-    peak = peaks[str(config.dtype).removeprefix("torch.")]
+    peak = peaks[dtype_name(config.dtype)]
     # the decode step's roofline: every weight read once (in the compute dtype) plus the keys/values read
     decode_ms = 1000 * m["rollout_seconds"] / max(work["decode_forwards"], 1)
     step_bytes = model.num_params() * torch.tensor([], dtype=config.dtype).element_size() + kv_bytes / max(work["decode_forwards"], 1)
@@ -680,7 +681,7 @@ def run(args, configs, device):
     load_before = load_average()
     info = machine_info(device)
     print0(f"torch {info['torch']}, {info['threads']} threads, {info['cpu']}, load average {load_before}")
-    dtypes = sorted({str(c.dtype).removeprefix("torch.") for c in configs}, reverse=True)  # float32 first
+    dtypes = sorted({dtype_name(c.dtype) for c in configs}, reverse=True)  # float32 first
     peaks = {name: matmul_peak_flops(device, getattr(torch, name), args.peak_matmul_size) for name in dtypes}
     print0(f"matmul peak ({args.peak_matmul_size}^2): " + ", ".join(f"{n} {p / 1e12:.3f} TFLOP/s" for n, p in peaks.items()))
     bandwidth = memory_bandwidth(device)

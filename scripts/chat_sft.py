@@ -42,7 +42,7 @@ from nanochat.checkpoint_manager import list_steps, load_model, save_checkpoint
 from nanochat.cli import (ArgumentParser, add_debug_flag, add_model_generation_flag, add_optimizer_flags, add_runtime_flags,
                           check_optimizer_flags, run_main)
 from nanochat.common import (UserError, all_reduce_mean, autocast_context, collective_device, compute_cleanup,
-                             compute_dtype, compute_init, get_base_dir, get_dist_info, print0, rank_share, require,
+                             compute_dtype, compute_init, dtype_name, get_base_dir, get_dist_info, print0, rank_share, require,
                              requested_dtype)
 from nanochat.gpt import HEAD_DIM, build_fresh_model
 from nanochat.optim import guarded_step, lr_multiplier, scale_initial_lr
@@ -299,7 +299,7 @@ def main(argv):
 
 def run(args, task_names, rank, world_size, device):
     master = rank == 0
-    args.dtype = str(compute_dtype(device, args.dtype)).removeprefix("torch.")  # the config records what runs
+    args.dtype = dtype_name(compute_dtype(device, args.dtype))  # the config records what runs
     autocast = autocast_context(device, getattr(torch, args.dtype))
     reduce_device = collective_device(device)
 

@@ -150,3 +150,9 @@ def assert_same_weights(a, b):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def prompt_of(tokenizer, question):
+    """The tokens a model completes for a one-turn chat asking `question`."""
+    return tokenizer.render_for_completion({"messages": [{"role": "user", "content": question},
+                                                         {"role": "assistant", "content": ""}]})

@@ -4,18 +4,13 @@ import pytest
 import torch
 
 from nanochat.engine import Engine, Row, SpecialIds
-from helpers import ScriptedModel, random_model, tiny_config
+from helpers import ScriptedModel, prompt_of, random_model, tiny_config
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_tokenizer):
     config = tiny_config(sequence_len=64, vocab_size=tiny_tokenizer.get_vocab_size(), window_pattern="SL")
     return random_model(config)  # perturbed weights: greedy decoding is not trivial
-
-
-def prompt_of(tokenizer, question):
-    return tokenizer.render_for_completion({"messages": [{"role": "user", "content": question},
-                                                         {"role": "assistant", "content": ""}]})
 
 
 def test_same_seed_same_output_and_different_seed_differs(tiny_model, tiny_tokenizer):

@@ -19,15 +19,10 @@ from nanochat.engine import DecodeBatch, Engine, SharedPromptKVCache
 from nanochat.metrics import objective_metrics
 from nanochat.rl import PolicyLoss, accumulate_policy_gradient, make_question_batch
 from nanochat.sampling import row_seeds, sample_with_logprobs
-from helpers import TableModel, install_generation
+from helpers import TableModel, install_generation, prompt_of
 
 GENERATIONS = ["oct2025", "jan2026", "ve", "ve_late", "mar9", "smear"]
 NOTHING = torch.autocast("cpu", enabled=False)
-
-
-def prompt_of(tokenizer, question):
-    return tokenizer.render_for_completion({"messages": [{"role": "user", "content": question},
-                                                         {"role": "assistant", "content": ""}]})
 
 
 def test_sampled_log_probabilities_follow_their_definitions():

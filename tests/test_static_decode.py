@@ -10,14 +10,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nanochat.checkpoint_manager import build_model
 from nanochat.engine import (KEY_BUCKET, ROW_BUCKETS, DecodeBatch, Engine, GraphedStep, KVCache, RolloutStats,
                              SharedPromptKVCache, bucketed_shape, decode_mode, decode_plan, exact_shape)
-from helpers import ScriptedModel, install_generation, random_model, tiny_config
+from helpers import ScriptedModel, install_generation, prompt_of, random_model, tiny_config
 
 GENERATIONS = ["oct2025", "jan2026", "ve", "ve_late", "mar9", "smear"]
-
-
-def prompt_of(tokenizer, question):
-    return tokenizer.render_for_completion({"messages": [{"role": "user", "content": question},
-                                                         {"role": "assistant", "content": ""}]})
 
 
 def rollouts(engine, prompts, **kwargs):
