@@ -205,14 +205,14 @@ def requested_dtype(dtype):
     return value
 
 
-def compute_dtype(device, requested):
+def compute_dtype(device, requested, what="computing"):
     """The autocast dtype for `requested` ("auto" | "bfloat16" | "float32") on `device`, before any
     measurement: float32 when asked; else bf16, except on a CPU without native bf16, which computes in
-    float32 instead (a note says so), since bf16 there would make the run ~100x slower."""
+    float32 instead (a note says so, naming `what`), since bf16 there would make the run ~100x slower."""
     if requested == "float32":
         return torch.float32
     if device.type == "cpu" and not cpu_has_native_bf16():
-        print0("note: this CPU has no native bf16 (no AVX512-BF16 or AMX), so computing in float32 instead of bfloat16")
+        print0(f"note: this CPU has no native bf16 (no AVX512-BF16 or AMX), so {what} in float32 instead of bfloat16")
         return torch.float32
     return torch.bfloat16
 

@@ -34,7 +34,7 @@ from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, CheckpointError, World
 from nanochat.cli import (ArgumentParser, add_debug_flag, add_decode_flag, add_model_generation_flag, add_optimizer_flags,
                           add_runtime_flags, check_optimizer_flags, run_main)
 from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup,
-                             compute_init, cpu_has_native_bf16, dtype_name, format_duration, get_base_dir, get_dist_info, print0,
+                             compute_dtype, compute_init, dtype_name, format_duration, get_base_dir, get_dist_info, print0,
                              remaining_seconds, require, requested_dtype)
 from nanochat.engine import DECODE_DESCRIPTIONS, Engine
 from nanochat.evaluation import evaluate_pass_at_k
@@ -191,13 +191,9 @@ def phase_dtype(phase, device, requested, measure):
     bf16 when asked, or for auto on CUDA; for auto on a CPU or MPS with native bf16, the faster of the two by
     measure(candidates): fp32 unless bf16 wins by the margin (measured on rank 0; every rank takes its choice)."""
     what, flag = {"training": ("training computes", "--dtype"), "rollouts": ("rollouts decode", "--rollout-dtype")}[phase]
-    if requested == "float32":
-        return "float32"
-    if device.type == "cpu" and not cpu_has_native_bf16():
-        print0(f"note: this CPU has no native bf16 (no AVX512-BF16 or AMX), so {what} in float32")
-        return "float32"
-    if requested == "bfloat16" or device.type == "cuda":
-        return "bfloat16"
+    dtype = compute_dtype(device, requested, what)  # float32 when asked or where bf16 is not native, else bf16
+    if dtype == torch.float32 or requested == "bfloat16" or device.type == "cuda":
+        return dtype_name(dtype)
     name = dtype_name(rank0_choice(lambda: measure(list(PREFERENCE)), list(PREFERENCE)))
     print0(f"{what} in {name}: bfloat16 measured {'at least' if name == 'bfloat16' else 'less than'} {MARGIN}x as fast "
            f"as float32 on this {device.type} ({flag} to choose)")
