@@ -683,30 +683,40 @@ def bucketed_shape(rows, keys, max_rows, max_keys):
     return min(max_rows, row_bucket), min(max_keys, -(-keys // KEY_BUCKET) * KEY_BUCKET)
 
 
-class GraphedStep:
-    """A static decode step replayed from CUDA graphs, one per shape. A shape's first step runs eagerly (it
-    also warms up kernels and workspaces), its second is captured (capture records without running) and then
-    replayed, like every later one. All graphs share one memory pool: they never run at once. Autocast's
-    weight-cast cache is off while capturing (a cached cast would be freed after the capture)."""
+def capture_cuda_graph(step, pool):
+    """Record `step()` into a CUDA graph (capture records the kernels without running them) drawing on the memory
+    pool `pool` (None: a new one). Returns (replay, the pool). Autocast's weight-cast cache is off while capturing:
+    a cast cached during the capture would be freed after it, under the graph's feet."""
+    graph = torch.cuda.CUDAGraph()
+    autocast = dict(dtype=torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"))
+    with torch.autocast("cuda", cache_enabled=False, **autocast), torch.cuda.graph(graph, pool=pool):
+        step()
+    return graph.replay, graph.pool()
 
-    def __init__(self, step):
-        self.step, self.graphs, self.seen, self.pool = step, {}, set(), None
+
+class GraphedStep:
+    """A static decode step replayed from graphs, one per shape. A shape's first step runs eagerly (it also warms
+    up kernels and workspaces), its second is captured by `capture` (capture_cuda_graph; the tests pass a CPU
+    stand-in with the same semantics) and then replayed, like every later one. A replay runs what the capture
+    recorded: the same tensors (the batch's buffers, cache and weights, updated in place) and every Python value
+    as it was at the capture, so the step may take nothing from the host that changes between steps of a shape.
+    All graphs share one memory pool: they never run at once, and none leaves a live tensor in it."""
+
+    def __init__(self, step, capture=capture_cuda_graph):
+        self.step, self.capture = step, capture
+        self.replays, self.seen, self.pool = {}, set(), None
 
     def __call__(self, rows, keys, last_position):
         shape = (rows, keys)
-        graph = self.graphs.get(shape)
-        if graph is None and shape not in self.seen:
+        replay = self.replays.get(shape)
+        if replay is None and shape not in self.seen:
             self.seen.add(shape)
             self.step(rows, keys, last_position)
             return
-        if graph is None:
-            graph = torch.cuda.CUDAGraph()
-            autocast = dict(dtype=torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"))
-            with torch.autocast("cuda", cache_enabled=False, **autocast), torch.cuda.graph(graph, pool=self.pool):
-                self.step(rows, keys, last_position)
-            self.pool = graph.pool()
-            self.graphs[shape] = graph
-        graph.replay()
+        if replay is None:
+            replay, self.pool = self.capture(lambda: self.step(rows, keys, last_position), self.pool)
+            self.replays[shape] = replay
+        replay()
 
 
 DECODE_MODES = ("auto", "eager", "static", "graph")

@@ -9,6 +9,10 @@ the Muon + AdamW step. Configurations (--configs):
   batched_fp32  chat_rl's rollouts (nanochat.rollout): every question in one `Engine.generate_many` call; fp32
   batched_bf16  the same with rollouts and training under bf16 autocast (by default only where bf16 is native:
                 a GPU, or a CPU with AVX512-BF16/AMX; elsewhere chat_rl computes in fp32, see compute_dtype)
+  *_static      the same, decoding with the static step (bucketed shapes, run eagerly): tokens checked equal
+                to the eager config's
+  *_graph       the static step replayed from CUDA graphs (CUDA only): tokens checked equal to the static
+                config's (same shapes, same kernels; on a GPU other shapes may round otherwise)
 Each runs twice: as is ("full": a random-init model almost never ends a row, so rows run to the cap) and with
 "+early": a wrapper ends every row at a geometric random length (mean --early-stop-mean), to show that finished
 rows stop costing compute (the engine's row_steps against rows x longest row).
@@ -77,6 +81,7 @@ CONFIGS = {c.name: c for c in (BenchConfig("baseline", False, torch.float32, Fal
                                 BenchConfig("batched_fp32", True, torch.float32, True),
                                 BenchConfig("batched_fp32_static", True, torch.float32, True, "static"),
                                 BenchConfig("batched_bf16", True, torch.bfloat16, True),
+                                BenchConfig("batched_bf16_static", True, torch.bfloat16, True, "static"),
                                 BenchConfig("batched_bf16_graph", True, torch.bfloat16, True, "graph"))}
 # nanochat's d20 of January 2026 (561M parameters), random weights: the shapes the GPU figures are quoted for
 PRESETS = {"d20": dict(depth=20, vocab_size=65536, sequence_len=2048, window_pattern="SSSL")}
@@ -503,18 +508,21 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
 
 
 def mark_identical_tokens(results, configs):
-    """A config decoding in another mode than eager records whether its rollouts' tokens equal those of the eager
-    config of the same dtype and work (the modes must sample the same tokens; only their speed may differ)."""
+    """A config decoding in another mode than eager records whether its rollouts' tokens equal those of its twin
+    of the same dtype and work: a graph config's is the static one (the shapes it replays, run eagerly: on a GPU
+    only the same shapes are sure to run the same kernels), a static one's is eager (there the shapes differ, so
+    equality holds where kernels round alike for any batch: checked on CPU)."""
     by_name = {c.name: c for c in configs}
     for name, r in results.items():
         base_name, _, suffix = name.partition("+")
         config = by_name[base_name]
         if config.decode == "eager":
             continue
-        twin = next((c.name for c in configs if c.decode == "eager" and (c.batched, c.dtype, c.lean) ==
-                     (config.batched, config.dtype, config.lean)), None)
-        twin_name = twin and twin + ("+" + suffix if suffix else "")
-        other = results.get(twin_name) if twin else None
+        same_work = [c for c in configs if (c.batched, c.dtype, c.lean) == (config.batched, config.dtype, config.lean)]
+        twins = [c.name for mode in (("static", "eager") if config.decode == "graph" else ("eager",))
+                 for c in same_work if c.decode == mode]
+        twin_name = twins[0] + ("+" + suffix if suffix else "") if twins else None
+        other = results.get(twin_name) if twin_name else None
         r["tokens_identical_to"] = (twin_name, other["tokens_digest"] == r["tokens_digest"]) if other else None
 
 

@@ -10,6 +10,7 @@ import tempfile
 
 import pytest
 
+from graph_capture import use_recorded_graphs
 from helpers import FIXTURES, make_sft_checkpoint
 
 TINY_VOCAB_SIZE = 400
@@ -113,3 +114,10 @@ def one_step_sft(tmp_path_factory):
                                  "--dtype=float32", "--examples-per-step=16", "--device-batch-size=16"])
         torch.set_num_threads(threads)
     return base
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """Engines made with decode="graph" run on the CPU with CUDA graphs' semantics (graph_capture's recorded
+    graphs). Returns the capture and replay counts."""
+    return use_recorded_graphs(monkeypatch)

@@ -115,7 +115,8 @@ def test_default_configs_measure_bf16_only_where_it_is_native(kind, monkeypatch,
     native_bf16 = kind != "none"
     assert bench_rl.validate_args(bench_rl.parse_args([])) is None  # no --configs: the device decides
     names = [c.name for c in bench_rl.default_configs(torch.device("cpu"))]
-    expected = ["baseline", "batched_plain", "batched_fp32", "batched_fp32_static"] + (["batched_bf16"] if native_bf16 else [])
+    expected = ["baseline", "batched_plain", "batched_fp32", "batched_fp32_static"] + (
+        ["batched_bf16", "batched_bf16_static"] if native_bf16 else [])
     assert names == expected  # CUDA graphs (batched_bf16_graph) only on CUDA
     assert ("skipping batched_bf16" in capsys.readouterr().out) == (not native_bf16)
 
@@ -227,3 +228,21 @@ def test_bf16_greedy_rollouts_follow_fp32_on_a_trained_model(one_step_sft, monke
     assert len(margins) == agreement["rows"] - agreement["identical_rows"]
     assert all(abs(m) <= BF16_NEAR_TIE for m in margins), agreement
     assert agreement["agreement"] >= BF16_MIN_AGREEMENT, agreement
+
+
+def test_graph_configs_are_checked_against_the_static_step_and_static_ones_against_eager():
+    """On a GPU only the same shapes are sure to round alike: a graph config's tokens are compared with the
+    static config's (the shapes it replays), a static config's with eager's; without a static config, a graph
+    one falls back to eager."""
+    names = ["batched_bf16", "batched_bf16_static", "batched_bf16_graph"]
+    digests = {"batched_bf16": "eager", "batched_bf16_static": "static", "batched_bf16_graph": "static",
+               "batched_bf16+early": "e", "batched_bf16_static+early": "e", "batched_bf16_graph+early": "e"}
+    results = {name: {"tokens_digest": digest} for name, digest in digests.items()}
+    bench_rl.mark_identical_tokens(results, [bench_rl.CONFIGS[n] for n in names])
+    assert results["batched_bf16_graph"]["tokens_identical_to"] == ("batched_bf16_static", True)
+    assert results["batched_bf16_static"]["tokens_identical_to"] == ("batched_bf16", False)
+    assert results["batched_bf16_graph+early"]["tokens_identical_to"] == ("batched_bf16_static+early", True)
+    assert "tokens_identical_to" not in results["batched_bf16"]
+    del results["batched_bf16_static"], results["batched_bf16_static+early"]
+    bench_rl.mark_identical_tokens(results, [bench_rl.CONFIGS[n] for n in ("batched_bf16", "batched_bf16_graph")])
+    assert results["batched_bf16_graph"]["tokens_identical_to"] == ("batched_bf16", False)

@@ -286,16 +286,19 @@ def test_measured_dtypes_are_recorded_and_kept_on_resume(sft, base_dir, monkeypa
     assert recorded_dtypes(base_dir, 2) == ("bfloat16", "float32") and len(measurements["calls"]) == 2
 
 
-def test_decode_modes_train_the_same_model(sft, base_dir, capsys):
-    """--decode=static (the bucketed step CUDA graphs replay) samples the same rollouts as eager decoding, so two
-    steps of chat_rl write the same weights; the mode in use is printed."""
+def test_decode_modes_train_the_same_model(sft, base_dir, capsys, cpu_graphs):
+    """--decode=static (the bucketed step CUDA graphs replay) and --decode=graph (replayed from graphs; here the
+    CPU stand-in for CUDA graphs) sample the same rollouts as eager decoding, so two steps of chat_rl write the
+    same weights; the mode in use is printed."""
     rl_dir = base_dir / "chatrl_checkpoints" / "d2"
     weights = {}
-    for mode in ("eager", "static"):
+    for mode in ("eager", "static", "graph"):
         chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", f"--decode={mode}", "--overwrite"])
         assert f"rollouts: {mode} decode step" in capsys.readouterr().out
         weights[mode] = torch.load(rl_dir / "model_000001.pt", weights_only=True)
-    assert all(torch.equal(weights["eager"][k], weights["static"][k]) for k in weights["eager"])
+    assert cpu_graphs.replays > 0
+    for mode in ("static", "graph"):
+        assert all(torch.equal(weights["eager"][k], weights[mode][k]) for k in weights["eager"])
 
 
 @pytest.mark.parametrize("correction", ["none", "token-tis"])

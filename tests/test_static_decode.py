@@ -1,7 +1,8 @@
 """The static decode step (what CUDA graphs capture): bucketed shapes that hold free rows give the same tokens
 as the eager step, it reads nothing from the device and touches no host tensor (proved on the meta device),
-and on a GPU the replayed graphs equal eager decoding. nanochat's own greedy generations are checked in
-both decode modes in test_generations.py."""
+GraphedStep's replays give the static step's tokens (on any machine with graph_capture's CPU stand-in for
+CUDA graphs, and on a GPU with the real ones). nanochat's own greedy generations are checked in both decode
+modes in test_generations.py."""
 
 import pytest
 import torch
@@ -72,6 +73,106 @@ def test_static_tool_calls_and_early_ends_equal_eager(tiny_tokenizer, share_prom
     assert len({len(c[0]) for per in eager for c in per}) > 3 and any(c[3] >= 1 and c[4] >= 1 for per in eager for c in per)
 
 
+def logprobs(engine, prompts, **kwargs):
+    """Each completion's two recorded log-probabilities, nan (forced tokens) written as None to compare."""
+    out = engine.generate_many(prompts, **kwargs)
+    return [[[None if x != x else x for x in c.logprobs + c.sampling_logprobs] for c in per] for per in out]
+
+
+def ending_model(tokenizer, generation="smear"):
+    """A tiny random model whose rows end at varied steps (<|assistant_end|> made likelier)."""
+    config = tiny_config(sequence_len=128, vocab_size=tokenizer.get_vocab_size(), window_pattern="SL")
+    model = random_model(config, generation=generation)
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.encode_special("<|assistant_end|>")] *= 2.5
+    return model
+
+
+ENDING_PROMPTS = ("a b", "Natalia sold 48 clips", "c", "d e f", "g")
+ENDING_KWARGS = dict(num_samples=6, max_tokens=40, temperature=1.0, top_k=50, seeds=[1, 2, 3, 4, 5], max_rows=14)
+
+
+@pytest.mark.parametrize("name", GENERATIONS)
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_replayed_graphs_equal_the_static_step_for_every_generation(name, share_prompts, tmp_path, monkeypatch,
+                                                                     cpu_graphs):
+    """Replayed from graphs (CUDA graphs' semantics, on the CPU), sampled rollouts of nanochat's fixture
+    checkpoints with rows admitted into freed slots give the static step's tokens and log-probabilities, bit for
+    bit, over several row and key buckets."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    model, tokenizer, _ = build_model(str(install_generation(tmp_path, name)), 5, "cpu", "eval")
+    prompts = [prompt_of(tokenizer, q) for q in ("What is 12 times 7?", "Tom has 3 apples", "Hi")]
+    kwargs = dict(num_samples=5, max_tokens=40, temperature=1.0, top_k=50, seeds=[4, 5, 6], max_rows=7)
+    static = Engine(model, tokenizer, decode="static", share_prompts=share_prompts)
+    graph = Engine(model, tokenizer, decode="graph", share_prompts=share_prompts)
+    assert rollouts(graph, prompts, **kwargs) == rollouts(static, prompts, **kwargs)
+    assert logprobs(graph, prompts, **kwargs) == logprobs(static, prompts, **kwargs)
+    assert cpu_graphs.captures >= 3 and cpu_graphs.replays > 10 * cpu_graphs.captures
+
+
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_replayed_graphs_carry_tool_calls_early_ends_and_refilled_slots(tiny_tokenizer, share_prompts, cpu_graphs):
+    """The scripted calculator model: forced outputs written between replays, rows ending at many steps and
+    waiting rows taking their slots give the static step's rollouts."""
+    tok = tiny_tokenizer
+    ps, pe, end = (tok.encode_special(s) for s in ("<|python_start|>", "<|python_end|>", "<|assistant_end|>"))
+    prompts = [prompt_of(tok, "three more words")] * 4
+    script = [ps, *tok.encode("6*7"), pe] + tok.encode("a b c d e f g") + [ps, *tok.encode("1/0"), pe] + tok.encode("h i j") * 3
+    model = ScriptedModel(script, len(prompts[0]), tok.get_vocab_size(), stop_token=end, stop_logit=-2.5)
+    kwargs = dict(num_samples=6, max_tokens=40, temperature=1.0, seed=11, max_rows=9)
+    static = rollouts(Engine(model, tok, decode="static", share_prompts=share_prompts), prompts, **kwargs)
+    assert rollouts(Engine(model, tok, decode="graph", share_prompts=share_prompts), prompts, **kwargs) == static
+    assert any(c[3] >= 1 for per in static for c in per) and cpu_graphs.replays > 0
+
+
+def test_kept_graphs_replay_the_next_rollout_on_updated_weights(tiny_tokenizer, cpu_graphs):
+    """A kept static batch's graphs serve the next rollout (new prompts and seeds) with no new capture of a
+    shape they hold, and read the weights as they are now: after an in-place update (what the optimizer does)
+    the replay samples what a fresh engine on the updated model samples."""
+    model = ending_model(tiny_tokenizer)
+    prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
+    engine = Engine(model, tiny_tokenizer, decode="graph")
+    first = rollouts(engine, prompts, **ENDING_KWARGS)
+    replays = engine.kept_batch.runner.replays
+    captured = set(replays)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.25)
+    again = rollouts(engine, prompts, **ENDING_KWARGS)
+    assert engine.kept_batch.runner.replays is replays and captured <= set(replays)
+    assert again == rollouts(Engine(model, tiny_tokenizer, decode="static"), prompts, **ENDING_KWARGS) != first
+
+
+def test_the_stand_in_catches_what_a_capture_breaks(tiny_tokenizer, cpu_graphs, monkeypatch):
+    """graph_capture's replays have a real capture's teeth: a batch that writes its next inputs into a new
+    tensor instead of its buffer (the graph keeps reading the buffer it captured), or a cache that grows after
+    a capture (the graph writes the old storage), is right when run eagerly and samples other tokens when
+    replayed."""
+    model = ending_model(tiny_tokenizer)
+    prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
+    right = rollouts(Engine(model, tiny_tokenizer, decode="static"), prompts, **ENDING_KWARGS)
+    feed = DecodeBatch._feed
+
+    def feed_into_a_new_tensor(self, sampled, lo):
+        self.next_input = self.next_input.clone()
+        return feed(self, sampled, lo)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DecodeBatch, "_feed", feed_into_a_new_tensor)
+        assert rollouts(Engine(model, tiny_tokenizer, decode="static"), prompts, **ENDING_KWARGS) == right
+        assert rollouts(Engine(model, tiny_tokenizer, decode="graph"), prompts, **ENDING_KWARGS) != right
+
+    init = SharedPromptKVCache.__init__
+
+    def growing_storage(self, *args, **kwargs):  # completion keys allocated 8 at first, grown on demand
+        init(self, *args, **kwargs)
+        self.k, self.v = self.k[:, :, :, :8].clone(), self.v[:, :, :, :8].clone()
+
+    monkeypatch.setattr(SharedPromptKVCache, "__init__", growing_storage)
+    assert rollouts(Engine(model, tiny_tokenizer, decode="static"), prompts, **ENDING_KWARGS) == right
+    assert rollouts(Engine(model, tiny_tokenizer, decode="graph"), prompts, **ENDING_KWARGS) != right
+
+
 def test_a_static_batch_is_reused_by_the_next_rollout_of_its_shape(tiny_tokenizer):
     """The static batch (its cache, and on CUDA its graphs) outlives a rollout that ran to its end and serves the
     next one of the same shape, prompts of other lengths within the pool's rounding included; the tokens are
@@ -136,19 +237,18 @@ def test_static_step_runs_on_the_meta_device(generation, share_prompts, tiny_tok
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_replay_equals_eager(dtype, tiny_tokenizer):
-    """On a GPU: rollouts replayed from CUDA graphs (several row and key buckets: 40 rows that end at different
-    steps) give exactly the eager step's tokens."""
-    config = tiny_config(sequence_len=128, vocab_size=tiny_tokenizer.get_vocab_size(), window_pattern="SL")
-    model = random_model(config, generation="smear").cuda()
-    end = tiny_tokenizer.encode_special("<|assistant_end|>")
-    with torch.no_grad():
-        model.lm_head.weight[end] *= 2.5  # rows end at varied steps
-    prompts = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold 48 clips", "c", "d e f", "g")]
-    kwargs = dict(num_samples=8, max_tokens=60, temperature=1.0, top_k=50, seeds=[1, 2, 3, 4, 5])
+def test_cuda_graph_replay_equals_the_static_step(dtype, tiny_tokenizer):
+    """On a GPU: rollouts replayed from CUDA graphs (several row and key buckets: 30 rows that end at different
+    steps, admitted into freed slots) give exactly the static step's tokens and log-probabilities (the same
+    shapes run eagerly: the same kernels). Eager decoding runs other shapes, whose kernels may round otherwise
+    on a GPU, so it is compared by the sampler gap (tests/test_sampler_gap.py), not token for token."""
+    model = ending_model(tiny_tokenizer).cuda()
+    prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
     with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-        eager = rollouts(Engine(model, tiny_tokenizer, decode="eager"), prompts, **kwargs)
-        engine = Engine(model, tiny_tokenizer, decode="graph")
-        graph = rollouts(engine, prompts, **kwargs)
-    assert graph == eager
-    assert len({len(c[0]) for per in eager for c in per}) > 2
+        static = Engine(model, tiny_tokenizer, decode="static")
+        graph = Engine(model, tiny_tokenizer, decode="graph")
+        assert rollouts(graph, prompts, **ENDING_KWARGS) == rollouts(static, prompts, **ENDING_KWARGS)
+        assert logprobs(graph, prompts, **ENDING_KWARGS) == logprobs(static, prompts, **ENDING_KWARGS)
+        assert len(graph.kept_batch.runner.replays) >= 3
+        ends = {len(c[0]) for per in rollouts(graph, prompts, **ENDING_KWARGS) for c in per}
+    assert len(ends) > 2
