@@ -21,7 +21,6 @@ test split belongs to the evaluations that come after the run, and training leav
 from dataclasses import dataclass, field
 
 from nanochat.common import SettingError, UserError, rank_and_world, rank_share
-from nanochat.engine import Engine
 from nanochat.evaluation import aggregate_pass_at_k, sample_outcomes
 
 TEMPERATURE, TOP_K = 1.0, 50  # as chat_rl's eval
@@ -105,19 +104,21 @@ def held_out_indices(task_size, num_questions):
     return range(task_size - num_questions, task_size)
 
 
-def measure_pass1(model, tokenizer, task, indices, num_samples, max_new_tokens, autocast, reduce_device, seed=0):
+def measure_pass1(engine, task, indices, num_samples, max_new_tokens, autocast, reduce_device, seed=0):
     """Sampled pass@1 (T=1, top-k 50, the mean fraction of correct samples) on task[i] for i in `indices`,
     the questions of all ranks together: this rank samples its share (rank_share of the positions in
     `indices`), and the counts are summed over the process group. Question i is seeded with seed + i, so
-    the answer does not depend on the rank layout. The model samples in eval mode under `autocast`
-    and is put back in the mode it was in."""
+    the answer does not depend on the rank layout. The engine's model samples in eval mode under `autocast`
+    and is put back in the mode it was in. Give every check of a run the same engine: its static batch (and on
+    CUDA its graphs) is kept from one check to the next."""
     rank, world_size = rank_and_world()
     mine = [indices[p] for p in rank_share(0, len(indices), rank, world_size)]
+    model = engine.model
     was_training = model.training
     model.eval()
     try:
         with autocast:
-            outcomes = sample_outcomes(Engine(model, tokenizer), task, mine, num_samples, max_new_tokens,
+            outcomes = sample_outcomes(engine, task, mine, num_samples, max_new_tokens,
                                        TEMPERATURE, TOP_K, seed=seed) if mine else []
     finally:
         model.train(was_training)

@@ -44,6 +44,7 @@ from nanochat.cli import (ArgumentParser, add_debug_flag, add_model_generation_f
 from nanochat.common import (UserError, all_reduce_mean, autocast_context, collective_device, compute_cleanup,
                              compute_dtype, compute_init, dtype_name, get_base_dir, get_dist_info, print0, rank_share, require,
                              requested_dtype)
+from nanochat.engine import Engine
 from nanochat.gpt import HEAD_DIM, build_fresh_model
 from nanochat.optim import guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.sft import (accumulate_gradient, count_targets, loss_sums, make_micro_batches,
@@ -256,11 +257,11 @@ def held_out_questions(args, task_names, train_tasks):
     return held_out_indices(len(task), args.stop_check_questions)
 
 
-def check_stop(band, model, tokenizer, task, held_out, args, step, num_steps, autocast, reduce_device):
+def check_stop(band, engine, task, held_out, args, step, num_steps, autocast, reduce_device):
     """One held-out pass@1 check at `step` (task[i] for i in held_out), logged. True = stop here; raises
     MissedBandError (see PassBand.observe)."""
     t0 = time.time()
-    pass1 = measure_pass1(model, tokenizer, task, held_out, args.stop_check_samples, args.stop_check_max_tokens,
+    pass1 = measure_pass1(engine, task, held_out, args.stop_check_samples, args.stop_check_max_tokens,
                           autocast, reduce_device, seed=args.seed)
     print0(f"step {step}/{num_steps} | held-out pass@1 {pass1:.4f} (band {band.describe()}) | check {time.time() - t0:.1f}s")
     stop = band.observe(step, pass1, final=step == num_steps)
@@ -339,12 +340,14 @@ def run(args, task_names, rank, world_size, device):
 
     optimizers = setup_optimizers(model, args)
     band = PassBand(*parse_band(args.stop_at_pass1)) if held_out is not None else None
+    # one engine for every check: its static batch, and on CUDA its captured decode graphs, serve them all
+    check_engine = Engine(model, tokenizer) if band is not None else None
     val_loss, missed = None, None
     for step in range(num_steps + 1):  # `step` updates done so far
         last_step = step == num_steps
         if band is not None and step > 0 and (step % args.stop_check_every == 0 or last_step):
             try:
-                last_step = check_stop(band, model, tokenizer, train_tasks[0], held_out, args, step, num_steps, autocast,
+                last_step = check_stop(band, check_engine, train_tasks[0], held_out, args, step, num_steps, autocast,
                                        reduce_device)
             except MissedBandError as e:
                 missed, last_step = e, True

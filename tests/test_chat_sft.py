@@ -369,7 +369,8 @@ class RecordingParity(ParityTask):
 
 def test_measure_pass1_is_the_mean_fraction_of_correct_samples_in_eval_mode(tiny_tokenizer):
     """A real measurement on a random tiny model (ParityTask: ~half the samples correct): the counts of
-    sample_outcomes at T=1, top-k 50, sampled in eval mode under the given autocast; the model's mode comes back."""
+    sample_outcomes at T=1, top-k 50, sampled in eval mode under the given autocast; the model's mode comes back;
+    a second check with the same engine reuses its static batch."""
     model = random_model(tiny_config(sequence_len=64, vocab_size=tiny_tokenizer.get_vocab_size()), noise=0.3)
     task = RecordingParity(split="train")
     RecordingParity.model, RecordingParity.modes = model, []
@@ -382,8 +383,12 @@ def test_measure_pass1_is_the_mean_fraction_of_correct_samples_in_eval_mode(tiny
         yield
 
     model.train()
-    pass1 = measure_pass1(model, tiny_tokenizer, task, indices, 4, 12, autocast(), "cpu", seed=3)
+    engine = Engine(model, tiny_tokenizer, decode="static")
+    pass1 = measure_pass1(engine, task, indices, 4, 12, autocast(), "cpu", seed=3)
     assert model.training and entered == [True]
+    kept = engine.kept_batch
+    assert measure_pass1(engine, task, indices, 4, 12, contextlib.nullcontext(), "cpu", seed=3) == pass1
+    assert kept is not None and engine.kept_batch is kept  # the next check reuses the batch (on CUDA: its graphs)
     assert RecordingParity.modes and not any(RecordingParity.modes)
     model.eval()
     outcomes = sample_outcomes(Engine(model, tiny_tokenizer), task, list(indices), 4, 12, temperature=1.0, top_k=50, seed=3)
@@ -402,7 +407,11 @@ def scripted_sft(monkeypatch, values, flags):
     turn. Returns (exit code, stdout, stderr lines, the held-out indices each check asked for, the questions trained on)."""
     checks, trained = [], []
 
-    def measure(model, tokenizer, task, indices, *args, **kwargs):
+    engines = []
+
+    def measure(engine, task, indices, *args, **kwargs):
+        engines.append(engine)
+        assert engine is engines[0], "each check made its own engine"  # fails the run (non-zero exit)
         checks.append(list(indices))
         return values[len(checks) - 1]
 
