@@ -776,8 +776,9 @@ class Engine:
 
     def release(self):
         """Drop the static batch kept between rollouts (its KV cache and CUDA graphs), e.g. to give its memory
-        to training after an out-of-memory."""
-        self.kept_batch = None
+        to training after an out-of-memory. True if there was one."""
+        kept, self.kept_batch = self.kept_batch, None
+        return kept is not None
 
     # -- nanochat's API ------------------------------------------------------------
     def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):

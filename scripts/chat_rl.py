@@ -418,14 +418,19 @@ def setup_run(args, rank, world_size, device):
         last_saved=start_step - 1 if args.resume else None, micro_rows=args.device_batch_size)
 
 
-def with_fewer_rows_on_oom(attempt, rows, message, rows_in_use=None):
+def with_fewer_rows_on_oom(attempt, rows, message, rows_in_use=None, free_memory=None):
     """attempt(rows), retried on out-of-memory with half the rows the failed attempt used (rows_in_use(), by
-    default rows) until one row fails too; message is formatted with the new rows and printed. The result does
-    not depend on the rows (per-row sampling streams; gradients summed in chunks). Returns (result, rows)."""
+    default rows) until one row fails too; message is formatted with the new rows and printed. First, if given,
+    free_memory() may give back memory held for later (True if it did): then the same rows are tried again. The
+    result does not depend on the rows (per-row sampling streams; gradients summed in chunks). Returns (result,
+    rows)."""
     while True:
         try:
             return attempt(rows), rows
         except torch.OutOfMemoryError:
+            if free_memory is not None and free_memory():
+                print0(message.split(":")[0] + ": released the rollouts' kept KV cache and decode graphs; retrying")
+                continue
             used = (rows_in_use() if rows_in_use else rows) or 1
             if used <= 1:
                 raise
@@ -493,7 +498,8 @@ def train_on_rollouts(run, rollouts, step):
                                               run.autocast(), micro_batch_rows=rows, loss=run.policy_loss, counts=counts,
                                               reference=run.reference, first_epoch=first)
         last, run.micro_rows = with_fewer_rows_on_oom(attempt, run.micro_rows, "out of memory during training: "
-                                                      "retrying with {rows} rows per forward pass")
+                                                      "retrying with {rows} rows per forward pass",
+                                                      free_memory=run.engine.release)
         last_gnorm, stepped = guarded_step(run.model, run.optimizers, lrm, last.objective, run.reduce_device)
         if first is None:
             first, gnorm = last, last_gnorm

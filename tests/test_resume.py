@@ -134,6 +134,35 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(sft, base_dir,
         assert torch.allclose(got[k], reference[k], atol=1e-5), k
 
 
+def test_out_of_memory_in_training_first_releases_the_kept_rollout_batch(sft, base_dir, monkeypatch, capsys):
+    """With a static decode step the engine keeps its batch (KV cache; on CUDA, graphs) between rollouts. An
+    out-of-memory in training first gives that memory back and retries with the same rows, so nothing is halved
+    and the weights are those of an undisturbed run, bit for bit; the next rollout builds a new batch."""
+    flags = TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--decode=static"]
+    chat_rl.main(flags)
+    reference = weights(rl_dir(base_dir) / "model_000001.pt")
+    real_accumulate, real_release = chat_rl.accumulate_policy_gradient, chat_rl.Engine.release
+    released = []
+
+    def accumulate(*args, **kwargs):
+        if not released:
+            raise torch.OutOfMemoryError("simulated")
+        return real_accumulate(*args, **kwargs)
+
+    def release(self):
+        released.append(self.kept_batch is not None)
+        return real_release(self)
+
+    monkeypatch.setattr(chat_rl, "accumulate_policy_gradient", accumulate)
+    monkeypatch.setattr(chat_rl.Engine, "release", release)
+    chat_rl.main(flags + ["--overwrite"])
+    out = capsys.readouterr().out
+    assert released == [True]
+    assert "out of memory during training: released the rollouts' kept KV cache and decode graphs; retrying" in out
+    assert "retrying with" not in out
+    assert_same_weights(weights(rl_dir(base_dir) / "model_000001.pt"), reference)
+
+
 def test_sigterm_saves_and_resume_matches_uninterrupted_run(sft, base_dir, tmp_path, tiny_tokenizer):
     """A real process: start, SIGTERM once a step has completed, check the saved checkpoint and the
     message, resume to the end, and compare with an uninterrupted run in a copy of the base dir."""
