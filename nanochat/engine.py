@@ -683,38 +683,53 @@ def bucketed_shape(rows, keys, max_rows, max_keys):
     return min(max_rows, row_bucket), min(max_keys, -(-keys // KEY_BUCKET) * KEY_BUCKET)
 
 
+def warm_up_on_side_stream(step):
+    """Run `step()` eagerly on a side stream, as PyTorch's CUDA-graph recipe warms up what it will capture (the
+    libraries' lazy per-stream state, e.g. cuBLAS workspaces, is then made outside the capture); the current
+    stream waits for it, so its results are there for whatever comes next."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+
+
 def capture_cuda_graph(step, pool):
     """Record `step()` into a CUDA graph (capture records the kernels without running them) drawing on the memory
     pool `pool` (None: a new one). Returns (replay, the pool). Autocast's weight-cast cache is off while capturing:
-    a cast cached during the capture would be freed after it, under the graph's feet."""
+    a cast cached during the capture would be freed after it, under the graph's feet. Only this thread's CUDA
+    calls are checked during the capture (the calculator's and loggers' threads never touch the GPU)."""
     graph = torch.cuda.CUDAGraph()
     autocast = dict(dtype=torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"))
-    with torch.autocast("cuda", cache_enabled=False, **autocast), torch.cuda.graph(graph, pool=pool):
+    with (torch.autocast("cuda", cache_enabled=False, **autocast),
+          torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")):
         step()
     return graph.replay, graph.pool()
 
 
 class GraphedStep:
-    """A static decode step replayed from graphs, one per shape. A shape's first step runs eagerly (it also warms
-    up kernels and workspaces), its second is captured by `capture` (capture_cuda_graph; the tests pass a CPU
-    stand-in with the same semantics) and then replayed, like every later one. A replay runs what the capture
-    recorded: the same tensors (the batch's buffers, cache and weights, updated in place) and every Python value
-    as it was at the capture, so the step may take nothing from the host that changes between steps of a shape.
-    All graphs share one memory pool: they never run at once, and none leaves a live tensor in it."""
+    """A static decode step replayed from graphs, one per shape. A shape's first step runs eagerly through
+    `warm_up` (it warms up kernels and workspaces), its second is captured by `capture` (capture_cuda_graph; the
+    tests pass a CPU stand-in with the same semantics) and then replayed, like every later one. A replay runs
+    what the capture recorded: the same tensors (the batch's buffers, cache and weights, updated in place) and
+    every Python value as it was at the capture, so the step may take nothing from the host that changes between
+    steps of a shape. All graphs share one memory pool: they never run at once, and none leaves a live tensor
+    in it."""
 
-    def __init__(self, step, capture=capture_cuda_graph):
-        self.step, self.capture = step, capture
+    def __init__(self, step, capture=capture_cuda_graph, warm_up=warm_up_on_side_stream):
+        self.step, self.capture, self.warm_up = step, capture, warm_up
         self.replays, self.seen, self.pool = {}, set(), None
 
     def __call__(self, rows, keys, last_position):
         shape = (rows, keys)
+        run = lambda: self.step(rows, keys, last_position)
         replay = self.replays.get(shape)
         if replay is None and shape not in self.seen:
             self.seen.add(shape)
-            self.step(rows, keys, last_position)
+            self.warm_up(run)
             return
         if replay is None:
-            replay, self.pool = self.capture(lambda: self.step(rows, keys, last_position), self.pool)
+            replay, self.pool = self.capture(run, self.pool)
             self.replays[shape] = replay
         replay()
 

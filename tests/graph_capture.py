@@ -100,7 +100,8 @@ def use_recorded_graphs(monkeypatch):
         return counted, pool
 
     real_mode, real_plan = engine.decode_mode, engine.decode_plan
+    graphed = partial(engine.GraphedStep, capture=capture, warm_up=lambda step: step())  # no streams on a CPU
     monkeypatch.setattr(engine, "decode_mode", lambda mode, device: mode if mode == "graph" else real_mode(mode, device))
-    monkeypatch.setattr(engine, "decode_plan", lambda mode: (engine.bucketed_shape, partial(engine.GraphedStep, capture=capture), True)
+    monkeypatch.setattr(engine, "decode_plan", lambda mode: (engine.bucketed_shape, graphed, True)
                         if mode == "graph" else real_plan(mode))
     return counts
