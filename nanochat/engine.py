@@ -8,13 +8,18 @@ token ids in, token ids and masks out.
 A rollout is three layers: a `Row` is one sample in flight (its Completion and tool state); a `DecodeBatch`
 holds the rows being decoded, each in a slot of one KV cache; `Engine._rollout` prefills prompts, admits
 their rows into free slots and steps the batch until every row has finished.
+
+Under bf16 (or fp16) autocast the engine's forwards use copies of the matmul weights made in that dtype once per
+rollout (`DecodeWeights`), not casts made at every step: the same numbers, a third of the weight traffic.
 """
 
 import math
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
 
 from nanochat.calculator import format_result, use_calculator
 from nanochat.gpt import attend, sequence_masks, window_mask
@@ -532,8 +537,10 @@ class DecodeBatch:
     once and writes the next inputs (forced tool tokens included) in one copy.
     """
 
-    def __init__(self, model, cache, temperature, top_k, stats, pool_slots=None, shapes=None, runner=None):
+    def __init__(self, model, cache, temperature, top_k, stats, pool_slots=None, shapes=None, runner=None,
+                 weights=None):
         self.model, self.cache, self.stats = model, cache, stats
+        self.weights = weights or DecodeWeights(model)  # never refreshed: the model's own weights
         self.temperature, self.top_k = temperature, top_k
         B, self.device = cache.batch_size, model.get_device()
         self.rows = []
@@ -567,7 +574,7 @@ class DecodeBatch:
         keys go to a free pool slot. Returns the PrefilledPrompt whose rows `admit` takes."""
         cache = KVCache.for_model(self.model, 1, len(prompt), self.cache.k.dtype)
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # (1, T)
-        logits = self.model(ids, kv_cache=cache)[:, -1, :]  # (1, V)
+        logits = self._forward(ids, cache)[:, -1, :]  # (1, V)
         self.stats.prefill_tokens += len(prompt)
         if self.free_pool is not None:
             self.pool_slot[request] = self.free_pool.popleft()
@@ -619,9 +626,14 @@ class DecodeBatch:
         """The static decode step over slots 0..rows-1, attending to keys 0..keys-1 of each: forward, sample
         into self.sampled, advance the streams of the rows in use. No host read, no shape that depends on data."""
         view = self.cache.decode_view(rows, keys, last_position)
-        logits = self.model(self.next_input[:rows, None], kv_cache=view)[:, -1, :]  # (rows, V)
+        logits = self._forward(self.next_input[:rows, None], view)[:, -1, :]  # (rows, V)
         self._draw(logits, 0, rows)
         self.steps[:rows] += self.cache.active[:rows]
+
+    def _forward(self, idx, cache):
+        """The model's logits (B, T, V) for idx (B, T) over `cache`, with the decode weights in use."""
+        with self.weights.in_use():
+            return self.model(idx, kv_cache=cache)
 
     def _draw(self, logits, lo, hi):
         """Slots lo..hi-1 draw from logits (hi - lo, V), each with its own stream, into self.sampled."""
@@ -697,8 +709,9 @@ def warm_up_on_side_stream(step):
 def capture_cuda_graph(step, pool):
     """Record `step()` into a CUDA graph (capture records the kernels without running them) drawing on the memory
     pool `pool` (None: a new one). Returns (replay, the pool). Autocast's weight-cast cache is off while capturing:
-    a cast cached during the capture would be freed after it, under the graph's feet. Only this thread's CUDA
-    calls are checked during the capture (the calculator's and loggers' threads never touch the GPU)."""
+    a cast cached during the capture would be freed after it, under the graph's feet (the engine's DecodeWeights
+    leave it no weight to cast). Only this thread's CUDA calls are checked during the capture (the calculator's
+    and loggers' threads never touch the GPU)."""
     graph = torch.cuda.CUDAGraph()
     autocast = dict(dtype=torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"))
     with (torch.autocast("cuda", cache_enabled=False, **autocast),
@@ -762,6 +775,62 @@ def decode_plan(mode):
     return bucketed_shape, GraphedStep if mode == "graph" else None, True
 
 
+def matmul_modules(model):
+    """The modules whose fp32 weight autocast casts for a matmul: in nanochat's GPT every nn.Linear (lm_head and
+    the gates included); embeddings are looked up and the scalars multiply in fp32."""
+    return [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32]
+
+
+class DecodeWeights:
+    """The model's matmul weights in the autocast dtype, which the engine's forwards use instead of the fp32
+    parameters when rollouts run under bf16 or fp16 autocast.
+
+    Autocast casts a matmul's fp32 weight to its dtype at every call, and uses a weight already in that dtype as
+    it is: a copy made once gives bitwise the same outputs. Made once because inside a CUDA-graph capture the
+    autocast cache is off (see GraphedStep), so a replayed step would cast every weight again: read fp32, write
+    and read bf16, three times the bytes of the one bf16 read the step needs. The weights copied are those of
+    matmul_modules; tests/test_decode_weights.py checks that autocast casts no other parameter.
+
+    The copies are made at the first low-precision rollout and refreshed in place at the start of every one (the
+    trainer changes the fp32 weights in between; in place, so graphs captured over them stay valid). They cost
+    2 bytes per matmul weight (d20: 477M weights, 0.95 GB), kept between rollouts and not counted in the KV
+    cache's memory_budget_gb: about what autocast's cache held during an eager bf16 rollout anyway. fp32
+    rollouts make none. Training never sees them: they replace the parameters only inside `in_use`.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.dtype, self.slots, self.copies = None, [], []  # slots: the Linear modules' parameter dicts
+
+    @torch.no_grad()
+    def refresh(self, dtype):
+        """At the start of a rollout under autocast to `dtype` (None: no autocast): copies of the model's current
+        fp32 matmul weights, in the storage of the last rollout's when the dtype is the same; none unless the
+        dtype is bf16 or fp16."""
+        if dtype != self.dtype:
+            self.copies = []  # the old ones are freed before the new ones are allocated
+            low = dtype in (torch.bfloat16, torch.float16)
+            self.slots = [m._parameters for m in matmul_modules(self.model)] if low else []
+            self.copies = [torch.empty_like(slot["weight"], dtype=dtype) for slot in self.slots]
+            self.dtype = dtype
+        for slot, copy in zip(self.slots, self.copies):
+            copy.copy_(slot["weight"])
+
+    @contextmanager
+    def in_use(self):
+        """The model's matmul weights are the copies inside this block. Written into the modules' parameter dicts
+        directly: nn.Module.__setattr__ takes only Parameters, and over d20's 121 weights torch.func.functional_call
+        costs ~1 ms per forward, this 0.03 ms."""
+        originals = [slot["weight"] for slot in self.slots]
+        for slot, copy in zip(self.slots, self.copies):
+            slot["weight"] = copy
+        try:
+            yield
+        finally:
+            for slot, weight in zip(self.slots, originals):
+                slot["weight"] = weight
+
+
 # -----------------------------------------------------------------------------
 # The engine
 
@@ -775,7 +844,8 @@ class Engine:
     place. With share_prompts (the default) a prompt's keys and values are stored once for all its rows
     (SharedPromptKVCache: more rows fit, fewer bytes read per token); without, each row holds a copy, as
     nanochat does. Row r of a prompt with seed s samples with its own stream row_seed(s, r), so its output
-    does not depend on the batch it shares.
+    does not depend on the batch it shares. Under bf16/fp16 autocast the forwards use the matmul weights cast once
+    per rollout (DecodeWeights).
     """
 
     def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True, decode="auto"):
@@ -787,13 +857,17 @@ class Engine:
         self.share_prompts = share_prompts
         self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
         self.kept_batch = None  # a static batch between rollouts (see _new_batch); release() drops it
+        self.weights = DecodeWeights(model)
         self.last_stats = RolloutStats()
 
     def release(self):
-        """Drop the static batch kept between rollouts (its KV cache and CUDA graphs), e.g. to give its memory
-        to training after an out-of-memory. True if there was one."""
-        kept, self.kept_batch = self.kept_batch, None
-        return kept is not None
+        """Drop what is kept between rollouts: the static batch (its KV cache and CUDA graphs, captured over the
+        decode weights) and the decode weights, e.g. to give their memory to training after an out-of-memory.
+        True if anything was held."""
+        held = self.kept_batch is not None or bool(self.weights.copies)
+        self.kept_batch = None
+        self.weights.refresh(None)
+        return held
 
     # -- nanochat's API ------------------------------------------------------------
     def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
@@ -836,7 +910,7 @@ class Engine:
     def rows_for_budget(self, prompt_len, max_tokens, dtype, num_samples=1):
         """How many rows' KV cache fit in the memory budget: prompt + completion per row, or with shared
         prompts a completion per row plus the prompt pool (about 2 prompts per num_samples rows, see
-        prompt_slots)."""
+        prompt_slots). The budget is the KV cache's: bf16 decode weights (DecodeWeights) come on top."""
         per_token = SharedPromptKVCache.bytes_per_token(self.model, dtype)
         budget_tokens = self.memory_budget_gb * (1 << 30) / per_token
         if not self.share_prompts:
@@ -849,10 +923,10 @@ class Engine:
         last rows are still running while the next ones start."""
         return max(1, min(num_prompts, 2 * math.ceil(rows / num_samples) + 1))
 
-    def _cache_dtype(self, device):
-        if torch.is_autocast_enabled(device.type):
-            return torch.get_autocast_dtype(device.type)
-        return next(self.model.parameters()).dtype
+    def _autocast_dtype(self):
+        """The dtype autocast runs matmuls in on the model's device; None outside autocast."""
+        device = self.model.get_device().type
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
     def _new_batch(self, num_prompts, longest, num_samples, max_tokens, temperature, top_k, max_rows):
         """An empty DecodeBatch: max_rows rows (else the engine's, else what the memory budget holds), at most
@@ -861,7 +935,7 @@ class Engine:
         of the same shape, so its cache and its captured CUDA graphs are made once per run, not once per
         rollout (its prompt pool rounded up to PROMPT_BUCKET positions, so prompts of other lengths fit)."""
         model = self.model
-        dtype = self._cache_dtype(model.get_device())
+        dtype = self._autocast_dtype() or next(model.parameters()).dtype
         cap = max_rows or self.max_rows or self.rows_for_budget(longest, max_tokens, dtype, num_samples)
         B = max(1, min(cap, num_prompts * num_samples))
         pool_slots = self.prompt_slots(B, num_samples, num_prompts) if self.share_prompts else None
@@ -878,7 +952,7 @@ class Engine:
             cache = SharedPromptKVCache.for_model(model, B, pool_slots, prompt_cap, max_tokens, num_samples, dtype, static)
         else:
             cache = KVCache.for_model(model, B, prompt_cap + max_tokens, dtype)
-        batch = DecodeBatch(model, cache, temperature, top_k, self.last_stats, pool_slots, shapes, runner)
+        batch = DecodeBatch(model, cache, temperature, top_k, self.last_stats, pool_slots, shapes, runner, self.weights)
         batch.reuse_key = key if static else None
         return batch
 
@@ -895,6 +969,7 @@ class Engine:
         longest = max(len(p) for p in prompts)
         if max_tokens is None:
             max_tokens = max(1, self.model.config.sequence_len - longest)
+        self.weights.refresh(self._autocast_dtype())  # the trainer has changed the weights since the last rollout
         batch = self._new_batch(len(prompts), longest, num_samples, max_tokens, temperature, top_k, max_rows)
         waiting, pending = deque(range(len(prompts))), None  # prompts not prefilled yet; the one being admitted
         while batch.rows or waiting or pending is not None:

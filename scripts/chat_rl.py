@@ -429,7 +429,7 @@ def with_fewer_rows_on_oom(attempt, rows, message, rows_in_use=None, free_memory
             return attempt(rows), rows
         except torch.OutOfMemoryError:
             if free_memory is not None and free_memory():
-                print0(message.split(":")[0] + ": released the rollouts' kept KV cache and decode graphs; retrying")
+                print0(message.split(":")[0] + ": released the rollouts' kept KV cache, decode graphs and weights; retrying")
                 continue
             used = (rows_in_use() if rows_in_use else rows) or 1
             if used <= 1:

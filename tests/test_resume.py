@@ -158,7 +158,7 @@ def test_out_of_memory_in_training_first_releases_the_kept_rollout_batch(sft, ba
     chat_rl.main(flags + ["--overwrite"])
     out = capsys.readouterr().out
     assert released == [True]
-    assert "out of memory during training: released the rollouts' kept KV cache and decode graphs; retrying" in out
+    assert "out of memory during training: released the rollouts' kept KV cache, decode graphs and weights; retrying" in out
     assert "retrying with" not in out
     assert_same_weights(weights(rl_dir(base_dir) / "model_000001.pt"), reference)
 
