@@ -54,7 +54,7 @@ from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_fl
 from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_init, cpu_bf16_kind,
                              cpu_has_native_bf16, cpu_name, dtype_name, synchronize, get_base_dir, get_dist_info, grad_norm,
                              print0, require)
-from nanochat.engine import Engine, SharedPromptKVCache
+from nanochat.engine import Engine, SharedPromptKVCache, matmul_modules
 from nanochat.flops import matmul_flops_per_token, rollout_flops, train_flops
 from nanochat.gpt import build_fresh_model
 from nanochat.optim import scale_initial_lr
@@ -485,9 +485,12 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
     batches, rows, work = m["batches"], m.pop("rows"), m.pop("work")
     kv_bytes = SharedPromptKVCache.bytes_per_token(model, config.dtype) * work["kv_positions_read"]
     peak = peaks[dtype_name(config.dtype)]
-    # the decode step's roofline: every weight read once (in the compute dtype) plus the keys/values read
+    # the decode step's roofline: every matmul weight read once in the compute dtype (bf16: the engine's
+    # DecodeWeights), plus the keys/values read; embeddings are looked up, a few rows per step
     decode_ms = 1000 * m["rollout_seconds"] / max(work["decode_forwards"], 1)
-    step_bytes = model.num_params() * torch.tensor([], dtype=config.dtype).element_size() + kv_bytes / max(work["decode_forwards"], 1)
+    element_size = torch.tensor([], dtype=config.dtype).element_size()
+    weight_bytes = element_size * sum(linear.weight.numel() for linear in matmul_modules(model))
+    step_bytes = weight_bytes + kv_bytes / max(work["decode_forwards"], 1)
     bound_ms = 1000 * step_bytes / bandwidth
     r_tokens = sum(n for b in batches for n in b.completion_lengths)
     r_flops = sum(rollout_flops(model, plen, prefills, steps) for plen, prefills, steps in rows)
@@ -501,7 +504,8 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
             "train_mfu": t_flops / m["train_seconds"] / peak,
             "rows": sum(len(steps) for _, _, steps in rows), **work,
             "kv_bytes_per_decoded_token": kv_bytes / max(work["row_steps"], 1),
-            "decode_ms_per_step": decode_ms, "bytes_per_decode_step": step_bytes, "bandwidth_bound_ms": bound_ms,
+            "decode_ms_per_step": decode_ms, "decode_weight_bytes": weight_bytes, "bytes_per_decode_step": step_bytes,
+            "bandwidth_bound_ms": bound_ms,
             "decode_x_bound": decode_ms / bound_ms,
             "rollout_seconds_each": [r["rollout_seconds"] for r in runs],
             "resident_mb_at_start": resident_mb, "peak_memory_mb": peak_mb}

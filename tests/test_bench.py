@@ -18,8 +18,8 @@ METRICS = ["rollout_seconds", "train_seconds", "optimizer_seconds", "step_second
            "train_tokens_per_s", "train_flops", "train_flops_per_s", "train_mfu", "rows", "prefill_tokens",
            "decode_forwards", "row_steps", "rows_x_longest", "resident_mb_at_start", "peak_memory_mb",
            "rollout_tokens_per_s_x", "train_tokens_per_s_x", "step_speedup_x", "kv_positions_read",
-           "kv_bytes_per_decoded_token", "decode_ms_per_step", "bytes_per_decode_step", "bandwidth_bound_ms",
-           "decode_x_bound"]
+           "kv_bytes_per_decoded_token", "decode_ms_per_step", "decode_weight_bytes", "bytes_per_decode_step",
+           "bandwidth_bound_ms", "decode_x_bound"]
 
 
 def tiny_gpt(n_layer=1, window_pattern="L"):
@@ -69,6 +69,13 @@ def test_report_has_every_config_and_metric(base_dir, tmp_path, capsys):
         assert r["row_steps"] <= r["rows_x_longest"] <= r["rows"] * (8 - 1)  # the first token comes from the prefill
         # every position of the padded passes is trained on: prompt + longest completion - 1, per question
         assert r["train_tokens"] >= r["rollout_tokens"]
+        # a decode step reads each matmul weight once in its dtype (bf16: the engine's copies), 4 * 64 * 64 (attention)
+        # + 2 * 64 * 256 (MLP) + 448 * 64 (lm_head, 400 rows padded) = 77,824 (the embeddings are looked up), and its
+        # keys and values: 2 * 64 per position (one head of 64, one layer)
+        size = 2 if "bf16" in name else 4
+        assert r["decode_weight_bytes"] == 77_824 * size
+        kv_per_step = 2 * 64 * size * r["kv_positions_read"] / r["decode_forwards"]
+        assert r["bytes_per_decode_step"] == r["decode_weight_bytes"] + kv_per_step
     for name in ("baseline", "baseline+early"):
         assert report["results"][name]["step_speedup_x"] == 1.0
     for name in names[3:]:
