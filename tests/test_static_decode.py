@@ -125,22 +125,26 @@ def test_replayed_graphs_carry_tool_calls_early_ends_and_refilled_slots(tiny_tok
     assert any(c[3] >= 1 for per in static for c in per) and cpu_graphs.replays > 0
 
 
-def test_kept_graphs_replay_the_next_rollout_on_updated_weights(tiny_tokenizer, cpu_graphs):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_graphs_replay_the_next_rollout_on_updated_weights(dtype, tiny_tokenizer, cpu_graphs):
     """A kept static batch's graphs serve the next rollout (new prompts and seeds) with no new capture of a
     shape they hold, and read the weights as they are now: after an in-place update (what the optimizer does)
-    the replay samples what a fresh engine on the updated model samples."""
+    the replay samples what a fresh engine on the updated model samples. Under bf16 the graphs read the engine's
+    bf16 weight copies, which each rollout refreshes in place."""
     model = ending_model(tiny_tokenizer)
     prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
     engine = Engine(model, tiny_tokenizer, decode="graph")
-    first = rollouts(engine, prompts, **ENDING_KWARGS)
-    replays = engine.kept_batch.runner.replays
-    captured = set(replays)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(1.25)
-    again = rollouts(engine, prompts, **ENDING_KWARGS)
-    assert engine.kept_batch.runner.replays is replays and captured <= set(replays)
-    assert again == rollouts(Engine(model, tiny_tokenizer, decode="static"), prompts, **ENDING_KWARGS) != first
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        first = rollouts(engine, prompts, **ENDING_KWARGS)
+        replays = engine.kept_batch.runner.replays
+        captured = set(replays)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.25)
+        again = rollouts(engine, prompts, **ENDING_KWARGS)
+        assert engine.kept_batch.runner.replays is replays and captured <= set(replays)
+        assert again == rollouts(Engine(model, tiny_tokenizer, decode="static"), prompts, **ENDING_KWARGS) != first
+    assert bool(engine.weights.copies) == (dtype == torch.bfloat16)
 
 
 def test_the_stand_in_catches_what_a_capture_breaks(tiny_tokenizer, cpu_graphs, monkeypatch):
