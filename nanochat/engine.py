@@ -714,9 +714,16 @@ def capture_cuda_graph(step, pool):
     and loggers' threads never touch the GPU)."""
     graph = torch.cuda.CUDAGraph()
     autocast = dict(dtype=torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"))
-    with (torch.autocast("cuda", cache_enabled=False, **autocast),
-          torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")):
-        step()
+    try:
+        with (torch.autocast("cuda", cache_enabled=False, **autocast),
+              torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")):
+            step()
+    except RuntimeError as error:
+        # an out-of-memory inside the capture may surface as the failure to end it: raise the out-of-memory, which
+        # the rollout backs off from (fewer rows), not the capture's error
+        if isinstance(error.__context__, torch.OutOfMemoryError):
+            raise error.__context__ from error
+        raise
     return graph.replay, graph.pool()
 
 

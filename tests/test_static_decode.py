@@ -4,13 +4,16 @@ GraphedStep's replays give the static step's tokens (on any machine with graph_c
 CUDA graphs, and on a GPU with the real ones). nanochat's own greedy generations are checked in both decode
 modes in test_generations.py."""
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanochat.checkpoint_manager import build_model
 from nanochat.engine import (KEY_BUCKET, ROW_BUCKETS, DecodeBatch, Engine, GraphedStep, KVCache, RolloutStats,
-                             SharedPromptKVCache, bucketed_shape, decode_mode, decode_plan, exact_shape)
+                             SharedPromptKVCache, bucketed_shape, capture_cuda_graph, decode_mode, decode_plan,
+                             exact_shape)
 from helpers import ScriptedModel, install_generation, prompt_of, random_model, tiny_config
 
 GENERATIONS = ["oct2025", "jan2026", "ve", "ve_late", "mar9", "smear"]
@@ -236,6 +239,38 @@ def test_static_step_runs_on_the_meta_device(generation, share_prompts, tiny_tok
     with DeviceOnly() as mode, torch.no_grad():
         batch.run_step(6, 32, last_position=40)
     assert mode.ops > 50 and batch.sampled.device.type == "meta"
+
+
+def test_an_out_of_memory_inside_a_capture_is_raised_as_one(monkeypatch):
+    """capture_cuda_graph's error path, with torch.cuda's graph API stubbed on the CPU: when the capture ends in
+    its own error after an out-of-memory inside it (the stream's capture is broken), the out-of-memory is what
+    comes out, so the rollout backs off to fewer rows; any other error comes out as it is."""
+    class FailingCapture:
+        def __init__(self, graph, pool=None, capture_error_mode="global"):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            if exc[0] is not None:
+                raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph", FailingCapture)
+    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def bad_kernel():
+        raise ValueError("not an allocation")
+
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+        capture_cuda_graph(out_of_memory, None)
+    with pytest.raises(RuntimeError, match="previous error during capture") as error:
+        capture_cuda_graph(bad_kernel, None)
+    assert isinstance(error.value.__context__, ValueError)
 
 
 @pytest.mark.cuda
