@@ -2,9 +2,9 @@
 The run report: a markdown file per pipeline stage, assembled into one `report.md`.
 
 Each stage calls `report.log(section, data)` once when it finishes; that writes `<report_dir>/<slug>.md`
-(so re-running a stage replaces its section). `write_report()` joins the section files, in pipeline
-order, under a header with the date, the git commit and the platform. The RL stage's section
-("Chat RL": config, final metrics, pass@k table and plots) is built by `log_chat_rl`.
+(so re-running a stage replaces its section). `write_report(device)` joins the section files, in pipeline
+order, under a header with the date, the git commit and the platform (its GPUs when the run used CUDA). The
+RL stage's section ("Chat RL": config, final metrics, pass@k table and plots) is built by `log_chat_rl`.
 
 Only rank 0 writes: `get_report()` returns a `DummyReport` elsewhere, as `DummyWandb` does for wandb.
 """
@@ -68,12 +68,14 @@ def git_commit():
     return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
 
 
-def platform_summary():
-    """One line: OS, python, torch, and the accelerator if any."""
+def platform_summary(device):
+    """One line: OS, python, torch, CPUs, and the GPUs if the run's `device` is one. A run on the CPU does not
+    ask CUDA, though the machine may have it: naming a GPU initializes CUDA, which the run does not use and
+    which can fail (a busy or mismatched driver) after the run has done its work."""
     parts = [platform.platform(), f"python {platform.python_version()}", f"torch {torch.__version__}",
              f"{os.cpu_count()} CPUs"]
-    if torch.cuda.is_available():
-        parts.append(f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}")
+    if device.type == "cuda":
+        parts.append(f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(device)}")
     return ", ".join(parts)
 
 
@@ -102,9 +104,9 @@ class Report:
         atomic_write(path, "\n\n".join(parts) + "\n")
         return path
 
-    def write_report(self):
-        """Assemble report.md from the section files present, in SECTION_ORDER then alphabetically.
-        Returns its path."""
+    def write_report(self, device):
+        """Assemble report.md from the section files present, in SECTION_ORDER then alphabetically, under
+        a header naming the platform the run used `device` on. Returns its path."""
         os.makedirs(self.report_dir, exist_ok=True)
         known = {slugify(s): i for i, s in enumerate(SECTION_ORDER)}
         stems = [f[:-3] for f in os.listdir(self.report_dir) if f.endswith(".md") and f != REPORT_FILE]
@@ -114,7 +116,7 @@ class Report:
             "",
             f"- Generated: {datetime.datetime.now():%Y-%m-%d %H:%M:%S}",
             f"- Commit: {git_commit()}",
-            f"- Platform: {platform_summary()}",
+            f"- Platform: {platform_summary(device)}",
         ])
         sections = []
         for stem in stems:
@@ -131,7 +133,7 @@ class DummyReport:
     def log(self, section, data):
         return None
 
-    def write_report(self):
+    def write_report(self, device):
         return None
 
 

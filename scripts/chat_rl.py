@@ -644,7 +644,7 @@ def train(run, stop):
 
     report = get_report()
     log_chat_rl(report, vars(cfg), run.history, run.eval_history)
-    path = report.write_report()
+    path = report.write_report(run.device)
     if path:
         print0(f"Report: {path}")
     wandb_run.finish()

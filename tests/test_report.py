@@ -6,11 +6,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from nanochat.report import (PNG_SIGNATURE, DummyReport, Report, get_report, log_chat_rl, markdown_table, trailing_mean,
                              slugify)
 
+# the run's device for the header: a CPU run asks CUDA nothing (under conftest's pretend CUDA it would fail)
+CPU = torch.device("cpu")
 CONFIG = {"run": "test_run", "task": "arithmetic", "num_samples": 4, "matrix_lr": 0.02, "eval_every": 2}
 
 
@@ -107,7 +110,7 @@ def test_write_report_order_and_header(tmp_path):
     log_chat_rl(report, CONFIG, fake_history(), EVALS)
     report.log("Chat SFT", [{"val_loss": 1.25}, "sft notes"])
     report.log("Zeta extras", ["unlisted section"])
-    path = report.write_report()
+    path = report.write_report(CPU)
     assert path == str(tmp_path / "report.md")
     text = (tmp_path / "report.md").read_text()
     head = text.split("## ")[0]
@@ -122,7 +125,7 @@ def test_write_report_order_and_header(tmp_path):
 
     # re-logging a section replaces it rather than appending
     report.log("Chat SFT", [{"val_loss": 0.5}])
-    text = (tmp_path / report.write_report()).read_text()
+    text = (tmp_path / report.write_report(CPU)).read_text()
     assert text.count("## Chat SFT") == 1 and "- val_loss: 0.5000" in text and "1.2500" not in text
 
 
@@ -135,7 +138,7 @@ def test_default_dir_and_non_master_rank(tmp_path, monkeypatch):
     other = get_report()
     assert isinstance(other, DummyReport)
     assert log_chat_rl(other, CONFIG, fake_history(), EVALS) is None
-    assert other.write_report() is None
+    assert other.write_report(CPU) is None
     assert not (tmp_path / "base").exists()
 
 
