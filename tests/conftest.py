@@ -2,18 +2,40 @@
 random SFT checkpoint in it. Plain helpers (tiny models, base-dir writers) are in helpers.py.
 
 The whole session runs with the Hugging Face hub offline and with empty HF / nanochat caches, so no test can
-touch the network or the user's real data, whatever the machine has cached."""
+touch the network or the user's real data, whatever the machine has cached.
 
+Pretend CUDA: the suite must hold on a machine with a GPU, and CI has none. So on a machine without CUDA the
+whole session runs with torch.cuda.is_available() True and device_count() 1, in this process (the `pretend_cuda`
+fixture) and in every Python process the tests start, scripts, torchrun ranks and multiprocessing children
+included (tests/pretend_cuda/sitecustomize.py, on their PYTHONPATH). Code that picks CUDA by availability where
+the test meant the CPU then fails here, where it first uses CUDA, with an error naming this guard, as it would
+run on the GPU there; a test that means the CPU says so (device="cpu", --device-type=cpu). A test that needs a
+real GPU is marked `cuda` and skips on helpers.HAS_CUDA (read before any patching), not on
+torch.cuda.is_available(). Where a GPU is really there, the guard is off."""
+
+import importlib.util
 import os
 import shutil
 import tempfile
 
 import pytest
+import torch
 
 from graph_capture import use_recorded_graphs
-from helpers import FIXTURES, make_sft_checkpoint
+from helpers import FIXTURES, HAS_CUDA, PRETEND_CUDA_DIR, make_sft_checkpoint
 
 TINY_VOCAB_SIZE = 400
+
+
+def load_pretend_cuda():
+    """tests/pretend_cuda/sitecustomize.py as a module of this process (its folder is not on sys.path here)."""
+    spec = importlib.util.spec_from_file_location("pretend_cuda", PRETEND_CUDA_DIR / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PRETEND_CUDA = load_pretend_cuda()
 
 
 def pytest_configure(config):
@@ -26,6 +48,21 @@ def pytest_configure(config):
     for var in ("HF_DATASETS_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "NANOCHAT_GSM8K_DIR"):
         os.environ.pop(var, None)
     os.environ["NANOCHAT_BASE_DIR"] = os.path.join(root, "nanochat")  # tests that need one use `base_dir`
+    if not HAS_CUDA:  # subprocesses that inherit this environment (helpers.PYTHONPATH has the folder too)
+        os.environ[PRETEND_CUDA.ENV] = "1"
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PRETEND_CUDA_DIR), os.environ.get("PYTHONPATH")]))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pretend_cuda():
+    """torch.cuda answers like a one-GPU machine for the whole session (the module docstring): session- and
+    module-scoped fixtures that run chat_sft or chat_rl in-process come before any per-test fixture, so the
+    guard is session-wide. The `cuda` tests never run under it: they skip on helpers.HAS_CUDA, which is False
+    wherever the guard is on."""
+    with pytest.MonkeyPatch.context() as mp:
+        if not HAS_CUDA:
+            PRETEND_CUDA.pretend_cuda(torch.cuda, mp.setattr)
+        yield
 
 
 def pytest_unconfigure(config):
@@ -91,7 +128,6 @@ def one_step_sft(tmp_path_factory):
     here but 0.77 on an Intel AVX512 CPU, where the learning test's precondition failed."""
     import contextlib
     import io
-    import torch
     from nanochat.cli import run_main
     from nanochat.tokenizer import Tokenizer
     from scripts import chat_sft

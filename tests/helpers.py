@@ -1,7 +1,8 @@
 """What several test files share: where the repo is, tiny GPT models, and base dirs holding a checkpoint.
 
 Import it as `from helpers import ...`: pytest puts tests/ on sys.path (the folder has no __init__.py), the
-workers run from tests/, and subprocesses get both folders through PYTHONPATH below.
+workers run from tests/, and subprocesses get both folders through PYTHONPATH below (with the pretend-CUDA
+guard's folder, see conftest).
 """
 
 import os
@@ -17,8 +18,13 @@ from nanochat.gpt import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
+# whether torch really sees a GPU, read here, before conftest's pretend-CUDA guard patches torch.cuda: the
+# `cuda` tests skip on it, and the guard stays off where it is True
+HAS_CUDA = torch.cuda.is_available()
+# its sitecustomize.py carries the guard into subprocesses (conftest's docstring)
+PRETEND_CUDA_DIR = REPO / "tests" / "pretend_cuda"
 # for a subprocess: nanochat, scripts and tasks from the repo, user-style tasks (rl_toy_task) from tests/
-PYTHONPATH = f"{REPO}{os.pathsep}{REPO / 'tests'}"
+PYTHONPATH = os.pathsep.join(str(p) for p in [REPO, REPO / "tests"] + ([] if HAS_CUDA else [PRETEND_CUDA_DIR]))
 
 # ----------------------------------------------------------------------------- tiny models
 

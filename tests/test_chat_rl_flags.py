@@ -10,7 +10,7 @@ import math
 import pytest
 
 from gloo_ranks import run_ranks
-from helpers import REPO, TINY_RL_FLAGS, assert_same_weights, weights
+from helpers import PYTHONPATH, TINY_RL_FLAGS, assert_same_weights, weights
 from nanochat.cli import run_main
 from nanochat.engine import Engine
 from scripts import chat_rl
@@ -174,7 +174,7 @@ def test_two_rank_resume_matches_the_uninterrupted_run_and_one_rank_is_refused(s
     """A 2-rank run stopped after step 1 resumes on 2 ranks to the uninterrupted run's weights and history
     (each rank's optimizer shard is saved and restored); 1 rank cannot continue it (its optimizer state is
     sharded over 2) and says so in one line."""
-    monkeypatch.setenv("PYTHONPATH", str(REPO / "tests"))  # the ranks import rl_toy_task
+    monkeypatch.setenv("PYTHONPATH", PYTHONPATH)  # the ranks import rl_toy_task from tests/
     flags = TINY_RL_FLAGS + ["--num-steps=3", "--save-every=1"]
     run_ranks(lambda rank: ["-m", "scripts.chat_rl", *flags], timeout=300)
     directory = rl_dir(base_dir)

@@ -13,9 +13,9 @@ import torch
 
 from nanochat.checkpoint_manager import load_model
 from nanochat.rl import accumulate_policy_gradient, make_question_batch
-from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS, random_model, tiny_config
+from helpers import HAS_CUDA, PYTHONPATH, REPO, TINY_RL_FLAGS, random_model, tiny_config
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 
 CUDA_RL_FLAGS = [f for f in TINY_RL_FLAGS if not f.startswith("--device-type")] + ["--device-type=cuda"]
 

@@ -14,7 +14,7 @@ from nanochat.checkpoint_manager import build_model
 from nanochat.engine import (KEY_BUCKET, ROW_BUCKETS, DecodeBatch, Engine, GraphedStep, KVCache, RolloutStats,
                              SharedPromptKVCache, bucketed_shape, capture_cuda_graph, decode_mode, decode_plan,
                              exact_shape)
-from helpers import ScriptedModel, install_generation, prompt_of, random_model, tiny_config
+from helpers import HAS_CUDA, ScriptedModel, install_generation, prompt_of, random_model, tiny_config
 
 GENERATIONS = ["oct2025", "jan2026", "ve", "ve_late", "mar9", "smear"]
 
@@ -274,7 +274,7 @@ def test_an_out_of_memory_inside_a_capture_is_raised_as_one(monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_replay_equals_the_static_step(dtype, tiny_tokenizer):
     """On a GPU: rollouts replayed from CUDA graphs (several row and key buckets: 30 rows that end at different

@@ -11,7 +11,7 @@ import sys
 
 from nanochat.common import DummyWandb
 from nanochat.wandb_utils import init_wandb, log_samples_table
-from helpers import REPO
+from helpers import PYTHONPATH, REPO
 
 OFFLINE_RUN = """
 import json, sys
@@ -29,7 +29,7 @@ def wandb_env(tmp_path, mode):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(WANDB_MODE=mode, WANDB_DIR=str(tmp_path), WANDB_SILENT="true", HOME=str(tmp_path / "home"),
                WANDB_CONFIG_DIR=str(tmp_path / "config"), WANDB_CACHE_DIR=str(tmp_path / "cache"),
-               WANDB_DATA_DIR=str(tmp_path / "data"), PYTHONPATH=str(REPO))
+               WANDB_DATA_DIR=str(tmp_path / "data"), PYTHONPATH=PYTHONPATH)
     (tmp_path / "home").mkdir(exist_ok=True)
     return env
 
