@@ -556,7 +556,9 @@ class DecodeBatch:
         self.rotary_len = getattr(model, "rotary_len", None)
         self.reuse_key = None      # set by the engine on a static batch it may reuse (Engine._new_batch)
         self.shapes = shapes or exact_shape
-        self.runner = runner(self.run_step) if runner else self.run_step
+        # replays the step from graphs (GraphedStep), or None: run it. Made without a reference to this batch (no
+        # bound method kept): a batch in a reference cycle would hold its KV cache until the next garbage collection
+        self.graphs = runner() if runner else None
         self.free_pool = None if pool_slots is None else deque(range(pool_slots))
         self.pool_slot = {}        # request -> the pool slot holding its prompt
         self.unfinished = {}       # request -> its rows not finished yet, admitted or not
@@ -612,7 +614,10 @@ class DecodeBatch:
         if keys > self.cache.decode_capacity():
             raise ValueError(f"KV cache overflow: {keys} positions needed, the cache holds {self.cache.decode_capacity()}")
         rows, keys = self.shapes(n, keys, self.cache.batch_size, self.cache.decode_capacity())
-        self.runner(rows, keys, last_position)
+        if self.graphs is None:
+            self.run_step(rows, keys, last_position)
+        else:
+            self.graphs((rows, keys), lambda: self.run_step(rows, keys, last_position))
         for i in range(n):
             self.cached[i] += 1
         stats = self.stats
@@ -695,15 +700,21 @@ def bucketed_shape(rows, keys, max_rows, max_keys):
     return min(max_rows, row_bucket), min(max_keys, -(-keys // KEY_BUCKET) * KEY_BUCKET)
 
 
-def warm_up_on_side_stream(step):
-    """Run `step()` eagerly on a side stream, as PyTorch's CUDA-graph recipe warms up what it will capture (the
+class SideStreamWarmUp:
+    """Runs a step eagerly on a side stream, as PyTorch's CUDA-graph recipe warms up what it will capture (the
     libraries' lazy per-stream state, e.g. cuBLAS workspaces, is then made outside the capture); the current
-    stream waits for it, so its results are there for whatever comes next."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
+    stream waits for it, so its results are there for whatever comes next. One stream for all the warm-ups of
+    a batch's graphs (each stream keeps its own cached blocks)."""
+
+    def __init__(self):
+        self.stream = None
+
+    def __call__(self, step):
+        self.stream = self.stream or torch.cuda.Stream()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            step()
+        torch.cuda.current_stream().wait_stream(self.stream)
 
 
 def capture_cuda_graph(step, pool):
@@ -714,13 +725,18 @@ def capture_cuda_graph(step, pool):
     and loggers' threads never touch the GPU)."""
     graph = torch.cuda.CUDAGraph()
     autocast = dict(dtype=torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"))
+    stream = torch.cuda.current_stream()
     try:
         with (torch.autocast("cuda", cache_enabled=False, **autocast),
               torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")):
             step()
     except RuntimeError as error:
-        # an out-of-memory inside the capture may surface as the failure to end it: raise the out-of-memory, which
-        # the rollout backs off from (fewer rows), not the capture's error
+        # torch.cuda.graph ends the capture before it restores the stream, so a capture that fails to end leaves
+        # its own stream current: put ours back before anything else runs
+        torch.cuda.set_stream(stream)
+        # the allocator frees no cached block during a capture, so an out-of-memory there should come out as
+        # itself; if it broke the capture, ending it fails instead (not seen on a GPU yet): raise the
+        # out-of-memory, which the rollout backs off from with fewer rows
         if isinstance(error.__context__, torch.OutOfMemoryError):
             raise error.__context__ from error
         raise
@@ -729,27 +745,26 @@ def capture_cuda_graph(step, pool):
 
 class GraphedStep:
     """A static decode step replayed from graphs, one per shape. A shape's first step runs eagerly through
-    `warm_up` (it warms up kernels and workspaces), its second is captured by `capture` (capture_cuda_graph; the
-    tests pass a CPU stand-in with the same semantics) and then replayed, like every later one. A replay runs
-    what the capture recorded: the same tensors (the batch's buffers, cache and weights, updated in place) and
-    every Python value as it was at the capture, so the step may take nothing from the host that changes between
-    steps of a shape. All graphs share one memory pool: they never run at once, and none leaves a live tensor
-    in it."""
+    `warm_up` (it warms up kernels and workspaces; default: on a side stream), its second is captured by
+    `capture` (capture_cuda_graph; the tests pass a CPU stand-in with the same semantics) and then replayed,
+    like every later one. A replay runs what the capture recorded: the same tensors (the batch's buffers, cache
+    and weights, updated in place) and every Python value as it was at the capture, so the step may take
+    nothing from the host that changes between steps of a shape. All graphs share one memory pool: they never
+    run at once, and none leaves a live tensor in it."""
 
-    def __init__(self, step, capture=capture_cuda_graph, warm_up=warm_up_on_side_stream):
-        self.step, self.capture, self.warm_up = step, capture, warm_up
+    def __init__(self, capture=capture_cuda_graph, warm_up=None):
+        self.capture, self.warm_up = capture, warm_up or SideStreamWarmUp()
         self.replays, self.seen, self.pool = {}, set(), None
 
-    def __call__(self, rows, keys, last_position):
-        shape = (rows, keys)
-        run = lambda: self.step(rows, keys, last_position)
+    def __call__(self, shape, step):
+        """Run step() (the decode step of `shape`), eagerly or from its graph."""
         replay = self.replays.get(shape)
         if replay is None and shape not in self.seen:
             self.seen.add(shape)
-            self.warm_up(run)
+            self.warm_up(step)
             return
         if replay is None:
-            replay, self.pool = self.capture(run, self.pool)
+            replay, self.pool = self.capture(step, self.pool)
             self.replays[shape] = replay
         replay()
 
@@ -823,6 +838,10 @@ class DecodeWeights:
         for slot, copy in zip(self.slots, self.copies):
             copy.copy_(slot["weight"])
 
+    def clear(self):
+        """Free the copies (the next refresh makes new ones)."""
+        self.dtype, self.slots, self.copies = None, [], []
+
     @contextmanager
     def in_use(self):
         """The model's matmul weights are the copies inside this block. Written into the modules' parameter dicts
@@ -864,16 +883,18 @@ class Engine:
         self.share_prompts = share_prompts
         self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
         self.kept_batch = None  # a static batch between rollouts (see _new_batch); release() drops it
+        self.keeps_between_rollouts = True  # the static batch and the decode weights; release() may turn it off
         self.weights = DecodeWeights(model)
         self.last_stats = RolloutStats()
 
-    def release(self):
+    def release(self, keep_from_now_on=True):
         """Drop what is kept between rollouts: the static batch (its KV cache and CUDA graphs, captured over the
         decode weights) and the decode weights, e.g. to give their memory to training after an out-of-memory.
-        True if anything was held."""
+        With keep_from_now_on=False later rollouts free theirs when they end. True if anything was held."""
         held = self.kept_batch is not None or bool(self.weights.copies)
         self.kept_batch = None
-        self.weights.refresh(None)
+        self.weights.clear()
+        self.keeps_between_rollouts = keep_from_now_on
         return held
 
     # -- nanochat's API ------------------------------------------------------------
@@ -993,6 +1014,8 @@ class Engine:
                 pending = None if pending.fully_admitted else pending
             if events:
                 yield events
-        if batch.reuse_key is not None:  # every row retired and every pool slot freed: ready for the next rollout
+        if not self.keeps_between_rollouts:
+            self.weights.clear()
+        elif batch.reuse_key is not None:  # every row retired and every pool slot freed: ready for the next rollout
             self.kept_batch = batch
 

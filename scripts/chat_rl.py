@@ -421,21 +421,32 @@ def setup_run(args, rank, world_size, device):
 def with_fewer_rows_on_oom(attempt, rows, message, rows_in_use=None, free_memory=None):
     """attempt(rows), retried on out-of-memory with half the rows the failed attempt used (rows_in_use(), by
     default rows) until one row fails too; message is formatted with the new rows and printed. First, if given,
-    free_memory() may give back memory held for later (True if it did): then the same rows are tried again. The
-    result does not depend on the rows (per-row sampling streams; gradients summed in chunks). Returns (result,
-    rows)."""
+    free_memory() may give back memory held for later and return what to print: then the same rows are tried
+    again. The result does not depend on the rows (per-row sampling streams; gradients summed in chunks).
+    Returns (result, rows)."""
     while True:
         try:
             return attempt(rows), rows
         except torch.OutOfMemoryError:
-            if free_memory is not None and free_memory():
-                print0(message.split(":")[0] + ": released the rollouts' kept KV cache, decode graphs and weights; retrying")
+            freed = free_memory() if free_memory else None
+            if freed:
+                print0(freed)
                 continue
             used = (rows_in_use() if rows_in_use else rows) or 1
             if used <= 1:
                 raise
             rows = used // 2
             print0(message.format(rows=rows))
+
+
+def give_back_rollout_memory(engine):
+    """After an out-of-memory in training: the engine's batch and weight copies kept for the next rollout go, and
+    later rollouts keep none (rebuilding them each rollout costs less than running short of memory each step).
+    What to print, or None if it held nothing."""
+    if engine.release(keep_from_now_on=False):
+        return ("out of memory during training: gave back the KV cache, decode graphs and weights the rollout engine "
+                "keeps between rollouts (it keeps none from now on); retrying")
+    return None
 
 
 def evaluate(run, step):
@@ -499,7 +510,7 @@ def train_on_rollouts(run, rollouts, step):
                                               reference=run.reference, first_epoch=first)
         last, run.micro_rows = with_fewer_rows_on_oom(attempt, run.micro_rows, "out of memory during training: "
                                                       "retrying with {rows} rows per forward pass",
-                                                      free_memory=run.engine.release)
+                                                      free_memory=lambda: give_back_rollout_memory(run.engine))
         last_gnorm, stepped = guarded_step(run.model, run.optimizers, lrm, last.objective, run.reduce_device)
         if first is None:
             first, gnorm = last, last_gnorm

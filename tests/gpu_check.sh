@@ -30,16 +30,21 @@ mkdir -p "$out"
 python=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 if [ -d gpu_carry ]; then
-    if [ ! -x gpu_carry/venv/bin/python ]; then
+    if [ ! -f gpu_carry/venv/installed ]; then  # a marker: a venv whose install failed is made again
+        "$python" -c "import sys; assert sys.version_info[:2] == (3, 12), 'gpu_carry/wheels are for python 3.12'" || exit 2
+        rm -rf gpu_carry/venv
         "$python" -m venv --system-site-packages gpu_carry/venv || exit 2
         gpu_carry/venv/bin/python -m pip install --quiet --no-index --find-links gpu_carry/wheels \
             "wandb>=0.31" rustbpe matplotlib tqdm || exit 2
+        touch gpu_carry/venv/installed
     fi
     python=$PWD/gpu_carry/venv/bin/python
     export PATH="$PWD/gpu_carry/venv/bin:$PATH"
     export NANOCHAT_BASE_DIR=${NANOCHAT_BASE_DIR:-$PWD/gpu_carry/base}
     export NANOCHAT_GSM8K_DIR=${NANOCHAT_GSM8K_DIR:-$PWD/gpu_carry/gsm8k}
-    export PYTHONPATH="$PWD/gpu_carry/offline${PYTHONPATH:+:$PYTHONPATH}"
+    # the json-only `datasets` stand-in for the scripts (they never import it with a local GSM8K directory); the
+    # suite goes without it: test_gsm8k compares the local order with the real datasets' shuffle where installed
+    [ "$stage" = suite ] || export PYTHONPATH="$PWD/gpu_carry/offline${PYTHONPATH:+:$PYTHONPATH}"
 fi
 "$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'; print(torch.__version__, torch.cuda.get_device_name(0))" || exit 2
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null | tee "$out/gpu.txt"

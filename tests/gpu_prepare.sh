@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds gpu_carry/ (git-ignored): what tests/gpu_check.sh needs on a GPU machine that has a CUDA torch but no
-# network, no ../shared and none of this project's other dependencies. Run it here, then carry gpu_carry there:
+# Builds gpu_carry/ (git-ignored): what tests/gpu_check.sh needs on a GPU machine that has python 3.12 with a CUDA
+# torch, triton, tiktoken, numpy and pytest, but no network, no ../shared, and not wandb, rustbpe, matplotlib,
+# tqdm or datasets. Run it here, then carry gpu_carry there:
 #
 #   bash tests/gpu_prepare.sh [SHARED_DIR]      # SHARED_DIR holds gpu/ and data/gsm8k/ (default ../shared)
 #
@@ -25,7 +26,7 @@ cp "$shared"/data/gsm8k/train.jsonl "$shared"/data/gsm8k/test.jsonl "$carry/gsm8
 cp -r "$shared/gpu/offline/datasets" "$carry/offline/"
 "$python" -m pip download --quiet --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$carry/wheels" \
-    "wandb>=0.31" rustbpe matplotlib tqdm 2>&1 | grep -v "^WARNING: Location" || true
+    "wandb>=0.31" rustbpe matplotlib tqdm 2>&1 | { grep -v "^WARNING: Location" || true; }  # pip's status stays
 rm -f "$carry"/wheels/numpy-*.whl
 du -sh "$carry"
 [ "$(du -sm "$carry" | cut -f1)" -lt 64 ] || { echo "gpu_prepare: $carry is over the 64 MiB a device call carries" >&2; exit 1; }

@@ -137,28 +137,39 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(sft, base_dir,
 def test_out_of_memory_in_training_first_releases_the_kept_rollout_batch(sft, base_dir, monkeypatch, capsys):
     """With a static decode step the engine keeps its batch (KV cache; on CUDA, graphs) between rollouts. An
     out-of-memory in training first gives that memory back and retries with the same rows, so nothing is halved
-    and the weights are those of an undisturbed run, bit for bit; the next rollout builds a new batch."""
+    and the weights are those of an undisturbed run, bit for bit; from then on the engine keeps nothing between
+    rollouts, so the next step's training has that memory too."""
     flags = TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--decode=static"]
     chat_rl.main(flags)
     reference = weights(rl_dir(base_dir) / "model_000001.pt")
     real_accumulate, real_release = chat_rl.accumulate_policy_gradient, chat_rl.Engine.release
-    released = []
+    released, kept_at_training = [], []
+    engines = []
 
     def accumulate(*args, **kwargs):
+        kept_at_training.append(engines[-1].kept_batch is not None)
         if not released:
             raise torch.OutOfMemoryError("simulated")
         return real_accumulate(*args, **kwargs)
 
-    def release(self):
+    def release(self, **kwargs):
         released.append(self.kept_batch is not None)
-        return real_release(self)
+        return real_release(self, **kwargs)
+
+    real_init = chat_rl.Engine.__init__
+
+    def init(self, *args, **kwargs):
+        engines.append(self)
+        real_init(self, *args, **kwargs)
 
     monkeypatch.setattr(chat_rl, "accumulate_policy_gradient", accumulate)
     monkeypatch.setattr(chat_rl.Engine, "release", release)
+    monkeypatch.setattr(chat_rl.Engine, "__init__", init)
     chat_rl.main(flags + ["--overwrite"])
     out = capsys.readouterr().out
-    assert released == [True]
-    assert "out of memory during training: released the rollouts' kept KV cache, decode graphs and weights; retrying" in out
+    assert released == [True] and kept_at_training == [True, False, False]  # step 0: failed, retried; step 1
+    assert ("out of memory during training: gave back the KV cache, decode graphs and weights the rollout engine "
+            "keeps between rollouts (it keeps none from now on); retrying") in out
     assert "retrying with" not in out
     assert_same_weights(weights(rl_dir(base_dir) / "model_000001.pt"), reference)
 

@@ -5,6 +5,8 @@ CUDA graphs, and on a GPU with the real ones). nanochat's own greedy generations
 modes in test_generations.py."""
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -130,8 +132,8 @@ def test_replayed_graphs_carry_tool_calls_early_ends_and_refilled_slots(tiny_tok
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kept_graphs_replay_the_next_rollout_on_updated_weights(dtype, tiny_tokenizer, cpu_graphs):
-    """A kept static batch's graphs serve the next rollout (new prompts and seeds) with no new capture of a
-    shape they hold, and read the weights as they are now: after an in-place update (what the optimizer does)
+    """A kept static batch's graphs serve the next rollout, every shape they hold replayed from the graph
+    captured before, and read the weights as they are now: after an in-place update (what the optimizer does)
     the replay samples what a fresh engine on the updated model samples. Under bf16 the graphs read the engine's
     bf16 weight copies, which each rollout refreshes in place."""
     model = ending_model(tiny_tokenizer)
@@ -139,15 +141,38 @@ def test_kept_graphs_replay_the_next_rollout_on_updated_weights(dtype, tiny_toke
     engine = Engine(model, tiny_tokenizer, decode="graph")
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         first = rollouts(engine, prompts, **ENDING_KWARGS)
-        replays = engine.kept_batch.runner.replays
-        captured = set(replays)
+        replays = engine.kept_batch.graphs.replays
+        captured = dict(replays)
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(1.25)
         again = rollouts(engine, prompts, **ENDING_KWARGS)
-        assert engine.kept_batch.runner.replays is replays and captured <= set(replays)
+        assert engine.kept_batch.graphs.replays is replays and all(replays[shape] is captured[shape] for shape in captured)
         assert again == rollouts(Engine(model, tiny_tokenizer, decode="static"), prompts, **ENDING_KWARGS) != first
     assert bool(engine.weights.copies) == (dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("mode", ["static", "graph"])
+def test_a_batch_the_engine_lets_go_of_frees_its_cache_at_once(mode, tiny_tokenizer, cpu_graphs):
+    """No reference cycle holds a batch (its graphs included): with the garbage collector off, a kept batch's KV
+    cache is freed as soon as the engine lets go of it (release, or a rollout of another shape replacing it), so
+    its memory is there for training or the next batch; a cycle would hold it until the next collection."""
+    model = ending_model(tiny_tokenizer)
+    prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
+    engine = Engine(model, tiny_tokenizer, decode=mode)
+    gc.collect()
+    gc.disable()
+    try:
+        rollouts(engine, prompts, **ENDING_KWARGS)
+        cache = weakref.ref(engine.kept_batch.cache.k)
+        assert engine.release() and cache() is None and engine.kept_batch is None
+        rollouts(engine, prompts, **ENDING_KWARGS)
+        cache = weakref.ref(engine.kept_batch.cache.k)
+        rollouts(engine, prompts, **{**ENDING_KWARGS, "num_samples": 3})  # another shape: a new batch
+        assert cache() is None and engine.kept_batch is not None
+    finally:
+        gc.enable()
+    assert mode == "static" or cpu_graphs.replays > 0
 
 
 def test_the_stand_in_catches_what_a_capture_breaks(tiny_tokenizer, cpu_graphs, monkeypatch):
@@ -244,7 +269,8 @@ def test_static_step_runs_on_the_meta_device(generation, share_prompts, tiny_tok
 def test_an_out_of_memory_inside_a_capture_is_raised_as_one(monkeypatch):
     """capture_cuda_graph's error path, with torch.cuda's graph API stubbed on the CPU: when the capture ends in
     its own error after an out-of-memory inside it (the stream's capture is broken), the out-of-memory is what
-    comes out, so the rollout backs off to fewer rows; any other error comes out as it is."""
+    comes out, so the rollout backs off to fewer rows; any other error comes out as it is; either way the stream
+    that was current before the capture is current again."""
     class FailingCapture:
         def __init__(self, graph, pool=None, capture_error_mode="global"):
             pass
@@ -256,8 +282,11 @@ def test_an_out_of_memory_inside_a_capture_is_raised_as_one(monkeypatch):
             if exc[0] is not None:
                 raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
 
+    streams = []
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
     monkeypatch.setattr(torch.cuda, "graph", FailingCapture)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "the rollout's stream")
+    monkeypatch.setattr(torch.cuda, "set_stream", streams.append)
     monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())
 
     def out_of_memory():
@@ -271,6 +300,7 @@ def test_an_out_of_memory_inside_a_capture_is_raised_as_one(monkeypatch):
     with pytest.raises(RuntimeError, match="previous error during capture") as error:
         capture_cuda_graph(bad_kernel, None)
     assert isinstance(error.value.__context__, ValueError)
+    assert streams == ["the rollout's stream"] * 2  # put back after each failed capture
 
 
 @pytest.mark.cuda
@@ -288,6 +318,6 @@ def test_cuda_graph_replay_equals_the_static_step(dtype, tiny_tokenizer):
         graph = Engine(model, tiny_tokenizer, decode="graph")
         assert rollouts(graph, prompts, **ENDING_KWARGS) == rollouts(static, prompts, **ENDING_KWARGS)
         assert logprobs(graph, prompts, **ENDING_KWARGS) == logprobs(static, prompts, **ENDING_KWARGS)
-        assert len(graph.kept_batch.runner.replays) >= 3
+        assert len(graph.kept_batch.graphs.replays) >= 3
         ends = {len(c[0]) for per in rollouts(graph, prompts, **ENDING_KWARGS) for c in per}
     assert len(ends) > 2
