@@ -97,13 +97,12 @@ ENDING_PROMPTS = ("a b", "Natalia sold 48 clips", "c", "d e f", "g")
 ENDING_KWARGS = dict(num_samples=6, max_tokens=40, temperature=1.0, top_k=50, seeds=[1, 2, 3, 4, 5], max_rows=14)
 
 
-@pytest.mark.parametrize("name", GENERATIONS)
+@pytest.mark.parametrize("name", ["jan2026", "ve", "smear"])  # every cache feature: windows, value embeddings, smear
 @pytest.mark.parametrize("share_prompts", [True, False])
-def test_replayed_graphs_equal_the_static_step_for_every_generation(name, share_prompts, tmp_path, monkeypatch,
-                                                                     cpu_graphs):
+def test_replayed_graphs_equal_the_static_step(name, share_prompts, tmp_path, monkeypatch, cpu_graphs):
     """Replayed from graphs (CUDA graphs' semantics, on the CPU), sampled rollouts of nanochat's fixture
     checkpoints with rows admitted into freed slots give the static step's tokens and log-probabilities, bit for
-    bit, over several row and key buckets."""
+    bit, over several row and key buckets (static equals eager on all six generations, tested above)."""
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     model, tokenizer, _ = build_model(str(install_generation(tmp_path, name)), 5, "cpu", "eval")
     prompts = [prompt_of(tokenizer, q) for q in ("What is 12 times 7?", "Tom has 3 apples", "Hi")]
