@@ -822,7 +822,7 @@ class DecodeWeights:
 
     def __init__(self, model):
         self.model = model
-        self.dtype, self.slots, self.copies = None, [], []  # slots: the Linear modules' parameter dicts
+        self.clear()
 
     @torch.no_grad()
     def refresh(self, dtype):
@@ -839,8 +839,8 @@ class DecodeWeights:
             copy.copy_(slot["weight"])
 
     def clear(self):
-        """Free the copies (the next refresh makes new ones)."""
-        self.dtype, self.slots, self.copies = None, [], []
+        """No copies (the next refresh makes new ones)."""
+        self.dtype, self.slots, self.copies = None, [], []  # slots: the Linear modules' parameter dicts
 
     @contextmanager
     def in_use(self):

@@ -2,7 +2,7 @@
 # Everything that needs a CUDA GPU, measured and checked on one (CI has no GPU), in three stages that each fit one
 # 10-minute call:
 #
-#   bash tests/gpu_prepare.sh                          # here, where ../shared and a package registry are
+#   bash tests/gpu_prepare.sh SHARED_DIR               # where the shared data and a package registry are
 #   bash tests/gpu_check.sh [checks|suite|speedrun] [OUT_DIR]     # there (carry gpu_carry), one stage per call
 #
 # checks (the default):

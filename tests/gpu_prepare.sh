@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds gpu_carry/ (git-ignored): what tests/gpu_check.sh needs on a GPU machine that has python 3.12 with a CUDA
-# torch, triton, tiktoken, numpy and pytest, but no network, no ../shared, and not wandb, rustbpe, matplotlib,
-# tqdm or datasets. Run it here, then carry gpu_carry there:
+# torch, triton, tiktoken, numpy and pytest, but no network, none of the developers' shared data, and not wandb,
+# rustbpe, matplotlib, tqdm or datasets. A developer's tool, not a test: run it where that shared data is, then
+# carry gpu_carry to the GPU machine:
 #
-#   bash tests/gpu_prepare.sh [SHARED_DIR]      # SHARED_DIR holds gpu/ and data/gsm8k/ (default ../shared)
+#   bash tests/gpu_prepare.sh SHARED_DIR        # SHARED_DIR holds gpu/tokenizer-65536, gpu/offline, data/gsm8k
 #
 # gpu_carry/base/tokenizer   a 65,536-token tokenizer (nanochat's vocabulary size; the d20 preset needs it)
 # gpu_carry/gsm8k            GSM8K's train.jsonl and test.jsonl
@@ -13,7 +14,8 @@
 #                            x86-64 (not numpy: the machine has it with its torch)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-shared=${1:-../shared}
+[ $# -eq 1 ] || { echo "usage: bash tests/gpu_prepare.sh SHARED_DIR (the folder with gpu/ and data/gsm8k/)" >&2; exit 2; }
+shared=$1
 carry=gpu_carry
 python=${PYTHON:-python3}
 for need in gpu/tokenizer-65536/tokenizer.pkl gpu/offline/datasets/__init__.py data/gsm8k/train.jsonl; do
