@@ -16,7 +16,7 @@ import traceback
 from nanochat.checkpoint_manager import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
                                          RankLostError, UnknownStepError, UnknownTagError)
 from nanochat.common import SettingError, UserError, get_rank, require
-from nanochat.engine import DECODE_MODES
+from nanochat.cuda_graphs import DECODE_MODES
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
 from nanochat.tokenizer import TokenizerError
 from nanochat.wandb_utils import WandbStartError

@@ -30,9 +30,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanochat.attention import SequenceAttention, SharedPrefixAttention
 from nanochat.common import UserError
 from nanochat.generations import (DEFAULT_GENERATION, SMEAR_GATE_CHANNELS, get_generation, has_value_embedding,
                                   model_config_fields)
+from nanochat.optim import build_optimizers
+from nanochat.param_groups import recipe_param_groups
 from nanochat.sampling import row_seeds, sample_next_token
 
 VOCAB_PAD = 64          # wte and lm_head rows are padded up to a multiple of this (matmul-friendly shapes)
@@ -135,11 +138,10 @@ class CausalSelfAttention(nn.Module):
             self.ve_gate_channels, self.ve_gate_scale = generation.ve_gate_channels, generation.ve_gate_scale
             self.ve_gate = nn.Linear(self.ve_gate_channels, self.n_kv_head, bias=False)
 
-    def forward(self, x, ve, rope, mask, context):
+    def forward(self, x, ve, rope, window, context):
         """x: (B, T, C); ve: None or this layer's value embeddings (B, T, n_kv_head * head_dim); rope: (cos,
-        sin); mask: what `attend` takes (None = causal, or a bool mask), or whatever the context understands;
-        context: None, or an object whose attend(layer_idx, q, k, v, mask) computes the attention of these
-        queries over the keys it holds and these (a KV cache, or a prompt shared by every row)."""
+        sin); window: this layer's; context: the attention context (nanochat/attention.py) that attends these
+        queries over the keys it holds and these."""
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
@@ -153,34 +155,8 @@ class CausalSelfAttention(nn.Module):
         if self.qk_scale != 1.0:  # scaled separately, as nanochat does, so the rounding matches
             q, k = q * self.qk_scale, k * self.qk_scale
         q, k = q.to(v.dtype), k.to(v.dtype)
-        y = attend(q, k, v, mask) if context is None else context.attend(self.layer_idx, q, k, v, mask)  # (B, H, T, D)
+        y = context.attend(self.layer_idx, q, k, v, window)  # (B, H, T, D)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
-
-
-def attend(q, k, v, mask):
-    """Scaled dot-product attention. q: (B, T, H, D); k, v: (B, Tk, Hkv, D) with H a multiple of Hkv (GQA);
-    mask: None = causal over T == Tk, else bool broadcastable to (B, H, T, Tk), True = visible.
-    Returns (B, H, T, D)."""
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                          is_causal=mask is None, enable_gqa=k.size(2) != q.size(2))
-
-
-class _SharedPrefixKeys:
-    """Training rows that all start with the same prompt: the prompt's forward (one row) records every
-    layer's keys/values, autograd history included; the rows' forward then attends to those followed by
-    its own, so the prompt is computed once and its gradient gathers every row's contribution."""
-
-    def __init__(self):
-        self.k, self.v, self.recording = {}, {}, True
-
-    def attend(self, layer_idx, q, k, v, mask):
-        if self.recording:
-            self.k[layer_idx], self.v[layer_idx] = k, v
-            return attend(q, k, v, mask)
-        B = k.size(0)
-        k = torch.cat([self.k[layer_idx].expand(B, -1, -1, -1), k], dim=1)
-        v = torch.cat([self.v[layer_idx].expand(B, -1, -1, -1), v], dim=1)
-        return attend(q, k, v, mask)
 
 
 class MLP(nn.Module):
@@ -199,21 +175,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer_idx, generation)
         self.mlp = MLP(config)
 
-    def forward(self, x, ve, rope, mask, context):
-        x = x + self.attn(norm(x), ve, rope, mask, context)
+    def forward(self, x, ve, rope, window, context):
+        x = x + self.attn(norm(x), ve, rope, window, context)
         return x + self.mlp(norm(x))
-
-
-def window_mask(query_pos, num_keys, window):
-    """query_pos: (..., T) int64 -> bool (..., T, num_keys): key j visible iff 0 <= p - j <= window."""
-    delta = query_pos[..., :, None] - torch.arange(num_keys, device=query_pos.device)
-    return (delta >= 0) & (delta <= window)
-
-
-def sequence_masks(T, windows, device):
-    """Masks for a sequence at positions 0..T-1, per window: None (plain causal, the fast kernel) when the
-    window reaches back to position 0 from every query, else bool (T, T)."""
-    return {w: None if w >= T - 1 else window_mask(torch.arange(T, device=device), T, w) for w in set(windows)}
 
 
 class GPT(nn.Module):
@@ -321,52 +285,20 @@ class GPT(nn.Module):
 
     def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,
                          adam_betas=(0.8, 0.95), scalar_lr=0.5, recipe="2026-01", ortho_dtype=None):
-        """The optimizers of a nanochat recipe (see nanochat/optim.py) over this model's parameters: AdamW for
-        lm_head, the embeddings and the scalars, Muon for the block matrices (value-embedding gates included,
-        as in nanochat). With a process group, their distributed versions (which also average the gradients).
-
-        "2026-01" (nanochat 7312ec9, the seed's): one AdamW betas `adam_betas`, no AdamW weight decay. Its
-        nanochat had no value embeddings or smear: those get the settings of their own generation's
-        nanochat (value embeddings at the embedding lr, halved with betas (0.8, 0.995) from mar9 on; smear
-        and backout at lr 0.2). "2026-07" (nanochat 92d63d4): per-group betas and weight decay, Muon beta2
-        0.9. A generation's missing parameters (oct2025 has no lambdas) simply have no group."""
-        from nanochat.optim import build_optimizers
-
-        gen = self.generation
-        late = recipe == "2026-07"
-        scale = (self.config.n_embd / 768) ** -0.5  # AdamW lrs were tuned at width 768; scale like 1/sqrt(width)
-
-        def adamw(params, lr, betas=adam_betas, wd=0.0):
-            return dict(kind="adamw", params=params, lr=lr, betas=betas, eps=1e-10, weight_decay=wd if late else 0.0)
-
-        groups = [adamw(list(self.lm_head.parameters()), unembedding_lr * scale, (0.8, 0.96) if late else adam_betas, 0.01),
-                  adamw(list(self.transformer.wte.parameters()), embedding_lr * scale,
-                        (0.8, 0.995) if late else adam_betas, 0.001)]
-        if gen.value_embeds:
-            halved = late or gen.short_window_divisor > 2  # mar9 on
-            groups.append(adamw(list(self.value_embeds.parameters()), embedding_lr * scale * (0.5 if halved else 1.0),
-                                (0.8, 0.995) if halved else adam_betas, 0.01))
-        if gen.lambdas:
-            # resid_lambdas multiply the whole residual stream at every layer: far more sensitive
-            groups += [adamw([self.resid_lambdas], scalar_lr * 0.01, (0.8, 0.95) if late else adam_betas, 0.05),
-                       adamw([self.x0_lambdas], scalar_lr, (0.96, 0.95) if late else adam_betas)]
-        if gen.smear:
-            groups.append(adamw([self.smear_gate.weight, self.smear_lambda, self.backout_lambda], 0.2, (0.8, 0.95)))
-        groups.append(dict(kind="muon", params=list(self.transformer.h.parameters()), lr=matrix_lr, momentum=0.95,
-                           ns_steps=5, beta2=0.9 if late else 0.95, weight_decay=weight_decay))
-        grouped = [id(p) for g in groups for p in g["params"]]
-        if sorted(grouped) != sorted(id(p) for p in self.parameters()):
-            raise RuntimeError("setup_optimizers: the optimizer groups do not cover every parameter exactly once")
+        """The optimizers of a nanochat recipe over this model's parameters (nanochat/param_groups.py says which
+        parameter gets which lr, betas and weight decay); with a process group, their distributed versions."""
+        groups = recipe_param_groups(self, recipe, unembedding_lr, embedding_lr, matrix_lr, weight_decay, adam_betas,
+                                     scalar_lr)
         return build_optimizers(recipe, groups, ortho_dtype)
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+    def forward(self, idx, targets=None, cache_step=None, loss_reduction="mean"):
         """idx: (B, T) int64. Returns float32 logits (B, T, vocab_size), or with targets (B, T) the
         cross-entropy (ignore_index=-1; reduction 'none' gives a flat (B*T,) tensor).
 
-        With kv_cache (see nanochat.engine.KVCache), row b's tokens sit at positions pos[b] .. pos[b]+T-1;
-        every layer writes its keys/values there and attends to the row's cached keys; the cache then
-        advances by T."""
-        logits = self.logits(self.hidden_states(idx, kv_cache))
+        cache_step: None for a sequence at positions 0..T-1; else a KV cache's CacheStep (nanochat/attention.py)
+        that places the tokens after what each cache row holds, at cache_step.positions. The model writes
+        nothing else of the cache: the caller advances it (attention.run_cached)."""
+        logits = self.logits(self.hidden_states(idx, cache_step))
         if targets is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
@@ -380,24 +312,20 @@ class GPT(nn.Module):
         softcap = self.generation.softcap
         return softcap * torch.tanh(logits / softcap)
 
-    def hidden_states(self, idx, kv_cache=None):
+    def hidden_states(self, idx, cache_step=None):
         """idx: (B, T) int64 -> (B, T, n_embd): the normalized output of the last block (see forward)."""
         B, T = idx.shape
-        if kv_cache is None:
+        if cache_step is None:
             if T > self.rotary_len:
                 raise ValueError(f"sequence of {T} tokens is longer than the rotary tables ({self.rotary_len} positions)")
-            return self._trunk(idx, self._rope(torch.arange(T, device=idx.device)), sequence_masks(T, self.window_sizes, idx.device))
-        if kv_cache.batch_size != B:
-            raise ValueError(f"idx has {B} rows but the KV cache has {kv_cache.batch_size}")
-        # the cache knows where its rows are and how they attend: positions (B, T), window -> mask, context
-        positions, masks, context = kv_cache.attention_plan(T, self.window_sizes, self.rotary_len)
+            return self._trunk(idx, self._rope(torch.arange(T, device=idx.device)), SequenceAttention(T, idx.device))
+        if cache_step.positions.size(0) != B:
+            raise ValueError(f"idx has {B} rows but the KV cache step has {cache_step.positions.size(0)}")
         previous = None
         if self.generation.smear:
-            previous = kv_cache.prev_embedding.clone() if T == 1 else None  # a chunk smears inside itself only
-            kv_cache.prev_embedding.copy_(norm(self.transformer.wte(idx[:, -1:])))  # for the next step
-        hidden = self._trunk(idx, self._rope(positions), masks, context, previous)
-        kv_cache.advance(T)
-        return hidden
+            previous = cache_step.smear_previous
+            cache_step.keep_smear_state(norm(self.transformer.wte(idx[:, -1:])))  # for the next step
+        return self._trunk(idx, self._rope(cache_step.positions), cache_step, previous)
 
     def hidden_states_shared_prefix(self, prefix, rows):
         """prefix: (1, P) tokens that every row starts with; rows: (B, S) each row's tokens after them.
@@ -407,15 +335,12 @@ class GPT(nn.Module):
         P, S = prefix.size(1), rows.size(1)
         if P + S > self.rotary_len:
             raise ValueError(f"sequence of {P + S} tokens is longer than the rotary tables ({self.rotary_len} positions)")
-        context = _SharedPrefixKeys()
         device = prefix.device
-        prefix_hidden = self._trunk(prefix, self._rope(torch.arange(P, device=device)), sequence_masks(P, self.window_sizes, device),
-                                    context)
+        context = SharedPrefixAttention(P, S, device)
+        prefix_hidden = self._trunk(prefix, self._rope(torch.arange(P, device=device)), context)
         context.recording = False
-        positions = P + torch.arange(S, device=device)  # (S,)
-        masks = {w: window_mask(positions, P + S, w) for w in set(self.window_sizes)}  # (S, P + S)
         previous = norm(self.transformer.wte(prefix[:, -1:])) if self.generation.smear else None  # (1, 1, C)
-        return prefix_hidden, self._trunk(rows, self._rope(positions), masks, context, previous)
+        return prefix_hidden, self._trunk(rows, self._rope(P + torch.arange(S, device=device)), context, previous)
 
     def _rope(self, positions):
         """positions (T,) or (B, T) -> cos, sin broadcastable to (B, T, 1, D/2)."""
@@ -423,9 +348,9 @@ class GPT(nn.Module):
             return self.cos[None, positions, None, :], self.sin[None, positions, None, :]
         return self.cos[positions][:, :, None, :], self.sin[positions][:, :, None, :]
 
-    def _trunk(self, idx, rope, masks, context=None, smear_previous=None):
+    def _trunk(self, idx, rope, context, smear_previous=None):
         """Embedding, blocks and final norm for tokens idx (B, T) at the positions `rope` encodes.
-        masks: window -> attention mask; context: see CausalSelfAttention.forward; smear_previous: None, or
+        context: the attention context (nanochat/attention.py); smear_previous: None, or
         the normed embedding (B or 1, 1, C) of the token before idx[:, 0], which smear mixes into it."""
         x = norm(self.transformer.wte(idx))
         if self.generation.smear:
@@ -436,7 +361,7 @@ class GPT(nn.Module):
             if self.generation.lambdas:
                 x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             ve = self.value_embeds[str(i)](idx) if block.attn.ve_gate is not None else None
-            x = block(x, ve, rope, masks[self.window_sizes[i]], context)
+            x = block(x, ve, rope, self.window_sizes[i], context)
             if i == backout_layer:
                 x_backout = x
         if backout_layer is not None:

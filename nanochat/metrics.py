@@ -16,6 +16,8 @@ Keys of a metrics dict (all floats):
   tool_success_fraction      calls that returned a value / calls (0.0 when there were no calls, see below)
   num_samples, num_questions, num_tool_calls   the counts the other metrics are weighted by
   rows_trained               samples that went through the training forward/backward (non-zero advantage)
+  captures                   decode shapes the step's rollouts captured into CUDA graphs (static decode: shapes a
+                             new batch would capture); 0 once a run's batch is kept (the most of any rank)
 The objective's diagnostics (`objective_metrics`, from nanochat.rl.TrainStats), when they apply:
   loss                       minus the on-policy objective (the step's, averaged over ranks like the gradients)
   trained_tokens             sampled tokens of the trained rows (their weight)
@@ -52,6 +54,7 @@ REDUCTIONS = {
     "tool_calls_per_sample": ("mean", "num_samples"),
     "tool_success_fraction": ("mean", "num_tool_calls"),
     "rows_trained": ("sum", None),
+    "captures": ("max", None),
     "loss": ("mean", "num_questions"),  # every rank has the same number of questions: the plain rank mean
     "trained_tokens": ("sum", None),
     "entropy": ("mean", "trained_tokens"),

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import autocast_context, synchronize
-from nanochat.engine import KVCache
+from nanochat.kv_cache import KVCache, forward_cached
 
 # bf16 replaces fp32 only when this many times faster: timing noise on a busy machine must not flip a close
 # call from one run to the next
@@ -62,9 +62,9 @@ def fastest_decode_dtype(model, candidates, rows=16, context=64, repeats=3, marg
 
     def make_step(dtype):
         cache = KVCache.for_model(model, rows, context + repeats + 1, dtype)
-        model(prompt, kv_cache=cache)
+        forward_cached(model, prompt, cache)
         token = prompt[:, -1:]
-        return lambda: model(token, kv_cache=cache)
+        return lambda: forward_cached(model, token, cache)
 
     with torch.no_grad():
         return fastest_dtype(make_step, candidates, model.get_device(), repeats, margin)

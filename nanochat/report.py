@@ -161,6 +161,19 @@ def log_chat_rl(report, config, history, eval_history, section=CHAT_RL_SECTION):
     """
     if isinstance(report, DummyReport):
         return None
+    check_rl_history(history, eval_history)
+    os.makedirs(report.report_dir, exist_ok=True)  # the plots are saved before the section is
+    data = ["### Config", markdown_table(["option", "value"], list(config.items())),
+            "### Final metrics", final_metrics_table(history, eval_history),
+            "### pass@k", pass_at_k_table(eval_history),
+            "### Plots"]
+    plots = rl_plots(os.path.join(report.report_dir, slugify(section)), history, eval_history)
+    data += [f"![{name}]({os.path.basename(path)})" for name, path in plots] or ["Nothing to plot."]
+    return report.log(section, data)
+
+
+def check_rl_history(history, eval_history):
+    """A one-line error for a history that lacks what the RL section shows (see log_chat_rl)."""
     for i, h in enumerate(history):
         missing = [k for k in ("step", "reward_mean", "completion_len_mean") if k not in h]
         if missing:
@@ -169,67 +182,64 @@ def log_chat_rl(report, config, history, eval_history, section=CHAT_RL_SECTION):
         if "pass@1" not in passk:
             raise ValueError(f"the eval at step {step} has no 'pass@1' (keys: {sorted(passk)})")
 
-    stem = slugify(section)
-    os.makedirs(report.report_dir, exist_ok=True)  # the plots are saved before the section is
-    data = ["### Config", markdown_table(["option", "value"], list(config.items()))]
 
-    data.append("### Final metrics")
-    if history:
-        last = history[-1]
-        rows = [("steps logged", len(history))] + [(k, v) for k, v in last.items()]
-        if eval_history:
-            rows += [(f"{k} (step {eval_history[-1][0]})", v) for k, v in eval_history[-1][1].items()]
-        data.append(markdown_table(["metric", f"value (step {last['step']})"], rows))
-    else:
-        data.append("No training step was logged.")
-
-    data.append("### pass@k")
+def final_metrics_table(history, eval_history):
+    """The last step's metrics, and the last eval's pass@k."""
+    if not history:
+        return "No training step was logged."
+    last = history[-1]
+    rows = [("steps logged", len(history))] + [(k, v) for k, v in last.items()]
     if eval_history:
-        evals = [eval_history[0]] if len(eval_history) == 1 else [eval_history[0], eval_history[-1]]
-        keys = list(dict.fromkeys(k for _, d in evals for k in d))  # union, first-seen order
-        rows = [[k] + [d.get(k, "") for _, d in evals] for k in keys]
-        data.append(markdown_table(["metric"] + [f"step {s}" for s, _ in evals], rows))
-    else:
-        data.append("No evaluation was run.")
+        rows += [(f"{k} (step {eval_history[-1][0]})", v) for k, v in eval_history[-1][1].items()]
+    return markdown_table(["metric", f"value (step {last['step']})"], rows)
 
-    data.append("### Plots")
+
+def pass_at_k_table(eval_history):
+    """pass@k at the first and the last eval."""
+    if not eval_history:
+        return "No evaluation was run."
+    evals = [eval_history[0]] if len(eval_history) == 1 else [eval_history[0], eval_history[-1]]
+    keys = list(dict.fromkeys(k for _, d in evals for k in d))  # union, first-seen order
+    rows = [[k] + [d.get(k, "") for _, d in evals] for k in keys]
+    return markdown_table(["metric"] + [f"step {s}" for s, _ in evals], rows)
+
+
+def rl_plots(stem, history, eval_history):
+    """[(name, path of the PNG)] of the RL section's plots; stem: their path without its '-<plot>.png'."""
     steps = [h["step"] for h in history]
     plots = []
     if history:
         rewards = [h["reward_mean"] for h in history]
         # one step's reward is noisy (16 questions): the trailing mean shows the trend
-        plots.append(("reward", _plot(os.path.join(report.report_dir, f"{stem}-reward.png"), "mean reward",
+        plots.append(("reward", _plot(f"{stem}-reward.png", "mean reward",
                                       [(steps, rewards, "reward_mean"),
                                        (steps, trailing_mean(rewards, REWARD_TREND_WINDOW),
                                         f"mean of the last {REWARD_TREND_WINDOW} steps")])))
         band = None
         if all("completion_len_min" in h and "completion_len_max" in h for h in history):
             band = ([h["completion_len_min"] for h in history], [h["completion_len_max"] for h in history])
-        plots.append(("completion length", _plot(os.path.join(report.report_dir, f"{stem}-completion-len.png"),
-                                                 "generated tokens",
+        plots.append(("completion length", _plot(f"{stem}-completion-len.png", "generated tokens",
                                                  [(steps, [h["completion_len_mean"] for h in history],
                                                    "completion_len_mean")], band=band)))
         # the entropy, on the steps that trained a row (the others have none; older runs logged NaN there)
         entropy = [h for h in history if isinstance(h.get("entropy"), (int, float)) and math.isfinite(h["entropy"])]
         if entropy:
-            plots.append(("entropy", _plot(os.path.join(report.report_dir, f"{stem}-entropy.png"), "policy entropy",
+            plots.append(("entropy", _plot(f"{stem}-entropy.png", "policy entropy",
                                            [([h["step"] for h in entropy], [h["entropy"] for h in entropy], "entropy")],
                                            marker=".")))
         # the sampler-trainer gap, on the steps that trained a token (the others measured nothing)
         gap = [h for h in history if h.get("sampler_tokens")]
         if gap:
-            plots.append(("sampler-trainer gap", _plot(os.path.join(report.report_dir, f"{stem}-sampler-gap.png"),
-                                                       "|logp trainer - logp sampler|",
-                                                       [([h["step"] for h in gap], [h["sampler_gap_mean"] for h in gap],
-                                                         "sampler_gap_mean"),
-                                                        ([h["step"] for h in gap], [h["sampler_gap_max"] for h in gap],
-                                                         "sampler_gap_max")], marker=".")))
+            gap_steps = [h["step"] for h in gap]
+            plots.append(("sampler-trainer gap", _plot(f"{stem}-sampler-gap.png", "|logp trainer - logp sampler|",
+                                                       [(gap_steps, [h["sampler_gap_mean"] for h in gap], "sampler_gap_mean"),
+                                                        (gap_steps, [h["sampler_gap_max"] for h in gap], "sampler_gap_max")],
+                                                       marker=".")))
     if eval_history:
-        plots.append(("pass@1", _plot(os.path.join(report.report_dir, f"{stem}-pass1.png"), "pass@1",
+        plots.append(("pass@1", _plot(f"{stem}-pass1.png", "pass@1",
                                       [([s for s, _ in eval_history], [d["pass@1"] for _, d in eval_history],
                                         "pass@1")], marker="o")))
-    data += [f"![{name}]({os.path.basename(path)})" for name, path in plots] or ["Nothing to plot."]
-    return report.log(section, data)
+    return plots
 
 
 REWARD_TREND_WINDOW = 10

@@ -58,6 +58,17 @@ def step_question_indices(step, examples_per_rank, rank, world_size, num_example
     return [mine[(start + i) % len(mine)] for i in range(examples_per_rank)]
 
 
+PROMPTS_SCANNED = 50_000  # a task's first prompts that longest_prompt renders (GSM8K: 7,473 train in ~0.2 s)
+
+
+def longest_prompt(tokenizer, *tasks):
+    """The longest rendered prompt (in tokens) among the first PROMPTS_SCANNED questions of each task: what a
+    run's static decode batch is sized for, so that it is not rebuilt (and its graphs not recaptured) when a
+    longer prompt comes. A longer one past the scanned questions still fits: the batch is rebuilt for it."""
+    return max(len(tokenizer.render_for_completion(task[i])) for task in tasks
+               for i in range(min(len(task), PROMPTS_SCANNED)))
+
+
 def sample_questions(engine, task, indices, seeds, sampling, score=None, scale_by_std=False, label="rollouts"):
     """Sample sampling.num_samples completions of each task question in `indices` (all in one batched engine
     call, question i seeded with seeds[i]) and score them with score(conversation, text) (default

@@ -54,9 +54,12 @@ from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_fl
 from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_init, cpu_bf16_kind,
                              cpu_has_native_bf16, cpu_name, dtype_name, synchronize, get_base_dir, get_dist_info, grad_norm,
                              print0, require)
-from nanochat.engine import Engine, SharedPromptKVCache, matmul_modules
+from nanochat.decode_weights import matmul_modules
+from nanochat.engine import Engine
+from nanochat.kv_cache import cache_geometry
 from nanochat.flops import matmul_flops_per_token, rollout_flops, train_flops
-from nanochat.gpt import build_fresh_model
+from nanochat.gpt import GPT, build_fresh_model
+from nanochat.op_count import count_decode_step_ops
 from nanochat.optim import scale_initial_lr
 from nanochat.rl import accumulate_policy_gradient, make_question_batch
 from nanochat.rollout import Sampling, question_seed, sample_questions
@@ -354,11 +357,11 @@ class EarlyStopModel(nn.Module):
         """tokens, positions: (B,) int64 -> (B,) bool: does the row end after this input."""
         return mix32(mix32(tokens) ^ mix32(positions + 0x5BD1E995)) < self.threshold
 
-    def forward(self, idx, kv_cache=None, **kwargs):
-        if kv_cache is None or idx.size(1) != 1:  # training, or a prefill
-            return self.model(idx, kv_cache=kv_cache, **kwargs)
-        positions = kv_cache.next_positions()  # (B,), read before the model advances the cache
-        logits = self.model(idx, kv_cache=kv_cache, **kwargs)  # (B, 1, V) float32
+    def forward(self, idx, cache_step=None, **kwargs):
+        if cache_step is None or idx.size(1) != 1:  # training, or a prefill
+            return self.model(idx, cache_step=cache_step, **kwargs)
+        logits = self.model(idx, cache_step=cache_step, **kwargs)  # (B, 1, V) float32
+        positions = cache_step.positions[:, 0]  # (B,)
         end = logits[:, 0, self.end_token]
         logits[:, 0, self.end_token] = torch.where(self.ends(idx[:, 0], positions), FORCED_END_LOGIT, end)
         return logits
@@ -380,7 +383,8 @@ def baseline_rollouts(engine, task, indices, args):
     tokenizer = engine.tokenizer
     pad = tokenizer.encode_special("<|assistant_end|>")
     batches, rows = [], []
-    work = {"prefill_tokens": 0, "decode_forwards": 0, "row_steps": 0, "rows_x_longest": 0, "kv_positions_read": 0}
+    work = {"prefill_tokens": 0, "decode_forwards": 0, "row_steps": 0, "rows_x_longest": 0, "kv_positions_read": 0,
+            "max_batch_rows": 0}
     passes = args.num_samples // args.device_batch_size
     for i in indices:
         conversation = task[i]
@@ -397,6 +401,7 @@ def baseline_rollouts(engine, task, indices, args):
             work["decode_forwards"] += stats.decode_forwards
             work["row_steps"] += stats.row_steps
             work["kv_positions_read"] += stats.kv_positions_read
+            work["max_batch_rows"] = max(work["max_batch_rows"], stats.max_batch_rows)
             # without compaction every row of the call would be decoded until the call's longest row ends
             work["rows_x_longest"] += len(call) * max(row_steps_of(t, args.max_new_tokens) - 1 for t, _ in call)
         rewards = [task.reward(conversation, tokenizer.decode(t)) for t, _ in completions]
@@ -417,14 +422,20 @@ def batched_rollouts(engine, task, indices, args):
             for i, cs in zip(indices, results)]
     longest = max(s for _, _, steps in rows for s in steps) - 1
     work = {"prefill_tokens": stats.prefill_tokens, "decode_forwards": stats.decode_forwards, "row_steps": stats.row_steps,
-            "rows_x_longest": sum(len(steps) for _, _, steps in rows) * longest, "kv_positions_read": stats.kv_positions_read}
+            "rows_x_longest": sum(len(steps) for _, _, steps in rows) * longest, "kv_positions_read": stats.kv_positions_read,
+            "max_batch_rows": stats.max_batch_rows}
     return batches, rows, work
 
 
-def rl_step(model, rollout_model, tokenizer, optimizers, task, indices, config, args, device):
+def bench_engine(rollout_model, tokenizer, config, args):
+    """The engine of a configuration, as chat_rl makes it (one per run: a kept static batch and its graphs serve
+    the next rollouts)."""
+    return Engine(rollout_model, tokenizer, max_rows=(args.max_rows or None) if config.batched else None,
+                  memory_budget_gb=args.memory_budget_gb, share_prompts=config.lean, decode=config.decode)
+
+
+def rl_step(model, engine, optimizers, task, indices, config, args, device):
     """One chat_rl step (rollouts, forward/backward, grad norm, optimizer step), timed by phase."""
-    engine = Engine(rollout_model, tokenizer, max_rows=(args.max_rows or None) if config.batched else None,
-                    memory_budget_gb=args.memory_budget_gb, share_prompts=config.lean, decode=config.decode)
     autocast = autocast_context(device, config.dtype)
     synchronize(device)
     t0 = time.perf_counter()
@@ -451,10 +462,22 @@ def rl_step(model, rollout_model, tokenizer, optimizers, task, indices, config, 
     synchronize(device)
     t3 = time.perf_counter()
     return {"rollout_seconds": t1 - t0, "train_seconds": t2 - t1, "optimizer_seconds": t3 - t2, "step_seconds": t3 - t0,
+            "captures": engine.last_stats.captures,
             "rows_trained": trained.rows_trained, "rows_skipped": trained.rows_total - trained.rows_trained,
             "sampler_tokens": trained.sampler_tokens, "sampler_gap_mean": trained.sampler_gap_mean,
             "sampler_gap_max": trained.sampler_gap_max, "sampler_k3": trained.sampler_k3,
             "batches": batches, "rows": rows, "work": work}
+
+
+def decode_op_counts(model, config, work, args):
+    """aten ops and kernels of one static decode step at this run's largest shape (the rows it decoded at once,
+    max_new_tokens keys), counted on the meta device (the same on any machine; nanochat.op_count)."""
+    with torch.device("meta"):
+        twin = GPT(model.config, model.generation)
+    count = count_decode_step_ops(twin, max(work["max_batch_rows"], 1), args.max_new_tokens, share_prompts=config.lean,
+                                  num_samples=args.num_samples)
+    return {"decode_step_ops": count.ops, "decode_step_kernels": count.kernels,
+            "decode_step_ops_per_layer": count.ops_per_block, "decode_step_kernels_per_layer": count.kernels_per_block}
 
 
 def fresh_optimizers(model, init_lr_frac):
@@ -472,18 +495,19 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
     optimizers = fresh_optimizers(model, args.init_lr_frac)
     # warm-up: kernels and allocator pools for this dtype, one question, a few tokens, no optimizer step
     warm = argparse.Namespace(**{**vars(args), "num_samples": args.device_batch_size, "max_new_tokens": min(4, args.max_new_tokens)})
-    rl_step(model, rollout_model, tokenizer, [], task, indices[:1], config, warm, device)
+    rl_step(model, bench_engine(rollout_model, tokenizer, config, warm), [], task, indices[:1], config, warm, device)
     model.load_state_dict(initial_state)
 
     resident_mb = memory.reset()
-    runs = [rl_step(model, rollout_model, tokenizer, optimizers, task, indices, config, args, device)
-            for _ in range(args.repeat)]
+    engine = bench_engine(rollout_model, tokenizer, config, args)  # one for every repeat, as chat_rl keeps one
+    runs = [rl_step(model, engine, optimizers, task, indices, config, args, device) for _ in range(args.repeat)]
+    del engine
     peak_mb = memory.peak_mb()
     del optimizers
 
     m = runs[0]
     batches, rows, work = m["batches"], m.pop("rows"), m.pop("work")
-    kv_bytes = SharedPromptKVCache.bytes_per_token(model, config.dtype) * work["kv_positions_read"]
+    kv_bytes = cache_geometry(model).bytes_per_token(config.dtype) * work["kv_positions_read"]
     peak = peaks[dtype_name(config.dtype)]
     # the decode step's roofline: every matmul weight read once in the compute dtype (bf16: the engine's
     # DecodeWeights), plus the keys/values read; embeddings are looked up, a few rows per step
@@ -508,6 +532,8 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
             "bandwidth_bound_ms": bound_ms,
             "decode_x_bound": decode_ms / bound_ms,
             "rollout_seconds_each": [r["rollout_seconds"] for r in runs],
+            "captures_each": [r["captures"] for r in runs],
+            **decode_op_counts(model, config, work, args),
             "resident_mb_at_start": resident_mb, "peak_memory_mb": peak_mb}
 
 
@@ -569,7 +595,7 @@ def format_table(results):
                      f"{r['rows_trained']:7d} {r['rows_skipped']:7d} {r['kv_bytes_per_decoded_token']:10.0f}")
     lines.append("")
     lines.append(f"{'config':<26} {'decode ms/step':>14} {'MB/step':>8} {'bound ms':>8} {'x bound':>7} "
-                 f"{'rollout s first..last':>21} {'gap mean/max':>17} {'tokens':>24}")
+                 f"{'rollout s first..last':>21} {'captures':>9} {'ops/kernels':>11} {'gap mean/max':>17} {'tokens':>24}")
     for name, r in results.items():
         each = r["rollout_seconds_each"]
         same = r.get("tokens_identical_to")
@@ -578,7 +604,8 @@ def format_table(results):
         gap = f"{r['sampler_gap_mean']:.1e}/{r['sampler_gap_max']:.1e}" if r["sampler_tokens"] else "-"
         lines.append(f"{name:<26} {r['decode_ms_per_step']:14.2f} {r['bytes_per_decode_step'] / 2 ** 20:8.1f} "
                      f"{r['bandwidth_bound_ms']:8.3f} {r['decode_x_bound']:7.1f} {f'{each[0]:.2f}..{each[-1]:.2f}':>21} "
-                     f"{gap:>17} {tokens:>24}")
+                     f"{'/'.join(map(str, r['captures_each'])):>9} "
+                     f"{str(r['decode_step_ops']) + '/' + str(r['decode_step_kernels']):>11} {gap:>17} {tokens:>24}")
     return "\n".join(lines)
 
 
@@ -654,8 +681,7 @@ def greedy_agreement(model, tokenizer, prompts, max_tokens, device):
 def profile_rollout(model, tokenizer, task, indices, config, args, device):
     """Print where one rollout of `config` spends its time: torch ops (torch.profiler), then Python functions
     (cProfile). Two separate runs, so neither profiler's overhead shows in the other's table."""
-    engine = Engine(model, tokenizer, max_rows=(args.max_rows or None) if config.batched else None,
-                    memory_budget_gb=args.memory_budget_gb)
+    engine = bench_engine(model, tokenizer, config, args)
     rollouts = batched_rollouts if config.batched else baseline_rollouts
 
     def run():

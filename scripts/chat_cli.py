@@ -27,7 +27,8 @@ from collections import namedtuple
 from nanochat.checkpoint_manager import load_model
 from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_flag, run_main
 from nanochat.common import UserError, autocast_context, compute_cleanup, compute_dtype, compute_init, get_dist_info, requested_dtype
-from nanochat.engine import Engine, SpecialIds
+from nanochat.engine import Engine
+from nanochat.rows import SpecialIds
 from nanochat.gpt import ROTARY_OVERSIZE
 
 BANNER = ("NanoChat interactive mode\n" + "-" * 50 + "\n"

@@ -36,14 +36,15 @@ from nanochat.cli import (ArgumentParser, add_debug_flag, add_decode_flag, add_m
 from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup,
                              compute_dtype, compute_init, dtype_name, format_duration, get_base_dir, get_dist_info, print0,
                              remaining_seconds, require, requested_dtype)
-from nanochat.engine import DECODE_DESCRIPTIONS, Engine
+from nanochat.cuda_graphs import DECODE_DESCRIPTIONS
+from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
 from nanochat.optim import guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.precision import MARGIN, PREFERENCE, fastest_decode_dtype, fastest_training_dtype, rank0_choice
 from nanochat.report import get_report, log_chat_rl
 from nanochat.rl import LOSS_NORMS, ROLLOUT_CORRECTIONS, PolicyLoss, TrainStats, accumulate_policy_gradient, step_counts
-from nanochat.rollout import Sampling, question_seed, sample_questions, step_question_indices
+from nanochat.rollout import Sampling, longest_prompt, question_seed, sample_questions, step_question_indices
 from nanochat.wandb_utils import init_wandb, log_samples_table
 from tasks.registry import make_task, resolve_task_class
 
@@ -401,6 +402,9 @@ def setup_run(args, rank, world_size, device):
     engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
                     decode=args.decode)
     print0(f"rollouts: {engine.decode} decode step ({DECODE_DESCRIPTIONS[engine.decode]}; --decode to choose)")
+    if engine.decode != "eager":  # one static batch for the run, its graphs captured once: sized for every prompt
+        engine.reserve_prompt_length(longest_prompt(tokenizer, train_task, val_task))
+        print0(f"rollouts: static batch sized for prompts of up to {engine.prompt_floor} tokens (the task's longest)")
     if not args.resume:  # last: --overwrite clears the old run only once everything else has loaded
         prepare_output_dir(checkpoint_dir, args.overwrite, rank == 0)
     return RLRun(
@@ -538,7 +542,8 @@ def step_record(run, step, rollouts, result, t_rollout, t_train):
     metrics = drop_unmeasured(reduce_metrics(
         {**rollout_metrics([r.rewards for r in rollouts], [r.completions for r in rollouts], run.config.max_new_tokens,
                            prompt_lengths=[r.prompt_length for r in rollouts], rows_trained=result.first.rows_trained),
-         **objective_metrics(result.first, result.last)}, run.reduce_device))
+         **objective_metrics(result.first, result.last), "captures": float(run.engine.last_stats.captures)},
+        run.reduce_device))
     num_tokens = metrics["completion_len_mean"] * metrics["num_samples"]  # generated this step, all ranks
     return {"step": step, **metrics, "reward": metrics["reward_mean"], "sequence_length": metrics["seq_len_mean"],
             "completion_length": metrics["completion_len_mean"], "lrm": result.lrm, "grad_norm": result.grad_norm,
@@ -564,7 +569,7 @@ def format_step_line(run, m, elapsed):
             + (f"sampler gap {m['sampler_gap_mean']:.1e}/{m['sampler_gap_max']:.1e} k3 {m['sampler_k3']:.1e}"
                + (f" corrected {m['corrected_fraction']:.3f}" if run.config.rollout_correction != "none" else "") + " | "
                if m.get("sampler_tokens") else "")
-            + f"rollout {m['time/rollout']:.1f}s train {m['time/train']:.1f}s {m['rollout_tokens_per_s']:.0f} tok/s | "
+            + f"rollout {m['time/rollout']:.1f}s captures {m['captures']:.0f} train {m['time/train']:.1f}s {m['rollout_tokens_per_s']:.0f} tok/s | "
             f"elapsed {format_duration(elapsed)} eta {format_duration(eta_train)}"
             + (f" + eval {format_duration(eta_eval)}" if eta_eval else ""))
 

@@ -298,19 +298,8 @@ def main(argv):
         compute_cleanup()
 
 
-def run(args, task_names, rank, world_size, device):
-    master = rank == 0
-    args.dtype = dtype_name(compute_dtype(device, args.dtype))  # the config records what runs
-    autocast = autocast_context(device, getattr(torch, args.dtype))
-    reduce_device = collective_device(device)
-
-    model, tokenizer = load_start_model(args, device)
-    config = model.config
-    print0(f"config: {json.dumps(vars(args))}")
-    print0(f"model: {model.meta_model_config()} ({model.generation.name}) | {model.num_params():,} parameters")
-
-    wandb_run = init_wandb(args.run, "nanochat-sft", vars(args))
-
+def training_plan(args, task_names):
+    """(train tasks, the held-out questions or None, the order of the train conversations, the number of steps)."""
     train_tasks = load_tasks(task_names, "train", args.arithmetic_difficulty)
     held_out = held_out_questions(args, task_names, train_tasks)
     train_sizes = [len(t) for t in train_tasks]
@@ -324,9 +313,12 @@ def run(args, task_names, rank, world_size, device):
     held_out_note = "" if held_out is None else f" ({args.stop_check_questions} of {task_names[0]} held out)"
     print0(f"train: {len(train_order):,} conversations from {', '.join(task_names)}{held_out_note} | {num_steps} steps of "
            f"{args.examples_per_step} | lr x{args.init_lr_frac}")
+    return train_tasks, held_out, train_order, num_steps
 
-    output_tag = args.output_tag or f"d{config.n_layer}"
-    checkpoint_dir = os.path.join(get_base_dir(), "chatsft_checkpoints", output_tag)
+
+def output_dir(args, config, num_steps, held_out):
+    """The checkpoint folder of this run, refused (before training) when it holds a later step than the run saves."""
+    checkpoint_dir = os.path.join(get_base_dir(), "chatsft_checkpoints", args.output_tag or f"d{config.n_layer}")
     # with a stop rule the run may save as early as the first check
     earliest_save = min(args.stop_check_every, num_steps) if held_out is not None else num_steps
     newer = [s for s in list_steps(checkpoint_dir) if s > earliest_save]
@@ -334,6 +326,33 @@ def run(args, task_names, rank, world_size, device):
         what = f"the {num_steps} this run will save" if held_out is None else f"step {earliest_save}, where this run may stop"
         raise UserError(f"{checkpoint_dir} already holds model_{newer[-1]:06d}.pt, a later step than {what}, "
                         f"so `--source=sft` would keep loading that one; pass --output-tag=<new tag> or move it away")
+    return checkpoint_dir
+
+
+def sft_meta(model, args, step, val_loss, stop):
+    """The checkpoint's meta: nanochat's fields, and the stop rule's record when one ran."""
+    meta = {"step": step, "model_config": model.meta_model_config(), "generation": model.generation.name,
+            "user_config": vars(args), "val_loss": val_loss}
+    if stop is not None:
+        meta["stop"] = stop
+    return meta
+
+
+def run(args, task_names, rank, world_size, device):
+    master = rank == 0
+    args.dtype = dtype_name(compute_dtype(device, args.dtype))  # the config records what runs
+    autocast = autocast_context(device, getattr(torch, args.dtype))
+    reduce_device = collective_device(device)
+
+    model, tokenizer = load_start_model(args, device)
+    config = model.config
+    print0(f"config: {json.dumps(vars(args))}")
+    print0(f"model: {model.meta_model_config()} ({model.generation.name}) | {model.num_params():,} parameters")
+
+    wandb_run = init_wandb(args.run, "nanochat-sft", vars(args))
+
+    train_tasks, held_out, train_order, num_steps = training_plan(args, task_names)
+    checkpoint_dir = output_dir(args, config, num_steps, held_out)
 
     pad_token = tokenizer.encode_special("<|assistant_end|>")  # any id works: padded positions have target -1
     val_batches = val_micro_batches(args, task_names, tokenizer, pad_token, rank, world_size) if args.eval_every > 0 else []
@@ -379,11 +398,8 @@ def run(args, task_names, rank, world_size, device):
     # A run that missed the band still saves its model (nothing is lost: it is a finished, valid checkpoint, and its
     # meta's stop.in_band says it missed), then fails with the error, so that a pipeline does not go on with it.
     if master:
-        meta = {"step": step, "model_config": model.meta_model_config(), "generation": model.generation.name,
-                "user_config": vars(args), "val_loss": val_loss}
-        if band is not None:
-            meta["stop"] = stop_record(band, held_out, args, task_names[0])
-        save_checkpoint(checkpoint_dir, step, model.state_dict(), None, meta)
+        stop = None if band is None else stop_record(band, held_out, args, task_names[0])
+        save_checkpoint(checkpoint_dir, step, model.state_dict(), None, sft_meta(model, args, step, val_loss, stop))
         note = "" if missed is None else f", outside the band {band.describe()}"
         print0(f"Saved checkpoint to {checkpoint_dir} (model_{step:06d}.pt{note})")
     wandb_run.finish()

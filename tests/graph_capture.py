@@ -1,4 +1,4 @@
-"""A CPU stand-in for CUDA-graph capture, for GraphedStep (nanochat.engine) on machines without a GPU.
+"""A CPU stand-in for CUDA-graph capture, for GraphedStep (nanochat.cuda_graphs) on machines without a GPU.
 
 `capture_recorded_graph(step, pool)` has capture_cuda_graph's signature and semantics:
 - the capture records the step's ops without leaving any effect: the step runs once under a dispatch mode that
@@ -88,6 +88,7 @@ def use_recorded_graphs(monkeypatch):
     """From now on (in the test), engines made with decode="graph" run on the CPU, their steps replayed from
     recorded graphs. Returns the counts of captures and replays."""
     import nanochat.engine as engine
+    from nanochat.cuda_graphs import DecodePlan, GraphedStep, bucketed_shape
     counts = GraphCounts()
 
     def capture(step, pool):
@@ -100,8 +101,8 @@ def use_recorded_graphs(monkeypatch):
         return counted, pool
 
     real_mode, real_plan = engine.decode_mode, engine.decode_plan
-    graphed = partial(engine.GraphedStep, capture=capture, warm_up=lambda step: step())  # no streams on a CPU
+    graphed = partial(GraphedStep, capture=capture, warm_up=lambda step: step())  # no streams on a CPU
     monkeypatch.setattr(engine, "decode_mode", lambda mode, device: mode if mode == "graph" else real_mode(mode, device))
-    monkeypatch.setattr(engine, "decode_plan", lambda mode: (engine.bucketed_shape, graphed, True)
+    monkeypatch.setattr(engine, "decode_plan", lambda mode: DecodePlan(bucketed_shape, graphed, True)
                         if mode == "graph" else real_plan(mode))
     return counts

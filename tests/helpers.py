@@ -113,16 +113,15 @@ class ScriptedModel(torch.nn.Module):
     def get_device(self):
         return self.dummy.device
 
-    def forward(self, idx, kv_cache=None):
+    def forward(self, idx, cache_step=None):
         self.forwards += 1
         B, T = idx.shape
-        positions = kv_cache.next_positions()[:, None] + torch.arange(T)  # (B, T)
+        positions = cache_step.positions  # (B, T)
         k = (positions + 1 - self.prompt_len).clamp(min=0, max=len(self.script) - 1)
         logits = torch.full((B, T, self.config.vocab_size), -1e9)
         logits.scatter_(-1, torch.tensor(self.script)[k][..., None], 0.0)
         if self.stop_logit is not None:  # a constant chance to stop at every step
             logits[..., self.stop_token] = self.stop_logit
-        kv_cache.advance(T)
         return logits
 
 

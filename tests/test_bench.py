@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from nanochat.common import UserError
-from nanochat.engine import Engine, KVCache
+from nanochat.engine import Engine
+from nanochat.kv_cache import KVCache, forward_cached
 from scripts import bench_rl
 from helpers import random_model, tiny_config
 
@@ -174,7 +175,7 @@ def test_early_stop_wrapper_leaves_logits_alone_unless_it_fires(tiny_tokenizer):
     def prefill_then_decode(m):
         """Logits of a 10-token prefill, then of one decode step, through a fresh cache."""
         cache = KVCache(3, 1, 16, 64, 1)
-        return m(idx, kv_cache=cache), m(idx[:, :1], kv_cache=cache)
+        return forward_cached(m, idx, cache), forward_cached(m, idx[:, :1], cache)
 
     prefill, decode = prefill_then_decode(model)
     never_prefill, never_decode = prefill_then_decode(never)

@@ -503,17 +503,17 @@ class PerPromptScriptedModel(torch.nn.Module):
     def get_device(self):
         return self.anchor.device
 
-    def forward(self, idx, kv_cache=None):
+    def forward(self, idx, cache_step=None):
         B, T = idx.shape
-        pos = kv_cache.pos.clone()  # (B,)
+        pos = cache_step.positions[:, 0]  # (B,)
         prefill = pos == 0
-        kv_cache.k[0, prefill, 0, 0, 0] = float(T)
-        prompt_len = kv_cache.k[0, :, 0, 0, 0].long()  # (B,)
+        k_store = cache_step.cache.k  # a KVCache's (share_prompts=False): the double's own per-row memory
+        k_store[0, prefill, 0, 0, 0] = float(T)
+        prompt_len = k_store[0, :, 0, 0, 0].long()  # (B,)
         k = (pos + T - prompt_len).clamp(0, self.scripts.size(1) - 1)  # completion index of the next token
         next_token = self.scripts[prompt_len - 1, k]  # (B,)
         logits = torch.full((B, T, self.config.vocab_size), -1e9)
         logits[torch.arange(B), -1, next_token] = 0.0
-        kv_cache.advance(T)
         return logits
 
 

@@ -324,7 +324,7 @@ def test_out_of_memory_while_allocating_the_rollout_cache_halves_the_rows(sft, b
     """On a GPU the usual out-of-memory is the KV cache's allocation, before any row decodes: the retry still
     knows how many rows were tried (the cache's), halves them until the cache fits, and the step samples what a
     run with that many rows samples (rows do not change what is sampled)."""
-    from nanochat.engine import SharedPromptKVCache
+    from nanochat.shared_prompt_cache import SharedPromptKVCache
     flags = TINY_RL_FLAGS + ["--num-steps=1", "--num-samples=8", "--device-batch-size=8"]
     chat_rl.main(flags + ["--max-rows=8"])
     reference = capsys.readouterr().out
@@ -342,3 +342,34 @@ def test_out_of_memory_while_allocating_the_rollout_cache_halves_the_rows(sft, b
     assert tried == [32, 16, 8] and "retrying with --max-rows=16" in out and "retrying with --max-rows=8" in out
     reward = lambda text: [line.split("Average reward: ")[1].split(" ")[0] for line in text.splitlines() if "Average reward" in line]
     assert reward(out) == reward(reference) and len(reward(out)) == 1
+
+
+def test_a_run_captures_its_decode_graphs_in_its_first_step_only(sft, base_dir, tiny_tokenizer, capsys, cpu_graphs,
+                                                                  monkeypatch):
+    """Issue 35: the static batch is sized once for the run (the task's longest prompt, the rows the memory budget
+    holds at that length), so its graphs, all captured when it is made, serve every later step: on GSM8K's
+    prompts of varying lengths, with a budget that caps the rows below the step's 16, only step 0 captures. The
+    count is in the step line and the history."""
+    from nanochat.engine import Engine
+    from nanochat.kv_cache import cache_geometry
+    from nanochat.rollout import longest_prompt
+    from tasks.gsm8k import GSM8K
+    longest = longest_prompt(tiny_tokenizer, GSM8K(split="train"), GSM8K(split="test"))
+    lengths = {len(tiny_tokenizer.render_for_completion(GSM8K(split="train")[i])) for i in range(12)}
+    assert len({n // 64 for n in lengths}) > 1  # the steps' longest prompts fall in different 64-token buckets
+    prompt_cap, max_new = -(-longest // 64) * 64, 16
+    per_token = cache_geometry(sft).bytes_per_token(torch.float32)
+    budget_gb = per_token * (prompt_cap + 6 * (max_new + 2 * prompt_cap / 4)) / 2 ** 30  # about 6 of 16 rows
+    engines = []
+    monkeypatch.setattr(chat_rl, "Engine", lambda *args, **kwargs: engines.append(Engine(*args, **kwargs)) or engines[-1])
+    chat_rl.main(["--device-type=cpu", "--dtype=float32", "--num-steps=5", "--examples-per-step=4", "--num-samples=4",
+                  "--device-batch-size=2", f"--max-new-tokens={max_new}", "--eval-every=-1", "--decode=graph",
+                  f"--memory-budget-gb={budget_gb}", "--save-every=-1"])
+    out = capsys.readouterr().out
+    assert f"static batch sized for prompts of up to {longest} tokens" in out
+    assert engines[0].kept_batch.cache.batch_size < 16  # the budget caps the rows
+    captures = [int(c) for c in re.findall(r"^Step \d+/5 .* captures (\d+) ", out, flags=re.M)]
+    assert len(captures) == 5 and captures[0] == cpu_graphs.captures > 0 and captures[1:] == [0, 0, 0, 0], captures
+    assert cpu_graphs.replays > 5 * 8  # every later step replayed its graphs
+    _, _, meta = load_model("rl", "cpu", "eval")
+    assert [h["captures"] for h in meta["history"]] == captures

@@ -12,7 +12,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanochat.checkpoint_manager import build_model
-from nanochat.engine import DecodeWeights, Engine, KVCache, matmul_modules
+from nanochat.decode_weights import DecodeWeights, matmul_modules
+from nanochat.engine import Engine
+from nanochat.kv_cache import KVCache, forward_cached
 from nanochat.generations import GENERATIONS
 from helpers import install_generation, prompt_of, random_model, tiny_config
 
@@ -159,5 +161,5 @@ def test_fp32_rollouts_make_no_copies_and_a_failed_forward_restores_the_paramete
     weights = DecodeWeights(model)
     weights.refresh(torch.bfloat16)
     with pytest.raises(ValueError, match="KV cache overflow"), weights.in_use(), bf16(), torch.no_grad():
-        model(torch.zeros(1, 2, dtype=torch.long), kv_cache=KVCache.for_model(model, 1, 1))
+        forward_cached(model, torch.zeros(1, 2, dtype=torch.long), KVCache.for_model(model, 1, 1))
     assert all(a is b for a, b in zip(model.parameters(), parameters, strict=True))

@@ -14,7 +14,8 @@ import torch
 from nanochat.checkpoint_manager import build_model, save_checkpoint
 from nanochat.cli import run_main
 from nanochat.common import UserError
-from nanochat.engine import Engine, KVCache
+from nanochat.engine import Engine
+from nanochat.kv_cache import KVCache, forward_cached
 from nanochat.generations import GENERATIONS, summarize_keys
 from nanochat.gpt import GPT, GPTConfig, UNLIMITED_WINDOW, layer_windows
 from helpers import generation_reference, install_generation, random_model, tiny_config
@@ -133,7 +134,7 @@ def test_attention_beyond_sequence_len_follows_the_generation(gen_base, name):
     with torch.no_grad():
         full = model(idx)
         cache = KVCache.for_model(model, 1, 300)
-        cached = torch.cat([model(idx[:, :200], kv_cache=cache)] + [model(idx[:, t:t + 1], kv_cache=cache)
+        cached = torch.cat([forward_cached(model, idx[:, :200], cache)] + [forward_cached(model, idx[:, t:t + 1], cache)
                                                                     for t in range(200, 300)], dim=1)
         other_rule = UNLIMITED_WINDOW if name == "jan2026" else model.config.sequence_len
         saved = list(model.window_sizes)
@@ -168,13 +169,13 @@ def test_kv_cache_decode_matches_nanochat(gen_base, name):
     steps = ref["kv_row1_tokens"].numel()
     with torch.no_grad():
         prompt_cache = KVCache.for_model(model, 1, n)
-        prefill_last = model(conv[:, :n], kv_cache=prompt_cache)[:, -1]
+        prefill_last = forward_cached(model, conv[:, :n], prompt_cache)[:, -1]
         cache = KVCache.for_model(model, 2, n + steps)
-        cache.fill_rows_from(0, 2, prompt_cache)
+        cache.admit_rows(0, 2, prompt_cache, pool_slot=None, first_sample=0)
         decoded = []
         for j in range(steps):
             tokens = torch.stack([conv[0, n + j], ref["kv_row1_tokens"][j]])[:, None]  # (2, 1)
-            decoded.append(model(tokens, kv_cache=cache)[:, -1])
+            decoded.append(forward_cached(model, tokens, cache)[:, -1])
     torch.testing.assert_close(prefill_last, ref["kv_prefill_last_logits_fp32"], atol=TOL, rtol=0)
     torch.testing.assert_close(torch.stack(decoded, dim=1), ref["kv_decode_logits_fp32"], atol=TOL, rtol=0)
 

@@ -25,7 +25,7 @@ import pytest
 
 from helpers import FIXTURES, TINY_RL_FLAGS
 from nanochat.checkpoint_manager import load_checkpoint
-from nanochat.engine import Completion
+from nanochat.rows import Completion
 from scripts import chat_rl
 
 GOLDEN = FIXTURES / "golden_trace.json"

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from nanochat.adamw import DistAdamW
 from nanochat.common import UserError
-from nanochat.engine import KVCache
+from nanochat.kv_cache import KVCache, forward_cached
 from nanochat.sampling import row_seed, sample_next_token
 from nanochat.gpt import GPT
 from nanochat.muon import DistMuon, Muon
@@ -21,6 +21,14 @@ VOCAB = TINY_CONFIG["vocab_size"]  # 300, padded to 320
 
 def new_cache(config, batch_size, max_len, dtype=torch.float32):
     return KVCache(batch_size, config.n_kv_head, max_len, config.n_embd // config.n_head, config.n_layer, dtype=dtype)
+
+
+def hidden_cached(model, idx, cache):
+    """The model's hidden states for idx after what each row of `cache` holds; then the cache holds idx too."""
+    step = cache.step(idx.size(1), model.rotary_len)
+    hidden = model.hidden_states(idx, step)
+    step.advance()
+    return hidden
 
 
 def random_tokens(shape, seed=1):
@@ -252,7 +260,7 @@ def cached_and_full_forward(cfg, rows, cache_len, chunks):
         cache = new_cache(config, rows, cache_len, dtype=torch.float64)
         pieces, positions = [], []
         for a, b in chunks:
-            pieces.append(model.hidden_states(idx[:, a:b], kv_cache=cache))
+            pieces.append(hidden_cached(model, idx[:, a:b], cache))
             positions.append(cache.pos.tolist())
     return torch.cat(pieces, dim=1), full, positions
 
@@ -284,13 +292,13 @@ def test_rows_at_different_positions(window_pattern):
         alone = [model.hidden_states(s) for s in seqs]
         cache = new_cache(config, 2, 24, dtype=torch.float64)
         for b, (s, n) in enumerate(zip(seqs, prompt_lens)):
-            out = model.hidden_states(s[:, :n], kv_cache=cache.rows(b, b + 1))
+            out = hidden_cached(model, s[:, :n], cache.rows(b, b + 1))
             torch.testing.assert_close(out, alone[b][:, :n], **FP64_TOL)
         assert cache.pos.tolist() == prompt_lens
         offsets = [0, 1, 2, 5, 6, 8]  # tokens fed so far past each prompt
         for a, b in zip(offsets, offsets[1:]):
             chunk = torch.cat([s[:, n + a:n + b] for s, n in zip(seqs, prompt_lens)])  # (2, b - a)
-            out = model.hidden_states(chunk, kv_cache=cache)
+            out = hidden_cached(model, chunk, cache)
             for r, n in enumerate(prompt_lens):
                 torch.testing.assert_close(out[r], alone[r][0, n + a:n + b], **FP64_TOL)
     assert cache.pos.tolist() == [5 + 8, 11 + 8]
@@ -303,7 +311,7 @@ def test_bf16_cache_stores_bf16_and_stays_close():
     with torch.no_grad():
         full = model(idx)
         cache = new_cache(config, 2, 12, dtype=torch.bfloat16)
-        out = torch.cat([model(idx[:, :6], kv_cache=cache)] + [model(idx[:, t:t + 1], kv_cache=cache) for t in range(6, 12)], 1)
+        out = torch.cat([forward_cached(model, idx[:, :6], cache)] + [forward_cached(model, idx[:, t:t + 1], cache) for t in range(6, 12)], 1)
     assert cache.k.dtype == torch.bfloat16 and out.dtype == torch.float32
     assert cache.k[:, :, :12].abs().sum() > 0
     torch.testing.assert_close(out, full, atol=0.1, rtol=0)
@@ -315,9 +323,9 @@ def test_cache_overflow_and_row_mismatch_raise():
     with torch.no_grad():
         cache = new_cache(config, 1, 4)
         with pytest.raises(ValueError, match="overflow"):
-            model(random_tokens((1, 5)), kv_cache=cache)
+            forward_cached(model, random_tokens((1, 5)), cache)
         with pytest.raises(ValueError, match="rows"):
-            model(random_tokens((2, 2)), kv_cache=cache)
+            forward_cached(model, random_tokens((2, 2)), cache)
 
 
 # ----------------------------------------------------------------------------- naive sampler

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from nanochat.engine import Completion
+from nanochat.rows import Completion
 from nanochat.metrics import REDUCTIONS, drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
 from nanochat.rl import TrainStats
 from gloo_ranks import run_ranks
@@ -101,7 +101,7 @@ RANK_DATA = [
 WORKER = """
 import json, sys
 import torch.distributed as dist
-from nanochat.engine import Completion
+from nanochat.rows import Completion
 from nanochat.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
 from nanochat.rl import TrainStats
 data, out = json.loads(sys.argv[1]), sys.argv[2]

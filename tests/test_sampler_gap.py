@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from nanochat.checkpoint_manager import build_model
-from nanochat.engine import DecodeBatch, Engine, SharedPromptKVCache
+from nanochat.decode_batch import DecodeBatch
+from nanochat.engine import Engine
+from nanochat.shared_prompt_cache import SharedPromptKVCache
 from nanochat.metrics import objective_metrics
 from nanochat.rl import PolicyLoss, accumulate_policy_gradient, make_question_batch
 from nanochat.sampling import row_seeds, sample_with_logprobs
@@ -91,11 +93,11 @@ def test_a_decode_broken_on_purpose_shows_a_gap_orders_of_magnitude_larger(gener
     clean, _ = gap_of(model, tokenizer, prompts, **SAMPLING)
     right_step = DecodeBatch.run_step
 
-    def stale_inputs(self, rows, keys, last_position):
+    def stale_inputs(self, rows, keys):
         previous = getattr(self, "previous_input", self.next_input.clone())
         self.previous_input = self.next_input.clone()
         self.next_input[1::2] = previous[1::2]
-        right_step(self, rows, keys, last_position)
+        right_step(self, rows, keys)
     monkeypatch.setattr(DecodeBatch, "run_step", stale_inputs)
     stale, _ = gap_of(model, tokenizer, prompts, **SAMPLING)
     monkeypatch.setattr(DecodeBatch, "run_step", right_step)
@@ -141,8 +143,7 @@ class BigramModel(TableModel):
     def get_device(self):
         return self.table.device
 
-    def forward(self, idx, kv_cache=None):
-        kv_cache.advance(idx.size(1))
+    def forward(self, idx, cache_step=None):
         return self.table[idx]
 
 

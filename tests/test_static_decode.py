@@ -13,9 +13,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanochat.checkpoint_manager import build_model
-from nanochat.engine import (KEY_BUCKET, ROW_BUCKETS, DecodeBatch, Engine, GraphedStep, KVCache, RolloutStats,
-                             SharedPromptKVCache, bucketed_shape, capture_cuda_graph, decode_mode, decode_plan,
-                             exact_shape)
+from nanochat.cuda_graphs import (KEY_BUCKET, ROW_BUCKETS, DecodePlan, GraphedStep, bucket_shapes, bucketed_shape,
+                                  capture_cuda_graph, decode_mode, decode_plan, exact_shape)
+from nanochat.decode_batch import DecodeBatch, RolloutStats
+from nanochat.engine import Engine
+from nanochat.gpt import GPT
+from nanochat.kv_cache import KVCache
+from nanochat.op_count import CountOps, OpCount, count_decode_step_ops
+from nanochat.shared_prompt_cache import SharedPromptKVCache
 from helpers import HAS_CUDA, ScriptedModel, install_generation, prompt_of, random_model, tiny_config
 
 GENERATIONS = ["oct2025", "jan2026", "ve", "ve_late", "mar9", "smear"]
@@ -34,14 +39,18 @@ def test_bucketed_shapes_cover_the_step_and_stay_few():
     assert bucketed_shape(200, 250, max_rows=210, max_keys=240) == (210, 240)  # never past the cache
     shapes = {bucketed_shape(r, k, 256, 256) for r in range(1, 257) for k in range(1, 257)}
     assert len(shapes) == len([b for b in ROW_BUCKETS if b <= 256]) * (256 // KEY_BUCKET)
+    for max_rows, max_keys in ((256, 256), (150, 100), (7, 40)):  # every shape a step can take, largest first
+        every = {bucketed_shape(r, k, max_rows, max_keys) for r in range(1, max_rows + 1) for k in range(1, max_keys + 1)}
+        listed = bucket_shapes(max_rows, max_keys)
+        assert len(listed) == len(set(listed)) and set(listed) == every and listed[0] == (max_rows, max_keys)
 
 
 def test_decode_modes():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert [decode_mode(m, cpu) for m in ("auto", "eager", "static")] == ["eager", "eager", "static"]
     assert [decode_mode(m, cuda) for m in ("auto", "eager", "static", "graph")] == ["graph", "eager", "static", "graph"]
-    assert decode_plan("static") == (bucketed_shape, None, True) and decode_plan("graph")[1] is GraphedStep
-    assert decode_plan("eager") == (exact_shape, None, False)
+    assert decode_plan("static") == DecodePlan(bucketed_shape, None, True) and decode_plan("graph").graphs is GraphedStep
+    assert decode_plan("eager") == DecodePlan(exact_shape, None, False)
     with pytest.raises(ValueError, match="decode mode graph needs a CUDA device"):
         decode_mode("graph", cpu)
     with pytest.raises(ValueError, match="decode mode must be one of auto, eager, static, graph, got 'fast'"):
@@ -110,8 +119,16 @@ def test_replayed_graphs_equal_the_static_step(name, share_prompts, tmp_path, mo
     static = Engine(model, tokenizer, decode="static", share_prompts=share_prompts)
     graph = Engine(model, tokenizer, decode="graph", share_prompts=share_prompts)
     assert rollouts(graph, prompts, **kwargs) == rollouts(static, prompts, **kwargs)
+    # every shape of the batch captured when it was made, every step of the rollout replayed from its graph
+    cache = graph.kept_batch.cache
+    shapes = bucket_shapes(cache.batch_size, cache.key_capacity)
+    first = graph.last_stats
+    assert cpu_graphs.captures == first.captures == len(shapes) >= 3 and cpu_graphs.replays == first.decode_forwards
+    assert len({rows for rows, _ in shapes}) >= 3 and len({keys for _, keys in shapes}) >= 2
     assert logprobs(graph, prompts, **kwargs) == logprobs(static, prompts, **kwargs)
-    assert cpu_graphs.captures >= 3 and cpu_graphs.replays > 10 * cpu_graphs.captures
+    # the kept batch serves the next rollout: nothing captured again
+    assert graph.last_stats.captures == 0 and cpu_graphs.captures == len(shapes)
+    assert cpu_graphs.replays == first.decode_forwards + graph.last_stats.decode_forwards
 
 
 @pytest.mark.parametrize("share_prompts", [True, False])
@@ -179,6 +196,7 @@ def test_the_stand_in_catches_what_a_capture_breaks(tiny_tokenizer, cpu_graphs, 
     tensor instead of its buffer (the graph keeps reading the buffer it captured), or a cache that grows after
     a capture (the graph writes the old storage), is right when run eagerly and samples other tokens when
     replayed."""
+    from nanochat import decode_batch
     model = ending_model(tiny_tokenizer)
     prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
     right = rollouts(Engine(model, tiny_tokenizer, decode="static"), prompts, **ENDING_KWARGS)
@@ -201,6 +219,10 @@ def test_the_stand_in_catches_what_a_capture_breaks(tiny_tokenizer, cpu_graphs, 
 
     monkeypatch.setattr(SharedPromptKVCache, "__init__", growing_storage)
     assert rollouts(Engine(model, tiny_tokenizer, decode="static"), prompts, **ENDING_KWARGS) == right
+    # shapes captured largest first (the engine's order): the storage grows at the first warm-up, before any
+    # capture, so the graphs hold; smallest first, it grows after some captures, whose replays write the old one
+    assert rollouts(Engine(model, tiny_tokenizer, decode="graph"), prompts, **ENDING_KWARGS) == right
+    monkeypatch.setattr(decode_batch, "bucket_shapes", lambda rows, keys: bucket_shapes(rows, keys)[::-1])
     assert rollouts(Engine(model, tiny_tokenizer, decode="graph"), prompts, **ENDING_KWARGS) != right
 
 
@@ -224,7 +246,7 @@ def test_a_static_batch_is_reused_by_the_next_rollout_of_its_shape(tiny_tokenize
                     for p, s in ((first, [1, 2]), (second, [3, 4]))]
     long_prompt = [prompt_of(tiny_tokenizer, "word " * 40)]
     rollouts(engine, long_prompt, seeds=[5], **kwargs)
-    assert engine.kept_batch is not batch and engine.kept_batch.reuse_key[2] == 128  # the pool rounded up to 128
+    assert engine.kept_batch is not batch and engine.kept.key[2] == 128  # the pool rounded up to 128
     stream = engine.generate(first[0], num_samples=2, max_tokens=10, seed=1)
     next(stream)  # a rollout left unfinished: its batch is not kept
     assert engine.kept_batch is None
@@ -259,9 +281,9 @@ def test_static_step_runs_on_the_meta_device(generation, share_prompts, tiny_tok
         cache = SharedPromptKVCache.for_model(model, 6, 2, 16, 40, rows_per_slot=4, static=True)
     else:
         cache = KVCache.for_model(model, 6, 56)
-    batch = DecodeBatch(model, cache, 1.0, 50, RolloutStats(), pool_slots=2 if share_prompts else None)
+    batch = DecodeBatch(model, cache, 1.0, 50, RolloutStats())
     with DeviceOnly() as mode, torch.no_grad():
-        batch.run_step(6, 32, last_position=40)
+        batch.run_step(6, 32)
     assert mode.ops > 50 and batch.sampled.device.type == "meta"
 
 
@@ -320,3 +342,30 @@ def test_cuda_graph_replay_equals_the_static_step(dtype, tiny_tokenizer):
         assert len(graph.kept_batch.graphs.replays) >= 3
         ends = {len(c[0]) for per in rollouts(graph, prompts, **ENDING_KWARGS) for c in per}
     assert len(ends) > 2
+
+
+@pytest.mark.parametrize("generation", ["oct2025", "jan2026"])  # no value embeddings: every layer alike
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_a_decode_step_builds_each_windows_masks_once_not_per_layer(generation, share_prompts):
+    """Issue 35: a replayed step still runs every kernel, and the visibility masks depend only on the window, so they
+    are built once per step and window, not in every layer. Counted on the meta device: the ops outside the
+    blocks do not grow with depth; every block after the first of its window runs the same ops, fewer than the
+    first of each window (which builds its masks); depth 8 costs depth 4 plus 4 such blocks."""
+    counts = {}
+    for depth in (4, 8):
+        with torch.device("meta"):
+            model = GPT(tiny_config(n_layer=depth, sequence_len=64, window_pattern="SL"), generation=generation)
+        counts[depth] = count_decode_step_ops(model, 6, 32, share_prompts=share_prompts, prompt_len=16, num_samples=4)
+    c4, c8 = counts[4], counts[8]
+    # outside the blocks only the trunk's per-layer residual mix grows with depth (none without lambdas)
+    lambdas, x = torch.ones(8, device="meta"), torch.zeros(6, 1, 64, device="meta")
+    mix = OpCount()
+    with CountOps(mix):
+        _ = lambdas[3] * x + lambdas[3] * x
+    per_layer_mix = mix.ops if model.generation.lambdas else 0
+    assert c8.ops_outside_blocks - c4.ops_outside_blocks == 4 * per_layer_mix
+    firsts = {model.window_sizes.index(w) for w in set(model.window_sizes)}  # the first block of each window
+    later = [ops for i, ops in enumerate(c8.ops_per_block) if i not in firsts]
+    assert len(set(later)) == 1 and later[0] < min(c8.ops_per_block[i] for i in firsts), c8.ops_per_block
+    assert c8.ops - c4.ops == 4 * (later[0] + per_layer_mix)
+    assert 0 < c8.kernels < c8.ops

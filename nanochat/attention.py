@@ -1,0 +1,138 @@
+"""
+Attention, for training and for the KV caches, and the one contract between the model and whatever holds keys
+and values for it.
+
+Windows. A layer with window w lets a query at position p see key j iff j <= p and p - j <= w: w tokens of
+left context plus itself (nanochat/gpt.py says which layer has which window).
+
+The contract. The model computes each layer's queries, keys and values and hands them to an attention context:
+
+    context.attend(layer_idx, q, k, v, window) -> (B, H, T, D)
+        q: (B, T, H, D); k, v: (B, T, Hkv, D), H a multiple of Hkv (grouped-query attention). The context
+        returns the attention of these queries over the keys it holds (none, a shared prompt's, a cache's)
+        followed by these new ones, under the layer's window.
+
+The model never asks how keys are stored, and never calls back into what schedules it. Contexts:
+- `SequenceAttention`: a plain sequence at positions 0..T-1 (training, nanochat's forward);
+- `SharedPrefixAttention`: training rows that all start with one prompt (its keys recorded once);
+- a KV cache's `CacheStep` (nanochat/kv_cache.py, nanochat/shared_prompt_cache.py): one forward of T new
+  tokens per row over what each row of the cache holds. A CacheStep also carries what a cached forward needs
+  besides attention: `positions` (B, T), the new tokens' absolute positions (rotary reads them: they are an
+  explicit input of the forward, as gpt-fast's input_pos), and the smear state of the generations that mix
+  the previous token's embedding into the next (`smear_previous`, `keep_smear_state`). The caller builds the
+  step from the cache, runs the model on it and then advances the cache (`run_cached`); the model does neither.
+
+Each context builds a window's visibility once per forward, at its first layer, and reuses it in the others.
+"""
+
+from typing import Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+def attend(q, k, v, mask):
+    """Scaled dot-product attention. q: (B, T, H, D); k, v: (B, Tk, Hkv, D) with H a multiple of Hkv (GQA);
+    mask: None = causal over T == Tk, else bool broadcastable to (B, H, T, Tk), True = visible.
+    Returns (B, H, T, D)."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                          is_causal=mask is None, enable_gqa=k.size(2) != q.size(2))
+
+
+def window_mask(query_pos, num_keys, window):
+    """query_pos: (..., T) int64 -> bool (..., T, num_keys): key j visible iff 0 <= p - j <= window."""
+    delta = query_pos[..., :, None] - torch.arange(num_keys, device=query_pos.device)
+    return (delta >= 0) & (delta <= window)
+
+
+def sequence_mask(T, window, device):
+    """The mask of a sequence at positions 0..T-1 under `window`: None (plain causal, the fast kernel) when the
+    window reaches back to position 0 from every query, else bool (T, T)."""
+    return None if window >= T - 1 else window_mask(torch.arange(T, device=device), T, window)
+
+
+def fp32_scores(q, k_t):
+    """q @ k_t (..., T, D) @ (..., D, Tk) with float32 results whatever the inputs' dtype, as a fused attention
+    kernel keeps its scores: rounding them to bf16 would widen the sampler-trainer gap for nothing. On CUDA the
+    matmul writes fp32 itself (bmm's out_dtype); elsewhere the inputs are upcast (exactly) first. Both are fp32
+    accumulations of the same products."""
+    if q.dtype == torch.float32:
+        return q @ k_t
+    if q.is_cuda:
+        batch = torch.broadcast_shapes(q.shape[:-2], k_t.shape[:-2])
+        scores = torch.bmm(q.expand(*batch, *q.shape[-2:]).reshape(-1, *q.shape[-2:]),
+                           k_t.expand(*batch, *k_t.shape[-2:]).reshape(-1, *k_t.shape[-2:]), out_dtype=torch.float32)
+        return scores.view(*batch, q.size(-2), k_t.size(-1))
+    return q.float() @ k_t.float()
+
+
+class AttentionContext(Protocol):
+    """What the model's attention layers call (the module docstring)."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+        ...
+
+
+class CacheStep(AttentionContext, Protocol):
+    """One forward of T new tokens per row over a KV cache (the module docstring)."""
+    positions: torch.Tensor                 # (B, T) int64: absolute position of each new token
+    smear_previous: Optional[torch.Tensor]  # (B, 1, C): normed embedding of each row's last cached token, to
+                                            # smear into its first new one; None: nothing to smear from
+
+    def keep_smear_state(self, embedding: torch.Tensor) -> None:
+        """embedding (B, 1, C): the normed embedding of each row's last new token, for the next step."""
+
+    def advance(self) -> None:
+        """After the forward: the cache holds the new tokens (rows in use move on by T)."""
+
+
+def run_cached(model, idx, step):
+    """The model's logits (B, T, V) for idx (B, T), the tokens `step` places after what each cache row holds;
+    then the cache holds them too."""
+    logits = model(idx, cache_step=step)
+    step.advance()
+    return logits
+
+
+class Visibility:
+    """A window's visibility, made by `make(window)` at the first layer that asks and kept for the others."""
+
+    def __init__(self, make):
+        self.make, self.made = make, {}
+
+    def __call__(self, window):
+        if window not in self.made:
+            self.made[window] = self.make(window)
+        return self.made[window]
+
+
+class SequenceAttention:
+    """A sequence of T tokens at positions 0..T-1, each attending to itself and the ones before it."""
+
+    def __init__(self, T, device):
+        self.mask = Visibility(lambda window: sequence_mask(T, window, device))
+
+    def attend(self, layer_idx, q, k, v, window):
+        return attend(q, k, v, self.mask(window))
+
+
+class SharedPrefixAttention:
+    """Training rows that all start with the same prompt of P tokens, followed by S tokens of their own. The
+    prompt's forward (one row, `recording`) keeps every layer's keys/values, autograd history included; the
+    rows' forward then attends to those followed by its own, so the prompt is computed once and its gradient
+    gathers every row's contribution."""
+
+    def __init__(self, P, S, device):
+        self.k, self.v, self.recording = {}, {}, True
+        self.prefix_mask = Visibility(lambda window: sequence_mask(P, window, device))
+        positions = P + torch.arange(S, device=device)  # (S,)
+        self.rows_mask = Visibility(lambda window: window_mask(positions, P + S, window))  # (S, P + S)
+
+    def attend(self, layer_idx, q, k, v, window):
+        if self.recording:
+            self.k[layer_idx], self.v[layer_idx] = k, v
+            return attend(q, k, v, self.prefix_mask(window))
+        B = k.size(0)
+        k = torch.cat([self.k[layer_idx].expand(B, -1, -1, -1), k], dim=1)
+        v = torch.cat([self.v[layer_idx].expand(B, -1, -1, -1), v], dim=1)
+        return attend(q, k, v, self.rows_mask(window))

@@ -1,0 +1,235 @@
+"""
+The rows decoded together: admission into free rows of one KV cache, the static decode step, and retirement.
+
+Flow of one token: the batch's `next_input` (B,) -> the model over a CacheStep of the cache -> logits -> the
+sampler (each row its own random stream) -> `sampled` (B, 3) -> one read by the host -> each Row's `feed` (the
+calculator's protocol, nanochat/rows.py) -> the token it emits becomes its next input.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from nanochat.attention import run_cached
+from nanochat.cuda_graphs import bucket_shapes, exact_shape
+from nanochat.decode_weights import DecodeWeights
+from nanochat.kv_cache import KVCache, forward_cached
+from nanochat.sampling import row_seeds, sample_with_logprobs
+
+
+@dataclass
+class RolloutStats:
+    """Work done by one generate call; used by tests (finished rows cost nothing) and the benchmark."""
+    prefill_tokens: int = 0
+    decode_forwards: int = 0
+    row_steps: int = 0          # sum over decode forwards of the rows in the batch
+    max_batch_rows: int = 0
+    kv_positions_read: int = 0  # cached key/value positions the decode steps' attention read, per layer
+    captures: int = 0           # decode shapes captured into CUDA graphs (graph mode), or, in static mode, shapes
+                                # a new batch would have captured: 0 once a run's batch is kept
+    rows_allocated: int = 0     # rows of the KV cache the call allocated (set before allocating: an
+                                # out-of-memory there still tells how many rows were tried)
+
+
+@dataclass
+class PrefilledPrompt:
+    """A prompt that went through the model once, while its samples wait for rows."""
+    request: int               # index of the prompt
+    seed: int                  # sample r draws from the stream row_seed(seed, r)
+    num_samples: int
+    cache: KVCache             # one row: the prompt's keys and values
+    logits: torch.Tensor       # (1, V) after the prompt: every sample's first token is drawn from these
+    length: int                # the prompt's tokens
+    pool_slot: int = None      # the prompt slot holding its keys, when the batch's cache holds prompts
+    admitted: int = 0          # samples 0..admitted-1 have had a row
+
+    @property
+    def fully_admitted(self):
+        return self.admitted == self.num_samples
+
+    def next_samples(self, free_rows):
+        """The samples that take the next `free_rows` rows (fewer if fewer are left)."""
+        return range(self.admitted, min(self.num_samples, self.admitted + free_rows))
+
+
+class PromptPool:
+    """Which prompt slot of a cache that holds prompts (SharedPromptKVCache) holds which prompt: a prompt takes
+    a slot at its prefill and gives it back when the last of its rows finishes (nano-vllm's block manager, for
+    whole prompts)."""
+
+    def __init__(self, slots):
+        self.free = deque(range(slots))
+        self.slot_of, self.rows_left = {}, {}  # request -> its slot; -> its rows not finished, admitted or not
+
+    def has_room(self):
+        return len(self.free) > 0
+
+    def take(self, request, num_rows):
+        self.slot_of[request], self.rows_left[request] = self.free.popleft(), num_rows
+        return self.slot_of[request]
+
+    def row_finished(self, request):
+        self.rows_left[request] -= 1
+        if self.rows_left[request] == 0:  # its prompt's keys are no longer read
+            del self.rows_left[request]
+            self.free.append(self.slot_of.pop(request))
+
+
+class DecodeBatch:
+    """The rows decoded together, each in a row of one KV cache (a RolloutCache) of B rows.
+
+    in_flight[i] is in row i; the rows in use are a dense prefix (the last one moves into a finished one's row).
+    A row of in_flight is any object with `request`, `feed(sampled) -> (token, mask)` and `finished` (a Row;
+    feed also takes the sampled token's log-probabilities); events are [(row, token, mask)] for the rows that
+    emitted a token. Per row of the cache: next_input (B,) the token it feeds next; seeds, draws (B,) its
+    random stream (sample_next_token). With a cache that holds prompts, each prompt's keys sit once in a
+    prompt slot (`pool`) from its prefill until its last row finishes.
+
+    The decode step (`run_step`) is static: it reads and writes only tensors allocated here or in the cache,
+    takes the rows' key counts from the host's own count (`offset`, `cached`) instead of the device, and runs a
+    shape that `shape` chooses: exactly the rows in use and their keys (eager), or buckets that hold free rows
+    too (their writes stay in their own row, they never advance), so that a few shapes cover a whole rollout
+    and `graphs` can replay them from CUDA graphs. Per step the host reads the sampled tokens once and writes
+    the next inputs (forced tool tokens included) in one copy.
+    """
+
+    def __init__(self, model, cache, temperature, top_k, stats, shape=exact_shape, graphs=None, weights=None):
+        self.model, self.cache, self.stats = model, cache, stats
+        self.weights = weights or DecodeWeights(model)  # never refreshed: the model's own weights
+        self.temperature, self.top_k = temperature, top_k
+        B, self.device = cache.batch_size, model.get_device()
+        self.in_flight = []
+        self.next_input = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.seeds = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.draws = torch.zeros(B, dtype=torch.long, device=self.device)  # tokens each row's stream has drawn
+        # the decode step's output per row: (token, its log-probability under the model, under the sampled
+        # distribution), as float32 (token ids are exact below 2**24) so that the host reads it in one copy
+        self.sampled = torch.zeros(B, 3, dtype=torch.float32, device=self.device)
+        cache.active.zero_()  # every row free
+        self.offset = [0] * B      # per row: absolute position of the first key in its own storage (the prompt's
+        self.cached = [0] * B      # length with a prompt held apart, else 0), and how many keys it holds there
+        self.rotary_len = getattr(model, "rotary_len", None)
+        self.shape = shape
+        # replays the step from graphs (GraphedStep), or None: run it. Made without a reference to this batch (no
+        # bound method kept): a batch in a reference cycle would hold its KV cache until the next garbage collection
+        self.graphs = graphs() if graphs else None
+        self.pool = PromptPool(cache.prompt_slots) if cache.holds_prompts() else None
+
+    @property
+    def free_rows(self):
+        return self.cache.batch_size - len(self.in_flight)
+
+    def begin_rollout(self, stats):
+        """A kept batch starts another rollout: its work is counted in `stats` from now on."""
+        self.stats = stats
+
+    def can_take_prompt(self):
+        """False while every prompt slot holds a prompt whose rows still run."""
+        return self.pool is None or self.pool.has_room()
+
+    def prefill(self, request, prompt, seed, num_samples):
+        """Run `prompt` (a list of ids) through the model, once for all its samples; in a cache that holds
+        prompts its keys go to a free prompt slot. Returns the PrefilledPrompt whose rows `admit` takes."""
+        cache = KVCache.for_model(self.model, 1, len(prompt), self.cache.dtype)
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # (1, T)
+        with self.weights.in_use():
+            logits = forward_cached(self.model, ids, cache)[:, -1, :]  # (1, V)
+        self.stats.prefill_tokens += len(prompt)
+        prefilled = PrefilledPrompt(request, seed, num_samples, cache, logits, len(prompt))
+        if self.pool is not None:
+            prefilled.pool_slot = self.pool.take(request, num_samples)
+            self.cache.store_prompt(prefilled.pool_slot, cache)
+        return prefilled
+
+    def admit(self, prompt, rows):
+        """`rows`, samples prompt.next_samples(free_rows) of `prompt`, take the first free rows, starting from
+        the prompt's cache; each draws its first token from the prefill's logits. Returns their events."""
+        lo, hi, first = len(self.in_flight), len(self.in_flight) + len(rows), prompt.admitted
+        held = self.cache.admit_rows(lo, hi, prompt.cache, prompt.pool_slot, first)
+        self.offset[lo:hi], self.cached[lo:hi] = [prompt.length - held] * len(rows), [held] * len(rows)
+        self.seeds[lo:hi] = row_seeds(prompt.seed, range(first, first + len(rows)), self.device)
+        self.draws[lo:hi] = 0
+        self.in_flight.extend(rows)
+        prompt.admitted += len(rows)
+        self._draw(prompt.logits.expand(len(rows), -1), lo, hi)
+        self.draws[lo:hi] += 1
+        return self._feed(self.sampled[lo:hi].tolist(), lo)
+
+    def decode_step(self):
+        """One forward of every row in use on its next input, then each samples and emits. Returns events."""
+        n = len(self.in_flight)
+        if n == 0:
+            return []
+        keys = max(self.cached[:n]) + 1  # this step's key included
+        last_position = max(o + c for o, c in zip(self.offset[:n], self.cached[:n]))
+        if self.rotary_len is not None and last_position >= self.rotary_len:
+            raise ValueError(f"KV cache overflow: position {last_position} is past the rotary tables ({self.rotary_len})")
+        if keys > self.cache.key_capacity:
+            raise ValueError(f"KV cache overflow: {keys} positions needed, the cache holds {self.cache.key_capacity}")
+        rows, keys = self.shape(n, keys, self.cache.batch_size, self.cache.key_capacity)
+        if self.graphs is None:
+            self.run_step(rows, keys)
+        else:
+            self.stats.captures += self.graphs((rows, keys), lambda: self.run_step(rows, keys))
+        for i in range(n):
+            self.cached[i] += 1
+        stats = self.stats
+        stats.kv_positions_read += self.cache.keys_read(rows, keys)
+        stats.decode_forwards += 1
+        stats.row_steps += n
+        stats.max_batch_rows = max(stats.max_batch_rows, n)
+        return self._feed(self.sampled[:n].tolist(), 0)  # the step's one read from the device
+
+    def prepare_shapes(self):
+        """A new static batch, before its first rollout: with graphs, every shape its steps can take is warmed up
+        and captured now, largest first (as vLLM does), so that rollouts only replay; without, the shapes are only
+        counted (what a graph run would capture). Counted in stats.captures."""
+        shapes = bucket_shapes(self.cache.batch_size, self.cache.key_capacity)
+        if self.graphs is None:
+            self.stats.captures += len(shapes)
+            return
+        for rows, keys in shapes:  # each warm-up runs every row free: nothing moves, nothing is read back
+            self.stats.captures += self.graphs.prepare((rows, keys), lambda: self.run_step(rows, keys))
+
+    def run_step(self, rows, keys):
+        """The static decode step over rows 0..rows-1, attending to keys 0..keys-1 of each: forward, sample
+        into self.sampled, advance the streams of the rows in use. No host read, no shape that depends on data."""
+        with self.weights.in_use():
+            logits = run_cached(self.model, self.next_input[:rows, None], self.cache.decode_step(rows, keys))
+        self._draw(logits[:, -1, :], 0, rows)  # (rows, V)
+        self.draws[:rows] += self.cache.active[:rows]
+
+    def _draw(self, logits, lo, hi):
+        """Rows lo..hi-1 draw from logits (hi - lo, V), each with its own stream, into self.sampled."""
+        tokens, model_lp, sampling_lp = sample_with_logprobs(logits, self.seeds[lo:hi], self.draws[lo:hi],
+                                                             self.temperature, self.top_k)
+        self.sampled[lo:hi] = torch.stack([tokens.float(), model_lp, sampling_lp], dim=1)
+
+    def _feed(self, sampled, lo):
+        """Rows lo.. (to the last in use) take their sampled (token, log-probability under the model, under the
+        sampled distribution) and emit; what they emit is their next input (written in one copy), and the
+        finished ones leave. Returns their events."""
+        hi = len(self.in_flight)
+        events = [(row, *row.feed(int(token), (model_lp, sampling_lp)))
+                  for row, (token, model_lp, sampling_lp) in zip(self.in_flight[lo:hi], sampled)]
+        self.next_input[lo:hi] = torch.tensor([token for _, token, _ in events], dtype=torch.long, device=self.device)
+        self.retire([lo + j for j, (row, _, _) in enumerate(events) if row.finished])
+        return events
+
+    def retire(self, finished):
+        """The rows at indices `finished` leave. The rows in use stay a dense prefix: the last row moves into
+        each hole, with its cache row (smear's prev_embedding included) and its next input, seed and draws; the
+        row it leaves is released."""
+        for i in sorted(finished, reverse=True):
+            if self.pool is not None:
+                self.pool.row_finished(self.in_flight[i].request)
+            last = len(self.in_flight) - 1
+            if i != last:
+                self.cache.copy_rows(torch.tensor([i], device=self.device), torch.tensor([last], device=self.device))
+                for t in (self.next_input, self.seeds, self.draws):
+                    t[i] = t[last]
+                self.in_flight[i] = self.in_flight[last]
+                self.offset[i], self.cached[i] = self.offset[last], self.cached[last]
+            self.cache.release_row(last)
+            self.in_flight.pop()

@@ -1,0 +1,81 @@
+"""
+How many aten ops, and how many of them kernels, one static decode step dispatches: the floor a GPU's launch
+overhead puts under a step (a replayed CUDA graph still runs every kernel), counted without running anything.
+
+The step runs on the `meta` device (shapes only), so the count is the same on a CPU as on a GPU. A kernel here is
+an op that is not a view: views and metadata changes launch nothing. Ops are counted per block of the model, and
+outside the blocks (embedding, masks built lazily count in the first block that asks, logits, sampling).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nanochat.decode_batch import DecodeBatch, RolloutStats
+from nanochat.kv_cache import KVCache
+from nanochat.shared_prompt_cache import SharedPromptKVCache
+
+
+@dataclass
+class OpCount:
+    ops: int = 0
+    kernels: int = 0
+    ops_per_block: list = field(default_factory=list)      # (n_layer,) ops dispatched inside each block
+    kernels_per_block: list = field(default_factory=list)
+
+    @property
+    def ops_outside_blocks(self):
+        return self.ops - sum(self.ops_per_block)
+
+
+def is_view(func):
+    """An op whose output aliases its input without writing it: a view, which launches no kernel."""
+    returns = func._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the ops dispatched, and the ones that are kernels, into `count`, and into the block in `block`."""
+
+    def __init__(self, count):
+        super().__init__()
+        self.count, self.block = count, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kernel = not is_view(func)
+        self.count.ops += 1
+        self.count.kernels += kernel
+        if self.block is not None:
+            self.count.ops_per_block[self.block] += 1
+            self.count.kernels_per_block[self.block] += kernel
+        return func(*args, **(kwargs or {}))
+
+
+def count_decode_step_ops(model, rows, keys, share_prompts=True, prompt_len=64, num_samples=16,
+                          temperature=1.0, top_k=50):
+    """The OpCount of one static decode step of `model` (moved to the meta device: pass a model built there, or
+    a copy) over `rows` rows (all in use) reading `keys` keys each."""
+    model = model.to("meta")
+    blocks = list(model.transformer.h)
+    count = OpCount(ops_per_block=[0] * len(blocks), kernels_per_block=[0] * len(blocks))
+    if share_prompts:
+        slots = -(-rows // num_samples) * 2 + 1
+        cache = SharedPromptKVCache.for_model(model, rows, slots, prompt_len, keys, num_samples, static=True)
+    else:
+        cache = KVCache.for_model(model, rows, prompt_len + keys)
+    batch = DecodeBatch(model, cache, temperature, top_k, RolloutStats())
+    mode = CountOps(count)
+
+    def enter(index):
+        return lambda module, args: setattr(mode, "block", index)
+
+    hooks = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
+    hooks += [b.register_forward_hook(lambda module, args, out: setattr(mode, "block", None)) for b in blocks]
+    try:
+        with mode, torch.no_grad():
+            batch.run_step(rows, keys)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return count

@@ -1,0 +1,217 @@
+"""
+The KV cache of batched decoding when rows share prompts (a RolloutCache, see nanochat/kv_cache.py): each
+prompt's keys and values are stored once, in a prompt slot of a pool, and each row stores only its completion.
+"""
+
+import math
+
+import torch
+
+from nanochat.attention import Visibility, fp32_scores
+from nanochat.kv_cache import cache_geometry
+
+
+class SharedPromptKVCache:
+    """pool_k, pool_v: (n_layer, slots, n_kv_head, prompt_cap, head_dim); pool_len: (slots,) prompt lengths
+    k, v:           (n_layer, B, n_kv_head, capacity, head_dim);     pos: (B,) completion tokens cached
+                    capacity grows on demand (doubling, up to suffix_cap), so rows that end early never pay
+                    for max_tokens positions
+    prompt_slot, sample: (B,) the row's prompt slot and its index among that prompt's rows; a free row has
+                    sample rows_per_slot: in a static cache, a spare column of the prompt attention's layout
+                    that no row in use shares (a dynamic one never runs free rows)
+    active:         (B,) 1 for a row in use, as in KVCache
+    prev_embedding: (B, 1, embed_dim) or None, as in KVCache
+
+    Only single-token decode steps run on it (prompts are prefilled into a one-row KVCache, then stored
+    with `store_prompt`). A row's query at absolute position p = prompt length + pos attends to its prompt's
+    keys and to its own completion; both score sets go through one softmax, so the result is attention over the
+    concatenation, exactly. The prompt's scores are computed per slot for all its rows at once: the prompt's
+    keys and values are read once per step and layer, not once per row.
+    """
+
+    INITIAL_SUFFIX_CAPACITY = 64
+
+    def __init__(self, batch_size, slots, prompt_cap, suffix_cap, num_heads, head_dim, num_layers, device="cpu",
+                 dtype=torch.float32, rows_per_slot=1, embed_dim=None, embed_dtype=torch.float32, static=False):
+        self.pool_k = torch.zeros(num_layers, slots, num_heads, prompt_cap, head_dim, device=device, dtype=dtype)
+        self.pool_v = torch.zeros_like(self.pool_k)
+        self.pool_len = torch.zeros(slots, dtype=torch.long, device=device)
+        self.suffix_cap = suffix_cap
+        # static: for decode steps over a fixed number of rows (free ones included) that may be captured: every
+        # position is allocated now, so the storage never moves, and free rows get a spare sample column
+        self.static = static
+        capacity = suffix_cap if static else min(suffix_cap, self.INITIAL_SUFFIX_CAPACITY)
+        self.k = torch.zeros(num_layers, batch_size, num_heads, capacity, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.prompt_slot = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.rows_per_slot = rows_per_slot  # the largest sample index + 1 (num_samples)
+        self.sample = torch.full((batch_size,), rows_per_slot, dtype=torch.long, device=device)  # all rows free
+        self.active = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.prev_embedding = (None if embed_dim is None else
+                               torch.zeros(batch_size, 1, embed_dim, device=device, dtype=embed_dtype))
+
+    @classmethod
+    def for_model(cls, model, batch_size, slots, prompt_cap, suffix_cap, rows_per_slot, dtype=None, static=False):
+        g = cache_geometry(model)
+        return cls(batch_size, slots, prompt_cap, suffix_cap, g.n_kv_head, g.head_dim, g.n_layer, device=g.device,
+                   dtype=dtype or g.dtype, rows_per_slot=rows_per_slot, embed_dim=g.smear_dim,
+                   embed_dtype=g.smear_dtype, static=static)
+
+    @property
+    def batch_size(self):
+        return self.k.size(1)
+
+    @property
+    def dtype(self):
+        return self.k.dtype
+
+    @property
+    def key_capacity(self):
+        """Completion keys a row can hold: all it may grow to."""
+        return self.suffix_cap
+
+    @property
+    def prompt_slots(self):
+        return self.pool_k.size(1)
+
+    def holds_prompts(self):
+        return True
+
+    def ensure_suffix_capacity(self, needed):
+        """Make room for `needed` completion positions per row (grows by doubling; entries past a row's position
+        stay zero, so masked keys are finite)."""
+        capacity = self.k.size(3)
+        if needed <= capacity:
+            return
+        if needed > self.suffix_cap:
+            raise ValueError(f"KV cache overflow: {needed} completion positions needed, the cache holds {self.suffix_cap}")
+        grown = min(self.suffix_cap, max(needed, 2 * capacity))
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:3], grown, old.size(4))
+            new[:, :, :, :capacity] = old
+            setattr(self, name, new)
+
+    def store_prompt(self, slot, prompt_cache):
+        """Prompt slot `slot` holds the single row of `prompt_cache` (a prefilled KVCache) from now on."""
+        length = int(prompt_cache.pos[0])
+        if length > self.pool_k.size(3):
+            raise ValueError(f"prompt of {length} tokens does not fit the pool's {self.pool_k.size(3)} positions")
+        self.pool_k[:, slot, :, :length] = prompt_cache.k[:, 0, :length].transpose(1, 2)
+        self.pool_v[:, slot, :, :length] = prompt_cache.v[:, 0, :length].transpose(1, 2)
+        self.pool_len[slot] = length
+
+    def admit_rows(self, start, stop, prompt_cache, pool_slot, first_sample):
+        """Rows [start, stop) begin as samples first_sample.. of the prompt in prompt slot `pool_slot` (stored
+        from prompt_cache); they hold none of its positions themselves."""
+        self.pos[start:stop] = 0
+        self.prompt_slot[start:stop] = pool_slot
+        self.sample[start:stop] = torch.arange(first_sample, first_sample + stop - start, device=self.pos.device)
+        self.active[start:stop] = 1
+        if self.prev_embedding is not None:
+            self.prev_embedding[start:stop] = prompt_cache.prev_embedding[0:1]
+        return 0
+
+    def copy_rows(self, dst, src):
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+        for t in (self.pos, self.prompt_slot, self.sample, self.active):
+            t[dst] = t[src]
+        if self.prev_embedding is not None:
+            self.prev_embedding[dst] = self.prev_embedding[src]
+
+    def release_row(self, row):
+        """Row `row` is free: at position 0, in the spare sample column, and no forward moves it."""
+        self.active[row] = 0
+        self.pos[row] = 0
+        self.prompt_slot[row] = 0
+        self.sample[row] = self.rows_per_slot
+
+    def prefix(self, rows):
+        """A cache over rows 0..rows-1 sharing this one's storage and pool (the rows in use are a dense prefix)."""
+        view = SharedPromptKVCache.__new__(SharedPromptKVCache)
+        view.__dict__.update(self.__dict__)
+        view.k, view.v = self.k[:, :rows], self.v[:, :rows]
+        for name in ("pos", "prompt_slot", "sample", "active"):
+            setattr(view, name, getattr(self, name)[:rows])
+        view.suffix_cap = self.k.size(3)  # a view cannot grow: the base cache grows before views are taken
+        view.prev_embedding = None if self.prev_embedding is None else self.prev_embedding[:rows]
+        return view
+
+    def next_positions(self):
+        """(B,) the absolute position each row's next token takes: its prompt's length plus its completion's."""
+        return self.pool_len[self.prompt_slot] + self.pos
+
+    def decode_step(self, rows, keys):
+        """Grows the completion storage first when needed (a view cannot grow)."""
+        self.ensure_suffix_capacity(keys)
+        return SharedPromptStep(self.prefix(rows), keys)
+
+    def keys_read(self, rows, keys):
+        """Each prompt slot's prompt once, and `keys` per row."""
+        return self.pool_k.size(1) * self.pool_k.size(3) + rows * keys
+
+
+class SharedPromptStep:
+    """One single-token decode step over a SharedPromptKVCache (see there; the CacheStep of
+    nanochat/attention.py). Each row's query attends to its prompt's keys and to its completion's first
+    `suffix_keys` keys (this step's included)."""
+
+    def __init__(self, cache, suffix_keys):
+        self.cache, self.S = cache, suffix_keys
+        device = cache.pos.device
+        B = cache.batch_size
+        self.row_index = torch.arange(B, device=device)
+        next_positions = cache.next_positions()  # (B,)
+        self.positions = next_positions[:, None]  # (B, 1)
+        prompt_keys = torch.arange(cache.pool_k.size(3), device=device)  # (Lp,)
+        has_prompt_key = prompt_keys < cache.pool_len[cache.prompt_slot][:, None]  # (B, Lp)
+        prompt_delta = next_positions[:, None] - prompt_keys  # (B, Lp)
+        suffix_delta = cache.pos[:, None] - torch.arange(suffix_keys, device=device)  # (B, S)
+        # per window: the keys each row must not see, prompt's then completion's, as (B, 1, 1, keys)
+        self.hidden = Visibility(lambda window: (
+            ~(has_prompt_key & (prompt_delta <= window))[:, None, None],
+            ~((suffix_delta >= 0) & (suffix_delta <= window))[:, None, None]))
+        has_smear = cache.prev_embedding is not None
+        self.smear_previous = cache.prev_embedding.clone() if has_smear else None
+
+    def attend(self, layer_idx, q, k, v, window):
+        c = self.cache
+        B, _, H, D = q.shape  # (B, 1, H, D)
+        Hkv = k.size(2)
+        rep = H // Hkv
+        # store this step's key/value in each row's completion
+        c.k[layer_idx][self.row_index, :, c.pos] = k[:, 0].to(c.k.dtype)
+        c.v[layer_idx][self.row_index, :, c.pos] = v[:, 0].to(c.v.dtype)
+        q = q[:, 0].reshape(B, Hkv, rep, D)
+        scale = 1.0 / math.sqrt(D)
+        # prompt part: the queries of each slot's rows laid out as (slot, kv head, sample, rep) -> one matmul per
+        # slot and kv head reads that prompt's keys once
+        slots, G = c.pool_k.size(1), c.rows_per_slot + c.static  # + the spare column of free rows, if in the step
+        grid = q.new_zeros(slots, Hkv, G, rep, D)
+        grid[c.prompt_slot, :, c.sample] = q
+        pool_k, pool_v = c.pool_k[layer_idx].to(q.dtype), c.pool_v[layer_idx].to(q.dtype)  # (slots, Hkv, Lp, D)
+        # scores in fp32, as the trainer's attention keeps them
+        prompt_scores = fp32_scores(grid.view(slots, Hkv, G * rep, D), pool_k.transpose(-1, -2)).view(slots, Hkv, G, rep, -1)
+        prompt_scores = prompt_scores[c.prompt_slot, :, c.sample] * scale  # (B, Hkv, rep, Lp)
+        # own part: the row's completion so far, this step's token included
+        suffix_k = c.k[layer_idx][:, :, :self.S].to(q.dtype)  # (B, Hkv, S, D)
+        suffix_v = c.v[layer_idx][:, :, :self.S].to(q.dtype)
+        suffix_scores = fp32_scores(q, suffix_k.transpose(-1, -2)) * scale  # (B, Hkv, rep, S)
+        prompt_hidden, suffix_hidden = self.hidden(window)
+        scores = torch.cat([prompt_scores.masked_fill(prompt_hidden, float("-inf")),
+                            suffix_scores.masked_fill(suffix_hidden, float("-inf"))], dim=-1)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)  # one softmax over prompt and completion keys
+        Lp = pool_k.size(2)
+        prompt_probs = q.new_zeros(slots, Hkv, G, rep, Lp)
+        prompt_probs[c.prompt_slot, :, c.sample] = probs[..., :Lp]
+        prompt_out = (prompt_probs.view(slots, Hkv, G * rep, Lp) @ pool_v).view(slots, Hkv, G, rep, D)
+        y = prompt_out[c.prompt_slot, :, c.sample] + probs[..., Lp:] @ suffix_v  # (B, Hkv, rep, D)
+        return y.reshape(B, H, 1, D)
+
+    def keep_smear_state(self, embedding):
+        self.cache.prev_embedding.copy_(embedding)
+
+    def advance(self):
+        self.cache.pos.add_(self.cache.active)
