@@ -52,11 +52,11 @@ def sequence_mask(T, window, device):
 
 
 def fp32_scores(q, k_t):
-    """q @ k_t (..., T, D) @ (..., D, Tk) with float32 results whatever the inputs' dtype, as a fused attention
+    """q @ k_t (..., T, D) @ (..., D, Tk) with at least float32 results whatever the inputs' dtype, as a fused attention
     kernel keeps its scores: rounding them to bf16 would widen the sampler-trainer gap for nothing. On CUDA the
     matmul writes fp32 itself (bmm's out_dtype); elsewhere the inputs are upcast (exactly) first. Both are fp32
     accumulations of the same products."""
-    if q.dtype == torch.float32:
+    if q.dtype in (torch.float32, torch.float64):  # already at least fp32
         return q @ k_t
     if q.is_cuda:
         batch = torch.broadcast_shapes(q.shape[:-2], k_t.shape[:-2])
