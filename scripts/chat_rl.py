@@ -627,8 +627,8 @@ def count_no_signal_step(run, record):
     else:
         cause = (f"every question's samples earned the same reward (mean {sum(rewards) / len(rewards):.3f}): the samples "
                  f"are too alike (raise --temperature or --top-k, or --num-samples) or the task's reward does not vary")
-    print0(f"warning: no row was trained in the last {len(streak)} steps (steps {streak[0]['step']}-"
-           f"{streak[-1]['step']}): {cause}")
+    print0(f"warning: no row was trained in {len(streak)} consecutive step{'s' * (len(streak) > 1)} (steps "
+           f"{streak[0]['step']}-{streak[-1]['step']}): {cause}")
 
 
 def step_record(run, step, rollouts, result, t_rollout, t_train):
