@@ -7,7 +7,8 @@ Each step, for each of the step's questions:
   3. advantage = reward - mean reward of the question's samples (no std, no KL, no clipping);
   4. loss = -sum(logp * advantage) over sampled tokens only (prompt, tool outputs and padding masked),
      normalized per pass of --device-batch-size rows, by the passes and by the questions per rank;
-then one Muon (matrices) + AdamW (embeddings, unembedding, scalars) step, LR decaying linearly to 0.
+then one Muon (matrices) + AdamW (embeddings, unembedding, scalars) step, LR decaying linearly to 0
+(nanochat; --lr-schedule, --warmup-steps and --final-lr-frac for others).
 Algorithm options (README "Algorithm options"; each defaults to nanochat's behaviour): --loss-norm,
 --advantage-std, --mask-truncated, --ppo-epochs with --clip-low/--clip-high, --kl-coef.
 
@@ -16,6 +17,8 @@ Launch:
   torchrun --standalone --nproc_per_node=8 -m scripts.chat_rl -- --run=my_run # 8 GPUs
   python -m scripts.chat_rl --device-type=cpu --dtype=float32 --task=arithmetic --num-steps=50
   python -m scripts.chat_rl --source=rl                  # a new run from the last RL checkpoint -> <tag>_cont
+  torchrun --nproc_per_node=4 -m scripts.chat_rl -- --resume  # continue the latest run, on 4 ranks (any number
+                                                             # dividing --examples-per-step; README "Resume ...")
 """
 
 import argparse
