@@ -19,9 +19,9 @@ node), every rank removes its temp files and raises that rank's error; else ever
 and only when all shards are in place does rank 0 rename the meta and then the model. A process killed at
 any moment (SIGKILL, a lost node) therefore leaves the previous step as the latest complete one on every rank.
 
-chat_rl's checkpoints also record a run id (in the meta and in every shard) and the world size, so that
-`--resume` can check each rank's shard against the step's meta before it trusts it (`load_shard_for_resume`),
-and `prune_checkpoints` removes a run's older steps (`--keep-last`) once a newer one is complete.
+chat_rl's checkpoints also record a run id (in the meta and in every shard) and the world size. What is done with
+the optimizer shards on `--resume` (checked against the meta, re-split for another number of ranks) is in
+nanochat/optimizer_shards.py; removing a run's older steps (`--keep-last`) in nanochat/checkpoint_pruning.py.
 
 Errors are UserErrors that carry the facts as attributes (the path, the available tags or steps, the
 checkpoint family); nanochat.cli adds which flag to change or which script makes a checkpoint.
@@ -46,9 +46,6 @@ from nanochat.files import atomic_write, fsync_dir, remove_if_exists, stage, tem
 CHECKPOINT_DIRS = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
 
 MODEL_FILE_RE = re.compile(r"^model_(\d+)\.pt$")
-# every file of a step: model_N.pt, meta_N.json, optim_N_rank<r>.pt (group 1: the step; group 2: the rank)
-STEP_FILE_RE = re.compile(r"^(?:model_(\d+)\.pt|meta_(\d+)\.json|optim_(\d+)_rank(\d+)\.pt)$")
-TEMP_FILE_RE = re.compile(r"^\.(.+)\.tmp-\d+$")  # files.temp_path's name: .<final name>.tmp-<pid>
 TAG_RE = re.compile(r"d(\d+)")  # used with .match: a prefix, as nanochat's re.match(r"d(\d+)", tag): d32_long is 32
 
 
@@ -133,15 +130,6 @@ class CorruptCheckpointError(CheckpointError):
         self.reason = reason
 
 
-class ShardError(CheckpointError):
-    """An optimizer shard that is missing, or that is not the one its step's meta describes (another step, rank,
-    world size or run); `path` is the shard file, `reason` what was found."""
-
-    def __init__(self, path, reason):
-        super().__init__(f"optimizer shard {path} {reason}", path)
-        self.reason = reason
-
-
 class RankLostError(UserError):
     """Another rank of the process group stopped answering (killed, its node lost) while this one was saving step
     `step`: the save was abandoned. Every step whose model file exists is complete on every rank (see the module
@@ -153,16 +141,6 @@ class RankLostError(UserError):
         super().__init__(f"lost another rank while saving step {step} to {checkpoint_dir} ({reason}); the latest step "
                          f"with a model file there is complete on every rank")
         self.checkpoint_dir, self.step = checkpoint_dir, step
-
-
-class WorldSizeError(CheckpointError):
-    """A checkpoint written by `saved` ranks, read by a run of `current` ranks (its optimizer state is sharded
-    by rank, so it fits only the world size that wrote it)."""
-
-    def __init__(self, checkpoint_dir, step, saved, current):
-        super().__init__(f"checkpoint step {step} in {checkpoint_dir} was saved by {saved} rank{'s' * (saved != 1)}, "
-                         f"and this run has {current}", checkpoint_dir)
-        self.step, self.saved, self.current = step, saved, current
 
 
 # -----------------------------------------------------------------------------
@@ -229,7 +207,7 @@ def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data,
             error = e
         if together:  # every rank learns whether every rank has staged its files, before any rename
             with _peers(checkpoint_dir, step):
-                failed_rank, message = _first_failure(error and _failure_message(error, checkpoint_dir, current))
+                failed_rank, message = first_failure(error and _failure_message(error, checkpoint_dir, current))
             if error is None and failed_rank is not None:
                 raise UserError(f"rank {failed_rank}: {message}")
         if error is not None:
@@ -277,7 +255,7 @@ def _failure_message(e, checkpoint_dir, current):
     return str(e) if isinstance(e, UserError) else f"{type(e).__name__} while saving a checkpoint: {e}"
 
 
-def _first_failure(message):
+def first_failure(message):
     """Every rank's `message` (None = no failure) gathered: (rank, message) of the lowest rank that failed, or
     (None, None). A collective: every rank of the process group calls it."""
     messages = [None] * dist.get_world_size()
@@ -297,51 +275,6 @@ def new_run_id():
     if dist.is_initialized():
         dist.broadcast_object_list(run_id, src=0)
     return run_id[0]
-
-
-def _step_of(name):
-    """(step, final file name) of a model, meta or shard file of a step, or of the temp file a killed save left for
-    one (.model_N.pt.tmp-<pid>); None for any other file."""
-    temp = TEMP_FILE_RE.match(name)
-    final = temp.group(1) if temp else name
-    m = STEP_FILE_RE.match(final)
-    return (int(next(g for g in m.groups()[:3] if g is not None)), final) if m else None
-
-
-def _owned(name, rank):
-    """Whether rank `rank` writes (and so removes) the step file `name`: rank 0 the model and meta, each rank its
-    own shard."""
-    m = STEP_FILE_RE.match(name)
-    return int(m.group(4)) == rank if m.group(4) is not None else rank == 0
-
-
-def prune_checkpoints(checkpoint_dir, step, keep_last, rank=None):
-    """After step `step` was saved, complete on every rank: remove the earlier steps of this run directory beyond the
-    `keep_last` most recent (`step` included), so that keep_last steps remain. Never removed: `step`, the steps
-    after it (a run resumed from an earlier step leaves them as they are), and any file outside `checkpoint_dir`.
-
-    Rank 0 decides which steps stay, from the model files it sees, and tells the other ranks (a node need not see
-    rank 0's files); each rank then removes only the files it writes: rank 0 a step's model file first (from then
-    on no loader sees the step), then its meta and shard; rank r its shard. Files of earlier steps that have no
-    model file (a save killed after its shards were renamed) go too, and so do the temp files killed saves left
-    (a half-written model can be as large as a whole one). A collective under a process group: every rank calls
-    it. Returns the steps this rank removed files of."""
-    rank = get_rank() if rank is None else rank
-    steps = [s for s in list_steps(checkpoint_dir) if s < step]
-    keep = [steps[-(keep_last - 1):] if keep_last > 1 else []]
-    if dist.is_initialized():
-        dist.broadcast_object_list(keep, src=0)
-    keep = set(keep[0])
-    doomed = []  # (step, this rank's file) of the steps that go
-    for name in os.listdir(checkpoint_dir):
-        found = _step_of(name)
-        if found and found[0] < step and found[0] not in keep and _owned(found[1], rank):
-            doomed.append((found[0], not name.startswith("model_"), name))  # a step's model file first
-    for _, _, name in sorted(doomed):
-        remove_if_exists(os.path.join(checkpoint_dir, name))
-    if doomed:
-        fsync_dir(checkpoint_dir)
-    return sorted({s for s, _, _ in doomed})
 
 
 def update_meta(checkpoint_dir, step, meta_data):
@@ -394,9 +327,11 @@ def find_largest_model(checkpoints_dir):
     return max(tags, key=mtime)
 
 
-def _torch_load(path, device):
+def torch_load_checked(path, device, mmap=False):
+    """torch.load of a checkpoint file (tensors and plain containers only), its failures as one-line UserErrors.
+    mmap: map the file instead of reading it (tensors then read their pages when used; device must be cpu)."""
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        return torch.load(path, map_location=device, weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise
     except PermissionError as e:
@@ -420,14 +355,21 @@ def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=Non
         raise UnknownStepError(checkpoint_dir, step, list_steps(checkpoint_dir))
     if not os.path.exists(jpath):
         raise MissingMetaError(checkpoint_dir, step)
-    model_data = _torch_load(mpath, device)
+    model_data = torch_load_checked(mpath, device)
     optimizer_data = load_optimizer_state(checkpoint_dir, step, device, rank) if load_optimizer else None
+    return model_data, optimizer_data, load_meta(checkpoint_dir, step)
+
+
+def load_meta(checkpoint_dir, step):
+    """The meta json of a saved step (e.g. a run's flags, read before anything heavier is loaded)."""
+    jpath = meta_path(checkpoint_dir, step)
+    if not os.path.exists(jpath):
+        raise MissingMetaError(checkpoint_dir, step)
     try:
         with open(jpath, encoding="utf-8") as f:
-            meta_data = json.load(f)
+            return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(jpath, f"corrupted (not valid json: {e})") from e
-    return model_data, optimizer_data, meta_data
 
 
 def load_optimizer_state(checkpoint_dir, step, device, rank=None):
@@ -437,57 +379,7 @@ def load_optimizer_state(checkpoint_dir, step, device, rank=None):
     if not os.path.exists(opath):
         raise UserError(f"no optimizer state {opath}: this checkpoint was saved without it (or with fewer ranks); "
                         f"resume from a step saved with optimizer state, or start the optimizer fresh")
-    return _torch_load(opath, device)
-
-
-def check_shard(data, path, step, rank, world_size, run_id):
-    """Raise ShardError unless `data` (the loaded file `path`) is the optimizer shard of rank `rank` in a save of
-    step `step` by `world_size` ranks of the run `run_id`. What a shard of an older version does not record
-    (run id, step, rank), and a run_id of None (a meta from before run ids), is not checked."""
-    if not isinstance(data, dict) or not isinstance(data.get("optimizers"), list):
-        raise ShardError(path, 'is not an optimizer shard (no "optimizers" list in it)')
-    if run_id is not None and data.get("run_id") != run_id:
-        raise ShardError(path, f"is from another run (run id {data.get('run_id')}; the meta of step {step} records "
-                               f"run {run_id})")
-    if data.get("step", step) != step:
-        raise ShardError(path, f"holds step {data['step']}, not step {step}")
-    if (data.get("rank", rank), data.get("world_size", world_size)) != (rank, world_size):
-        raise ShardError(path, f"was written by rank {data.get('rank', '?')} of {data.get('world_size', '?')} ranks, "
-                               f"not by rank {rank} of {world_size}")
-
-
-def load_shard_for_resume(checkpoint_dir, step, device, meta, world_size, rank=None):
-    """This rank's optimizer shard of a saved step, for a resume, checked before anything trusts it: the step was
-    saved by `world_size` ranks (the meta's "world_size", or for an older checkpoint the shard's own record; else
-    WorldSizeError), and the shard is there, readable (CorruptCheckpointError names it), and this rank's of that
-    save by the run the meta records (ShardError). Reads no other file (the model and meta are loaded already).
-
-    Under a process group every rank checks its own shard and the ranks compare results before any goes on: a fault
-    on one rank (its shard lost, truncated, from another run) raises on every rank, with the lowest failed rank's
-    message, so that rank 0 reports it. A collective then: every rank calls it. rank: None = common.get_rank()."""
-    rank = get_rank() if rank is None else rank
-    saved = meta.get("world_size")
-    if saved is not None and saved != world_size:
-        raise WorldSizeError(checkpoint_dir, step, saved, world_size)  # every rank reads the same meta: no collective
-    path, data, error = optim_path(checkpoint_dir, step, rank), None, None
-    try:
-        if not os.path.exists(path):
-            ranks = saved or world_size
-            raise ShardError(path, f"is missing (step {step} was saved by {ranks} rank{'s' * (ranks != 1)}; each "
-                                   f"writes its own shard)")
-        data = _torch_load(path, device)
-        if saved is None and isinstance(data, dict) and data.get("world_size", world_size) != world_size:
-            raise WorldSizeError(checkpoint_dir, step, data["world_size"], world_size)
-        check_shard(data, path, step, rank, world_size, meta.get("run_id"))
-    except UserError as e:
-        error = e
-    if dist.is_initialized():
-        failed_rank, message = _first_failure(None if error is None else str(error))
-        if error is None and failed_rank is not None:
-            raise CheckpointError(message, checkpoint_dir)
-    if error is not None:
-        raise error
-    return data
+    return torch_load_checked(opath, device)
 
 
 def _patch_state_dict(model_data, device):

@@ -10,8 +10,8 @@ hyperparameters of each group (see `build_optimizers`). Which lr and betas each 
 in each recipe is nanochat/param_groups.py's business; the fixtures in tests/fixtures/optimizer
 record nanochat's choices, and tests/test_optim.py replays them against nanochat's own steps.
 
-Also the schedule every stage shares (init_lr_frac, then a linear decay to 0) and the step guarded by the
-finite check.
+Also the schedule every stage shares (init_lr_frac, then nanochat's linear decay to 0, or chat_rl's
+--lr-schedule) and the step guarded by the finite check.
 """
 
 import math
@@ -83,9 +83,27 @@ def scale_initial_lr(optimizers, init_lr_frac):
     return optimizers
 
 
-def lr_multiplier(step, num_steps):
-    """Linear decay from 1 at step 0 to 0 at num_steps."""
-    return 1.0 - step / num_steps
+LR_SCHEDULES = ("linear", "constant", "cosine")
+
+
+def lr_multiplier(step, num_steps, schedule="linear", warmup_steps=0, final_lr_frac=0.0):
+    """What every group's initial_lr is multiplied by at `step` of `num_steps` (lrm). The defaults are nanochat's
+    linear decay from 1 at step 0 to 0 at num_steps, 1 - step/num_steps, to the last bit. Otherwise:
+      warm-up, step < warmup_steps:  (step + 1) / warmup_steps            (as nanochat's base training)
+      after it, with t = (step - warmup_steps) / (num_steps - warmup_steps), from 0 to 1 at num_steps:
+        linear:    1 - t * (1 - final_lr_frac)
+        constant:  1
+        cosine:    final_lr_frac + (1 - final_lr_frac) * (1 + cos(pi * t)) / 2"""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"unknown lr schedule {schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    t = (step - warmup_steps) / (num_steps - warmup_steps)
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        return final_lr_frac + (1 - final_lr_frac) * (1 + math.cos(math.pi * t)) / 2
+    return 1.0 - t * (1.0 - final_lr_frac)
 
 
 def all_ranks_finite(values, device="cpu"):

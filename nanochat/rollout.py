@@ -3,14 +3,15 @@ Rollouts: a task's questions in, one record per question out (what was sampled, 
 tensors the policy gradient trains on). chat_rl's training step, the pass@k eval and the benchmark all sample
 through `sample_questions`, so they cannot drift apart.
 
-Which questions a rank samples and with which seeds is decided here too: question i at RL step s is seeded
-with question_seed(s, i) whatever the rank layout, and every sample of it with its own stream inside the
-engine, so a question's completions do not depend on how many ranks or rows share the work.
+Which questions a rank samples and with which seeds is decided here too: the questions of step s and their seeds
+(question i at step s is seeded with question_seed(s, i)) are the same whatever the rank layout, and every sample of
+a question has its own stream inside the engine, so a question's completions do not depend on how many ranks or
+rows share the work.
 """
 
 from dataclasses import dataclass
 
-from nanochat.common import progress_bar, rank_share
+from nanochat.common import progress_bar
 from nanochat.rl import QuestionBatch, make_question_batch
 
 
@@ -51,11 +52,14 @@ def question_seed(step, example_index):
 
 
 def step_question_indices(step, examples_per_rank, rank, world_size, num_examples):
-    """The train questions this rank samples at `step`: rank r walks indices r, r+W, r+2W, ... cycling
-    forever, and each step takes the next examples_per_rank of them."""
-    mine = rank_share(0, num_examples, rank, world_size)
-    start = step * examples_per_rank
-    return [mine[(start + i) % len(mine)] for i in range(examples_per_rank)]
+    """The train questions this rank samples at `step`. The run walks the split in order, epoch after epoch
+    (position p is question p mod num_examples), examples_per_rank * W positions a step, and rank r takes every
+    W-th of the step's positions from the r-th. That is nanochat's split (rank r walks r, r+W, r+2W, ... cycling)
+    in the first epoch, and in every epoch when W divides the split; unlike it, which questions a step takes does
+    not depend on W, so a run resumed on another number of ranks goes on with the next questions of the epoch, and
+    each epoch takes every question once also when W does not divide the split."""
+    start = step * examples_per_rank * world_size
+    return [(start + rank + world_size * i) % num_examples for i in range(examples_per_rank)]
 
 
 PROMPTS_SCANNED = 50_000  # a task's first prompts that longest_prompt renders (GSM8K: 7,473 train in ~0.2 s)

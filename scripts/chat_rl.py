@@ -7,7 +7,8 @@ Each step, for each of the step's questions:
   3. advantage = reward - mean reward of the question's samples (no std, no KL, no clipping);
   4. loss = -sum(logp * advantage) over sampled tokens only (prompt, tool outputs and padding masked),
      normalized per pass of --device-batch-size rows, by the passes and by the questions per rank;
-then one Muon (matrices) + AdamW (embeddings, unembedding, scalars) step, LR decaying linearly to 0.
+then one Muon (matrices) + AdamW (embeddings, unembedding, scalars) step, LR decaying linearly to 0
+(nanochat; --lr-schedule, --warmup-steps and --final-lr-frac for others).
 Algorithm options (README "Algorithm options"; each defaults to nanochat's behaviour): --loss-norm,
 --advantage-std, --mask-truncated, --ppo-epochs with --clip-low/--clip-high, --kl-coef.
 
@@ -16,9 +17,12 @@ Launch:
   torchrun --standalone --nproc_per_node=8 -m scripts.chat_rl -- --run=my_run # 8 GPUs
   python -m scripts.chat_rl --device-type=cpu --dtype=float32 --task=arithmetic --num-steps=50
   python -m scripts.chat_rl --source=rl                  # a new run from the last RL checkpoint -> <tag>_cont
+  torchrun --nproc_per_node=4 -m scripts.chat_rl -- --resume  # continue the latest run, on 4 ranks (any number
+                                                             # dividing --examples-per-step; README "Resume ...")
 """
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -28,9 +32,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, CheckpointError, WorldSizeError, find_checkpoint, list_steps,
-                                         list_tags, load_model, load_shard_for_resume, make_checkpoint_dir, new_run_id,
-                                         prune_checkpoints, save_checkpoint, update_meta)
+from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, CheckpointError, find_checkpoint, list_steps, list_tags,
+                                         load_meta, load_model, make_checkpoint_dir, new_run_id, save_checkpoint,
+                                         update_meta)
+from nanochat.checkpoint_pruning import prune_checkpoints, remove_extra_shards
 from nanochat.cli import (ArgumentParser, add_debug_flag, add_decode_flag, add_model_generation_flag, add_optimizer_flags,
                           add_runtime_flags, check_optimizer_flags, run_main)
 from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup,
@@ -40,7 +45,8 @@ from nanochat.cuda_graphs import DECODE_DESCRIPTIONS
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
-from nanochat.optim import guarded_step, lr_multiplier, scale_initial_lr
+from nanochat.optim import LR_SCHEDULES, guarded_step, lr_multiplier, scale_initial_lr
+from nanochat.optimizer_shards import optimizer_states_for_resume
 from nanochat.precision import MARGIN, PREFERENCE, fastest_decode_dtype, fastest_training_dtype, rank0_choice
 from nanochat.report import get_report, log_chat_rl
 from nanochat.rl import LOSS_NORMS, ROLLOUT_CORRECTIONS, PolicyLoss, TrainStats, accumulate_policy_gradient, step_counts
@@ -85,6 +91,13 @@ def parse_args(argv):
     # optimization
     add_optimizer_flags(p)
     p.add_argument("--init-lr-frac", type=float, default=0.05, help="every lr is multiplied by this at the start")
+    p.add_argument("--lr-schedule", type=str, default="linear",
+                   help="lr multiplier over the run, after any warm-up: linear (nanochat: from 1 down to --final-lr-frac "
+                        "at the last step), constant (1), or cosine (half a cosine from 1 down to --final-lr-frac)")
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="steps whose lr multiplier rises linearly, (step + 1) / warmup-steps, before the schedule")
+    p.add_argument("--final-lr-frac", type=float, default=0.0,
+                   help="the lr multiplier the linear and cosine schedules reach at the end (0 = nanochat's decay to 0)")
     # algorithm options (each default is nanochat's)
     p.add_argument("--loss-norm", type=str, default="pass",
                    help="denominator of each token's term: pass (nanochat: valid tokens per pass of --device-batch-size "
@@ -120,6 +133,9 @@ def parse_args(argv):
                    help="replace an existing chatrl_checkpoints/<tag> run (without it, the run is refused)")
     p.add_argument("--max-bad-steps", type=int, default=5,
                    help="abort after this many consecutive steps with a non-finite loss or gradient")
+    p.add_argument("--no-signal-steps", type=int, default=10,
+                   help="warn when this many consecutive steps trained no row (every advantage 0: nothing to learn "
+                        "from); 0 = never")
     add_debug_flag(p)
     return p.parse_args(argv)
 
@@ -144,21 +160,29 @@ def validate_args(args, world_size):
     require(args.num_samples % args.device_batch_size == 0,
             f"--num-samples ({args.num_samples}) must be a multiple of --device-batch-size ({args.device_batch_size}); "
             f"e.g. --device-batch-size={_largest_divisor_at_most(args.num_samples, args.device_batch_size)}")
-    require(args.examples_per_step % world_size == 0,
-            f"--examples-per-step ({args.examples_per_step}) must be divisible by the number of ranks ({world_size}); "
-            f"use a multiple of {world_size}")
+    if not args.resume:  # a resumed run's own value is checked once restored (restore_settings)
+        require(args.examples_per_step % world_size == 0,
+                f"--examples-per-step ({args.examples_per_step}) must be divisible by the number of ranks ({world_size}); "
+                f"use a multiple of {world_size}")
     require(args.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     require(args.top_k >= 0, f"--top-k must be >= 0 (0 = disabled), got {args.top_k}")
     require(args.max_rows >= 0, f"--max-rows must be >= 0 (0 = from the memory budget), got {args.max_rows}")
     require(args.memory_budget_gb > 0, f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
     check_optimizer_flags(args)
     require(0 < args.init_lr_frac <= 1, f"--init-lr-frac must be in (0, 1], got {args.init_lr_frac}")
+    require(args.lr_schedule in LR_SCHEDULES, f"--lr-schedule must be {', '.join(LR_SCHEDULES)}, got {args.lr_schedule!r}")
+    require(args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    require(0 <= args.final_lr_frac <= 1, f"--final-lr-frac must be in [0, 1], got {args.final_lr_frac}")
+    require(args.lr_schedule != "constant" or args.final_lr_frac == 0,
+            f"--final-lr-frac={args.final_lr_frac} is the end of a linear or cosine schedule; --lr-schedule=constant "
+            f"keeps the multiplier at 1 (drop --final-lr-frac, or choose linear or cosine)")
     require(args.eval_every == -1 or args.eval_every >= 1, f"--eval-every must be >= 1, or -1 to disable, got {args.eval_every}")
     require(args.save_every == -1 or args.save_every >= 1, f"--save-every must be >= 1, or -1 for the last step only, got {args.save_every}")
     require(args.keep_last is None or args.keep_last >= 0,
             f"--keep-last must be >= 0 (0 = keep every checkpoint), got {args.keep_last}")
     require(args.num_steps == -1 or args.num_steps >= 1, f"--num-steps must be >= 1, or -1 to derive it from epochs, got {args.num_steps}")
     require(args.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {args.max_bad_steps}")
+    require(args.no_signal_steps >= 0, f"--no-signal-steps must be >= 0 (0 = never warn), got {args.no_signal_steps}")
     require(args.loss_norm in LOSS_NORMS, f"--loss-norm must be {', '.join(LOSS_NORMS)}, got {args.loss_norm!r}")
     require(args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1 (1 = nanochat's on-policy step), got {args.ppo_epochs}")
     require(0 <= args.clip_low < 1, f"--clip-low must be in [0, 1) (the ratio is clipped at 1 - clip-low), got {args.clip_low}")
@@ -217,7 +241,7 @@ def resolve_dtypes(args, model, tokenizer, train_task, device):
 
 # flags that define the run; --resume restores them from the checkpoint so the continuation is exact
 RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows", "memory_budget_gb", "max_bad_steps",
-                 "output_tag", "decode", "keep_last")  # a resumed run writes to its own directory
+                 "output_tag", "decode", "keep_last", "no_signal_steps")  # a resumed run writes to its own directory
 
 
 def resolve_resume(spec):
@@ -279,40 +303,71 @@ def prepare_output_dir(checkpoint_dir, overwrite, master):
             os.remove(os.path.join(checkpoint_dir, f))
 
 
-def restore_resume(args, world_size, device):
-    """--resume: the RL checkpoint to continue, with the run's saved settings put back into args (only
-    RUNTIME_FLAGS stay as given), so the continuation is the run it was. Every rank's optimizer shard is checked
-    (present, readable, of this step, rank, world size and run) before the run goes on; a fault is one line on
-    every rank and nothing is written. Returns (model, tokenizer, meta, optimizer state, the step to start from)."""
-    tag, resume_step = resolve_resume(args.resume)
+@dataclass
+class Resume:
+    """The saved step --resume continues."""
+    tag: str
+    step: int
+    checkpoint_dir: str
+    meta: dict    # the step's meta json as saved
+
+    @contextlib.contextmanager
+    def errors(self):
+        """A checkpoint that cannot be read: one line naming --resume's fix (the loader's would name --model-step,
+        which --resume does not read)."""
+        try:
+            yield
+        except CheckpointError as e:
+            raise UserError(f"--resume: {e}; {resume_hint(self.tag, self.step, list_steps(self.checkpoint_dir))}") from e
+
+
+def restore_settings(args, world_size):
+    """--resume, from the step's meta alone, before any process group or model: the run's saved settings put back
+    into args (only RUNTIME_FLAGS stay as given), so the continuation is the run it was, and checked against this
+    run's number of ranks, which may differ from the run's (the optimizer state is then re-split, see setup_run).
+    Returns the Resume."""
+    tag, step = resolve_resume(args.resume)
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], tag)
-    try:
-        model, tokenizer, meta = load_model("rl", device, phase="eval", model_tag=tag, step=resume_step)
-        # the shard alone: load_model has read the model file already (a second read is the model's size again)
-        optimizer_state = load_shard_for_resume(checkpoint_dir, resume_step, device, meta, world_size)
-    except CheckpointError as e:  # the loader's hint would name --model-step, which --resume does not read
-        raise UserError(f"--resume: {e}; {resume_hint(e, tag, resume_step, list_steps(checkpoint_dir))}") from e
-    saved = {k: v for k, v in meta.get("user_config", {}).items() if k not in RUNTIME_FLAGS}
+    resume = Resume(tag=tag, step=step, checkpoint_dir=checkpoint_dir, meta={})
+    with resume.errors():
+        resume.meta = load_meta(checkpoint_dir, step)
+    saved = {k: v for k, v in resume.meta.get("user_config", {}).items() if k not in RUNTIME_FLAGS}
     changed = sorted(k for k, v in saved.items() if getattr(args, k, v) != v)
     vars(args).update(saved)
     if changed:
         print0(f"--resume: using the run's saved settings for {', '.join(changed)}")
+    per_step = args.examples_per_step
+    require(per_step % world_size == 0,
+            f"--resume: run {tag} takes {per_step} questions a step (its --examples-per-step), which {world_size} ranks "
+            f"cannot share evenly; resume it on a number of ranks that divides {per_step} (e.g. torchrun "
+            f"--nproc_per_node={_largest_divisor_at_most(per_step, world_size)})")
     validate_args(args, world_size)
     args.output_tag = tag
-    print0(f"Resuming RL run {tag} after step {resume_step}")
-    return model, tokenizer, meta, optimizer_state, resume_step + 1
+    return resume
 
 
-def resume_hint(error, tag, step, steps):
+def resume_hint(tag, step, steps):
     """What to do about a checkpoint of run `tag` that cannot be resumed at `step` (steps: the saved ones)."""
-    if isinstance(error, WorldSizeError):
-        return (f"resume with {error.saved} rank{'s' * (error.saved != 1)} (torchrun --nproc_per_node={error.saved}); "
-                f"the optimizer state is sharded by rank")
     others = [s for s in steps if s != step]
     if not others:
         return "no other step of this run is saved: start a new run with --overwrite"
     return (f"resume another saved step (--resume={tag}:{others[-1]}; saved: {', '.join(map(str, others))}) "
             f"or start a new run with --overwrite")
+
+
+def restore_optimizers(resume, optimizers, meta, rank, world_size, device):
+    """Load the optimizer state of the resumed step into `optimizers`: every rank's shard checked (present, readable,
+    of this step, rank and run) before any is used, and when the step was saved by another number of ranks, all of
+    them gathered and re-split for this one. A fault is one line on every rank and nothing is written. Returns the
+    number of ranks that saved the step."""
+    with resume.errors():
+        states, saved = optimizer_states_for_resume(resume.checkpoint_dir, resume.step, device, meta, optimizers,
+                                                    rank, world_size)
+    for opt, state in zip(optimizers, states):
+        opt.load_state_dict(state)  # also restores each group's initial_lr and lr
+    if saved != world_size:
+        print0(f"--resume: the optimizer state of {saved} rank{'s' * (saved != 1)} re-split for {world_size}")
+    return saved
 
 
 def start_new_run(args, device):
@@ -348,11 +403,13 @@ class RLRun:
     world_size: int
     device: torch.device
     run_id: str                            # recorded in every checkpoint's meta and shards (checked on --resume)
+    segments: list                         # [{start_step, world_size}] of the run's start and each --resume
     history: list                          # per-step metrics, for the report
     eval_history: list                     # (step, pass@k dict)
     last_saved: int = None
     micro_rows: int = 0                    # rows per training forward; halved on out-of-memory
     consecutive_bad: int = 0
+    steps_without_signal: list = field(default_factory=list)  # records of the current streak of steps that trained no row
     step_seconds: list = field(default_factory=list)   # this process's timings, for the ETA
     eval_seconds: list = field(default_factory=list)
 
@@ -372,12 +429,15 @@ class RLRun:
         return autocast_context(self.device, getattr(torch, self.config.rollout_dtype if rollouts else self.config.dtype))
 
 
-def setup_run(args, rank, world_size, device):
-    """Load the model (a new run, or --resume), resolve the effective configuration, and build the optimizers,
-    the engine and the tasks: an RLRun at its first step."""
-    optimizer_state, start_step = None, 0
-    if args.resume:
-        model, tokenizer, meta, optimizer_state, start_step = restore_resume(args, world_size, device)
+def setup_run(args, resume, rank, world_size, device):
+    """Load the model (a new run, or `resume`: restore_settings' Resume), resolve the effective configuration, and
+    build the optimizers, the engine and the tasks: an RLRun at its first step."""
+    start_step = 0
+    if resume:
+        with resume.errors():
+            model, tokenizer, meta = load_model("rl", device, phase="eval", model_tag=resume.tag, step=resume.step)
+        start_step = resume.step + 1
+        print0(f"Resuming RL run {resume.tag} after step {resume.step}")
     else:
         model, tokenizer, meta = start_new_run(args, device)
     if args.keep_last is None:  # not given: a resumed run keeps its own disk policy, a new run every checkpoint
@@ -389,6 +449,8 @@ def setup_run(args, rank, world_size, device):
     if num_steps < 1:
         raise UserError(f"the {args.task} train split has {len(train_task)} questions, fewer than --examples-per-step "
                         f"({args.examples_per_step}); lower --examples-per-step or pass --num-steps")
+    require(args.warmup_steps < num_steps, f"--warmup-steps ({args.warmup_steps}) must be fewer than the run's "
+                                           f"{num_steps} steps")
     print0(f"Calculated number of steps: {num_steps}")
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], args.output_tag)
     # Muon orthogonalizes in the run's compute dtype: bf16 where it is native (nanochat's numerics), fp32 otherwise
@@ -396,8 +458,11 @@ def setup_run(args, rank, world_size, device):
                                                          matrix_lr=args.matrix_lr, weight_decay=args.weight_decay,
                                                          recipe=args.recipe, ortho_dtype=getattr(torch, args.dtype)),
                                   args.init_lr_frac)
-    for opt, state in zip(optimizers, optimizer_state["optimizers"] if optimizer_state else []):
-        opt.load_state_dict(state)  # also restores each group's initial_lr and lr
+    segments = [{"start_step": 0, "world_size": world_size}]  # the world size of each part of the run
+    if resume:
+        saved = restore_optimizers(resume, optimizers, meta, rank, world_size, device)
+        segments = meta.get("segments") or [{"start_step": 0, "world_size": saved}]
+        segments = segments + [{"start_step": start_step, "world_size": world_size}]
     reference = load_reference(start, device, args.model_generation) if args.kl_coef > 0 else None
     engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
                     decode=args.decode)
@@ -417,6 +482,7 @@ def setup_run(args, rank, world_size, device):
         train_task=train_task, val_task=val_task, num_steps=num_steps, start_step=start_step, start_checkpoint=start,
         checkpoint_dir=checkpoint_dir, rank=rank, world_size=world_size, device=device,
         run_id=(meta.get("run_id") if args.resume else None) or new_run_id(),  # a new run (from any source): a new id
+        segments=segments,
         history=list(meta.get("history", [])) if args.resume else [],
         eval_history=[tuple(e) for e in meta.get("eval_history", [])] if args.resume else [],
         last_saved=start_step - 1 if args.resume else None, micro_rows=args.device_batch_size)
@@ -502,7 +568,7 @@ def train_on_rollouts(run, rollouts, step):
     the sampled tokens' log-probabilities; later epochs clip the ratio to them. A non-finite epoch ends the step."""
     cfg = run.config
     batches = [r.batch for r in rollouts]
-    lrm = lr_multiplier(step, run.num_steps)
+    lrm = lr_multiplier(step, run.num_steps, cfg.lr_schedule, cfg.warmup_steps, cfg.final_lr_frac)
     counts = step_counts(batches, cfg.mask_truncated, run.reduce_device) if cfg.loss_norm != "pass" else None
     run.model.train()
     first = None
@@ -535,6 +601,41 @@ def count_bad_step(run, step, result):
         where = f"step {run.last_saved} in {run.checkpoint_dir}" if run.last_saved is not None else "none saved yet"
         raise UserError(f"{run.consecutive_bad} consecutive steps had a non-finite loss or gradient; stopping "
                         f"(last good checkpoint: {where}); lower the learning rates or use --dtype=float32")
+
+
+def no_signal_settings(cfg):
+    """A warning line for each setting under which every advantage is 0, so that no step trains anything."""
+    same = "every sample of a question is the same completion, so every advantage is 0 and the run trains nothing"
+    lines = []
+    if cfg.temperature == 0:
+        lines.append(f"warning: --temperature=0 samples greedily: {same}; sample with --temperature=1.0 (nanochat's)")
+    if cfg.top_k == 1:
+        lines.append(f"warning: --top-k=1 always takes the most likely token: {same}; use --top-k=50 (nanochat's) or 0")
+    if cfg.num_samples == 1:
+        lines.append("warning: --num-samples=1: a question's one sample is its own mean reward, so every advantage is 0 "
+                     "and the run trains nothing; sample several completions per question (nanochat: --num-samples=16)")
+    return lines
+
+
+def count_no_signal_step(run, record):
+    """Track consecutive steps that trained no row (every advantage 0 on every rank); every --no-signal-steps of
+    them in a row, one warning naming the likely cause. The run goes on: a later step may find a signal."""
+    if record["rows_trained"] > 0 or run.config.no_signal_steps == 0:
+        run.steps_without_signal.clear()
+        return
+    streak = run.steps_without_signal
+    streak.append(record)
+    if len(streak) % run.config.no_signal_steps:
+        return
+    rewards = [r["reward_mean"] for r in streak[-run.config.no_signal_steps:]]
+    if max(rewards) == 0:
+        cause = ("no sample earned any reward: the task is too hard for this model (start from a stronger checkpoint, "
+                 "or an easier --task)")
+    else:
+        cause = (f"every question's samples earned the same reward (mean {sum(rewards) / len(rewards):.3f}): the samples "
+                 f"are too alike (raise --temperature or --top-k, or --num-samples) or the task's reward does not vary")
+    print0(f"warning: no row was trained in {len(streak)} consecutive step{'s' * (len(streak) > 1)} (steps "
+           f"{streak[0]['step']}-{streak[-1]['step']}): {cause}")
 
 
 def step_record(run, step, rollouts, result, t_rollout, t_train):
@@ -583,7 +684,8 @@ def sample_table(run, rollout):
 def meta_data(run, step):
     return {"step": step, "model_config": run.model.meta_model_config(), "generation": run.model.generation.name,
             "user_config": vars(run.config), "start_checkpoint": run.start_checkpoint, "history": run.history,
-            "eval_history": run.eval_history, "run_id": run.run_id, "world_size": run.world_size}
+            "eval_history": run.eval_history, "run_id": run.run_id, "world_size": run.world_size,
+            "segments": run.segments}
 
 
 def save(run, step):
@@ -593,6 +695,8 @@ def save(run, step):
              "rank": run.rank, "step": step, "run_id": run.run_id}
     save_checkpoint(run.checkpoint_dir, step, run.model.state_dict() if run.master else None, shard,
                     meta_data(run, step), all_ranks=True)
+    if run.master:  # a run resumed on fewer ranks saving a step that more ranks saved before
+        remove_extra_shards(run.checkpoint_dir, step, run.world_size)
     run.last_saved = step
     print0(f"Saved checkpoint to {run.checkpoint_dir} (step {step})")
     if run.config.keep_last > 0:  # only this run's directory: the start checkpoint is another's (resolve_output_tag)
@@ -604,11 +708,13 @@ def save(run, step):
 
 def main(argv):
     args = parse_args(argv)
-    validate_args(args, world_size=get_dist_info()[3])
+    world_size = get_dist_info()[3]
+    validate_args(args, world_size)
+    resume = restore_settings(args, world_size) if args.resume else None
     _, rank, _, world_size, device = compute_init(args.device_type)
     stop = GracefulStop().install()
     try:
-        train(setup_run(args, rank, world_size, device), stop)
+        train(setup_run(args, resume, rank, world_size, device), stop)
     finally:
         stop.uninstall()
         compute_cleanup()
@@ -618,6 +724,8 @@ def train(run, stop):
     """nanochat's loop: eval, rollouts, policy gradient and optimizer step, log, checkpoint; then the report."""
     cfg, num_steps = run.config, run.num_steps
     wandb_run = init_wandb(cfg.run, "nanochat-rl", vars(cfg))
+    for line in no_signal_settings(cfg):
+        print0(line)
     run_start = time.time()
     for step in range(run.start_step, num_steps + 1):
         last_step = step == num_steps
@@ -644,6 +752,7 @@ def train(run, stop):
         run.step_seconds.append(t_rollout + t_train)
         record = step_record(run, step, rollouts, result, t_rollout, t_train)
         print0(format_step_line(run, record, time.time() - run_start))
+        count_no_signal_step(run, record)
         run.history.append(record)
         wandb_run.log(record)
         if cfg.eval_every > 0 and step % cfg.eval_every == 0:  # a few completions to read, from rank 0's first question

@@ -234,7 +234,7 @@ CASES = [
     Case("--resume: the optimizer shard is truncated", flags=["--resume"], setup=_shard_truncated),
     Case("--resume: the optimizer shard is another step's", flags=["--resume"], setup=_shard_of_another_step),
     Case("--resume: the optimizer shard is another run's", flags=["--resume"], setup=_shard_of_another_run),
-    Case("--resume: saved by 2 ranks, resumed by 1", flags=["--resume"], setup=_saved_by_two_ranks),
+    Case("--resume: the meta says 2 ranks, the shards 1", flags=["--resume"], setup=_saved_by_two_ranks),
     Case("--resume: the model file is truncated", flags=["--resume"], setup=_resumed_model_truncated),
     Case("negative --keep-last", flags=["--keep-last=-1"]),
     Case("negative --temperature", flags=["--temperature=-1"]),

@@ -1,6 +1,8 @@
 """A user-style task (the `--task=package.module:ClassName` interface) with a reward a random tiny model
 earns about half of the time, so tests of the RL loop see non-zero advantages."""
 
+import os
+
 from tasks.arithmetic import Arithmetic
 
 
@@ -31,3 +33,15 @@ class OneStepArithmetic(Arithmetic):
 
     def __init__(self, split="train"):
         super().__init__(split=split, difficulty=1)
+
+
+class RecordedParityTask(ParityTask):
+    """ParityTask that writes down which questions a run trains on: the index of every question it rewards is
+    appended to $QUESTION_LOG.rank<RANK> (one line per reward, so a question's samples give consecutive lines)."""
+
+    def reward(self, conversation, response_text):
+        path = os.environ.get("QUESTION_LOG")
+        if path:
+            with open(f"{path}.rank{os.environ.get('RANK', '0')}", "a") as f:
+                f.write(conversation["messages"][0]["content"].split()[-1] + "\n")
+        return super().reward(conversation, response_text)

@@ -36,8 +36,8 @@ EXPECTED = {
     "--resume: the optimizer shard is another step's": ["optim_000002_rank0.pt holds step 1, not step 2",
                                                         "--resume=d2:1"],
     "--resume: the optimizer shard is another run's": ["optim_000002_rank0.pt is from another run", "--resume=d2:1"],
-    "--resume: saved by 2 ranks, resumed by 1": ["step 2", "was saved by 2 ranks, and this run has 1",
-                                                 "--nproc_per_node=2"],
+    "--resume: the meta says 2 ranks, the shards 1": [
+        "optim_000002_rank0.pt was written by rank 0 of 1 ranks, not by rank 0 of 2", "--resume=d2:1"],
     "--resume: the model file is truncated": ["model_000002.pt is corrupted or truncated", "--resume=d2:1"],
     "negative --keep-last": ["--keep-last must be >= 0", "-1"],
     "negative --temperature": ["--temperature must be >= 0", "-1"],

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from nanochat.checkpoint_manager import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
-                                         ShardError, UnknownStepError, UnknownTagError, build_model, check_shard,
-                                         find_largest_model, find_last_step, list_steps, load_checkpoint, load_model,
-                                         prune_checkpoints, save_checkpoint)
+                                         UnknownStepError, UnknownTagError, build_model, find_largest_model,
+                                         find_last_step, list_steps, load_checkpoint, load_model, save_checkpoint)
+from nanochat.checkpoint_pruning import prune_checkpoints, remove_extra_shards
+from nanochat.optimizer_shards import ShardError, check_shard
 from nanochat.common import UserError
 from nanochat.gpt import GPT
 from helpers import random_model, tiny_config  # every parameter random: a loader that dropped one would show
@@ -341,14 +342,27 @@ def test_prune_keeps_the_last_steps_and_removes_only_this_ranks_files(tmp_path):
     names += [".model_000005.pt.tmp-123", ".optim_000004_rank1.pt.tmp-456", ".model_000009.pt.tmp-789", "notes.txt"]
     for name in names:
         (tmp_path / name).write_bytes(b"x")
-    assert prune_checkpoints(str(tmp_path), 9, 2, rank=1) == [3, 4, 5]
-    assert prune_checkpoints(str(tmp_path), 9, 2, rank=0) == [3, 4, 5]
+    assert prune_checkpoints(str(tmp_path), 9, 2, rank=1, world_size=2) == [3, 4, 5]
+    assert prune_checkpoints(str(tmp_path), 9, 2, rank=0, world_size=2) == [3, 4, 5]
     assert files_of(tmp_path) == sorted(
         [".model_000009.pt.tmp-789", "notes.txt"]
         + [f"{kind}_{s:06d}{ext}" for s in (7, 9, 12) for kind, ext in (("model", ".pt"), ("meta", ".json"))]
         + [f"optim_{s:06d}_rank{r}.pt" for s in (7, 9, 12) for r in (0, 1)])
-    assert prune_checkpoints(str(tmp_path), 9, 1, rank=0) == [7] and not (tmp_path / "model_000007.pt").exists()
+    assert prune_checkpoints(str(tmp_path), 9, 1, rank=0, world_size=2) == [7] and not (tmp_path / "model_000007.pt").exists()
     assert (tmp_path / "optim_000007_rank1.pt").exists()  # rank 1's to remove
+    # a run of 1 rank (a 2-rank run resumed on one): rank 1 is gone, so its shards are rank 0's to remove
+    assert prune_checkpoints(str(tmp_path), 12, 1, rank=0, world_size=1) == [7, 9]
+    assert files_of(tmp_path) == sorted(["notes.txt", "model_000012.pt", "meta_000012.json", "optim_000012_rank0.pt",
+                                         "optim_000012_rank1.pt"])
+
+
+def test_a_step_saved_again_by_fewer_ranks_loses_the_extra_shards(tmp_path):
+    """A 2-rank run resumed on 1 rank from an earlier step saves step 5 again: rank 1's old shard of step 5 goes
+    (the meta says 1 rank); other steps' shards stay, for prune_checkpoints."""
+    for name in ("optim_000005_rank0.pt", "optim_000005_rank1.pt", "optim_000005_rank2.pt", "optim_000006_rank1.pt"):
+        (tmp_path / name).write_bytes(b"x")
+    assert remove_extra_shards(str(tmp_path), 5, 1) == [1, 2]
+    assert files_of(tmp_path) == ["optim_000005_rank0.pt", "optim_000006_rank1.pt"]
 
 
 @pytest.mark.parametrize("change, message", [

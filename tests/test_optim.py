@@ -458,3 +458,26 @@ def test_scale_initial_lr_starts_every_group_at_the_fraction():
 
 def test_lr_multiplier_decays_linearly_to_zero():
     assert [lr_multiplier(s, 4) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+
+
+def test_lr_schedules_against_their_formulas():
+    """--lr-schedule's multipliers, each against its formula written out: the default is nanochat's 1 - step/n to the
+    last bit (the golden trace depends on it); warm-up (step + 1) / w; then t = (step - w) / (n - w) from 0 to 1."""
+    for n in (3, 7, 467):
+        assert all(lr_multiplier(s, n) == 1.0 - s / n for s in range(n + 1))
+    n, w, final = 10, 4, 0.2
+    for schedule in ("linear", "constant", "cosine"):
+        assert [lr_multiplier(s, n, schedule, w, final if schedule != "constant" else 0.0) for s in range(w)] == [
+            0.25, 0.5, 0.75, 1.0]
+    for s in range(w, n + 1):
+        t = (s - w) / (n - w)
+        assert lr_multiplier(s, n, "linear", w, final) == pytest.approx(1 - t * (1 - final), abs=1e-15)
+        assert lr_multiplier(s, n, "cosine", w, final) == pytest.approx(
+            final + (1 - final) * 0.5 * (1 + math.cos(math.pi * t)), abs=1e-15)
+        assert lr_multiplier(s, n, "constant", w) == 1.0
+    # the ends: 1 when the warm-up is over, final_lr_frac at the last step (n: after the last update)
+    assert lr_multiplier(w, n, "cosine", w, final) == 1.0 and lr_multiplier(w, n, "linear", w, final) == 1.0
+    assert lr_multiplier(n, n, "cosine", w, final) == pytest.approx(final, abs=1e-15)
+    assert lr_multiplier(n, n, "linear", w, final) == pytest.approx(final, abs=1e-15)
+    with pytest.raises(ValueError, match="unknown lr schedule 'step'"):
+        lr_multiplier(0, n, "step")
