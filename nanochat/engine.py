@@ -15,7 +15,7 @@ token ids in, token ids and masks out. Sampling (per-row random streams) is nano
 
 import math
 from collections import deque
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -38,10 +38,35 @@ def autocast_dtype(device):
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
+class BatchShape(NamedTuple):
+    """What a rollout's DecodeBatch is made for; a kept batch serves a rollout of the same shape."""
+    rows: int
+    prompt_slots: Optional[int]  # prompts held at once by a cache that stores them apart (None: rows copy them)
+    prompt_cap: int              # the longest prompt it holds
+    max_tokens: int
+    num_samples: int
+    dtype: torch.dtype           # of the KV cache
+    temperature: float           # the sampler's settings (a captured step holds them as they were)
+    top_k: Optional[int]
+
+
 class KeptBatch(NamedTuple):
     """A static batch kept between rollouts, and the shape it was made for (see Engine._new_batch)."""
-    key: tuple
+    shape: BatchShape
     batch: DecodeBatch
+
+
+def make_batch(model, shape, plan, stats, weights):
+    """An empty DecodeBatch of `shape` running the DecodePlan `plan` (a static one's shapes prepared)."""
+    if shape.prompt_slots is not None:
+        cache = SharedPromptKVCache.for_model(model, shape.rows, shape.prompt_slots, shape.prompt_cap, shape.max_tokens,
+                                              shape.num_samples, shape.dtype, plan.static)
+    else:
+        cache = KVCache.for_model(model, shape.rows, shape.prompt_cap + shape.max_tokens, shape.dtype)
+    batch = DecodeBatch(model, cache, shape.temperature, shape.top_k, stats, plan.shape, plan.graphs, weights)
+    if plan.static:
+        batch.prepare_shapes()
+    return batch
 
 
 class Engine:
@@ -148,34 +173,25 @@ class Engine:
         prompt seen or reserved (prompt_floor) rounded up to PROMPT_BUCKET positions, never less, and its rows are
         what the budget holds at that capacity. It is kept after a rollout that ran to its end and serves the next
         one of the same shape, so its cache and its CUDA graphs (all captured when it is made) are made once per
-        run, not once per rollout. Returns (the batch, the key a kept batch must match to serve again; None: not
+        run, not once per rollout. Returns (the batch, the shape a kept batch must have to serve again; None: not
         to be kept)."""
-        model = self.model
-        dtype = autocast_dtype(self.model.get_device()) or cache_geometry(model).dtype
+        dtype = autocast_dtype(self.model.get_device()) or cache_geometry(self.model).dtype
         plan = decode_plan(self.decode)
         if plan.static:
             self.prompt_floor = max(self.prompt_floor, longest)
             longest = -(-self.prompt_floor // PROMPT_BUCKET) * PROMPT_BUCKET
         cap = max_rows or self.max_rows or self.rows_for_budget(longest, max_tokens, dtype, num_samples)
         B = max(1, min(cap, num_prompts * num_samples))
-        pool_slots = prompt_slots(B, num_samples, num_prompts) if self.share_prompts else None
-        prompt_cap = longest
-        key = (B, pool_slots, prompt_cap, max_tokens, num_samples, dtype, temperature, top_k, self.share_prompts)
+        shape = BatchShape(B, prompt_slots(B, num_samples, num_prompts) if self.share_prompts else None, longest,
+                           max_tokens, num_samples, dtype, temperature, top_k)
         self.last_stats = RolloutStats(rows_allocated=B)
         kept, self.kept = self.kept, None
-        if kept is not None and kept.key == key:
+        if kept is not None and kept.shape == shape:
             kept.batch.begin_rollout(self.last_stats)
-            return kept.batch, key
+            return kept.batch, shape
         del kept  # its memory is free before the new cache is allocated
-        if self.share_prompts:
-            cache = SharedPromptKVCache.for_model(model, B, pool_slots, prompt_cap, max_tokens, num_samples, dtype,
-                                                  plan.static)
-        else:
-            cache = KVCache.for_model(model, B, prompt_cap + max_tokens, dtype)
-        batch = DecodeBatch(model, cache, temperature, top_k, self.last_stats, plan.shape, plan.graphs, self.weights)
-        if plan.static:
-            batch.prepare_shapes()
-        return batch, key if plan.static else None
+        batch = make_batch(self.model, shape, plan, self.last_stats, self.weights)
+        return batch, shape if plan.static else None
 
     @torch.no_grad()
     def _rollout(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows=None):
@@ -191,7 +207,7 @@ class Engine:
         if max_tokens is None:
             max_tokens = max(1, self.model.config.sequence_len - longest)
         self.weights.refresh(autocast_dtype(self.model.get_device()))  # the trainer has changed the weights since the last rollout
-        batch, key = self._new_batch(len(prompts), longest, num_samples, max_tokens, temperature, top_k, max_rows)
+        batch, shape = self._new_batch(len(prompts), longest, num_samples, max_tokens, temperature, top_k, max_rows)
         waiting, pending = deque(range(len(prompts))), None  # prompts not prefilled yet; the one being admitted
         while batch.in_flight or waiting or pending is not None:
             events = batch.decode_step()
@@ -209,6 +225,6 @@ class Engine:
                 yield events
         if not self.keeps_between_rollouts:
             self.weights.clear()
-        elif key is not None:  # every row retired and every prompt slot freed: ready for the next rollout
-            self.kept = KeptBatch(key, batch)
+        elif shape is not None:  # every row retired and every prompt slot freed: ready for the next rollout
+            self.kept = KeptBatch(shape, batch)
 

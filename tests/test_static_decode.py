@@ -246,7 +246,7 @@ def test_a_static_batch_is_reused_by_the_next_rollout_of_its_shape(tiny_tokenize
                     for p, s in ((first, [1, 2]), (second, [3, 4]))]
     long_prompt = [prompt_of(tiny_tokenizer, "word " * 40)]
     rollouts(engine, long_prompt, seeds=[5], **kwargs)
-    assert engine.kept_batch is not batch and engine.kept.key[2] == 128  # the pool rounded up to 128
+    assert engine.kept_batch is not batch and engine.kept.shape.prompt_cap == 128  # the pool rounded up to 128
     stream = engine.generate(first[0], num_samples=2, max_tokens=10, seed=1)
     next(stream)  # a rollout left unfinished: its batch is not kept
     assert engine.kept_batch is None
