@@ -31,12 +31,13 @@ import torch.distributed as dist
 from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, CheckpointError, WorldSizeError, find_checkpoint, list_steps,
                                          list_tags, load_model, load_shard_for_resume, make_checkpoint_dir, new_run_id,
                                          prune_checkpoints, save_checkpoint, update_meta)
-from nanochat.cli import (ArgumentParser, add_debug_flag, add_decode_flag, add_model_generation_flag, add_optimizer_flags,
-                          add_runtime_flags, check_optimizer_flags, run_main)
+from nanochat.cli import (ArgumentParser, add_debug_flag, add_decode_flag, add_memory_budget_flag, add_model_generation_flag,
+                          add_optimizer_flags, add_runtime_flags, check_optimizer_flags, run_main)
 from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup,
                              compute_dtype, compute_init, dtype_name, format_duration, get_base_dir, get_dist_info, print0,
                              remaining_seconds, require, requested_dtype)
 from nanochat.engine import DECODE_DESCRIPTIONS, Engine
+from nanochat.memory_budget import resolve_memory_budget
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
 from nanochat.optim import guarded_step, lr_multiplier, scale_initial_lr
@@ -79,7 +80,7 @@ def parse_args(argv):
     p.add_argument("--top-k", type=int, default=50, help="top-k sampling (0 = whole vocabulary)")
     p.add_argument("--max-rows", type=int, default=0,
                    help="max rows decoded together in one rollout batch (0 = as many as --memory-budget-gb allows)")
-    p.add_argument("--memory-budget-gb", type=float, default=4.0, help="KV-cache memory the rollout batch may use")
+    add_memory_budget_flag(p)
     add_decode_flag(p)
     # optimization
     add_optimizer_flags(p)
@@ -149,7 +150,6 @@ def validate_args(args, world_size):
     require(args.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     require(args.top_k >= 0, f"--top-k must be >= 0 (0 = disabled), got {args.top_k}")
     require(args.max_rows >= 0, f"--max-rows must be >= 0 (0 = from the memory budget), got {args.max_rows}")
-    require(args.memory_budget_gb > 0, f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
     check_optimizer_flags(args)
     require(0 < args.init_lr_frac <= 1, f"--init-lr-frac must be in (0, 1], got {args.init_lr_frac}")
     require(args.eval_every == -1 or args.eval_every >= 1, f"--eval-every must be >= 1, or -1 to disable, got {args.eval_every}")
@@ -398,6 +398,11 @@ def setup_run(args, rank, world_size, device):
     for opt, state in zip(optimizers, optimizer_state["optimizers"] if optimizer_state else []):
         opt.load_state_dict(state)  # also restores each group's initial_lr and lr
     reference = load_reference(start, device, args.model_generation) if args.kl_coef > 0 else None
+    args.memory_budget_gb, budget_line = resolve_memory_budget(
+        args.memory_budget_gb, model, device, optimizers, rows=args.device_batch_size,
+        completion_tokens=args.max_new_tokens, prompt_tokens=model.config.sequence_len,
+        rollout_dtype=getattr(torch, args.rollout_dtype))
+    print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
     engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
                     decode=args.decode)
     print0(f"rollouts: {engine.decode} decode step ({DECODE_DESCRIPTIONS[engine.decode]}; --decode to choose)")
