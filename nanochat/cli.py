@@ -66,6 +66,17 @@ def add_decode_flag(parser):
                              "static (bucketed shapes, eagerly), graph (bucketed shapes replayed from CUDA graphs)")
 
 
+def check_decode_flag(decode, device):
+    """--decode against the device compute_init chose, before anything is built (a model load can take minutes):
+    graph replays CUDA graphs, so it needs CUDA (nanochat.engine.decode_mode's rule)."""
+    try:
+        decode_mode(decode, device)
+    except ValueError:
+        raise SettingError("decode", f"is {decode}, which replays CUDA graphs, and this run is on {device.type} (torch "
+                                     f"sees no CUDA device, or --device-type chose another); use --decode=static (the "
+                                     f"same step, run eagerly) or --decode=auto") from None
+
+
 def add_memory_budget_flag(parser):
     """--memory-budget-gb: the KV cache a rollout batch may use; resolve it with
     nanochat.memory_budget.resolve_memory_budget before building the Engine, which takes GiB."""

@@ -684,6 +684,10 @@ def main(argv):
         raise UserError("bench_rl measures one process; run it with python -m scripts.bench_rl, not torchrun")
     _, _, _, _, device = compute_init(args.device_type)
     try:
+        graphs = [c.name for c in configs or () if c.decode == "graph"]
+        require(device.type == "cuda" or not graphs,
+                f"--configs names {', '.join(graphs)}, which replays CUDA graphs, and this run is on {device.type} (torch sees no "
+                f"CUDA device, or --device-type chose another); measure the same step eagerly with a *_static config")
         return run(args, configs or default_configs(device), device)
     finally:
         compute_cleanup()

@@ -19,7 +19,7 @@ import time
 
 from nanochat.checkpoint_manager import load_model
 from nanochat.cli import (ArgumentParser, add_debug_flag, add_decode_flag, add_memory_budget_flag, add_model_generation_flag,
-                          run_main)
+                          check_decode_flag, run_main)
 from nanochat.common import (UserError, autocast_context, collective_device, compute_cleanup, compute_dtype, compute_init, get_base_dir, print0,
                              requested_dtype)
 from nanochat.engine import Engine
@@ -83,6 +83,7 @@ def main(argv):
     validate_args(args)
     _, rank, _, _, device = compute_init(args.device_type)
     try:
+        check_decode_flag(args.decode, device)
         dtype = compute_dtype(device, args.dtype)
         autocast = autocast_context(device, dtype)
         model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step,

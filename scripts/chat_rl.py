@@ -32,7 +32,7 @@ from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, CheckpointError, World
                                          list_tags, load_model, load_shard_for_resume, make_checkpoint_dir, new_run_id,
                                          prune_checkpoints, save_checkpoint, update_meta)
 from nanochat.cli import (ArgumentParser, add_debug_flag, add_decode_flag, add_memory_budget_flag, add_model_generation_flag,
-                          add_optimizer_flags, add_runtime_flags, check_optimizer_flags, run_main)
+                          add_optimizer_flags, add_runtime_flags, check_decode_flag, check_optimizer_flags, run_main)
 from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup,
                              compute_dtype, compute_init, dtype_name, format_duration, get_base_dir, get_dist_info, print0,
                              remaining_seconds, require, requested_dtype)
@@ -606,6 +606,7 @@ def main(argv):
     args = parse_args(argv)
     validate_args(args, world_size=get_dist_info()[3])
     _, rank, _, world_size, device = compute_init(args.device_type)
+    check_decode_flag(args.decode, device)
     stop = GracefulStop().install()
     try:
         train(setup_run(args, rank, world_size, device), stop)
