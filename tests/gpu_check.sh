@@ -126,11 +126,11 @@ step() {  # step NAME MAX_SECONDS LOG CMD...: runs CMD under a timeout (at most 
     local name=$1 cap=$2 log=$3
     shift 3
     local left=$((deadline - $(date +%s)))
-    [ "$cap" -lt "$left" ] || cap=$left
-    if [ "$cap" -le 10 ]; then
+    if [ "$left" -le 10 ]; then
         say "$name: not run, the stage's $STAGE_SECONDS s are spent"
         return 124
     fi
+    [ "$cap" -lt "$left" ] || cap=$left
     local t0
     t0=$(date +%s)
     timeout --kill-after=10 "$cap" "$@" 2>&1 | tee "$log"
