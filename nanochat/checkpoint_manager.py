@@ -382,14 +382,17 @@ def load_optimizer_state(checkpoint_dir, step, device, rank=None):
     return torch_load_checked(opath, device)
 
 
-def _patch_state_dict(model_data, device):
-    """Strip torch.compile's key prefix and move bf16 weights to fp32 where bf16 is a poor fit."""
+def _patch_state_dict(model_data):
+    """Strip torch.compile's key prefix and load every bf16 tensor as fp32, on every device.
+
+    nanochat's CUDA checkpoints store the embeddings in bf16 (its models keep them in the compute dtype). Here
+    parameters are fp32 on every device, as a freshly built GPT's are: they are the weights the optimizers update,
+    and a run's compute dtype comes from autocast (common.autocast_context), not from the stored tensors. The rule
+    does not look at the device: a bf16 embedding kept on CUDA (load_state_dict(assign=True) keeps the stored dtype)
+    would meet fp32 matmuls in a --dtype=float32 run, and give the KV cache its dtype (engine.cache_geometry)."""
     prefix = "_orig_mod."  # left in the keys by saving a torch.compile'd module
     model_data = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in model_data.items()}
-    if device.type in ("cpu", "mps"):
-        # bf16 weights are a CUDA training artifact; cpu/mps kernels for bf16 are slow or missing
-        model_data = {k: v.float() if v.dtype == torch.bfloat16 else v for k, v in model_data.items()}
-    return model_data
+    return {k: v.float() if v.dtype == torch.bfloat16 else v for k, v in model_data.items()}
 
 
 def _patch_model_config(model_config, config_cls, source_file):
@@ -430,7 +433,7 @@ def build_model(checkpoint_dir, step, device, phase, generation=None):
         raise CorruptCheckpointError(mpath, f"a {type(model_data).__name__}, not a state_dict")
     if not isinstance(meta_data, dict) or not isinstance(meta_data.get("model_config"), dict):
         raise UserError(f"{jpath} has no \"model_config\" object; it is not a nanochat checkpoint meta file")
-    model_data = _patch_state_dict(model_data, device)
+    model_data = _patch_state_dict(model_data)
     try:
         gen, how = detect_generation(model_data, meta_data, requested=generation)
     except ValueError as e:  # UnknownCheckpoint, or a requested generation the files contradict

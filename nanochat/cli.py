@@ -16,7 +16,8 @@ import traceback
 from nanochat.checkpoint_manager import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
                                          RankLostError, UnknownStepError, UnknownTagError)
 from nanochat.common import SettingError, UserError, get_rank, require
-from nanochat.cuda_graphs import DECODE_MODES
+from nanochat.cuda_graphs import DECODE_MODES, decode_mode
+from nanochat.memory_budget import AUTO, FIXED_GB, FRACTION, parse_budget
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
 from nanochat.tokenizer import TokenizerError
 from nanochat.wandb_utils import WandbStartError
@@ -63,6 +64,26 @@ def add_decode_flag(parser):
     parser.add_argument("--decode", type=str, default="auto", choices=DECODE_MODES,
                         help="decode step of rollouts: auto (graph on CUDA, eager elsewhere), eager (exact shapes), "
                              "static (bucketed shapes, eagerly), graph (bucketed shapes replayed from CUDA graphs)")
+
+
+def check_decode_flag(decode, device):
+    """--decode against the device compute_init chose, before anything is built (a model load can take minutes):
+    graph replays CUDA graphs, so it needs CUDA (nanochat.engine.decode_mode's rule)."""
+    try:
+        decode_mode(decode, device)
+    except ValueError:
+        raise SettingError("decode", f"is {decode}, which replays CUDA graphs, and this run is on {device.type} (torch "
+                                     f"sees no CUDA device, or --device-type chose another); use --decode=static (the "
+                                     f"same step, run eagerly) or --decode=auto") from None
+
+
+def add_memory_budget_flag(parser):
+    """--memory-budget-gb: the KV cache a rollout batch may use; resolve it with
+    nanochat.memory_budget.resolve_memory_budget before building the Engine, which takes GiB."""
+    parser.add_argument("--memory-budget-gb", type=parse_budget, default=AUTO,
+                        help=f"KV-cache memory (GiB) a rollout batch may use; auto (the default): on CUDA {FRACTION:g} of "
+                             f"the memory free after the model, optimizer state and a training-peak reserve (stated "
+                             f"at the start), elsewhere {FIXED_GB:g}")
 
 
 def add_optimizer_flags(parser):

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_flag, run_main
+from nanochat.cli import ArgumentParser, add_debug_flag, add_memory_budget_flag, add_model_generation_flag, run_main
 from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_init, cpu_bf16_kind,
                              cpu_has_native_bf16, cpu_name, dtype_name, synchronize, get_base_dir, get_dist_info, grad_norm,
                              print0, require)
@@ -59,6 +59,7 @@ from nanochat.engine import Engine
 from nanochat.kv_cache import cache_geometry
 from nanochat.flops import matmul_flops_per_token, rollout_flops, train_flops
 from nanochat.gpt import GPT, build_fresh_model
+from nanochat.memory_budget import resolve_memory_budget
 from nanochat.op_count import count_decode_step_ops
 from nanochat.optim import scale_initial_lr
 from nanochat.rl import accumulate_policy_gradient, make_question_batch
@@ -129,7 +130,7 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument("--top-k", type=int, default=50, help="top-k sampling (0 = whole vocabulary)")
     p.add_argument("--max-rows", type=int, default=0, help="batched configs: max rows decoded together (0 = memory budget)")
-    p.add_argument("--memory-budget-gb", type=float, default=4.0, help="KV-cache memory a rollout batch may use")
+    add_memory_budget_flag(p)
     p.add_argument("--init-lr-frac", type=float, default=0.05, help="chat_rl's initial lr fraction (the optimizer step runs with it)")
     p.add_argument("--force-advantages", action="store_true",
                    help="give every row advantage +1 or -1 (alternating) after the rollouts, so that a random model's "
@@ -166,7 +167,6 @@ def validate_args(args):
     require(args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}")
     require(args.top_k >= 0, f"--top-k must be >= 0, got {args.top_k}")
     require(args.max_rows >= 0, f"--max-rows must be >= 0, got {args.max_rows}")
-    require(args.memory_budget_gb > 0, f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
     require(0 < args.init_lr_frac <= 1, f"--init-lr-frac must be in (0, 1], got {args.init_lr_frac}")
     require(args.early_stop_mean == 0 or args.early_stop_mean >= 1,
             f"--early-stop-mean must be >= 1 (a mean length in tokens) or 0 to skip the +early runs, got {args.early_stop_mean}")
@@ -710,6 +710,10 @@ def main(argv):
         raise UserError("bench_rl measures one process; run it with python -m scripts.bench_rl, not torchrun")
     _, _, _, _, device = compute_init(args.device_type)
     try:
+        graphs = [c.name for c in configs or () if c.decode == "graph"]
+        require(device.type == "cuda" or not graphs,
+                f"--configs names {', '.join(graphs)}, which replays CUDA graphs, and this run is on {device.type} (torch sees no "
+                f"CUDA device, or --device-type chose another); measure the same step eagerly with a *_static config")
         return run(args, configs or default_configs(device), device)
     finally:
         compute_cleanup()
@@ -737,6 +741,11 @@ def run(args, configs, device):
     print0(f"model: {model_info}")
     initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     memory = PeakMemory(device)
+    # once, for every config (bf16's decode weights reserved: the larger case), as chat_rl sizes its run
+    args.memory_budget_gb, budget_line = resolve_memory_budget(
+        args.memory_budget_gb, model, device, fresh_optimizers(model, args.init_lr_frac), rows=args.device_batch_size,
+        completion_tokens=args.max_new_tokens, prompt_tokens=cfg.sequence_len)
+    print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
 
     variants = [("", 0)] + ([("+early", args.early_stop_mean)] if args.early_stop_mean else [])
     results = {}

@@ -18,11 +18,13 @@ import time
 
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.cli import ArgumentParser, add_debug_flag, add_decode_flag, add_model_generation_flag, run_main
+from nanochat.cli import (ArgumentParser, add_debug_flag, add_decode_flag, add_memory_budget_flag, add_model_generation_flag,
+                          check_decode_flag, run_main)
 from nanochat.common import (UserError, autocast_context, collective_device, compute_cleanup, compute_dtype, compute_init, get_base_dir, print0,
                              requested_dtype)
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
+from nanochat.memory_budget import resolve_memory_budget
 from tasks.registry import make_task
 
 
@@ -42,7 +44,7 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for pass@k")
     p.add_argument("--top-k", type=int, default=50, help="top-k for pass@k sampling (0 = disabled)")
     p.add_argument("--max-rows", type=int, default=0, help="max rows per rollout batch (0 = from the memory budget)")
-    p.add_argument("--memory-budget-gb", type=float, default=4.0, help="KV-cache memory a rollout batch may use")
+    add_memory_budget_flag(p)
     add_decode_flag(p)
     # runtime and output
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
@@ -81,9 +83,14 @@ def main(argv):
     validate_args(args)
     _, rank, _, _, device = compute_init(args.device_type)
     try:
-        autocast = autocast_context(device, compute_dtype(device, args.dtype))
+        check_decode_flag(args.decode, device)
+        dtype = compute_dtype(device, args.dtype)
+        autocast = autocast_context(device, dtype)
         model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step,
                                             generation=args.model_generation)
+        args.memory_budget_gb, budget_line = resolve_memory_budget(args.memory_budget_gb, model, device,
+                                                                   rollout_dtype=dtype)
+        print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
         engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
                         decode=args.decode)
         task = make_task(args.task, "test")

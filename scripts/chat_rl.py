@@ -36,13 +36,14 @@ from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, CheckpointError, find_
                                          load_meta, load_model, make_checkpoint_dir, new_run_id, save_checkpoint,
                                          update_meta)
 from nanochat.checkpoint_pruning import prune_checkpoints, remove_extra_shards
-from nanochat.cli import (ArgumentParser, add_debug_flag, add_decode_flag, add_model_generation_flag, add_optimizer_flags,
-                          add_runtime_flags, check_optimizer_flags, run_main)
+from nanochat.cli import (ArgumentParser, add_debug_flag, add_decode_flag, add_memory_budget_flag, add_model_generation_flag,
+                          add_optimizer_flags, add_runtime_flags, check_decode_flag, check_optimizer_flags, run_main)
 from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup,
                              compute_dtype, compute_init, dtype_name, format_duration, get_base_dir, get_dist_info, print0,
                              remaining_seconds, require, requested_dtype)
 from nanochat.cuda_graphs import DECODE_DESCRIPTIONS
 from nanochat.engine import Engine
+from nanochat.memory_budget import resolve_memory_budget
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
 from nanochat.optim import LR_SCHEDULES, guarded_step, lr_multiplier, scale_initial_lr
@@ -86,7 +87,7 @@ def parse_args(argv):
     p.add_argument("--top-k", type=int, default=50, help="top-k sampling (0 = whole vocabulary)")
     p.add_argument("--max-rows", type=int, default=0,
                    help="max rows decoded together in one rollout batch (0 = as many as --memory-budget-gb allows)")
-    p.add_argument("--memory-budget-gb", type=float, default=4.0, help="KV-cache memory the rollout batch may use")
+    add_memory_budget_flag(p)
     add_decode_flag(p)
     # optimization
     add_optimizer_flags(p)
@@ -167,7 +168,6 @@ def validate_args(args, world_size):
     require(args.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     require(args.top_k >= 0, f"--top-k must be >= 0 (0 = disabled), got {args.top_k}")
     require(args.max_rows >= 0, f"--max-rows must be >= 0 (0 = from the memory budget), got {args.max_rows}")
-    require(args.memory_budget_gb > 0, f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
     check_optimizer_flags(args)
     require(0 < args.init_lr_frac <= 1, f"--init-lr-frac must be in (0, 1], got {args.init_lr_frac}")
     require(args.lr_schedule in LR_SCHEDULES, f"--lr-schedule must be {', '.join(LR_SCHEDULES)}, got {args.lr_schedule!r}")
@@ -464,6 +464,11 @@ def setup_run(args, resume, rank, world_size, device):
         segments = meta.get("segments") or [{"start_step": 0, "world_size": saved}]
         segments = segments + [{"start_step": start_step, "world_size": world_size}]
     reference = load_reference(start, device, args.model_generation) if args.kl_coef > 0 else None
+    args.memory_budget_gb, budget_line = resolve_memory_budget(
+        args.memory_budget_gb, model, device, optimizers, rows=args.device_batch_size,
+        completion_tokens=args.max_new_tokens, prompt_tokens=model.config.sequence_len,
+        rollout_dtype=getattr(torch, args.rollout_dtype))
+    print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
     engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
                     decode=args.decode)
     print0(f"rollouts: {engine.decode} decode step ({DECODE_DESCRIPTIONS[engine.decode]}; --decode to choose)")
@@ -712,6 +717,7 @@ def main(argv):
     validate_args(args, world_size)
     resume = restore_settings(args, world_size) if args.resume else None
     _, rank, _, world_size, device = compute_init(args.device_type)
+    check_decode_flag(args.decode, device)
     stop = GracefulStop().install()
     try:
         train(setup_run(args, resume, rank, world_size, device), stop)

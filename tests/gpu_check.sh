@@ -1,81 +1,172 @@
 #!/usr/bin/env bash
-# Everything that needs a CUDA GPU, measured and checked on one (CI has no GPU), in three stages that each fit one
-# 10-minute call:
+# Everything that needs a CUDA GPU, measured and checked on one (CI has no GPU), in stages that each finish in one
+# call of under 8 minutes (each step runs under a timeout and prints its own time):
 #
-#   bash tests/gpu_prepare.sh SHARED_DIR               # where the shared data and a package registry are
-#   bash tests/gpu_check.sh [checks|suite|speedrun] [OUT_DIR]     # there (carry gpu_carry), one stage per call
+#   bash tests/gpu_prepare.sh SHARED_DIR                        # where the shared data and a package registry are
+#   bash tests/gpu_check.sh [checks|suite|speedrun|env] [OUT_DIR]   # on the GPU machine (carry gpu_carry)
 #
 # checks (the default):
 # 1. the GPU tests (tests/test_cuda.py: NCCL under torchrun, bf16 vs fp32 step, a real out-of-memory, chat_sft
 #    and chat_eval on CUDA, checkpoints across devices; CUDA-graph replay equal to the static step it captures),
-#    with the static decode and sampler-gap tests beside them;
+#    with the static decode and sampler-gap tests beside them (at most 200 s);
 # 2. the d20 rollout benchmark (nanochat's January-2026 d20 shapes, random weights, GSM8K prompts, 16
-#    questions x 16 samples x 256 tokens, every row forced to run to the cap): eager bf16 decoding, the static
-#    step run eagerly and the same step replayed from CUDA graphs, 5 consecutive steps each (first and last
-#    rollout time), tokens checked equal (graph against static: the same shapes), decode ms per step against the
-#    memory-bandwidth bound, and training of a full batch (advantages forced to +-1 so a random model trains).
+#    questions x 16 samples x 256 tokens, every row forced to run to the cap, the KV budget --memory-budget-gb=auto):
+#    eager bf16 decoding, the static step run eagerly and the same step replayed from CUDA graphs, 3 consecutive
+#    steps each (first and last rollout time), tokens checked equal (graph against static: the same shapes), decode
+#    ms per step against the memory-bandwidth bound, and training of a full batch (advantages forced to +-1 so a
+#    random model trains); what is left of the 8 minutes.
 # suite: the whole test suite on the GPU machine, the `cuda` tests run, not skipped (gpu_suite.log).
 # speedrun: `bash speedrun.sh` on a fresh base dir (the bootstrap path), timed, with its report (speedrun.log,
 #    speedrun_report.md): the target is under 5 minutes with pass@1 up by at least 4 standard errors.
+# env: only the setup below; says which python runs and what was installed.
 #
-# With gpu_carry/ present, a venv over this machine's python (its CUDA torch kept) gets the carried wheels,
-# NANOCHAT_BASE_DIR defaults to gpu_carry/base (its tokenizer has nanochat's 65,536 tokens, which the d20 preset
-# needs), NANOCHAT_GSM8K_DIR to gpu_carry/gsm8k, and the datasets stand-in goes on PYTHONPATH. Results go to
-# OUT_DIR (default ./out).
+# Setup, before every stage: the python is $PYTHON, else the first of python3, python3.12, python3.11, python3.10,
+# python that is >= 3.10 and whose torch sees CUDA. If it has everything in tests/gpu_requirements.txt it runs as it
+# is; else a venv over it (.gpu_venv: --system-site-packages, so its torch and whatever else it has stay; made
+# without pip, so no ensurepip is needed) gets what it lacks from gpu_carry/wheels, with the python's own pip or
+# else the pip wheel carried there (wandb only for the suite, which alone needs it). The venv sits outside gpu_carry,
+# which each device call replaces, and is reused while its stamp (the python, its version, the wheels) matches:
+# nothing is installed twice on a machine.
+# With gpu_carry/ present, NANOCHAT_BASE_DIR defaults to gpu_carry/base (its tokenizer has nanochat's 65,536 tokens,
+# which the d20 preset needs), NANOCHAT_GSM8K_DIR to gpu_carry/gsm8k, and the datasets stand-in goes on PYTHONPATH
+# (not for the suite). Results go to OUT_DIR (default ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:-checks}
 out=${2:-out}
+case "$stage" in checks|suite|speedrun|env) ;; *) echo "gpu_check: unknown stage $stage; use checks, suite, speedrun or env" >&2; exit 2 ;; esac
 mkdir -p "$out"
-python=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-if [ -d gpu_carry ]; then
-    if [ ! -f gpu_carry/venv/installed ]; then  # a marker: a venv whose install failed is made again
-        "$python" -c "import sys; assert sys.version_info[:2] == (3, 12), 'gpu_carry/wheels are for python 3.12'" || exit 2
-        rm -rf gpu_carry/venv
-        "$python" -m venv --system-site-packages gpu_carry/venv || exit 2
-        gpu_carry/venv/bin/python -m pip install --quiet --no-index --find-links gpu_carry/wheels \
-            "wandb>=0.31" rustbpe matplotlib tqdm || exit 2
-        touch gpu_carry/venv/installed
+stage_start=$(date +%s)
+STAGE_SECONDS=${GPU_CHECK_STAGE_SECONDS:-470}  # under the 8 minutes a stage may take, setup included
+deadline=$((stage_start + STAGE_SECONDS))
+say() { echo "gpu_check: $*"; }
+
+# ---- setup: a python >= 3.10 with a CUDA torch, and what tests/gpu_requirements.txt names
+cuda_python() {  # prints the path of the first candidate python that is >= 3.10 and whose torch sees CUDA
+    local candidates=(python3 python3.12 python3.11 python3.10 python)
+    [ -n "${PYTHON:-}" ] && candidates=("$PYTHON")
+    for p in "${candidates[@]}"; do
+        command -v "$p" >/dev/null 2>&1 || continue
+        if "$p" -c "import sys, torch; sys.exit(0 if sys.version_info >= (3, 10) and torch.cuda.is_available() else 1)" \
+            >/dev/null 2>&1; then
+            command -v "$p"
+            return 0
+        fi
+    done
+    return 1
+}
+python=$(cuda_python) || {
+    say "no python >= 3.10 whose torch sees a CUDA GPU (tried ${PYTHON:-python3 python3.12 python3.11 python3.10 python}); set PYTHON to one"
+    exit 2
+}
+pyver=$("$python" -c "import sys; print('%d.%d' % sys.version_info[:2])")
+suite_flag=$([ "$stage" = suite ] && echo --suite)  # wandb: only the suite needs it
+unmet() { "$1" tests/gpu_requirements.py $suite_flag tests/gpu_requirements.txt; }
+missing=$(unmet "$python")
+if [ -n "$missing" ]; then
+    venv=$PWD/.gpu_venv
+    wheels=$PWD/gpu_carry/wheels
+    stamp="$python $pyver $(ls "$wheels" 2>/dev/null | md5sum | cut -c1-12)"
+    if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/stamp" 2>/dev/null)" = "$stamp" ]; then
+        missing=$(unmet "$venv/bin/python")  # what an earlier stage did not need
+        say "reusing $venv (python $pyver)${missing:+; it lacks $(echo $missing)}"
+    else
+        rm -rf "$venv"
+        if ! "$python" -m venv --without-pip --system-site-packages "$venv" >/dev/null 2>&1; then
+            # no venv module: a venv is a pyvenv.cfg beside bin/python (what the module writes)
+            mkdir -p "$venv/bin"
+            ln -sf "$python" "$venv/bin/python"
+            printf 'home = %s\ninclude-system-site-packages = true\nversion = %s\n' "$(dirname "$python")" "$pyver" > "$venv/pyvenv.cfg"
+        fi
+        echo "$stamp" > "$venv/stamp"
+        say "made $venv over python $pyver at $python (its packages stay visible); it lacks $(echo $missing)"
     fi
-    python=$PWD/gpu_carry/venv/bin/python
-    export PATH="$PWD/gpu_carry/venv/bin:$PATH"
+    if [ -n "$missing" ]; then
+        [ -d "$wheels" ] || { say "there is no gpu_carry/wheels to install $(echo $missing) from; run tests/gpu_prepare.sh and carry gpu_carry"; exit 2; }
+        t0=$(date +%s)
+        if "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
+            pip=("$venv/bin/python" -m pip)
+        else
+            pip_wheel=$(ls "$wheels"/pip-*.whl 2>/dev/null | tail -1)
+            [ -n "$pip_wheel" ] || { say "python $pyver has no pip and gpu_carry/wheels no pip wheel; run tests/gpu_prepare.sh again"; exit 2; }
+            pip=("$venv/bin/python" "$pip_wheel/pip")  # pip runs from its own wheel
+        fi
+        mapfile -t wanted <<< "$missing"
+        if ! "${pip[@]}" install --quiet --no-index --find-links "$wheels" --no-warn-script-location "${wanted[@]}"; then
+            say "could not install $(echo $missing) for python $pyver from gpu_carry/wheels; run tests/gpu_prepare.sh SHARED_DIR $pyver (GPU_EXTRA=\"numpy matplotlib\" for those, SUITE_PYTHON=$pyver for wandb)"
+            exit 2
+        fi
+        still=$(unmet "$venv/bin/python")
+        [ -z "$still" ] || { say "after installing, python $pyver still lacks $(echo $still)"; exit 2; }
+        say "installed $(echo $missing) into $venv in $(( $(date +%s) - t0 )) s"
+    fi
+    python=$venv/bin/python
+else
+    say "python $pyver at $python has every requirement of this stage; no venv"
+fi
+# `python` on PATH for speedrun.sh and the tests' subprocesses: the one chosen here
+bin=$PWD/.gpu_bin
+mkdir -p "$bin"
+ln -sf "$python" "$bin/python"
+export PATH="$bin:$PATH"
+if [ -d gpu_carry ]; then
     export NANOCHAT_BASE_DIR=${NANOCHAT_BASE_DIR:-$PWD/gpu_carry/base}
     export NANOCHAT_GSM8K_DIR=${NANOCHAT_GSM8K_DIR:-$PWD/gpu_carry/gsm8k}
     # the json-only `datasets` stand-in for the scripts (they never import it with a local GSM8K directory); the
     # suite goes without it: test_gsm8k compares the local order with the real datasets' shuffle where installed
     [ "$stage" = suite ] || export PYTHONPATH="$PWD/gpu_carry/offline${PYTHONPATH:+:$PYTHONPATH}"
 fi
-"$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'; print(torch.__version__, torch.cuda.get_device_name(0))" || exit 2
+"$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 2
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null | tee "$out/gpu.txt"
+say "setup took $(( $(date +%s) - stage_start )) s"
+
+# ---- the stage's steps, each under a timeout that keeps the stage inside STAGE_SECONDS
+step() {  # step NAME MAX_SECONDS LOG CMD...: runs CMD under a timeout (at most MAX_SECONDS, and what is left of the stage)
+    local name=$1 cap=$2 log=$3
+    shift 3
+    local left=$((deadline - $(date +%s)))
+    if [ "$left" -le 10 ]; then
+        say "$name: not run, the stage's $STAGE_SECONDS s are spent"
+        return 124
+    fi
+    [ "$cap" -lt "$left" ] || cap=$left
+    local t0
+    t0=$(date +%s)
+    timeout --kill-after=10 "$cap" "$@" 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]}
+    local took=$(( $(date +%s) - t0 ))
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        say "$name: stopped at its $cap s limit after $took s (exit $rc)" | tee -a "$log"
+    else
+        say "$name: exit $rc in $took s" | tee -a "$log"
+    fi
+    return "$rc"
+}
 
 case "$stage" in
+env)
+    exit 0
+    ;;
 checks)
-    "$python" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_static_decode.py tests/test_sampler_gap.py \
-        2>&1 | tee "$out/gpu_tests.log"
-    tests_rc=${PIPESTATUS[0]}
-    "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16,batched_bf16_static,batched_bf16_graph \
-        --early-stop-mean=0 --no-signal-fractions= --repeat=5 --force-advantages --memory-budget-gb=16 \
-        --output="$out/bench_d20.json" 2>&1 | tee "$out/bench_d20.log"
-    bench_rc=${PIPESTATUS[0]}
-    echo "gpu_check: tests exit $tests_rc, bench exit $bench_rc"
+    step "gpu tests" 200 "$out/gpu_tests.log" \
+        "$python" -m pytest -q -p no:cacheprovider -rs --durations=10 tests/test_cuda.py tests/test_static_decode.py tests/test_sampler_gap.py
+    tests_rc=$?
+    step "d20 bench" 600 "$out/bench_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16,batched_bf16_static,batched_bf16_graph \
+        --early-stop-mean=0 --no-signal-fractions= --repeat=3 --force-advantages --output="$out/bench_d20.json"
+    bench_rc=$?
+    say "checks: tests exit $tests_rc, bench exit $bench_rc, $(( $(date +%s) - stage_start )) s in all"
     [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
     ;;
 suite)
-    "$python" -m pytest -q -p no:cacheprovider -rs tests 2>&1 | tee "$out/gpu_suite.log"
-    exit "${PIPESTATUS[0]}"
+    step "suite" 600 "$out/gpu_suite.log" "$python" -m pytest -q -p no:cacheprovider -rs --durations=20 tests
     ;;
 speedrun)
     base=$(mktemp -d)
-    start=$(date +%s)
-    NANOCHAT_BASE_DIR=$base SPEEDRUN_SKIP_INSTALL=1 bash speedrun.sh 2>&1 | tee "$out/speedrun.log"
-    rc=${PIPESTATUS[0]}
-    echo "gpu_check: speedrun exit $rc in $(( $(date +%s) - start )) s" | tee -a "$out/speedrun.log"
+    NANOCHAT_BASE_DIR=$base SPEEDRUN_SKIP_INSTALL=1 step "speedrun" 600 "$out/speedrun.log" bash speedrun.sh
+    rc=$?
     cp "$base/report/report.md" "$out/speedrun_report.md" 2>/dev/null
     exit "$rc"
-    ;;
-*)
-    echo "gpu_check: unknown stage $stage; use checks, suite or speedrun" >&2
-    exit 2
     ;;
 esac

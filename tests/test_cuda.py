@@ -66,10 +66,12 @@ def test_a_real_out_of_memory_in_rollouts_is_backed_off(sft, base_dir):
     as a run that never ran out (rows do not change what is sampled)."""
     flags = CUDA_RL_FLAGS + ["--num-steps=1", "--num-samples=64", "--device-batch-size=64", "--examples-per-step=4",
                              "--max-new-tokens=64", "--memory-budget-gb=1000"]
-    free, _ = torch.cuda.mem_get_info()
     reference = run([sys.executable, "-m", "scripts.chat_rl", *flags, "--max-rows=16"], base_dir)
-    ballast_mb = max(0, free // 2 ** 20 - 160)
-    code = (f"import torch, sys; ballast = torch.empty({ballast_mb} * 2 ** 20, dtype=torch.uint8, device='cuda'); "
+    # the ballast is sized in the child once its own CUDA context exists: measured here, the free memory still
+    # counted the room that context takes, and the ballast itself ran out of memory
+    code = ("import torch; torch.cuda.init(); torch.empty(1, device='cuda'); "
+            "free, _ = torch.cuda.mem_get_info(); "
+            "ballast = torch.empty(max(0, free - 160 * 2 ** 20), dtype=torch.uint8, device='cuda'); "
             "from nanochat.cli import run_main; from scripts import chat_rl; "
             f"run_main(chat_rl.main, {flags + ['--overwrite']!r})")
     out = run([sys.executable, "-c", code], base_dir)

@@ -59,6 +59,21 @@ def test_bf16_and_compiled_checkpoints_load_as_their_generation(gen_base, name):
     assert all(loaded[k].dtype == torch.float32 and torch.equal(loaded[k], state[k].bfloat16().float()) for k in state)
 
 
+@pytest.mark.parametrize("name", ["oct2025", "smear"])
+def test_bf16_checkpoint_loads_fp32_on_a_device_other_than_the_cpu(gen_base, name):
+    """Issue 35, item 4: the loader upcast bf16 only on CPU/MPS and load_state_dict(assign=True) kept the stored
+    dtype, so a nanochat CUDA checkpoint (bf16 embeddings) run with --dtype=float32 on CUDA fed bf16 embeddings
+    into fp32 matmuls, and its KV cache took the bf16 of the first parameter. The meta device is neither CPU nor
+    MPS, so this runs the branch a CUDA load takes, on a machine without CUDA."""
+    ckpt = install_generation(gen_base, name)
+    state = torch.load(ckpt / "model_000005.pt", weights_only=True)
+    torch.save({k: v.bfloat16() if v.is_floating_point() else v for k, v in state.items()}, ckpt / "model_000005.pt")
+    model, _, _ = build_model(str(ckpt), 5, "meta", "train")
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert {k: p.dtype for k, p in model.named_parameters() if p.dtype != torch.float32} == {}
+    assert KVCache.for_model(model, 2, 8).k.dtype == torch.float32
+
+
 def test_ve_era_with_the_new_meta_layout_can_be_chosen(gen_base):
     """ve_late's files are also those of ve and ve_mar2 checkpoints written after 2026-01-31: the default is
     ve_late, and the caller may choose; the forwards really differ (softcap 20 vs 15, rotary rounding)."""

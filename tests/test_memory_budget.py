@@ -1,0 +1,95 @@
+"""--memory-budget-gb=auto (issue 35, item 2): on CUDA the KV budget is a fraction of the memory free after the
+model, the optimizer and a training-peak reserve; elsewhere a fixed 4 GiB. The arithmetic against numbers worked
+out by hand, with the device's free memory stubbed (no GPU needed), and the rows the Engine then chooses."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nanochat import memory_budget
+from nanochat.common import UserError
+from nanochat.engine import Engine
+from nanochat.gpt import GPT, GPTConfig
+from nanochat.memory_budget import GiB, parse_budget, plan_budget, resolve_memory_budget
+
+
+def test_the_budget_and_the_rows_it_holds_are_as_computed_by_hand(tiny_tokenizer):
+    """80 GiB free with the model loaded; 8 GiB of optimizer state and gradients, 1 GiB of bf16 decode weights and
+    11 GiB of training peak to come: 0.9 x (80 - 20) = 54 GiB of KV cache. nanochat's d20 (20 layers, 10 kv heads
+    of 128) caches 2 x 20 x 10 x 128 x 2 = 102,400 bytes per bf16 token, so 54 GiB hold 54 x 2**30 / 102,400 =
+    566,231.04 tokens; with prompts of 300 tokens stored once per question of 16 samples and 256 new tokens, a row
+    costs 256 + 2 x 300 / 16 = 293.5 tokens after one prompt: (566,231.04 - 300) // 293.5 = 1928 rows."""
+    plan = plan_budget(free=80 * GiB, model=2 * GiB, optimizer=8 * GiB, decode_weights=1 * GiB, training_peak=11 * GiB)
+    assert plan.budget_bytes == 54 * GiB and plan.budget_gb == 54.0
+    assert "54.0 GiB = 0.9 x (80.0 GiB free with the model's 2.0 GiB loaded - 20.0 GiB reserved" in plan.describe()
+    with torch.device("meta"):
+        d20 = GPT(GPTConfig(sequence_len=2048, vocab_size=65536, n_layer=20, n_head=10, n_kv_head=10, n_embd=1280))
+    engine = Engine(d20, tiny_tokenizer, memory_budget_gb=plan.budget_gb)
+    assert engine.rows_for_budget(prompt_len=300, max_tokens=256, dtype=torch.bfloat16, num_samples=16) == 1928
+
+
+class Stub(torch.nn.Module):
+    """A model of two parameters on the meta device: a 100 x 64 embedding (AdamW) and a 64 -> 256 matmul (Muon)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(n_layer=2, n_embd=64, vocab_size=100)
+        with torch.device("meta"):
+            self.wte = torch.nn.Embedding(100, 64)
+            self.fc = torch.nn.Linear(64, 256, bias=False)
+
+
+def stub_optimizer(model, state=None):
+    return SimpleNamespace(param_groups=[{"kind": "adamw", "params": [model.wte.weight]},
+                                         {"kind": "muon", "params": [model.fc.weight]}], state=state or {})
+
+
+@pytest.fixture
+def free_memory(monkeypatch):
+    """torch.cuda's free memory, stubbed: set free_memory[0] to the bytes mem_get_info reports."""
+    free = [GiB]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    return free
+
+
+def test_auto_on_cuda_reserves_the_optimizer_decode_weights_and_training_peak(free_memory):
+    model = Stub()
+    embedding, matrix = 100 * 64 * 4, 64 * 256 * 4  # fp32 bytes of each parameter
+    grads = embedding + matrix
+    optimizer = grads + 2 * embedding + 1 * matrix  # AdamW: exp_avg, exp_avg_sq; Muon: momentum
+    decode_weights = 64 * 256 * 2  # the matmul's bf16 copy; the embedding is looked up, not copied
+    rows, completion, prompt = 8, 16, 32
+    tokens = rows * completion + prompt  # one shared prompt through the model once
+    peak = 2 * (24 * 4) * 64 * tokens + (6 * 4) * 100 * rows * completion  # layers x channels; logits of sampled tokens
+    gb, line = resolve_memory_budget("auto", model, torch.device("cuda"), [stub_optimizer(model)], rows=rows,
+                                     completion_tokens=completion, prompt_tokens=prompt, rollout_dtype=torch.bfloat16)
+    assert gb == int(0.9 * (GiB - optimizer - decode_weights - peak)) / GiB
+    assert line.startswith("KV cache budget (--memory-budget-gb=auto): ")
+    # fp32 rollouts copy no weights; optimizer state already there (a resume) is in the free memory already
+    resumed = stub_optimizer(model, state={model.wte.weight: {"exp_avg": 0}, model.fc.weight: {"momentum_buffer": 0}})
+    gb, _ = resolve_memory_budget("auto", model, torch.device("cuda"), [resumed], rows=rows, completion_tokens=completion,
+                                  prompt_tokens=prompt, rollout_dtype=torch.float32)
+    assert gb == int(0.9 * (GiB - grads - peak)) / GiB
+
+
+def test_auto_off_cuda_is_the_fixed_default_and_a_number_is_taken_as_given(free_memory):
+    model = Stub()
+    assert resolve_memory_budget("auto", model, torch.device("cpu")) == (
+        4.0, "KV cache budget (--memory-budget-gb=auto): 4 GiB, the fixed default on cpu")
+    assert resolve_memory_budget(16.0, model, torch.device("cuda"), [stub_optimizer(model)], rows=8) == (16.0, None)
+
+
+def test_no_memory_left_is_one_line_naming_the_flag(free_memory):
+    free_memory[0] = 64 * 1024  # less than the optimizer will need
+    model = Stub()
+    with pytest.raises(UserError, match=r"^no device memory left for rollouts: .* pass --memory-budget-gb=N"):
+        resolve_memory_budget("auto", model, torch.device("cuda"), [stub_optimizer(model)], rows=8, completion_tokens=16)
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "nan", "lots"])
+def test_a_bad_budget_is_refused(text):
+    with pytest.raises(UserError, match="--memory-budget-gb must be auto or a number of GiB > 0"):
+        parse_budget(text)
+    assert parse_budget("auto") == memory_budget.AUTO and parse_budget("2.5") == 2.5
