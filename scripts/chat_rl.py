@@ -56,6 +56,30 @@ from nanochat.wandb_utils import init_wandb, log_samples_table
 from tasks.registry import make_task, resolve_task_class
 
 
+def add_algorithm_flags(p):
+    """The RL algorithm's options; each default is nanochat's (see README, Algorithm options)."""
+    p.add_argument("--loss-norm", type=str, default="pass",
+                   help="denominator of each token's term: pass (nanochat: valid tokens per pass of --device-batch-size "
+                        "rows), token (DAPO: all the step's tokens), sequence (mean per sequence, then over sequences), "
+                        "constant (Dr. GRPO: num_samples * max_new_tokens per question)")
+    p.add_argument("--advantage-std", action="store_true",
+                   help="divide each question's advantages by its reward std + 1e-4 (GRPO)")
+    p.add_argument("--mask-truncated", action="store_true",
+                   help="rows cut at --max-new-tokens carry no gradient and count in no denominator (overlong filtering)")
+    p.add_argument("--ppo-epochs", type=int, default=1,
+                   help="optimizer steps per batch of rollouts; epochs after the first use the clipped ratio (PPO)")
+    p.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clipped below at 1 - clip-low")
+    p.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clipped above at 1 + clip-high (DAPO: 0.28)")
+    p.add_argument("--kl-coef", type=float, default=0.0,
+                   help="weight of the k3 KL penalty to the starting model (0 = none; > 0 loads a second copy)")
+    p.add_argument("--rollout-correction", type=str, default="none",
+                   help="correct for the gap between the sampler's and the trainer's log-probabilities: none (nanochat), "
+                        "token-tis (each token's term times min(ratio, cap)) or sequence-mask (drop rows whose "
+                        "sequence ratio leaves [1/cap, cap]); ratio = exp(logp_trainer - logp_sampler), whole vocabulary")
+    p.add_argument("--rollout-correction-cap", type=float, default=2.0,
+                   help="the cap of --rollout-correction (> 1)")
+
+
 def parse_args(argv):
     p = ArgumentParser(description="RL on GSM8K (or --task) with on-policy policy gradients")
     # logging and runtime
@@ -99,27 +123,7 @@ def parse_args(argv):
                    help="steps whose lr multiplier rises linearly, (step + 1) / warmup-steps, before the schedule")
     p.add_argument("--final-lr-frac", type=float, default=0.0,
                    help="the lr multiplier the linear and cosine schedules reach at the end (0 = nanochat's decay to 0)")
-    # algorithm options (each default is nanochat's)
-    p.add_argument("--loss-norm", type=str, default="pass",
-                   help="denominator of each token's term: pass (nanochat: valid tokens per pass of --device-batch-size "
-                        "rows), token (DAPO: all the step's tokens), sequence (mean per sequence, then over sequences), "
-                        "constant (Dr. GRPO: num_samples * max_new_tokens per question)")
-    p.add_argument("--advantage-std", action="store_true",
-                   help="divide each question's advantages by its reward std + 1e-4 (GRPO)")
-    p.add_argument("--mask-truncated", action="store_true",
-                   help="rows cut at --max-new-tokens carry no gradient and count in no denominator (overlong filtering)")
-    p.add_argument("--ppo-epochs", type=int, default=1,
-                   help="optimizer steps per batch of rollouts; epochs after the first use the clipped ratio (PPO)")
-    p.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clipped below at 1 - clip-low")
-    p.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clipped above at 1 + clip-high (DAPO: 0.28)")
-    p.add_argument("--kl-coef", type=float, default=0.0,
-                   help="weight of the k3 KL penalty to the starting model (0 = none; > 0 loads a second copy)")
-    p.add_argument("--rollout-correction", type=str, default="none",
-                   help="correct for the gap between the sampler's and the trainer's log-probabilities: none (nanochat), "
-                        "token-tis (each token's term times min(ratio, cap)) or sequence-mask (drop rows whose "
-                        "sequence ratio leaves [1/cap, cap]); ratio = exp(logp_trainer - logp_sampler), whole vocabulary")
-    p.add_argument("--rollout-correction-cap", type=float, default=2.0,
-                   help="the cap of --rollout-correction (> 1)")
+    add_algorithm_flags(p)
     # eval and checkpoints
     p.add_argument("--eval-every", type=int, default=60, help="pass@k eval period in steps (-1 = never)")
     p.add_argument("--eval-examples", type=int, default=400, help="test questions used by the eval")
