@@ -26,6 +26,14 @@ PRETEND_CUDA_DIR = REPO / "tests" / "pretend_cuda"
 # for a subprocess: nanochat, scripts and tasks from the repo, user-style tasks (rl_toy_task) from tests/
 PYTHONPATH = os.pathsep.join(str(p) for p in [REPO, REPO / "tests"] + ([] if HAS_CUDA else [PRETEND_CUDA_DIR]))
 
+# The fp32 sampler-trainer gap: decoding (KV cache, one token at a time) and training (whole sequences) compute the
+# same fp32 log-softmax along different paths, so a sampled token's two log-probabilities differ by a few roundings
+# of the log-probability itself. Measured max: 1 ulp (9.5e-7) on the six generation fixtures, eager and static
+# decoding, under ATen's AVX512, AVX2 and default kernels, 1 or 2 threads (1.25 ulp once, under AVX2); 2.1e-6 (1.1
+# ulp) in chat_rl's tiny run; 4.8e-7 in bench_rl's. A log-probability in (-32, 0) has an ulp of at most 2**-19 =
+# 1.9e-6; the bound is 4 of those, so the CPU's kernel choice has room and a 1e-5 decode error fails.
+FP32_GAP_BOUND = 4 * 2.0 ** -19  # 7.6e-6
+
 # ----------------------------------------------------------------------------- tiny models
 
 # 16 positions: the short window (8) and the long one (16) both bind in sequences of a few dozen tokens.

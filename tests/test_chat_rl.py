@@ -16,7 +16,7 @@ from nanochat.checkpoint_manager import load_model
 from nanochat.cli import run_main
 from nanochat.rollout import step_question_indices
 from scripts import chat_rl
-from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS
+from helpers import FP32_GAP_BOUND, PYTHONPATH, REPO, TINY_RL_FLAGS
 
 
 def test_two_steps_write_a_loadable_rl_checkpoint_with_new_weights(sft, base_dir, capsys):
@@ -303,7 +303,7 @@ def test_decode_modes_train_the_same_model(sft, base_dir, capsys, cpu_graphs):
 
 @pytest.mark.parametrize("correction", ["none", "token-tis"])
 def test_sampler_gap_is_in_the_step_line_history_and_report(correction, sft, base_dir, capsys):
-    """Every step that trained a token logs the sampler-trainer gap (fp32 here: rounding, far below 1e-4) in its
+    """Every step that trained a token logs the sampler-trainer gap (fp32 here: a few ulps, below helpers.FP32_GAP_BOUND) in its
     line and the run's history, and the report plots it; with a correction, the corrected fraction too."""
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", f"--rollout-correction={correction}"])
     out = capsys.readouterr().out
@@ -315,7 +315,7 @@ def test_sampler_gap_is_in_the_step_line_history_and_report(correction, sft, bas
         assert ("sampler gap" in line) == (h["sampler_tokens"] > 0)
         assert ("corrected" in line) == (h["sampler_tokens"] > 0 and correction != "none")
     for h in trained:
-        assert h["sampler_tokens"] == h["trained_tokens"] and 0 <= h["sampler_gap_mean"] <= h["sampler_gap_max"] < 1e-4
+        assert h["sampler_tokens"] == h["trained_tokens"] and 0 <= h["sampler_gap_mean"] <= h["sampler_gap_max"] <= FP32_GAP_BOUND
         assert h["corrected_fraction"] == 0.0  # no ratio near the cap in fp32
     assert (base_dir / "report" / "chat-rl-sampler-gap.png").exists()
 

@@ -19,7 +19,7 @@ from nanochat.engine import DecodeBatch, Engine, SharedPromptKVCache
 from nanochat.metrics import objective_metrics
 from nanochat.rl import PolicyLoss, accumulate_policy_gradient, make_question_batch
 from nanochat.sampling import row_seeds, sample_with_logprobs
-from helpers import TableModel, install_generation, prompt_of
+from helpers import FP32_GAP_BOUND, TableModel, install_generation, prompt_of
 
 GENERATIONS = ["oct2025", "jan2026", "ve", "ve_late", "mar9", "smear"]
 NOTHING = torch.autocast("cpu", enabled=False)
@@ -74,11 +74,12 @@ QUESTIONS = ("What is 12 times 7?", "Tom has 3 apples and buys 5 more.", "Hi")
 @pytest.mark.parametrize("name", GENERATIONS)
 def test_fp32_gap_is_rounding_for_every_generation(name, generation_model):
     """fp32 decoding (KV cache, shared prompts, one token at a time) against the fp32 training forward (whole
-    sequences, prompt computed once): every sampled token's log-probabilities agree to fp32 rounding."""
+    sequences, prompt computed once): every sampled token's log-probabilities agree to a few ulps
+    (helpers.FP32_GAP_BOUND says what is measured and why the bound is 7.6e-6)."""
     model, tokenizer = generation_model(name)
     stats, completions = gap_of(model, tokenizer, [prompt_of(tokenizer, q) for q in QUESTIONS], **SAMPLING)
     assert stats.sampler_tokens == sum(sum(c.masks) for c in completions) > 50
-    assert stats.sampler_gap_max <= 1e-4 and 0 <= stats.sampler_k3 <= 1e-8, stats
+    assert stats.sampler_gap_max <= FP32_GAP_BOUND and 0 <= stats.sampler_k3 <= FP32_GAP_BOUND ** 2 / 2, stats  # k3 ~ d^2/2
     assert len({len(c.tokens) for c in completions}) > 1  # rows of different lengths
 
 
@@ -103,7 +104,7 @@ def test_a_decode_broken_on_purpose_shows_a_gap_orders_of_magnitude_larger(gener
     monkeypatch.setattr(SharedPromptKVCache, "next_positions",
                         lambda self: right_positions(self) + 16 * (torch.arange(self.pos.numel()) % 2))
     shifted, _ = gap_of(model, tokenizer, prompts, **SAMPLING)
-    assert clean.sampler_gap_max <= 1e-5
+    assert clean.sampler_gap_max <= FP32_GAP_BOUND
     assert stale.sampler_gap_max > 1.0 and shifted.sampler_gap_max > 1e-3 + 1000 * clean.sampler_gap_max
 
 
