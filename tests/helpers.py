@@ -152,6 +152,34 @@ class TableModel(torch.nn.Module):
         return hidden
 
 
+class BigramModel(TableModel):
+    """Logits = a table row of the current token, in decoding and in training alike, so the output depends on the
+    input ids (forced calculator tokens included). The two paths compute the same log-softmax, up to its last
+    rounding (the sampler subtracts a logsumexp, the trainer takes log_softmax), so the sampler-trainer gap is a
+    few ulps when each log-probability is matched with its own token, and O(1) when not. The table makes rows
+    call the calculator on "2*3" and end at varied steps."""
+
+    def __init__(self, tokenizer):
+        vocab = tokenizer.get_vocab_size()
+        super().__init__(vocab)
+        special = {n: tokenizer.encode_special(n) for n in ("<|python_start|>", "<|python_end|>", "<|assistant_end|>")}
+        chain = [special["<|python_start|>"], *tokenizer.encode("2*3"), special["<|python_end|>"]]
+        with torch.no_grad():
+            self.table.mul_(0.5)
+            self.table[:, special["<|python_start|>"]] += 2.5
+            self.table[:, special["<|assistant_end|>"]] += 1.5
+            for a, b in zip(chain, chain[1:]):
+                self.table[a, b] += 12.0
+        self.config = SimpleNamespace(sequence_len=256, vocab_size=vocab, n_layer=1, n_head=1, n_kv_head=1, n_embd=4)
+
+    def get_device(self):
+        return self.table.device
+
+    def forward(self, idx, kv_cache=None):
+        kv_cache.advance(idx.size(1))
+        return self.table[idx]
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 def weights(path):

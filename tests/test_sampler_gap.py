@@ -19,7 +19,7 @@ from nanochat.engine import DecodeBatch, Engine, SharedPromptKVCache
 from nanochat.metrics import objective_metrics
 from nanochat.rl import PolicyLoss, accumulate_policy_gradient, make_question_batch
 from nanochat.sampling import row_seeds, sample_with_logprobs
-from helpers import FP32_GAP_BOUND, TableModel, install_generation, prompt_of
+from helpers import FP32_GAP_BOUND, BigramModel, TableModel, install_generation, prompt_of
 
 GENERATIONS = ["oct2025", "jan2026", "ve", "ve_late", "mar9", "smear"]
 NOTHING = torch.autocast("cpu", enabled=False)
@@ -118,33 +118,6 @@ def test_bf16_decoding_gap_is_measured_and_bounded(generation_model):
     stats, _ = gap_of(model, tokenizer, prompts, autocast=torch.autocast("cpu", dtype=torch.bfloat16), **SAMPLING)
     assert math.isfinite(stats.sampler_gap_max) and stats.sampler_tokens > 50
     assert 1e-5 < stats.sampler_gap_mean <= 0.01 and stats.sampler_gap_max <= 0.1, stats
-
-
-class BigramModel(TableModel):
-    """Logits = a table row of the current token, in decoding and in training alike (the two paths compute the same
-    log-softmax, up to its last rounding: the sampler subtracts a logsumexp, the trainer takes log_softmax, so the
-    gap is a few ulps when each log-probability is matched with its own token, and O(1) when not). The table makes
-    rows call the calculator on "2*3" and end at varied steps."""
-
-    def __init__(self, tokenizer):
-        vocab = tokenizer.get_vocab_size()
-        super().__init__(vocab)
-        special = {n: tokenizer.encode_special(n) for n in ("<|python_start|>", "<|python_end|>", "<|assistant_end|>")}
-        chain = [special["<|python_start|>"], *tokenizer.encode("2*3"), special["<|python_end|>"]]
-        with torch.no_grad():
-            self.table.mul_(0.5)
-            self.table[:, special["<|python_start|>"]] += 2.5
-            self.table[:, special["<|assistant_end|>"]] += 1.5
-            for a, b in zip(chain, chain[1:]):
-                self.table[a, b] += 12.0
-        self.config = SimpleNamespace(sequence_len=256, vocab_size=vocab, n_layer=1, n_head=1, n_kv_head=1, n_embd=4)
-
-    def get_device(self):
-        return self.table.device
-
-    def forward(self, idx, kv_cache=None):
-        kv_cache.advance(idx.size(1))
-        return self.table[idx]
 
 
 @pytest.mark.parametrize("decode", ["eager", "static"])
