@@ -236,14 +236,16 @@ def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data,
             raise error
         for path, _ in shard:
             current = path
-            os.replace(staged.pop(0), path)
+            os.replace(staged[0], path)
+            staged.pop(0)  # only once renamed: a failed rename leaves the temp file for the cleanup below
         if together:
             fsync_dir(checkpoint_dir)
             with _peers(checkpoint_dir, step):
                 dist.barrier()  # every rank's shard is in place: the step may become visible
         for path, _ in rank0_files:
             current = path
-            os.replace(staged.pop(0), path)
+            os.replace(staged[0], path)
+            staged.pop(0)
         fsync_dir(checkpoint_dir)
         if together:
             with _peers(checkpoint_dir, step):
@@ -337,11 +339,21 @@ def prune_checkpoints(checkpoint_dir, step, keep_last, rank=None):
         found = _step_of(name)
         if found and found[0] < step and found[0] not in keep and _owned(found[1], rank):
             doomed.append((found[0], not name.startswith("model_"), name))  # a step's model file first
-    for _, _, name in sorted(doomed):
-        remove_if_exists(os.path.join(checkpoint_dir, name))
+    removed, failed = [], set()
+    for doomed_step, _, name in sorted(doomed):
+        if doomed_step in failed:
+            continue
+        try:
+            remove_if_exists(os.path.join(checkpoint_dir, name))
+        except OSError as e:  # the new step is saved: a leftover is not worth the run, and the next prune retries it;
+            # leaving the rest of that step never leaves a meta or shard of a loadable step without its model file
+            print(f"warning: --keep-last could not remove {name} ({e.strerror}); the next save tries again", flush=True)
+            failed.add(doomed_step)
+            continue
+        removed.append(doomed_step)
     if doomed:
         fsync_dir(checkpoint_dir)
-    return sorted({s for s, _, _ in doomed})
+    return sorted(set(removed))
 
 
 def update_meta(checkpoint_dir, step, meta_data):
