@@ -210,9 +210,12 @@ def test_a_rank_killed_while_writing_its_shard_leaves_the_previous_checkpoint_co
                                                                                        monkeypatch):
     """Rank 1 of 2 dies (SIGKILL) with its step-2 shard half written: rank 0, waiting for every rank to have
     staged its files, stops with one line instead of hanging or publishing step 2 (model_000002.pt would then lack
-    rank 1's shard), removes its own staged files, and step 1 is complete on both ranks."""
-    base = tmp_path / "nanochat"
+    rank 1's shard), removes its own staged files, and step 1 is complete on both ranks; a 2-rank --resume then
+    ends with bitwise the weights of an uninterrupted 2-rank run."""
+    base, other = tmp_path / "nanochat", tmp_path / "other"
     shutil.copytree(module_base, base)
+    shutil.copytree(module_base, other)
+    uninterrupted = start_ranks(["-m", "scripts.chat_rl", *TINY_RL_FLAGS, *STEPS], other)
     (rank0, out0, err0), (rank1, _, err1) = wait_all(start_ranks(
         [FAULT_RUN, "kill-writing:optim_000002_rank1.pt", *TINY_RL_FLAGS, *STEPS], base))
     assert rank1 == -signal.SIGKILL, err1[-2000:]
@@ -223,6 +226,12 @@ def test_a_rank_killed_while_writing_its_shard_leaves_the_previous_checkpoint_co
     assert [n for n in names if "000002" in n and not n.startswith(".optim_000002_rank1.pt.tmp-")] == []
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
     assert_complete_step(base, 1, world_size=2)
+    resumed = wait_all(start_ranks(["-m", "scripts.chat_rl", "--resume", "--device-type=cpu"], base))
+    for code, _, err in resumed + wait_all(uninterrupted):
+        assert code == 0, err[-3000:]
+    assert list_steps(str(rl_dir(base))) == [1, 2, 3]
+    assert_complete_step(base, 3, world_size=2)
+    assert_same_weights(weights(rl_dir(base) / "model_000003.pt"), weights(rl_dir(other) / "model_000003.pt"))
 
 
 @pytest.fixture(scope="module")
