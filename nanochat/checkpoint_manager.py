@@ -214,14 +214,16 @@ def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data,
             raise error
         for path, _ in shard:
             current = path
-            os.replace(staged.pop(0), path)
+            os.replace(staged[0], path)
+            staged.pop(0)  # only once renamed: a failed rename leaves the temp file for the cleanup below
         if together:
             fsync_dir(checkpoint_dir)
             with _peers(checkpoint_dir, step):
                 dist.barrier()  # every rank's shard is in place: the step may become visible
         for path, _ in rank0_files:
             current = path
-            os.replace(staged.pop(0), path)
+            os.replace(staged[0], path)
+            staged.pop(0)
         fsync_dir(checkpoint_dir)
         if together:
             with _peers(checkpoint_dir, step):

@@ -63,11 +63,21 @@ def prune_checkpoints(checkpoint_dir, step, keep_last, rank=None, world_size=Non
         found = _step_of(name)
         if found and found[0] < step and found[0] not in keep and _owned(found[1], rank, world_size):
             doomed.append((found[0], not name.startswith("model_"), name))  # a step's model file first
-    for _, _, name in sorted(doomed):
-        remove_if_exists(os.path.join(checkpoint_dir, name))
+    removed, failed = [], set()
+    for doomed_step, _, name in sorted(doomed):
+        if doomed_step in failed:
+            continue
+        try:
+            remove_if_exists(os.path.join(checkpoint_dir, name))
+        except OSError as e:  # the new step is saved: a leftover is not worth the run, and the next prune retries it;
+            # leaving the rest of that step never leaves a meta or shard of a loadable step without its model file
+            print(f"warning: --keep-last could not remove {name} ({e.strerror}); the next save tries again", flush=True)
+            failed.add(doomed_step)
+            continue
+        removed.append(doomed_step)
     if doomed:
         fsync_dir(checkpoint_dir)
-    return sorted({s for s, _, _ in doomed})
+    return sorted(set(removed))
 
 
 def remove_extra_shards(checkpoint_dir, step, world_size):

@@ -26,6 +26,14 @@ PRETEND_CUDA_DIR = REPO / "tests" / "pretend_cuda"
 # for a subprocess: nanochat, scripts and tasks from the repo, user-style tasks (rl_toy_task) from tests/
 PYTHONPATH = os.pathsep.join(str(p) for p in [REPO, REPO / "tests"] + ([] if HAS_CUDA else [PRETEND_CUDA_DIR]))
 
+# The fp32 sampler-trainer gap: decoding (KV cache, one token at a time) and training (whole sequences) compute the
+# same fp32 log-softmax along different paths, so a sampled token's two log-probabilities differ by a few roundings
+# of the log-probability itself. Measured max: 1 ulp (9.5e-7) on the six generation fixtures, eager and static
+# decoding, under ATen's AVX512, AVX2 and default kernels, 1 or 2 threads (1.25 ulp once, under AVX2); 2.1e-6 (1.1
+# ulp) in chat_rl's tiny run; 4.8e-7 in bench_rl's. A log-probability in (-32, 0) has an ulp of at most 2**-19 =
+# 1.9e-6; the bound is 4 of those, so the CPU's kernel choice has room and a 1e-5 decode error fails.
+FP32_GAP_BOUND = 4 * 2.0 ** -19  # 7.6e-6
+
 # ----------------------------------------------------------------------------- tiny models
 
 # 16 positions: the short window (8) and the long one (16) both bind in sequences of a few dozen tokens.
@@ -141,6 +149,33 @@ class TableModel(torch.nn.Module):
 
     def logits(self, hidden):
         return hidden
+
+
+class BigramModel(TableModel):
+    """Logits = a table row of the current token, in decoding and in training alike, so the output depends on the
+    input ids (forced calculator tokens included). The two paths compute the same log-softmax, up to its last
+    rounding (the sampler subtracts a logsumexp, the trainer takes log_softmax), so the sampler-trainer gap is a
+    few ulps when each log-probability is matched with its own token, and O(1) when not. The table makes rows
+    call the calculator on "2*3" and end at varied steps."""
+
+    def __init__(self, tokenizer):
+        vocab = tokenizer.get_vocab_size()
+        super().__init__(vocab)
+        special = {n: tokenizer.encode_special(n) for n in ("<|python_start|>", "<|python_end|>", "<|assistant_end|>")}
+        chain = [special["<|python_start|>"], *tokenizer.encode("2*3"), special["<|python_end|>"]]
+        with torch.no_grad():
+            self.table.mul_(0.5)
+            self.table[:, special["<|python_start|>"]] += 2.5
+            self.table[:, special["<|assistant_end|>"]] += 1.5
+            for a, b in zip(chain, chain[1:]):
+                self.table[a, b] += 12.0
+        self.config = SimpleNamespace(sequence_len=256, vocab_size=vocab, n_layer=1, n_head=1, n_kv_head=1, n_embd=4)
+
+    def get_device(self):
+        return self.table.device
+
+    def forward(self, idx, cache_step=None):
+        return self.table[idx]
 
 
 # ----------------------------------------------------------------------------- checkpoints

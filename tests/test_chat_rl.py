@@ -16,7 +16,7 @@ from nanochat.checkpoint_manager import load_model
 from nanochat.cli import run_main
 from nanochat.rollout import step_question_indices
 from scripts import chat_rl
-from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS
+from helpers import FP32_GAP_BOUND, PYTHONPATH, REPO, TINY_RL_FLAGS
 
 
 def test_two_steps_write_a_loadable_rl_checkpoint_with_new_weights(sft, base_dir, capsys):
@@ -303,7 +303,7 @@ def test_decode_modes_train_the_same_model(sft, base_dir, capsys, cpu_graphs):
 
 @pytest.mark.parametrize("correction", ["none", "token-tis"])
 def test_sampler_gap_is_in_the_step_line_history_and_report(correction, sft, base_dir, capsys):
-    """Every step that trained a token logs the sampler-trainer gap (fp32 here: rounding, far below 1e-4) in its
+    """Every step that trained a token logs the sampler-trainer gap (fp32 here: a few ulps, below helpers.FP32_GAP_BOUND) in its
     line and the run's history, and the report plots it; with a correction, the corrected fraction too."""
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", f"--rollout-correction={correction}"])
     out = capsys.readouterr().out
@@ -315,9 +315,45 @@ def test_sampler_gap_is_in_the_step_line_history_and_report(correction, sft, bas
         assert ("sampler gap" in line) == (h["sampler_tokens"] > 0)
         assert ("corrected" in line) == (h["sampler_tokens"] > 0 and correction != "none")
     for h in trained:
-        assert h["sampler_tokens"] == h["trained_tokens"] and 0 <= h["sampler_gap_mean"] <= h["sampler_gap_max"] < 1e-4
+        assert h["sampler_tokens"] == h["trained_tokens"] and 0 <= h["sampler_gap_mean"] <= h["sampler_gap_max"] <= FP32_GAP_BOUND
         assert h["corrected_fraction"] == 0.0  # no ratio near the cap in fp32
     assert (base_dir / "report" / "chat-rl-sampler-gap.png").exists()
+
+
+def test_corrections_that_bind_reach_the_loss(sft, base_dir, monkeypatch):
+    """token-tis and sequence-mask through chat_rl, with a cap that binds: the sampler's recorded log-probabilities
+    of every odd row are lowered by 5 (as if that row had been sampled by another policy), so those rows' tokens
+    have weight exp(5) > cap (token-tis: capped to 2) and their sequence ratio exp(5 n) leaves [1/2, 2]
+    (sequence-mask: dropped), while even rows keep a gap of fp32 rounding (weight 1). Step 0's rollouts are the
+    same in every run, and the loss is linear in the weights: with L_none, L_mask (odd rows dropped, so only
+    the even rows' part) the token-tis loss is L_mask + 2 (L_none - L_mask). The corrected fraction is the odd
+    rows' share of the trained tokens."""
+    import nanochat.rollout
+    real = nanochat.rollout.make_question_batch
+    odd_tokens = []
+
+    def odd_rows_sampled_elsewhere(*args, **kwargs):
+        batch = real(*args, **kwargs)
+        batch.sampler_logprobs[1::2] -= 5.0
+        trained = (batch.advantages != 0) & (torch.arange(batch.targets.size(0)) % 2 == 1)
+        odd_tokens.append(int((batch.targets[trained] >= 0).sum()))
+        return batch
+    monkeypatch.setattr(nanochat.rollout, "make_question_batch", odd_rows_sampled_elsewhere)
+    step0 = {}
+    for correction in ("none", "sequence-mask", "token-tis"):
+        odd_tokens.clear()
+        chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1", "--overwrite", f"--rollout-correction={correction}",
+                                      "--rollout-correction-cap=2"])
+        meta = json.loads((base_dir / "chatrl_checkpoints" / "d2" / "meta_000000.json").read_text())
+        step0[correction] = meta["history"][0]
+    none, mask, tis = step0["none"], step0["sequence-mask"], step0["token-tis"]
+    tokens = none["trained_tokens"]
+    assert 0 < sum(odd_tokens) < tokens and tis["trained_tokens"] == mask["trained_tokens"] == tokens
+    for h in (mask, tis):
+        assert h["corrected_fraction"] == pytest.approx(sum(odd_tokens) / tokens)
+        assert h["sampler_gap_max"] == pytest.approx(5.0, abs=1e-4)
+    assert abs(none["loss"] - mask["loss"]) > 1e-4
+    assert tis["loss"] == pytest.approx(mask["loss"] + 2 * (none["loss"] - mask["loss"]), rel=1e-5, abs=1e-8)
 
 
 def test_out_of_memory_while_allocating_the_rollout_cache_halves_the_rows(sft, base_dir, monkeypatch, capsys):

@@ -126,3 +126,34 @@ def test_reductions_take_precision_and_place_from_the_device_type():
     assert common.collective_device(torch.device("mps")) == torch.device("cpu")  # gloo reduces CPU tensors
     assert common.collective_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
     assert common.all_reduce_mean(0.1, torch.device("cpu")) == 0.1  # float64: the python float comes back exact
+
+
+# ----------------------------------------------------------------------------- devices where CUDA is absent
+# The suite pretends CUDA (conftest), so these branches would never run on CI: each test here takes the pretence
+# away (and sets MPS) for itself, as a machine without a GPU answers.
+
+@pytest.fixture
+def machine(monkeypatch):
+    """machine(mps=...): torch answers as a machine without CUDA, with or without MPS, for this test."""
+    def set_up(mps):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+        monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+    return set_up
+
+
+@pytest.mark.parametrize("mps, want", [(False, "cpu"), (True, "mps")])
+def test_autodetection_without_cuda_picks_mps_then_the_cpu(machine, mps, want):
+    from nanochat.common import autodetect_device_type
+    machine(mps)
+    assert autodetect_device_type() == want
+
+
+def test_compute_init_without_cuda_autodetects_the_cpu_and_refuses_cuda_and_mps_by_name(machine):
+    from nanochat.common import SettingError, compute_init
+    machine(False)
+    assert compute_init("")[4] == torch.device("cpu")
+    with pytest.raises(SettingError, match="is cuda but torch sees no CUDA device; use cpu"):
+        compute_init("cuda")
+    with pytest.raises(SettingError, match="is mps but MPS is not available on this machine; use cpu"):
+        compute_init("mps")

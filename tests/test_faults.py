@@ -118,43 +118,105 @@ def uninterrupted(module_base, tmp_path_factory):
     return weights(rl_dir(base) / "model_000003.pt")
 
 
-@pytest.mark.parametrize("fault", ["kill-writing:model_000002.pt", "kill-writing:optim_000002_rank0.pt",
-                                   "kill-renaming:model_000002.pt"])
-def test_sigkill_during_a_save_keeps_the_previous_checkpoint_and_resume_is_exact(fault, module_base, uninterrupted,
-                                                                                 tmp_path, monkeypatch, one_thread):
-    """SIGKILL (a lost node) while step 2's model or optimizer shard is half written, or once both are staged but
-    the model is not yet renamed: step 1 stays the latest checkpoint and loads, complete, although --keep-last=1
-    removes every earlier step after each save (it runs only once the new step is in place); --resume then ends
-    with bitwise the weights of the run that was never interrupted, and leaves no temp file behind."""
+# every write of step 2's save, in its order (the shard, the meta, the model are each written and fsynced, then
+# renamed in that order; then the directory is fsynced; then --keep-last=1 removes step 1, its model file first)
+STAGED = ["optim_000002_rank0.pt", "meta_000002.json", "model_000002.pt"]
+SAVE_POINTS = [f"write:{name}" for name in STAGED] + [f"fsync:{name}" for name in STAGED] + \
+              [f"rename:{name}" for name in STAGED] + ["dirsync:model_000002.pt", "prune:meta_000001.json"]
+
+
+def steps_left(point):
+    """The steps a loader sees after a fault at `point`: step 2 exists once its model file is renamed and, pruned,
+    step 1 ceases to exist once its model file is removed (before its meta)."""
+    return {"dirsync": [1, 2], "prune": [2]}.get(point.split(":")[0], [1])
+
+
+def assert_left_by_a_fault_at(base, point):
+    """What a fault at `point` leaves: the latest complete step loads, whole; of a step 2 that never became
+    visible, only the files renamed before the fault (never the model)."""
+    steps = steps_left(point)
+    assert list_steps(str(rl_dir(base))) == steps
+    assert_complete_step(base, steps[-1], world_size=1)
+    where, _, name = point.partition(":")
+    if where in ("write", "fsync", "rename"):
+        renamed = STAGED[:STAGED.index(name)] if where == "rename" else []
+        assert sorted(n.name for n in rl_dir(base).iterdir() if "000002" in n.name and not n.name.startswith(".")) \
+            == sorted(renamed)
+
+
+def resume_and_compare(base, uninterrupted):
+    """--resume (--keep-last=1 is the run's own: kept without the flag) ends with bitwise the weights of the run
+    that was never interrupted, and leaves exactly the last step: no temp file, no orphan of an earlier step."""
+    chat_rl.main(["--resume", "--device-type=cpu"])
+    assert sorted(p.name for p in rl_dir(base).iterdir()) == LAST_STEP
+    assert_same_weights(weights(rl_dir(base) / "model_000003.pt"), uninterrupted)
+
+
+@pytest.mark.parametrize("point", SAVE_POINTS)
+def test_sigkill_at_every_write_of_a_save_keeps_the_last_complete_checkpoint_and_resume_is_exact(
+        point, module_base, uninterrupted, tmp_path, monkeypatch, one_thread):
+    """SIGKILL (a lost node) at each write of step 2's save (tests/fault_run.py reaches the moment through the save
+    itself): the last complete step stays the latest and loads, whole, although --keep-last=1 removes every earlier
+    step after each save (it runs only once the new step is in place); a kill while pruning leaves step 2 and
+    the rest of step 1, which no loader sees; --resume then ends with bitwise the weights of the uninterrupted run."""
     base = tmp_path / "nanochat"
     shutil.copytree(module_base, base)
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
-    killed = subprocess.run([sys.executable, FAULT_RUN, fault, *TINY_RL_FLAGS, *STEPS, "--keep-last=1"], cwd=REPO,
-                            env=env_for(base), capture_output=True, text=True, timeout=300)
+    killed = subprocess.run([sys.executable, FAULT_RUN, f"kill:{point}", *TINY_RL_FLAGS, *STEPS, "--keep-last=1"],
+                            cwd=REPO, env=env_for(base), capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert "Saved checkpoint to" in killed.stdout and "(step 1)" in killed.stdout
-    assert list_steps(str(rl_dir(base))) == [1]
-    assert_complete_step(base, 1, world_size=1)
-    left = sorted(p.name for p in rl_dir(base).iterdir())
-    step2 = [n for n in left if "000002" in n]
-    if fault.startswith("kill-writing"):  # nothing of step 2 was renamed: only hidden temp files, the half one too
-        assert all(n.startswith(".") and ".tmp-" in n for n in step2)
-        assert any(n.startswith(f".{fault.split(':')[1]}.tmp-") for n in step2)
-    else:  # the shard and the meta were renamed, the model was not: step 2 does not exist for any loader
-        assert [n for n in step2 if not n.startswith(".")] == ["meta_000002.json", "optim_000002_rank0.pt"]
+    assert_left_by_a_fault_at(base, point)
+    if point.startswith(("write", "fsync")):  # the killed file's half (or whole) temp file is left, hidden
+        assert any(p.name.startswith(f".{point.split(':')[1]}.tmp-") for p in rl_dir(base).iterdir())
+    resume_and_compare(base, uninterrupted)
 
-    chat_rl.main(["--resume", "--device-type=cpu"])  # --keep-last=1 is the run's own: kept without the flag
-    assert sorted(p.name for p in rl_dir(base).iterdir()) == LAST_STEP
-    assert_same_weights(weights(rl_dir(base) / "model_000003.pt"), uninterrupted)
+
+@pytest.mark.parametrize("point", SAVE_POINTS)
+def test_disk_full_at_every_write_of_a_save_is_one_line_and_resume_is_exact(point, module_base, uninterrupted, tmp_path,
+                                                                          monkeypatch, capsys, one_thread):
+    """ENOSPC at each write of step 2's save: the run exits 2 with one line naming the file and the error; every
+    temp file is removed; the last complete step loads, whole; --resume ends with bitwise the uninterrupted run's
+    weights. Two errors end nothing: the directory's fsync's (best effort, see files.fsync_dir), and the pruning's
+    (EIO removing step 1's meta, after its model file: step 2 is saved; a warning names the file, the next prune
+    retries it). Those runs go on and end with the uninterrupted run's weights."""
+    import fault_run
+    base = tmp_path / "nanochat"
+    shutil.copytree(module_base, base)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    flags = TINY_RL_FLAGS + STEPS + ["--keep-last=1"]
+    with monkeypatch.context() as patch:
+        for module, name, value in fault_run.patches(f"enospc:{point}"):
+            patch.setattr(module, name, value)
+        if point.startswith(("dirsync", "prune")):
+            chat_rl.main(flags)
+        else:
+            with pytest.raises(SystemExit) as e:
+                run_main(chat_rl.main, flags)
+    if point.startswith(("dirsync", "prune")):
+        out = capsys.readouterr().out
+        left = ["meta_000001.json", "optim_000001_rank0.pt"] if point.startswith("prune") else []  # retried, failed again
+        assert sorted(p.name for p in rl_dir(base).iterdir()) == sorted(left + LAST_STEP)
+        assert out.count("warning: --keep-last could not remove meta_000001.json (Input/output error)") == len(left)
+        return assert_same_weights(weights(rl_dir(base) / "model_000003.pt"), uninterrupted)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert point.split(":")[1] in err and "No space left on device" in err
+    assert not [p.name for p in rl_dir(base).iterdir() if p.name.startswith(".")]
+    assert_left_by_a_fault_at(base, point)
+    resume_and_compare(base, uninterrupted)
 
 
 def test_a_rank_killed_while_writing_its_shard_leaves_the_previous_checkpoint_complete(module_base, tmp_path,
                                                                                        monkeypatch):
     """Rank 1 of 2 dies (SIGKILL) with its step-2 shard half written: rank 0, waiting for every rank to have
     staged its files, stops with one line instead of hanging or publishing step 2 (model_000002.pt would then lack
-    rank 1's shard), removes its own staged files, and step 1 is complete on both ranks."""
-    base = tmp_path / "nanochat"
+    rank 1's shard), removes its own staged files, and step 1 is complete on both ranks; a 2-rank --resume then
+    ends with bitwise the weights of an uninterrupted 2-rank run."""
+    base, other = tmp_path / "nanochat", tmp_path / "other"
     shutil.copytree(module_base, base)
+    shutil.copytree(module_base, other)
+    uninterrupted = start_ranks(["-m", "scripts.chat_rl", *TINY_RL_FLAGS, *STEPS], other)
     (rank0, out0, err0), (rank1, _, err1) = wait_all(start_ranks(
         [FAULT_RUN, "kill-writing:optim_000002_rank1.pt", *TINY_RL_FLAGS, *STEPS], base))
     assert rank1 == -signal.SIGKILL, err1[-2000:]
@@ -165,6 +227,12 @@ def test_a_rank_killed_while_writing_its_shard_leaves_the_previous_checkpoint_co
     assert [n for n in names if "000002" in n and not n.startswith(".optim_000002_rank1.pt.tmp-")] == []
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
     assert_complete_step(base, 1, world_size=2)
+    resumed = wait_all(start_ranks(["-m", "scripts.chat_rl", "--resume", "--device-type=cpu"], base))
+    for code, _, err in resumed + wait_all(uninterrupted):
+        assert code == 0, err[-3000:]
+    assert list_steps(str(rl_dir(base))) == [1, 2, 3]
+    assert_complete_step(base, 3, world_size=2)
+    assert_same_weights(weights(rl_dir(base) / "model_000003.pt"), weights(rl_dir(other) / "model_000003.pt"))
 
 
 @pytest.fixture(scope="module")

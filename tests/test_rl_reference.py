@@ -17,6 +17,12 @@ row i, sampled token t (mask 1) of row i, and D_i the row's denominator:
     mask truncated  rows cut at max_new_tokens have no token and count in no denominator
     PPO epoch 2     A_i * logp_it -> min(rho A_i, clip(rho, 1 - clip_low, 1 + clip_high) A_i), rho = exp(logp - old)
     KL              - kl_coef * sum_i sum_t k3_it / D_i,  k3 = exp(ref - logp) - (ref - logp) - 1
+    rollout correction, with s_it the sampler's log-probability of the token (here: under a second table) and
+    w_it = exp(logp_it - s_it) taken as a constant (no gradient flows through it), the policy term (not the KL
+    term) of each token times
+        token-tis       min(w_it, cap)
+        sequence-mask   1 if |sum_t log w_it| <= log(cap) over row i's sampled tokens, else 0
+    In a PPO epoch after the first the weights are the first epoch's (logp under the policy that sampled).
 """
 
 import math
@@ -53,9 +59,13 @@ def sampled_tokens(prompt, tokens, masks):
 
 
 def reference_objective(table, loss_norm="pass", mask_truncated=False, advantage_std=False, kl_coef=0.0,
-                        ref_table=None, old_table=None, clip_low=0.2, clip_high=0.2):
-    """The step's objective (a float64 scalar, differentiable in `table`) and the number of clipped tokens.
-    old_table: a PPO epoch after the first, whose old log-probabilities are the ones under old_table."""
+                        ref_table=None, old_table=None, clip_low=0.2, clip_high=0.2, rollout_correction="none",
+                        correction_cap=2.0, sampler_table=None):
+    """The step's objective (a float64 scalar, differentiable in `table`) and the number of clipped tokens, or
+    with a rollout correction the number of corrected tokens among the rows trained (a non-zero advantage, or any
+    with the KL penalty).
+    old_table: a PPO epoch after the first, whose old log-probabilities are the ones under old_table.
+    sampler_table: the sampler's log-probabilities are the ones under it (a rollout correction needs them)."""
     rows = []  # (question, row in question, advantage, [(prev, token)])
     for q, (prompt, samples) in enumerate(QUESTIONS):
         rewards = [reward for _, _, reward, _ in samples]
@@ -84,12 +94,16 @@ def reference_objective(table, loss_norm="pass", mask_truncated=False, advantage
         return counted_rows(q) * MAX_NEW_TOKENS * step_questions  # constant
 
     logp_of = lambda t, prev, token: torch.log_softmax(t[prev], dim=-1)[token]
-    objective, clipped = torch.zeros((), dtype=torch.float64), 0
+    sampling_table = table if old_table is None else old_table  # the policy that sampled: the weights' logp
+    objective, clipped, corrected = torch.zeros((), dtype=torch.float64), 0, 0
     for q, i, advantage, pairs in rows:
         if not pairs:
             continue
         D = denominator(q, i, pairs)
-        for prev, token in pairs:
+        log_w = [float((logp_of(sampling_table, prev, token) - logp_of(sampler_table, prev, token)).detach())
+                 for prev, token in pairs] if rollout_correction != "none" else [0.0] * len(pairs)  # plain floats: no grad
+        row_kept = abs(sum(log_w)) <= math.log(correction_cap)
+        for (prev, token), lw in zip(pairs, log_w):
             logp = logp_of(table, prev, token)
             if old_table is None:
                 term = advantage * logp
@@ -98,17 +112,33 @@ def reference_objective(table, loss_norm="pass", mask_truncated=False, advantage
                 unclipped, clipped_term = rho * advantage, torch.clamp(rho, 1 - clip_low, 1 + clip_high) * advantage
                 term = torch.minimum(unclipped, clipped_term)
                 clipped += int(clipped_term < unclipped)
+            if rollout_correction == "token-tis":
+                term = term * min(math.exp(lw), correction_cap)
+                corrected += int(lw > math.log(correction_cap) and (advantage != 0 or kl_coef > 0))
+            elif rollout_correction == "sequence-mask":
+                term = term * float(row_kept)
+                corrected += int(not row_kept and (advantage != 0 or kl_coef > 0))
             if kl_coef:
                 log_ratio = logp_of(ref_table, prev, token) - logp
                 term = term - kl_coef * (torch.exp(log_ratio) - log_ratio - 1)
             objective = objective + term / D
-    return objective, clipped
+    return objective, corrected if rollout_correction != "none" else clipped
 
 
-def batches(advantage_std=False):
+def sampler_logprobs(sampler_table, prompt, tokens, masks):
+    """The sampler's log-probability (float32, as the engine records it) of each token of one row; nan where
+    the token was forced."""
+    sequence = prompt + tokens
+    return [float(torch.log_softmax(sampler_table[sequence[len(prompt) + j - 1]].float(), -1)[tokens[j]]) if masks[j]
+            else float("nan") for j in range(len(tokens))]
+
+
+def batches(advantage_std=False, sampler_table=None):
     return [make_question_batch(prompt, [(tokens, masks) for tokens, masks, _, _ in samples],
                                 [reward for _, _, reward, _ in samples], PAD,
-                                truncated=[truncated for *_, truncated in samples], scale_by_std=advantage_std)
+                                truncated=[truncated for *_, truncated in samples], scale_by_std=advantage_std,
+                                sampler_logprobs=None if sampler_table is None else
+                                [sampler_logprobs(sampler_table, prompt, tokens, masks) for tokens, masks, _, _ in samples])
             for prompt, samples in QUESTIONS]
 
 
@@ -173,3 +203,69 @@ def test_ppo_second_epoch_equals_the_reference(options):
     assert stats.objective == pytest.approx(want, rel=1e-5, abs=1e-7)
     torch.testing.assert_close(new.table.grad.double(), -grad, rtol=1e-4, atol=1e-6)
     assert 0 < clipped < stats.tokens and stats.clip_fraction == pytest.approx(clipped / stats.tokens)
+
+
+# ----------------------------------------------------------------------------- rollout corrections
+
+def sampler_table():
+    """The sampler's table: the policy's (table_model(0)) moved by noise of scale 0.5, enough that, with cap
+    1.5, some tokens' weights are capped and some rows' sequence ratios leave [1/cap, cap], but not all."""
+    return (table_model(0).table.detach() + torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(7)) * 0.5)
+
+
+CORRECTION_CASES = {
+    "token-tis, pass": dict(rollout_correction="token-tis", correction_cap=1.5),
+    "token-tis, token, truncated masked, kl": dict(rollout_correction="token-tis", correction_cap=1.5, loss_norm="token",
+                                                  mask_truncated=True, kl_coef=0.3),
+    "sequence-mask, pass": dict(rollout_correction="sequence-mask", correction_cap=1.5),
+    "sequence-mask, sequence, kl": dict(rollout_correction="sequence-mask", correction_cap=1.5, loss_norm="sequence",
+                                        kl_coef=0.3),
+}
+
+
+def sampled_on_trained_rows(kl):
+    """Sampled tokens of the rows trained (the rows whose gap and correction are tallied): those with a non-zero
+    advantage, or all of them with the KL penalty."""
+    return sum(sum(masks) for prompt, samples in QUESTIONS for tokens, masks, reward, _ in samples
+               if kl or reward != sum(r for *_, r, _ in samples) / len(samples))
+
+
+@pytest.mark.parametrize("options", CORRECTION_CASES.values(), ids=CORRECTION_CASES.keys())
+def test_rollout_correction_objective_and_gradient_equal_the_reference(options):
+    """The correction's weights are constants of the objective: the gradient is the weighted policy gradient.
+    Guards against a weight that carries gradient (a missing .detach()), which leaves the objective unchanged."""
+    model, reference, sampler = table_model(0), table_model(1), sampler_table()
+    loss_options = {k: v for k, v in options.items() if k != "advantage_std"}
+    stats = accumulate_policy_gradient(model, batches(sampler_table=sampler), DEVICE_BATCH_SIZE, len(QUESTIONS), "cpu",
+                                       nullcontext(), loss=PolicyLoss(max_new_tokens=MAX_NEW_TOKENS, **loss_options),
+                                       reference=reference)
+    want, grad, corrected = reference_gradient(model, ref_table=reference.table.detach().double(),
+                                               sampler_table=sampler.double(), **options)
+    plain, plain_grad, _ = reference_gradient(model, ref_table=reference.table.detach().double(),
+                                              **{k: v for k, v in options.items() if "correction" not in k})
+    assert abs(want - plain) > 1e-3 and (grad - plain_grad).abs().max() > 1e-3  # the correction changes both
+    assert stats.objective == pytest.approx(want, rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(model.table.grad.double(), -grad, rtol=1e-4, atol=1e-6)
+    if not options.get("mask_truncated"):
+        assert stats.sampler_tokens == sampled_on_trained_rows(options.get("kl_coef", 0) > 0)
+        assert 0 < corrected < stats.sampler_tokens and stats.corrected_fraction == pytest.approx(corrected / stats.sampler_tokens)
+
+
+@pytest.mark.parametrize("correction", ["token-tis", "sequence-mask"])
+def test_rollout_correction_in_the_second_ppo_epoch_equals_the_reference(correction):
+    """--ppo-epochs=2: epoch 2's clipped surrogate is weighted by epoch 1's correction (the sampler's tokens do
+    not change between epochs), computed from the policy that sampled, not from the moved one."""
+    old, new, sampler = table_model(0), table_model(0), sampler_table()
+    with torch.no_grad():
+        new.table.add_(torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(5)) * 0.4)
+    loss = PolicyLoss(max_new_tokens=MAX_NEW_TOKENS, rollout_correction=correction, correction_cap=1.5)
+    first = accumulate_policy_gradient(old, batches(sampler_table=sampler), DEVICE_BATCH_SIZE, len(QUESTIONS), "cpu",
+                                       nullcontext(), loss=loss)
+    stats = accumulate_policy_gradient(new, batches(sampler_table=sampler), DEVICE_BATCH_SIZE, len(QUESTIONS), "cpu",
+                                       nullcontext(), loss=loss, first_epoch=first)
+    want, grad, _ = reference_gradient(new, old_table=old.table.detach().double(), sampler_table=sampler.double(),
+                                       rollout_correction=correction, correction_cap=1.5)
+    plain, _, _ = reference_gradient(new, old_table=old.table.detach().double())
+    assert abs(want - plain) > 1e-3
+    assert stats.objective == pytest.approx(want, rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(new.table.grad.double(), -grad, rtol=1e-4, atol=1e-6)

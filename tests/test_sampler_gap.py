@@ -21,7 +21,7 @@ from nanochat.shared_prompt_cache import SharedPromptKVCache
 from nanochat.metrics import objective_metrics
 from nanochat.rl import PolicyLoss, accumulate_policy_gradient, make_question_batch
 from nanochat.sampling import row_seeds, sample_with_logprobs
-from helpers import TableModel, install_generation, prompt_of
+from helpers import FP32_GAP_BOUND, BigramModel, TableModel, install_generation, prompt_of
 
 GENERATIONS = ["oct2025", "jan2026", "ve", "ve_late", "mar9", "smear"]
 NOTHING = torch.autocast("cpu", enabled=False)
@@ -76,11 +76,12 @@ QUESTIONS = ("What is 12 times 7?", "Tom has 3 apples and buys 5 more.", "Hi")
 @pytest.mark.parametrize("name", GENERATIONS)
 def test_fp32_gap_is_rounding_for_every_generation(name, generation_model):
     """fp32 decoding (KV cache, shared prompts, one token at a time) against the fp32 training forward (whole
-    sequences, prompt computed once): every sampled token's log-probabilities agree to fp32 rounding."""
+    sequences, prompt computed once): every sampled token's log-probabilities agree to a few ulps
+    (helpers.FP32_GAP_BOUND says what is measured and why the bound is 7.6e-6)."""
     model, tokenizer = generation_model(name)
     stats, completions = gap_of(model, tokenizer, [prompt_of(tokenizer, q) for q in QUESTIONS], **SAMPLING)
     assert stats.sampler_tokens == sum(sum(c.masks) for c in completions) > 50
-    assert stats.sampler_gap_max <= 1e-4 and 0 <= stats.sampler_k3 <= 1e-8, stats
+    assert stats.sampler_gap_max <= FP32_GAP_BOUND and 0 <= stats.sampler_k3 <= FP32_GAP_BOUND ** 2 / 2, stats  # k3 ~ d^2/2
     assert len({len(c.tokens) for c in completions}) > 1  # rows of different lengths
 
 
@@ -105,7 +106,7 @@ def test_a_decode_broken_on_purpose_shows_a_gap_orders_of_magnitude_larger(gener
     monkeypatch.setattr(SharedPromptKVCache, "next_positions",
                         lambda self: right_positions(self) + 16 * (torch.arange(self.pos.numel()) % 2))
     shifted, _ = gap_of(model, tokenizer, prompts, **SAMPLING)
-    assert clean.sampler_gap_max <= 1e-5
+    assert clean.sampler_gap_max <= FP32_GAP_BOUND
     assert stale.sampler_gap_max > 1.0 and shifted.sampler_gap_max > 1e-3 + 1000 * clean.sampler_gap_max
 
 
@@ -119,32 +120,6 @@ def test_bf16_decoding_gap_is_measured_and_bounded(generation_model):
     stats, _ = gap_of(model, tokenizer, prompts, autocast=torch.autocast("cpu", dtype=torch.bfloat16), **SAMPLING)
     assert math.isfinite(stats.sampler_gap_max) and stats.sampler_tokens > 50
     assert 1e-5 < stats.sampler_gap_mean <= 0.01 and stats.sampler_gap_max <= 0.1, stats
-
-
-class BigramModel(TableModel):
-    """Logits = a table row of the current token, in decoding and in training alike (the two paths compute the same
-    log-softmax, up to its last rounding: the sampler subtracts a logsumexp, the trainer takes log_softmax, so the
-    gap is a few ulps when each log-probability is matched with its own token, and O(1) when not). The table makes
-    rows call the calculator on "2*3" and end at varied steps."""
-
-    def __init__(self, tokenizer):
-        vocab = tokenizer.get_vocab_size()
-        super().__init__(vocab)
-        special = {n: tokenizer.encode_special(n) for n in ("<|python_start|>", "<|python_end|>", "<|assistant_end|>")}
-        chain = [special["<|python_start|>"], *tokenizer.encode("2*3"), special["<|python_end|>"]]
-        with torch.no_grad():
-            self.table.mul_(0.5)
-            self.table[:, special["<|python_start|>"]] += 2.5
-            self.table[:, special["<|assistant_end|>"]] += 1.5
-            for a, b in zip(chain, chain[1:]):
-                self.table[a, b] += 12.0
-        self.config = SimpleNamespace(sequence_len=256, vocab_size=vocab, n_layer=1, n_head=1, n_kv_head=1, n_embd=4)
-
-    def get_device(self):
-        return self.table.device
-
-    def forward(self, idx, cache_step=None):
-        return self.table[idx]
 
 
 @pytest.mark.parametrize("decode", ["eager", "static"])

@@ -21,7 +21,8 @@ from nanochat.gpt import GPT
 from nanochat.kv_cache import KVCache
 from nanochat.op_count import CountOps, OpCount, count_decode_step_ops
 from nanochat.shared_prompt_cache import SharedPromptKVCache
-from helpers import HAS_CUDA, ScriptedModel, install_generation, prompt_of, random_model, tiny_config
+from helpers import HAS_CUDA, BigramModel, ScriptedModel, install_generation, prompt_of, random_model, tiny_config
+from graph_capture import capture_recorded_graph
 
 GENERATIONS = ["oct2025", "jan2026", "ve", "ve_late", "mar9", "smear"]
 
@@ -133,62 +134,22 @@ def test_replayed_graphs_equal_the_static_step(name, share_prompts, tmp_path, mo
 
 @pytest.mark.parametrize("share_prompts", [True, False])
 def test_replayed_graphs_carry_tool_calls_early_ends_and_refilled_slots(tiny_tokenizer, share_prompts, cpu_graphs):
-    """The scripted calculator model: forced outputs written between replays, rows ending at many steps and
-    waiting rows taking their slots give the static step's rollouts."""
-    tok = tiny_tokenizer
-    ps, pe, end = (tok.encode_special(s) for s in ("<|python_start|>", "<|python_end|>", "<|assistant_end|>"))
-    prompts = [prompt_of(tok, "three more words")] * 4
-    script = [ps, *tok.encode("6*7"), pe] + tok.encode("a b c d e f g") + [ps, *tok.encode("1/0"), pe] + tok.encode("h i j") * 3
-    model = ScriptedModel(script, len(prompts[0]), tok.get_vocab_size(), stop_token=end, stop_logit=-2.5)
-    kwargs = dict(num_samples=6, max_tokens=40, temperature=1.0, seed=11, max_rows=9)
-    static = rollouts(Engine(model, tok, decode="static", share_prompts=share_prompts), prompts, **kwargs)
-    assert rollouts(Engine(model, tok, decode="graph", share_prompts=share_prompts), prompts, **kwargs) == static
-    assert any(c[3] >= 1 for per in static for c in per) and cpu_graphs.replays > 0
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kept_graphs_replay_the_next_rollout_on_updated_weights(dtype, tiny_tokenizer, cpu_graphs):
-    """A kept static batch's graphs serve the next rollout, every shape they hold replayed from the graph
-    captured before, and read the weights as they are now: after an in-place update (what the optimizer does)
-    the replay samples what a fresh engine on the updated model samples. Under bf16 the graphs read the engine's
-    bf16 weight copies, which each rollout refreshes in place."""
-    model = ending_model(tiny_tokenizer)
-    prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
-    engine = Engine(model, tiny_tokenizer, decode="graph")
-    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-        first = rollouts(engine, prompts, **ENDING_KWARGS)
-        replays = engine.kept_batch.graphs.replays
-        captured = dict(replays)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.mul_(1.25)
-        again = rollouts(engine, prompts, **ENDING_KWARGS)
-        assert engine.kept_batch.graphs.replays is replays and all(replays[shape] is captured[shape] for shape in captured)
-        assert again == rollouts(Engine(model, tiny_tokenizer, decode="static"), prompts, **ENDING_KWARGS) != first
-    assert bool(engine.weights.copies) == (dtype == torch.bfloat16)
-
-
-@pytest.mark.parametrize("mode", ["static", "graph"])
-def test_a_batch_the_engine_lets_go_of_frees_its_cache_at_once(mode, tiny_tokenizer, cpu_graphs):
-    """No reference cycle holds a batch (its graphs included): with the garbage collector off, a kept batch's KV
-    cache is freed as soon as the engine lets go of it (release, or a rollout of another shape replacing it), so
-    its memory is there for training or the next batch; a cycle would hold it until the next collection."""
-    model = ending_model(tiny_tokenizer)
-    prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
-    engine = Engine(model, tiny_tokenizer, decode=mode)
-    gc.collect()
-    gc.disable()
-    try:
-        rollouts(engine, prompts, **ENDING_KWARGS)
-        cache = weakref.ref(engine.kept_batch.cache.k)
-        assert engine.release() and cache() is None and engine.kept_batch is None
-        rollouts(engine, prompts, **ENDING_KWARGS)
-        cache = weakref.ref(engine.kept_batch.cache.k)
-        rollouts(engine, prompts, **{**ENDING_KWARGS, "num_samples": 3})  # another shape: a new batch
-        assert cache() is None and engine.kept_batch is not None
-    finally:
-        gc.enable()
-    assert mode == "static" or cpu_graphs.replays > 0
+    """A model whose next logits are a table row of its input token (helpers.BigramModel): the calculator's
+    forced output, written into the inputs between replays, decides what the replay samples next, so a graph
+    that missed it (reading a stale or reallocated input) samples other tokens. Rows ending at many steps and
+    waiting rows taking their slots give the static step's rollouts and log-probabilities."""
+    torch.manual_seed(0)
+    model = BigramModel(tiny_tokenizer)
+    prompts = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold clips", "c", "d e")]
+    kwargs = dict(num_samples=6, max_tokens=40, temperature=1.0, top_k=0, seeds=[1, 2, 3, 4], max_rows=9)
+    static = Engine(model, tiny_tokenizer, decode="static", share_prompts=share_prompts)
+    graph = Engine(model, tiny_tokenizer, decode="graph", share_prompts=share_prompts)
+    want = rollouts(static, prompts, **kwargs)
+    assert rollouts(graph, prompts, **kwargs) == want
+    assert logprobs(graph, prompts, **kwargs) == logprobs(static, prompts, **kwargs)
+    assert sum(c[3] for per in want for c in per) >= 3 and len({len(c[0]) for per in want for c in per}) > 3
+    # every step of both rollouts replayed (the kept batch's graphs, all captured when it was made)
+    assert cpu_graphs.captures > 0 and cpu_graphs.replays == 2 * graph.last_stats.decode_forwards
 
 
 def test_the_stand_in_catches_what_a_capture_breaks(tiny_tokenizer, cpu_graphs, monkeypatch):
@@ -224,6 +185,41 @@ def test_the_stand_in_catches_what_a_capture_breaks(tiny_tokenizer, cpu_graphs, 
     assert rollouts(Engine(model, tiny_tokenizer, decode="graph"), prompts, **ENDING_KWARGS) == right
     monkeypatch.setattr(decode_batch, "bucket_shapes", lambda rows, keys: bucket_shapes(rows, keys)[::-1])
     assert rollouts(Engine(model, tiny_tokenizer, decode="graph"), prompts, **ENDING_KWARGS) != right
+
+
+REFUSED_IN_A_CAPTURE = {
+    "item": lambda x, mask: x[0].item(),
+    "int": lambda x, mask: int(x[0]),
+    "bool": lambda x, mask: bool(x[0] > 0),
+    "tolist": lambda x, mask: x.tolist(),
+    "numpy": lambda x, mask: x.numpy(),
+    "nonzero": lambda x, mask: mask.nonzero(),
+    "where(mask)": lambda x, mask: torch.where(mask),
+    "boolean-mask index": lambda x, mask: x[mask],
+    "boolean-mask write": lambda x, mask: x.__setitem__(mask, 0.0),
+    "masked_select": lambda x, mask: x.masked_select(mask),
+    "unique": lambda x, mask: torch.unique(x),
+    "torch.tensor(host list)": lambda x, mask: x + torch.tensor([1.0, 2.0, 3.0, 4.0]),
+    "python-list index": lambda x, mask: x[[0, 2]],
+}
+
+
+@pytest.mark.parametrize("op", REFUSED_IN_A_CAPTURE.values(), ids=REFUSED_IN_A_CAPTURE.keys())
+def test_the_stand_in_refuses_what_a_capture_refuses(op):
+    """A host read (with or without an aten op: .item() dispatches one, .tolist() and .numpy() do not), an output
+    shape only the data knows (boolean masks included), and a tensor built from host data: each raises at the
+    capture, as a CUDA graph capture does, and leaves Tensor's methods as they were. The same step without the
+    refused op captures and replays (the control)."""
+    x, mask = torch.arange(4.0), torch.tensor([True, False, True, False])
+    out = torch.zeros(4)
+    with pytest.raises(RuntimeError, match="CUDA graph capture cannot hold it"):
+        capture_recorded_graph(lambda: (out.copy_(x * 2), op(x, mask)), None)
+    assert torch.arange(3).tolist() == [0, 1, 2] and torch.equal(x, torch.arange(4.0))  # nothing left behind
+    replay, _ = capture_recorded_graph(lambda: out.copy_(x * 2), None)
+    assert torch.equal(out, torch.zeros(4))  # a capture has no effect
+    x.add_(1)
+    replay()
+    assert torch.equal(out, torch.arange(1.0, 5.0) * 2)  # the replay reads x's current contents
 
 
 def test_a_static_batch_is_reused_by_the_next_rollout_of_its_shape(tiny_tokenizer):
