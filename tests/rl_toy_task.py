@@ -2,6 +2,7 @@
 earns about half of the time, so tests of the RL loop see non-zero advantages."""
 
 import os
+import time
 
 from tasks.arithmetic import Arithmetic
 
@@ -62,6 +63,24 @@ class ScriptedEval(ParityTask):
         k = self.graded.get(i, 0)
         self.graded[i] = k + 1
         return self.OUTCOMES[i][k]
+
+
+class GatedParityTask(ParityTask):
+    """ParityTask whose rewards after the first STEP_REWARDS of a process (its first step's: 2 questions x 4 samples
+    a rank in the tests' runs) wait until the file $GATE_FILE exists, when that variable is set: a test holds every
+    rank inside step 1, signals them, then opens the gate, so the step a signal lands in is known, not raced."""
+    STEP_REWARDS = 8
+
+    def __init__(self, split="train"):
+        super().__init__(split)
+        self.rewards = 0
+
+    def reward(self, conversation, response_text):
+        self.rewards += 1
+        gate = os.environ.get("GATE_FILE")
+        while gate and self.rewards > self.STEP_REWARDS and not os.path.exists(gate):
+            time.sleep(0.01)
+        return super().reward(conversation, response_text)
 
 
 class OneStepArithmetic(Arithmetic):
