@@ -19,8 +19,9 @@ from typing import NamedTuple
 
 import torch
 
+from nanochat.compile import compile_plan, maybe_compiled
 from nanochat.cuda_graphs import PROMPT_BUCKET, decode_mode, decode_plan
-from nanochat.decode_batch import DecodeBatch, RolloutStats
+from nanochat.decode_batch import DecodeBatch, RolloutStats, static_step
 from nanochat.decode_weights import DecodeWeights
 from nanochat.kv_cache import KVCache, cache_geometry
 from nanochat.rows import Row, SpecialIds
@@ -54,10 +55,13 @@ class Engine:
     (SharedPromptKVCache: more rows fit, fewer bytes read per token); without, each row holds a copy, as
     nanochat does. Row r of a prompt with seed s samples with its own stream row_seed(s, r), so its output
     does not depend on the batch it shares. Under bf16/fp16 autocast the forwards use the matmul weights cast once
-    per rollout (DecodeWeights).
+    per rollout (DecodeWeights). compile (nanochat/compile.py's modes; default off): whether the static decode step
+    runs compiled, one graph per shape (static and graph decode modes only; in graph mode the engine's CUDA graphs
+    capture the compiled step).
     """
 
-    def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True, decode="auto"):
+    def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True, decode="auto",
+                 compile="off"):
         self.model = model
         self.tokenizer = tokenizer
         self.special = SpecialIds(tokenizer)
@@ -65,6 +69,8 @@ class Engine:
         self.memory_budget_gb = memory_budget_gb
         self.share_prompts = share_prompts
         self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
+        compiles = compile_plan(compile, model.get_device(), self.decode).decode
+        self.step = maybe_compiled(static_step, compiles, dynamic=False, required=compile == "on")
         self.kept = None  # a KeptBatch between rollouts (see _new_batch); release() drops it
         self.prompt_floor = 0  # static batches are sized for prompts this long at least (it never shrinks)
         self.keeps_between_rollouts = True  # the static batch and the decode weights; release() may turn it off
@@ -172,7 +178,8 @@ class Engine:
                                                   plan.static)
         else:
             cache = KVCache.for_model(model, B, prompt_cap + max_tokens, dtype)
-        batch = DecodeBatch(model, cache, temperature, top_k, self.last_stats, plan.shape, plan.graphs, self.weights)
+        batch = DecodeBatch(model, cache, temperature, top_k, self.last_stats, plan.shape, plan.graphs, self.weights,
+                            self.step)
         if plan.static:
             batch.prepare_shapes()
         return batch, key if plan.static else None
