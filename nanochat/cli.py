@@ -16,6 +16,7 @@ import traceback
 from nanochat.checkpoint_manager import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
                                          RankLostError, UnknownStepError, UnknownTagError)
 from nanochat.common import SettingError, UserError, get_rank, require
+from nanochat.compile import COMPILE_MODES, CompileFailed
 from nanochat.cuda_graphs import DECODE_MODES
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
 from nanochat.tokenizer import TokenizerError
@@ -65,6 +66,14 @@ def add_decode_flag(parser):
                              "static (bucketed shapes, eagerly), graph (bucketed shapes replayed from CUDA graphs)")
 
 
+def add_compile_flag(parser):
+    """--compile: whether the static decode step and the training pass run compiled (nanochat/compile.py)."""
+    parser.add_argument("--compile", type=str, default="auto", choices=COMPILE_MODES,
+                        help="torch.compile the static decode step and the training forward: auto (on CUDA both; on a "
+                             "CPU the training forward only, where it was measured faster), on (an error where "
+                             "compiling is unavailable), off")
+
+
 def add_optimizer_flags(parser):
     """The learning-rate flags chat_rl and chat_sft share (nanochat's defaults; --init-lr-frac differs)."""
     parser.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW lr for the token embedding")
@@ -111,6 +120,7 @@ HINTS = {
     GSM8KUnavailableError: "or run `python -m scripts.prepare_gsm8k --from DIR`",
     TaskNotFoundError: "check --task (chat_sft: --tasks)",
     JumpedOverBandError: "check more often (a smaller --stop-check-every) or widen the band of --stop-at-pass1",
+    CompileFailed: "use --compile=off (or auto, which falls back to eager with a warning)",
     BandNotReachedError: "allow more steps (a larger --num-steps) or lower the band of --stop-at-pass1",
 }
 

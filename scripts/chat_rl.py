@@ -31,19 +31,21 @@ import torch.distributed as dist
 from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, CheckpointError, WorldSizeError, find_checkpoint, list_steps,
                                          list_tags, load_model, load_shard_for_resume, make_checkpoint_dir, new_run_id,
                                          prune_checkpoints, save_checkpoint, update_meta)
-from nanochat.cli import (ArgumentParser, add_debug_flag, add_decode_flag, add_model_generation_flag, add_optimizer_flags,
-                          add_runtime_flags, check_optimizer_flags, run_main)
+from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_model_generation_flag,
+                          add_optimizer_flags, add_runtime_flags, check_optimizer_flags, run_main)
+from nanochat.compile import compile_totals, maybe_compiled, resolve_compile
 from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup,
                              compute_dtype, compute_init, dtype_name, format_duration, get_base_dir, get_dist_info, print0,
                              remaining_seconds, require, requested_dtype)
-from nanochat.cuda_graphs import DECODE_DESCRIPTIONS
+from nanochat.cuda_graphs import DECODE_DESCRIPTIONS, decode_mode
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
 from nanochat.optim import guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.precision import MARGIN, PREFERENCE, fastest_decode_dtype, fastest_training_dtype, rank0_choice
 from nanochat.report import get_report, log_chat_rl
-from nanochat.rl import LOSS_NORMS, ROLLOUT_CORRECTIONS, PolicyLoss, TrainStats, accumulate_policy_gradient, step_counts
+from nanochat.rl import (LOSS_NORMS, ROLLOUT_CORRECTIONS, PolicyLoss, TrainStats, accumulate_policy_gradient, chunk_logprobs,
+                         step_counts)
 from nanochat.rollout import Sampling, longest_prompt, question_seed, sample_questions, step_question_indices
 from nanochat.wandb_utils import init_wandb, log_samples_table
 from tasks.registry import make_task, resolve_task_class
@@ -82,6 +84,7 @@ def parse_args(argv):
                    help="max rows decoded together in one rollout batch (0 = as many as --memory-budget-gb allows)")
     p.add_argument("--memory-budget-gb", type=float, default=4.0, help="KV-cache memory the rollout batch may use")
     add_decode_flag(p)
+    add_compile_flag(p)
     # optimization
     add_optimizer_flags(p)
     p.add_argument("--init-lr-frac", type=float, default=0.05, help="every lr is multiplied by this at the start")
@@ -217,7 +220,7 @@ def resolve_dtypes(args, model, tokenizer, train_task, device):
 
 # flags that define the run; --resume restores them from the checkpoint so the continuation is exact
 RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows", "memory_budget_gb", "max_bad_steps",
-                 "output_tag", "decode", "keep_last")  # a resumed run writes to its own directory
+                 "output_tag", "decode", "compile", "keep_last")  # a resumed run writes to its own directory
 
 
 def resolve_resume(spec):
@@ -353,6 +356,8 @@ class RLRun:
     last_saved: int = None
     micro_rows: int = 0                    # rows per training forward; halved on out-of-memory
     consecutive_bad: int = 0
+    forward: object = chunk_logprobs       # the training pass's chunk forward: compiled or not (--compile)
+    compiled_before: tuple = (0, 0.0)      # compile_totals() at the last step record
     step_seconds: list = field(default_factory=list)   # this process's timings, for the ETA
     eval_seconds: list = field(default_factory=list)
 
@@ -399,9 +404,14 @@ def setup_run(args, rank, world_size, device):
     for opt, state in zip(optimizers, optimizer_state["optimizers"] if optimizer_state else []):
         opt.load_state_dict(state)  # also restores each group's initial_lr and lr
     reference = load_reference(start, device, args.model_generation) if args.kl_coef > 0 else None
+    compiling = resolve_compile(args.compile, device, decode_mode(args.decode, device),
+                                num_steps - start_step)
+    args.compile = args.compile if compiling.decode or compiling.train else "off"  # off where unavailable
     engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
-                    decode=args.decode)
+                    decode=args.decode, compile=args.compile)
     print0(f"rollouts: {engine.decode} decode step ({DECODE_DESCRIPTIONS[engine.decode]}; --decode to choose)")
+    print0(f"compile: decode step {'on' if compiling.decode else 'off'}, training forward "
+           f"{'on' if compiling.train else 'off'} ({compiling.why}; --compile to choose)")
     if engine.decode != "eager":  # one static batch for the run, its graphs captured once: sized for every prompt
         engine.reserve_prompt_length(longest_prompt(tokenizer, train_task, val_task))
         print0(f"rollouts: static batch sized for prompts of up to {engine.prompt_floor} tokens (the task's longest)")
@@ -419,7 +429,8 @@ def setup_run(args, rank, world_size, device):
         run_id=(meta.get("run_id") if args.resume else None) or new_run_id(),  # a new run (from any source): a new id
         history=list(meta.get("history", [])) if args.resume else [],
         eval_history=[tuple(e) for e in meta.get("eval_history", [])] if args.resume else [],
-        last_saved=start_step - 1 if args.resume else None, micro_rows=args.device_batch_size)
+        last_saved=start_step - 1 if args.resume else None, micro_rows=args.device_batch_size,
+        forward=maybe_compiled(chunk_logprobs, compiling.train, dynamic=True, required=args.compile == "on"))
 
 
 def with_fewer_rows_on_oom(attempt, rows, message, rows_in_use=None, free_memory=None):
@@ -511,7 +522,7 @@ def train_on_rollouts(run, rollouts, step):
             run.model.zero_grad(set_to_none=True)  # what a failed attempt accumulated
             return accumulate_policy_gradient(run.model, batches, cfg.device_batch_size, run.examples_per_rank, run.device,
                                               run.autocast(), micro_batch_rows=rows, loss=run.policy_loss, counts=counts,
-                                              reference=run.reference, first_epoch=first)
+                                              reference=run.reference, first_epoch=first, forward=run.forward)
         last, run.micro_rows = with_fewer_rows_on_oom(attempt, run.micro_rows, "out of memory during training: "
                                                       "retrying with {rows} rows per forward pass",
                                                       free_memory=lambda: give_back_rollout_memory(run.engine))
@@ -539,10 +550,13 @@ def count_bad_step(run, step, result):
 
 def step_record(run, step, rollouts, result, t_rollout, t_train):
     """The step's metrics over all ranks, as logged to wandb and kept in the run's history."""
+    totals = compile_totals()  # graphs compiled and their calls' seconds, since the last record
+    compiled, run.compiled_before = [now - before for now, before in zip(totals, run.compiled_before)], totals
     metrics = drop_unmeasured(reduce_metrics(
         {**rollout_metrics([r.rewards for r in rollouts], [r.completions for r in rollouts], run.config.max_new_tokens,
                            prompt_lengths=[r.prompt_length for r in rollouts], rows_trained=result.first.rows_trained),
-         **objective_metrics(result.first, result.last), "captures": float(run.engine.last_stats.captures)},
+         **objective_metrics(result.first, result.last), "captures": float(run.engine.last_stats.captures),
+         "compiles": float(compiled[0]), "compile_s": compiled[1]},
         run.reduce_device))
     num_tokens = metrics["completion_len_mean"] * metrics["num_samples"]  # generated this step, all ranks
     return {"step": step, **metrics, "reward": metrics["reward_mean"], "sequence_length": metrics["seq_len_mean"],
@@ -570,6 +584,7 @@ def format_step_line(run, m, elapsed):
                + (f" corrected {m['corrected_fraction']:.3f}" if run.config.rollout_correction != "none" else "") + " | "
                if m.get("sampler_tokens") else "")
             + f"rollout {m['time/rollout']:.1f}s captures {m['captures']:.0f} train {m['time/train']:.1f}s {m['rollout_tokens_per_s']:.0f} tok/s | "
+            + (f"compiled {m['compiles']:.0f} graphs in {m['compile_s']:.1f}s | " if m.get("compiles") else "")
             f"elapsed {format_duration(elapsed)} eta {format_duration(eta_train)}"
             + (f" + eval {format_duration(eta_eval)}" if eta_eval else ""))
 
