@@ -18,15 +18,24 @@ import torch
 from nanochat import compile as nc_compile
 from nanochat.checkpoint_manager import build_model
 from nanochat.cli import error_line
-from nanochat.compile import (CPU_MIN_STEPS, CompiledFunction, CompileFailed, CompilePlan, compile_plan, compile_totals, compiled,
+from nanochat.compile import (CPU_MIN_STEPS, RECOMPILE_LIMIT, CompiledFunction, CompileFailed, CompilePlan, compile_plan, compile_totals, compiled,
                               resolve_compile)
 from nanochat.decode_batch import DecodeBatch, RolloutStats, static_step
 from nanochat.engine import Engine
 from nanochat.rl import accumulate_policy_gradient, chunk_logprobs, pass_denominators
 from nanochat.shared_prompt_cache import SharedPromptKVCache
-from helpers import install_generation, prompt_of, random_model, tiny_config
+from helpers import HAS_CUDA, install_generation, prompt_of, random_model, tiny_config
 from test_rl_sharing import gradients, mixed_batches, term_sizes
 from test_static_decode import ENDING_PROMPTS, DeviceOnly, ending_model
+
+
+@pytest.fixture(autouse=True)
+def no_pretend_cuda(monkeypatch):
+    """Dynamo saves and restores the CUDA random state around a compile wherever torch.cuda says it is there:
+    the session's pretend CUDA (tests/conftest.py) must say what this machine has."""
+    if not HAS_CUDA:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 
 
 def completions(engine, prompts, **kwargs):
@@ -37,7 +46,7 @@ def completions(engine, prompts, **kwargs):
     return tokens, torch.tensor(logprobs)
 
 
-@pytest.mark.parametrize("name", ["jan2026", "ve", "smear"])  # every cache feature: windows, value embeddings, smear
+@pytest.mark.parametrize("name", ["jan2026", "smear"])  # windows; windows, value embeddings and smear
 def test_compiled_decode_samples_the_eager_tokens_on_generation_fixtures(name, tmp_path, monkeypatch):
     """fp32 rollouts (T=1, top-k 50, rows admitted into freed slots) of nanochat's fixture checkpoints: the static
     step compiled by Inductor samples exactly the eager engine's tokens; the recorded log-probabilities agree to
@@ -77,14 +86,19 @@ def test_each_bucket_compiles_once_and_the_next_rollout_compiles_nothing(tiny_to
 
 
 class GraphRecorder:
-    """A torch.compile backend that keeps the FX graph Dynamo captured and runs it as it is."""
+    """A torch.compile backend that keeps the FX graph Dynamo captured and the inputs it was called with (the
+    tensors Dynamo read: the batch's buffers, cache and weights), and runs it as it is."""
 
     def __init__(self):
-        self.graphs = []
+        self.graphs, self.inputs = [], None
 
     def __call__(self, graph_module, example_inputs):
         self.graphs.append(graph_module)
-        return graph_module.forward
+
+        def run(*args):
+            self.inputs = args
+            return graph_module(*args)
+        return run
 
 
 @pytest.mark.parametrize("share_prompts", [True, False])
@@ -104,11 +118,9 @@ def test_the_step_compiled_is_the_one_proven_on_the_meta_device(share_prompts, t
     batch = DecodeBatch(model, cache, 1.0, 50, RolloutStats())
     recorder = GraphRecorder()
     step = torch.compile(static_step, fullgraph=True, dynamic=False, backend=recorder)
-    with torch.no_grad():
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # the other tests' graphs count
         step(batch, 6, 32)
-    (graph,) = recorder.graphs
-    # the graph's inputs: the batch's tensors (buffers, cache, weights) that Dynamo read; run it again on them
-    inputs = [node.meta["grapharg"].example for node in graph.graph.nodes if node.op == "placeholder"]
+    (graph,), inputs = recorder.graphs, recorder.inputs
     with DeviceOnly() as mode, torch.no_grad():
         graph(*inputs)
     assert mode.ops > 50 and all(t.device.type == "meta" for t in inputs if isinstance(t, torch.Tensor))
