@@ -585,7 +585,7 @@ def format_step_line(run, m, elapsed):
                if m.get("sampler_tokens") else "")
             + f"rollout {m['time/rollout']:.1f}s captures {m['captures']:.0f} train {m['time/train']:.1f}s {m['rollout_tokens_per_s']:.0f} tok/s | "
             + (f"compiled {m['compiles']:.0f} graphs in {m['compile_s']:.1f}s | " if m.get("compiles") else "")
-            f"elapsed {format_duration(elapsed)} eta {format_duration(eta_train)}"
+            + f"elapsed {format_duration(elapsed)} eta {format_duration(eta_train)}"
             + (f" + eval {format_duration(eta_eval)}" if eta_eval else ""))
 
 
