@@ -200,3 +200,24 @@ def test_compile_plans():
     assert compile_plan("off", cuda, "graph")[:2] == (False, False) and compile_plan("auto", mps, "eager")[:2] == (False, False)
     with pytest.raises(ValueError, match="compile mode must be one of auto, on, off"):
         compile_plan("yes", cpu, "eager")
+
+
+def test_the_golden_trace_compiled(sft, base_dir, monkeypatch, capsys):
+    """chat_rl --compile=on reproduces tests/test_golden_trace.py's trace (4 steps, fp32, teacher-forced rollouts)
+    within the trace's own tolerance, 1e-4 relative: the compiled forward sums the same terms in another order, the
+    same kind of difference as another CPU's kernels. The compile's cost is in the step line and the history of step
+    0 only (the forward is dynamic in the rows' lengths: no step after the first compiles)."""
+    from nanochat.checkpoint_manager import load_checkpoint
+    from scripts import chat_rl
+    from helpers import TINY_RL_FLAGS
+    from test_golden_trace import STEPS, TRACED, check_against_golden, teacher_forced
+    monkeypatch.setattr(chat_rl.Engine, "generate_many", teacher_forced)
+    chat_rl.main(TINY_RL_FLAGS + [f"--num-steps={STEPS}", "--save-every=-1", "--overwrite", "--compile=on"])
+    out = capsys.readouterr().out
+    assert "compile: decode step off, training forward on (--compile=on" in out
+    _, _, meta = load_checkpoint(str(base_dir / "chatrl_checkpoints" / "d2"), STEPS - 1, "cpu")
+    history = meta["history"]
+    check_against_golden([{key: record[key] for key in TRACED} for record in history])
+    compiles = [record["compiles"] for record in history]
+    assert compiles[0] >= 1 and compiles[1:] == [0] * (STEPS - 1) and history[0]["compile_s"] > 0, compiles
+    assert f"compiled {compiles[0]:.0f} graphs in " in out
