@@ -165,7 +165,7 @@ def test_compiled_training_gives_the_eager_gradient_within_fp32_rounding(smear_m
 def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch):
     """Compilation made to fail (the backend raises, as Inductor does without a C++ compiler): one warning, the
     eager result, and the eager path from then on without another attempt; required (--compile=on): a one-line
-    error that says which flag to change. An error of the computation itself is not taken for a failed compile."""
+    error that says which flag to change."""
     def no_compiler(self, graph_module, example_inputs):
         raise RuntimeError("Compiler: cc is not found")
 
