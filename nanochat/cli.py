@@ -16,6 +16,7 @@ import traceback
 from nanochat.checkpoint_manager import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
                                          RankLostError, UnknownStepError, UnknownTagError)
 from nanochat.common import SettingError, UserError, get_rank, require
+from nanochat.compile import COMPILE_MODES, CompileFailed
 from nanochat.cuda_graphs import DECODE_MODES, decode_mode
 from nanochat.memory_budget import AUTO, FIXED_GB, FRACTION, parse_budget
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
@@ -68,9 +69,9 @@ def add_decode_flag(parser):
 
 def check_decode_flag(decode, device):
     """--decode against the device compute_init chose, before anything is built (a model load can take minutes):
-    graph replays CUDA graphs, so it needs CUDA (nanochat.engine.decode_mode's rule)."""
+    graph replays CUDA graphs, so it needs CUDA (cuda_graphs.decode_mode's rule). Returns the mode that runs."""
     try:
-        decode_mode(decode, device)
+        return decode_mode(decode, device)
     except ValueError:
         raise SettingError("decode", f"is {decode}, which replays CUDA graphs, and this run is on {device.type} (torch "
                                      f"sees no CUDA device, or --device-type chose another); use --decode=static (the "
@@ -84,6 +85,14 @@ def add_memory_budget_flag(parser):
                         help=f"KV-cache memory (GiB) a rollout batch may use; auto (the default): on CUDA {FRACTION:g} of "
                              f"the memory free after the model, optimizer state and a training-peak reserve (stated "
                              f"at the start), elsewhere {FIXED_GB:g}")
+
+
+def add_compile_flag(parser):
+    """--compile: whether the static decode step and the training pass run compiled (nanochat/compile.py)."""
+    parser.add_argument("--compile", type=str, default="auto", choices=COMPILE_MODES,
+                        help="torch.compile the static decode step and the training forward: auto (on CUDA both; on a "
+                             "CPU the training forward only, where it was measured faster), on (an error where "
+                             "compiling is unavailable), off")
 
 
 def add_optimizer_flags(parser):
@@ -132,6 +141,7 @@ HINTS = {
     GSM8KUnavailableError: "or run `python -m scripts.prepare_gsm8k --from DIR`",
     TaskNotFoundError: "check --task (chat_sft: --tasks)",
     JumpedOverBandError: "check more often (a smaller --stop-check-every) or widen the band of --stop-at-pass1",
+    CompileFailed: "use --compile=off (or auto, which falls back to eager with a warning)",
     BandNotReachedError: "allow more steps (a larger --num-steps) or lower the band of --stop-at-pass1",
 }
 

@@ -94,7 +94,8 @@ class DecodeBatch:
     the next inputs (forced tool tokens included) in one copy.
     """
 
-    def __init__(self, model, cache, temperature, top_k, stats, shape=exact_shape, graphs=None, weights=None):
+    def __init__(self, model, cache, temperature, top_k, stats, shape=exact_shape, graphs=None, weights=None,
+                 step=None):
         self.model, self.cache, self.stats = model, cache, stats
         self.weights = weights or DecodeWeights(model)  # never refreshed: the model's own weights
         self.temperature, self.top_k = temperature, top_k
@@ -115,6 +116,9 @@ class DecodeBatch:
         # bound method kept): a batch in a reference cycle would hold its KV cache until the next garbage collection
         self.graphs = graphs() if graphs else None
         self.pool = PromptPool(cache.prompt_slots) if cache.holds_prompts() else None
+        # runs static_step(batch, rows, keys): itself, or compiled (nanochat/compile.py); a function, not a bound
+        # method, for the same reason
+        self.step = step or static_step
 
     @property
     def free_rows(self):
@@ -193,12 +197,9 @@ class DecodeBatch:
             self.stats.captures += self.graphs.prepare((rows, keys), lambda: self.run_step(rows, keys))
 
     def run_step(self, rows, keys):
-        """The static decode step over rows 0..rows-1, attending to keys 0..keys-1 of each: forward, sample
-        into self.sampled, advance the streams of the rows in use. No host read, no shape that depends on data."""
+        """The static decode step (static_step) over rows 0..rows-1 and keys 0..keys-1, as this batch runs it."""
         with self.weights.in_use():
-            logits = run_cached(self.model, self.next_input[:rows, None], self.cache.decode_step(rows, keys))
-        self._draw(logits[:, -1, :], 0, rows)  # (rows, V)
-        self.draws[:rows] += self.cache.active[:rows]
+            self.step(self, rows, keys)
 
     def _draw(self, logits, lo, hi):
         """Rows lo..hi-1 draw from logits (hi - lo, V), each with its own stream, into self.sampled."""
@@ -233,3 +234,12 @@ class DecodeBatch:
                 self.offset[i], self.cached[i] = self.offset[last], self.cached[last]
             self.cache.release_row(last)
             self.in_flight.pop()
+
+
+def static_step(batch, rows, keys):
+    """The static decode step of `batch` over rows 0..rows-1, attending to keys 0..keys-1 of each: forward, sample
+    into batch.sampled, advance the streams of the rows in use. No host read, no shape that depends on data: the
+    function that CUDA graphs capture and torch.compile compiles (one graph per (rows, keys))."""
+    logits = run_cached(batch.model, batch.next_input[:rows, None], batch.cache.decode_step(rows, keys))
+    batch._draw(logits[:, -1, :], 0, rows)  # (rows, V)
+    batch.draws[:rows] += batch.cache.active[:rows]

@@ -19,8 +19,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from nanochat.compile import compile_plan, maybe_compiled
 from nanochat.cuda_graphs import PROMPT_BUCKET, decode_mode, decode_plan
-from nanochat.decode_batch import DecodeBatch, RolloutStats
+from nanochat.decode_batch import DecodeBatch, RolloutStats, static_step
 from nanochat.decode_weights import DecodeWeights
 from nanochat.kv_cache import KVCache, cache_geometry
 from nanochat.rows import Row, SpecialIds
@@ -56,14 +57,15 @@ class KeptBatch(NamedTuple):
     batch: DecodeBatch
 
 
-def make_batch(model, shape, plan, stats, weights):
-    """An empty DecodeBatch of `shape` running the DecodePlan `plan` (a static one's shapes prepared)."""
+def make_batch(model, shape, plan, stats, weights, step):
+    """An empty DecodeBatch of `shape` running the DecodePlan `plan` with the static step `step` (compiled or not);
+    a static one's shapes prepared."""
     if shape.prompt_slots is not None:
         cache = SharedPromptKVCache.for_model(model, shape.rows, shape.prompt_slots, shape.prompt_cap, shape.max_tokens,
                                               shape.num_samples, shape.dtype, plan.static)
     else:
         cache = KVCache.for_model(model, shape.rows, shape.prompt_cap + shape.max_tokens, shape.dtype)
-    batch = DecodeBatch(model, cache, shape.temperature, shape.top_k, stats, plan.shape, plan.graphs, weights)
+    batch = DecodeBatch(model, cache, shape.temperature, shape.top_k, stats, plan.shape, plan.graphs, weights, step)
     if plan.static:
         batch.prepare_shapes()
     return batch
@@ -79,10 +81,13 @@ class Engine:
     (SharedPromptKVCache: more rows fit, fewer bytes read per token); without, each row holds a copy, as
     nanochat does. Row r of a prompt with seed s samples with its own stream row_seed(s, r), so its output
     does not depend on the batch it shares. Under bf16/fp16 autocast the forwards use the matmul weights cast once
-    per rollout (DecodeWeights).
+    per rollout (DecodeWeights). compile (nanochat/compile.py's modes; default off): whether the static decode step
+    runs compiled, one graph per shape (static and graph decode modes only; in graph mode the engine's CUDA graphs
+    capture the compiled step).
     """
 
-    def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True, decode="auto"):
+    def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True, decode="auto",
+                 compile="off"):
         self.model = model
         self.tokenizer = tokenizer
         self.special = SpecialIds(tokenizer)
@@ -90,6 +95,8 @@ class Engine:
         self.memory_budget_gb = memory_budget_gb
         self.share_prompts = share_prompts
         self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
+        compiles = compile_plan(compile, model.get_device(), self.decode).decode
+        self.step = maybe_compiled(static_step, compiles, dynamic=False, required=compile == "on")
         self.kept = None  # a KeptBatch between rollouts (see _new_batch); release() drops it
         self.prompt_floor = 0  # static batches are sized for prompts this long at least (it never shrinks)
         self.keeps_between_rollouts = True  # the static batch and the decode weights; release() may turn it off
@@ -190,7 +197,7 @@ class Engine:
             kept.batch.begin_rollout(self.last_stats)
             return kept.batch, shape
         del kept  # its memory is free before the new cache is allocated
-        batch = make_batch(self.model, shape, plan, self.last_stats, self.weights)
+        batch = make_batch(self.model, shape, plan, self.last_stats, self.weights, self.step)
         return batch, shape if plan.static else None
 
     @torch.no_grad()

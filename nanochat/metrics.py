@@ -18,6 +18,8 @@ Keys of a metrics dict (all floats):
   rows_trained               samples that went through the training forward/backward (non-zero advantage)
   captures                   decode shapes the step's rollouts captured into CUDA graphs (static decode: shapes a
                              new batch would capture); 0 once a run's batch is kept (the most of any rank)
+  compiles, compile_s        graphs torch.compile made during the step (decode step and training forward) and the
+                             seconds of the calls that made them (nanochat/compile.py; the most of any rank)
 The objective's diagnostics (`objective_metrics`, from nanochat.rl.TrainStats), when they apply:
   loss                       minus the on-policy objective (the step's, averaged over ranks like the gradients)
   trained_tokens             sampled tokens of the trained rows (their weight)
@@ -55,6 +57,8 @@ REDUCTIONS = {
     "tool_success_fraction": ("mean", "num_tool_calls"),
     "rows_trained": ("sum", None),
     "captures": ("max", None),
+    "compiles": ("max", None),
+    "compile_s": ("max", None),
     "loss": ("mean", "num_questions"),  # every rank has the same number of questions: the plain rank mean
     "trained_tokens": ("sum", None),
     "entropy": ("mean", "trained_tokens"),

@@ -293,18 +293,22 @@ def _row_hidden_states(model, inputs, prompt_length, share_prompt):
     return torch.cat([prompt_hidden[:, -1:].expand(B, -1, -1), rows_hidden], dim=1), P - 1
 
 
-def _reference_logprobs(reference, inputs, targets, prompt_length, share_prompt):
-    """The reference model's log-probabilities (N,) of the sampled targets, in the order the policy's forward
-    takes them (targets (B, T) after the prompt offset, row-major). Call under torch.no_grad()."""
-    hidden, offset = _row_hidden_states(reference, inputs, prompt_length, share_prompt)
-    targets = targets[:, offset:]
-    logits = reference.logits(hidden[targets >= 0])  # (N, V)
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[targets >= 0][:, None]).squeeze(-1)
+def chunk_logprobs(model, inputs, prompt_length, share_prompt, row_index, position, targets):
+    """The training pass's forward of one chunk: the log-probabilities logp (N,) of its sampled targets and the
+    mean entropy there (see token_logprobs_and_entropy). inputs: (B, T) rows of one question; row_index,
+    position (N,): each target's row and position among the positions _row_hidden_states keeps (after the prompt
+    offset), row-major; targets (N,) the sampled tokens. Logits only where there is a target (sampled tokens):
+    no vocabulary-wide work for prompt, forced tool-output and padding positions. A pure function of tensors
+    with no host read: nanochat/compile.py compiles it (dynamic shapes) for the policy, PPO and reference
+    forwards alike."""
+    hidden, _ = _row_hidden_states(model, inputs, prompt_length, share_prompt)
+    logits = model.logits(hidden[row_index, position])  # (N, V)
+    return token_logprobs_and_entropy(logits, targets)
 
 
 def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_rank, device, autocast,
                                micro_batch_rows=None, share_prompt=True, skip_zero_advantage=True,
-                               loss=None, counts=None, reference=None, first_epoch=None):
+                               loss=None, counts=None, reference=None, first_epoch=None, forward=chunk_logprobs):
     """Forward/backward the step's rows, accumulating the policy gradient into the model.
 
     batches: this rank's QuestionBatch list. By default the objective is nanochat's: each question's rows
@@ -327,6 +331,7 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
     smaller value (after an out-of-memory) gives the same gradient. The model provides hidden_states,
     hidden_states_shared_prefix and logits, as GPT does. Every parameter ends with a gradient (zeros if no
     row was trained here), so that distributed optimizers see the same tensors on every rank.
+    forward: the chunk forward of the policy and the reference (chunk_logprobs, or its compiled version).
     Returns TrainStats."""
     loss = loss or PolicyLoss()
     first = first_epoch is None
@@ -358,7 +363,7 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
         question = _Question(q, batch, question_targets, denominators, weights)
         for lo in range(0, len(rows), micro):
             _backward_chunk(model, question, torch.tensor(rows[lo:lo + micro]), loss, first, reference, device, autocast,
-                            share_prompt, tally)
+                            share_prompt, tally, forward)
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -449,7 +454,7 @@ def _sampler_gap(logp, sampler, row_index, num_rows, loss, tally):
     return weights
 
 
-def _backward_chunk(model, question, chunk, loss, first, reference, device, autocast, share_prompt, tally):
+def _backward_chunk(model, question, chunk, loss, first, reference, device, autocast, share_prompt, tally, forward):
     """Forward and backward the rows `chunk` (N,) of one question, adding their terms to the model's gradient
     and to the tally. Which positions carry a target is worked out on the host (the batch lives there), so the
     chunk reads nothing back from the device: its sums stay on the device until the epoch ends."""
@@ -461,12 +466,9 @@ def _backward_chunk(model, question, chunk, loss, first, reference, device, auto
     num_tokens = row_host.numel()
     row_index, position = row_host.to(device), position_host.to(device)
     inputs = batch.inputs[chunk].to(device)
-    with autocast:
-        hidden, _ = _row_hidden_states(model, inputs, batch.prompt_length, share_prompt)
-        # logits only where there is a target (sampled tokens): no vocabulary-wide work for prompt,
-        # forced tool-output and padding positions
-        logits = model.logits(hidden[row_index, position])  # (N, V)
-    logp, entropy = token_logprobs_and_entropy(logits, targets[:, offset:][valid].to(device))  # (N,)
+    sampled = targets[:, offset:][valid].to(device)  # (N,)
+    with autocast:  # the log-probabilities are computed in fp32 inside, whatever autocast says
+        logp, entropy = forward(model, inputs, batch.prompt_length, share_prompt, row_index, position, sampled)  # (N,)
     where = (chunk.to(device)[row_index], position + offset)  # each token's place in the question's (R, T)
     per_token = lambda row_values: row_values[chunk].to(device)[row_index]  # (R,) -> (N,)
     token_denominators = per_token(question.denominators).to(logp.dtype)
@@ -495,8 +497,8 @@ def _backward_chunk(model, question, chunk, loss, first, reference, device, auto
     if loss.kl_coef > 0:
         if first:
             with torch.no_grad(), autocast:
-                tally.ref_logprobs[q][where] = _reference_logprobs(reference, inputs, question.targets[chunk].to(device),
-                                                                   batch.prompt_length, share_prompt)
+                tally.ref_logprobs[q][where] = forward(reference, inputs, batch.prompt_length, share_prompt, row_index,
+                                                       position, sampled)[0]
         kl = k3_kl(logp, tally.ref_logprobs[q][where])  # (N,)
         objective = pg_objective - loss.kl_coef * (kl / token_denominators).sum()
         tally.kl_ref_sum = tally.kl_ref_sum + kl.detach().sum()

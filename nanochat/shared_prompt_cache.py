@@ -8,7 +8,7 @@ import math
 import torch
 
 from nanochat.attention import Visibility, fp32_scores
-from nanochat.kv_cache import cache_geometry
+from nanochat.kv_cache import cache_geometry, store_rows
 
 
 class SharedPromptKVCache:
@@ -182,8 +182,9 @@ class SharedPromptStep:
         Hkv = k.size(2)
         rep = H // Hkv
         # store this step's key/value in each row's completion
-        c.k[layer_idx][self.row_index, :, c.pos] = k[:, 0].to(c.k.dtype)
-        c.v[layer_idx][self.row_index, :, c.pos] = v[:, 0].to(c.v.dtype)
+        # (B, capacity, Hkv, D) views of the (B, Hkv, capacity, D) storage: a row's position is its second index
+        store_rows(c.k[layer_idx].transpose(1, 2), self.row_index, c.pos, k[:, 0].to(c.k.dtype))
+        store_rows(c.v[layer_idx].transpose(1, 2), self.row_index, c.pos, v[:, 0].to(c.v.dtype))
         q = q[:, 0].reshape(B, Hkv, rep, D)
         scale = 1.0 / math.sqrt(D)
         # prompt part: the queries of each slot's rows laid out as (slot, kv head, sample, rep) -> one matmul per

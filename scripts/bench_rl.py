@@ -13,6 +13,9 @@ the Muon + AdamW step. Configurations (--configs):
                 to the eager config's
   *_graph       the static step replayed from CUDA graphs (CUDA only): tokens checked equal to the static
                 config's (same shapes, same kernels; on a GPU other shapes may round otherwise)
+  *_compiled    the same with torch.compile (nanochat/compile.py): the training forward, and the static decode step
+                where the config has one; compile seconds and graphs compiled are columns of their own, and with
+                --repeat >= 2 the last step is the steady state (the first pays the compiles)
 Each runs twice: as is ("full": a random-init model almost never ends a row, so rows run to the cap) and with
 "+early": a wrapper ends every row at a geometric random length (mean --early-stop-mean), to show that finished
 rows stop costing compute (the engine's row_steps against rows x longest row).
@@ -50,10 +53,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from nanochat.cli import ArgumentParser, add_debug_flag, add_memory_budget_flag, add_model_generation_flag, run_main
+from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_memory_budget_flag, add_model_generation_flag,
+                          run_main)
 from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_init, cpu_bf16_kind,
                              cpu_has_native_bf16, cpu_name, dtype_name, synchronize, get_base_dir, get_dist_info, grad_norm,
                              print0, require)
+from nanochat.compile import compile_plan, compile_totals, maybe_compiled
 from nanochat.decode_weights import matmul_modules
 from nanochat.engine import Engine
 from nanochat.kv_cache import cache_geometry
@@ -62,7 +67,7 @@ from nanochat.gpt import GPT, build_fresh_model
 from nanochat.memory_budget import resolve_memory_budget
 from nanochat.op_count import count_decode_step_ops
 from nanochat.optim import scale_initial_lr
-from nanochat.rl import accumulate_policy_gradient, make_question_batch
+from nanochat.rl import accumulate_policy_gradient, chunk_logprobs, make_question_batch
 from nanochat.rollout import Sampling, question_seed, sample_questions
 from nanochat.sampling import mix32
 from nanochat.tokenizer import Tokenizer
@@ -78,6 +83,7 @@ class BenchConfig:
     lean: bool           # skip work that cannot change the gradient: prompts' KV stored once in decoding, each
                          # prompt computed once in training, zero-advantage rows not trained (chat_rl's way)
     decode: str = "eager"  # the engine's decode mode (nanochat.engine.decode_mode); tokens are the same in each
+    compiled: bool = False  # torch.compile the training forward and (static, graph) the decode step
 
 
 CONFIGS = {c.name: c for c in (BenchConfig("baseline", False, torch.float32, False),
@@ -86,7 +92,11 @@ CONFIGS = {c.name: c for c in (BenchConfig("baseline", False, torch.float32, Fal
                                 BenchConfig("batched_fp32_static", True, torch.float32, True, "static"),
                                 BenchConfig("batched_bf16", True, torch.bfloat16, True),
                                 BenchConfig("batched_bf16_static", True, torch.bfloat16, True, "static"),
-                                BenchConfig("batched_bf16_graph", True, torch.bfloat16, True, "graph"))}
+                                BenchConfig("batched_bf16_graph", True, torch.bfloat16, True, "graph"),
+                                BenchConfig("batched_fp32_compiled", True, torch.float32, True, "eager", True),
+                                BenchConfig("batched_fp32_static_compiled", True, torch.float32, True, "static", True),
+                                BenchConfig("batched_bf16_compiled", True, torch.bfloat16, True, "eager", True),
+                                BenchConfig("batched_bf16_graph_compiled", True, torch.bfloat16, True, "graph", True))}
 # nanochat's d20 of January 2026 (561M parameters), random weights: the shapes the GPU figures are quoted for
 PRESETS = {"d20": dict(depth=20, vocab_size=65536, sequence_len=2048, window_pattern="SSSL")}
 BENCH_STEP = 0           # the chat_rl step whose questions and seeds the benchmark uses
@@ -100,6 +110,7 @@ def parse_args(argv):
     p.add_argument("--configs", type=str, default="",
                    help=f"comma-separated subset of {', '.join(CONFIGS)} (empty = all that run at speed on this device)")
     p.add_argument("--output", type=str, default="bench_rl.json", help="where to write every number as JSON")
+    add_compile_flag(p)
     p.add_argument("--seed", type=int, default=42, help="seed of the random-init model")
     # model
     p.add_argument("--source", type=str, default="", help="empty = a random-init model of --depth; sft|rl = load that checkpoint")
@@ -174,11 +185,16 @@ def validate_args(args):
     return [CONFIGS[n] for n in names] or None  # None: default_configs chooses for the device
 
 
-def default_configs(device):
+def default_configs(device, compile_mode="auto"):
     """Every config that runs here at speed: CUDA graphs only on CUDA; no bf16 on a CPU without native bf16
     (there a bf16 matmul is ~100x slower than fp32, so measuring it would take hours, and chat_rl computes in
-    fp32 on such a CPU anyway)."""
-    configs = [c for c in CONFIGS.values() if c.decode != "graph" or device.type == "cuda"]
+    fp32 on such a CPU anyway); compiled configs as --compile says: off none, on all, auto those whose
+    compilation chat_rl's --compile=auto would choose here."""
+    def compiles(c):  # everything the config compiles is what the plan compiles
+        plan = compile_plan(compile_mode, device, c.decode)
+        return plan.train and (plan.decode or c.decode == "eager")
+    configs = [c for c in CONFIGS.values() if (c.decode != "graph" or device.type == "cuda")
+               and (not c.compiled or compiles(c))]
     if device.type == "cpu" and not cpu_has_native_bf16():
         print0("note: no native bf16 on this CPU (no AVX512-BF16 or AMX): skipping batched_bf16 "
                "(chat_rl runs in fp32 here; --configs=batched_bf16 measures it anyway)")
@@ -431,12 +447,14 @@ def bench_engine(rollout_model, tokenizer, config, args):
     """The engine of a configuration, as chat_rl makes it (one per run: a kept static batch and its graphs serve
     the next rollouts)."""
     return Engine(rollout_model, tokenizer, max_rows=(args.max_rows or None) if config.batched else None,
-                  memory_budget_gb=args.memory_budget_gb, share_prompts=config.lean, decode=config.decode)
+                  memory_budget_gb=args.memory_budget_gb, share_prompts=config.lean, decode=config.decode,
+                  compile="on" if config.compiled else "off")
 
 
 def rl_step(model, engine, optimizers, task, indices, config, args, device):
     """One chat_rl step (rollouts, forward/backward, grad norm, optimizer step), timed by phase."""
     autocast = autocast_context(device, config.dtype)
+    compiled_before = compile_totals()
     synchronize(device)
     t0 = time.perf_counter()
     model.eval()
@@ -452,7 +470,8 @@ def rl_step(model, engine, optimizers, task, indices, config, args, device):
                    for b in batches]
     model.train()
     trained = accumulate_policy_gradient(model, batches, args.device_batch_size, len(indices), device, autocast,
-                                         share_prompt=config.lean, skip_zero_advantage=config.lean)
+                                         share_prompt=config.lean, skip_zero_advantage=config.lean,
+                                         forward=maybe_compiled(chunk_logprobs, config.compiled, dynamic=True, required=True))
     synchronize(device)
     t2 = time.perf_counter()
     grad_norm(model)
@@ -461,7 +480,9 @@ def rl_step(model, engine, optimizers, task, indices, config, args, device):
     model.zero_grad(set_to_none=True)
     synchronize(device)
     t3 = time.perf_counter()
-    return {"rollout_seconds": t1 - t0, "train_seconds": t2 - t1, "optimizer_seconds": t3 - t2, "step_seconds": t3 - t0,
+    compiles, compile_seconds = (now - before for now, before in zip(compile_totals(), compiled_before))
+    return {"compiles": compiles, "compile_seconds": compile_seconds,
+            "rollout_seconds": t1 - t0, "train_seconds": t2 - t1, "optimizer_seconds": t3 - t2, "step_seconds": t3 - t0,
             "captures": engine.last_stats.captures,
             "rows_trained": trained.rows_trained, "rows_skipped": trained.rows_total - trained.rows_trained,
             "sampler_tokens": trained.sampler_tokens, "sampler_gap_mean": trained.sampler_gap_mean,
@@ -495,7 +516,8 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
     optimizers = fresh_optimizers(model, args.init_lr_frac)
     # warm-up: kernels and allocator pools for this dtype, one question, a few tokens, no optimizer step
     warm = argparse.Namespace(**{**vars(args), "num_samples": args.device_batch_size, "max_new_tokens": min(4, args.max_new_tokens)})
-    rl_step(model, bench_engine(rollout_model, tokenizer, config, warm), [], task, indices[:1], config, warm, device)
+    warm_up = rl_step(model, bench_engine(rollout_model, tokenizer, config, warm), [], task, indices[:1], config, warm,
+                      device)
     model.load_state_dict(initial_state)
 
     resident_mb = memory.reset()
@@ -533,24 +555,31 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
             "decode_x_bound": decode_ms / bound_ms,
             "rollout_seconds_each": [r["rollout_seconds"] for r in runs],
             "captures_each": [r["captures"] for r in runs],
+            # the warm-up's compiles first (its one question compiles the training forward, dynamic in every length)
+            "compiles_each": [warm_up["compiles"]] + [r["compiles"] for r in runs],
+            "compile_seconds_each": [warm_up["compile_seconds"]] + [r["compile_seconds"] for r in runs],
+            "step_seconds_each": [r["step_seconds"] for r in runs], "train_seconds_each": [r["train_seconds"] for r in runs],
             **decode_op_counts(model, config, work, args),
             "resident_mb_at_start": resident_mb, "peak_memory_mb": peak_mb}
 
 
 def mark_identical_tokens(results, configs):
-    """A config decoding in another mode than eager records whether its rollouts' tokens equal those of its twin
-    of the same dtype and work: a graph config's is the static one (the shapes it replays, run eagerly: on a GPU
-    only the same shapes are sure to run the same kernels), a static one's is eager (there the shapes differ, so
-    equality holds where kernels round alike for any batch: checked on CPU)."""
+    """A config decoding in another mode than eager, or compiled, records whether its rollouts' tokens equal those
+    of its twin of the same dtype and work: a compiled one's is the same config uncompiled (on a CPU in fp32 the
+    same tokens are expected; elsewhere a near-tie may go the other way); a graph config's is the static one (the
+    shapes it replays, run eagerly: on a GPU only the same shapes are sure to run the same kernels), a static one's
+    is eager (there the shapes differ, so equality holds where kernels round alike for any batch: checked on
+    CPU)."""
     by_name = {c.name: c for c in configs}
     for name, r in results.items():
         base_name, _, suffix = name.partition("+")
         config = by_name[base_name]
-        if config.decode == "eager":
+        if config.decode == "eager" and not config.compiled:
             continue
-        same_work = [c for c in configs if (c.batched, c.dtype, c.lean) == (config.batched, config.dtype, config.lean)]
-        twins = [c.name for mode in (("static", "eager") if config.decode == "graph" else ("eager",))
-                 for c in same_work if c.decode == mode]
+        same_work = [c for c in configs if (c.batched, c.dtype, c.lean) == (config.batched, config.dtype, config.lean)
+                     and not c.compiled]
+        modes = (config.decode,) if config.compiled else ("static", "eager") if config.decode == "graph" else ("eager",)
+        twins = [c.name for mode in modes for c in same_work if c.decode == mode]
         twin_name = twins[0] + ("+" + suffix if suffix else "") if twins else None
         other = results.get(twin_name) if twin_name else None
         r["tokens_identical_to"] = (twin_name, other["tokens_digest"] == r["tokens_digest"]) if other else None
@@ -606,6 +635,16 @@ def format_table(results):
                      f"{r['bandwidth_bound_ms']:8.3f} {r['decode_x_bound']:7.1f} {f'{each[0]:.2f}..{each[-1]:.2f}':>21} "
                      f"{'/'.join(map(str, r['captures_each'])):>9} "
                      f"{str(r['decode_step_ops']) + '/' + str(r['decode_step_kernels']):>11} {gap:>17} {tokens:>24}")
+    if any(r["compiles_each"] != [0] * len(r["compiles_each"]) for r in results.values()):
+        lines.append("")
+        lines.append(f"{'config':<26} {'compiles warm-up/steps':>22} {'compile s':>22} {'step s first..last':>19} "
+                     f"{'rollout s first..last':>21} {'train s first..last':>20}")
+        span = lambda values: f"{values[0]:.2f}..{values[-1]:.2f}"
+        for name, r in results.items():
+            lines.append(f"{name:<26} {'/'.join(map(str, r['compiles_each'])):>22} "
+                         f"{'/'.join(f'{s:.1f}' for s in r['compile_seconds_each']):>22} "
+                         f"{span(r['step_seconds_each']):>19} {span(r['rollout_seconds_each']):>21} "
+                         f"{span(r['train_seconds_each']):>20}")
     return "\n".join(lines)
 
 
@@ -714,7 +753,7 @@ def main(argv):
         require(device.type == "cuda" or not graphs,
                 f"--configs names {', '.join(graphs)}, which replays CUDA graphs, and this run is on {device.type} (torch sees no "
                 f"CUDA device, or --device-type chose another); measure the same step eagerly with a *_static config")
-        return run(args, configs or default_configs(device), device)
+        return run(args, configs or default_configs(device, args.compile), device)
     finally:
         compute_cleanup()
 

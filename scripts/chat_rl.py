@@ -36,8 +36,10 @@ from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, CheckpointError, find_
                                          load_meta, load_model, make_checkpoint_dir, new_run_id, save_checkpoint,
                                          update_meta)
 from nanochat.checkpoint_pruning import prune_checkpoints, remove_extra_shards
-from nanochat.cli import (ArgumentParser, add_debug_flag, add_decode_flag, add_memory_budget_flag, add_model_generation_flag,
-                          add_optimizer_flags, add_runtime_flags, check_decode_flag, check_optimizer_flags, run_main)
+from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
+                          add_model_generation_flag, add_optimizer_flags, add_runtime_flags, check_decode_flag,
+                          check_optimizer_flags, run_main)
+from nanochat.compile import compile_totals, maybe_compiled, resolve_compile
 from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup,
                              compute_dtype, compute_init, dtype_name, format_duration, get_base_dir, get_dist_info, print0,
                              remaining_seconds, require, requested_dtype)
@@ -50,7 +52,8 @@ from nanochat.optim import LR_SCHEDULES, guarded_step, lr_multiplier, scale_init
 from nanochat.optimizer_shards import optimizer_states_for_resume
 from nanochat.precision import MARGIN, PREFERENCE, fastest_decode_dtype, fastest_training_dtype, rank0_choice
 from nanochat.report import get_report, log_chat_rl
-from nanochat.rl import LOSS_NORMS, ROLLOUT_CORRECTIONS, PolicyLoss, TrainStats, accumulate_policy_gradient, step_counts
+from nanochat.rl import (LOSS_NORMS, ROLLOUT_CORRECTIONS, PolicyLoss, TrainStats, accumulate_policy_gradient, chunk_logprobs,
+                         step_counts)
 from nanochat.rollout import Sampling, longest_prompt, question_seed, sample_questions, step_question_indices
 from nanochat.wandb_utils import init_wandb, log_samples_table
 from tasks.registry import make_task, resolve_task_class
@@ -113,6 +116,7 @@ def parse_args(argv):
                    help="max rows decoded together in one rollout batch (0 = as many as --memory-budget-gb allows)")
     add_memory_budget_flag(p)
     add_decode_flag(p)
+    add_compile_flag(p)
     # optimization
     add_optimizer_flags(p)
     p.add_argument("--init-lr-frac", type=float, default=0.05, help="every lr is multiplied by this at the start")
@@ -245,7 +249,7 @@ def resolve_dtypes(args, model, tokenizer, train_task, device):
 
 # flags that define the run; --resume restores them from the checkpoint so the continuation is exact
 RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows", "memory_budget_gb", "max_bad_steps",
-                 "output_tag", "decode", "keep_last", "no_signal_steps")  # a resumed run writes to its own directory
+                 "output_tag", "decode", "compile", "keep_last", "no_signal_steps")  # a resumed run writes to its own directory
 
 
 def resolve_resume(spec):
@@ -414,6 +418,8 @@ class RLRun:
     micro_rows: int = 0                    # rows per training forward; halved on out-of-memory
     consecutive_bad: int = 0
     steps_without_signal: list = field(default_factory=list)  # records of the current streak of steps that trained no row
+    forward: object = chunk_logprobs       # the training pass's chunk forward: compiled or not (--compile)
+    compiled_before: tuple = (0, 0.0)      # compile_totals() at the last step record
     step_seconds: list = field(default_factory=list)   # this process's timings, for the ETA
     eval_seconds: list = field(default_factory=list)
 
@@ -433,9 +439,10 @@ class RLRun:
         return autocast_context(self.device, getattr(torch, self.config.rollout_dtype if rollouts else self.config.dtype))
 
 
-def setup_run(args, resume, rank, world_size, device):
+def setup_run(args, resume, rank, world_size, device, decode):
     """Load the model (a new run, or `resume`: restore_settings' Resume), resolve the effective configuration, and
-    build the optimizers, the engine and the tasks: an RLRun at its first step."""
+    build the optimizers, the engine and the tasks: an RLRun at its first step. decode: the decode mode that runs
+    (check_decode_flag's)."""
     start_step = 0
     if resume:
         with resume.errors():
@@ -473,9 +480,13 @@ def setup_run(args, resume, rank, world_size, device):
         completion_tokens=args.max_new_tokens, prompt_tokens=model.config.sequence_len,
         rollout_dtype=getattr(torch, args.rollout_dtype))
     print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
+    compiling = resolve_compile(args.compile, device, decode, num_steps - start_step)
+    args.compile = args.compile if compiling.decode or compiling.train else "off"  # off where unavailable
     engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
-                    decode=args.decode)
+                    decode=args.decode, compile=args.compile)
     print0(f"rollouts: {engine.decode} decode step ({DECODE_DESCRIPTIONS[engine.decode]}; --decode to choose)")
+    print0(f"compile: decode step {'on' if compiling.decode else 'off'}, training forward "
+           f"{'on' if compiling.train else 'off'} ({compiling.why}; --compile to choose)")
     if engine.decode != "eager":  # one static batch for the run, its graphs captured once: sized for every prompt
         engine.reserve_prompt_length(longest_prompt(tokenizer, train_task, val_task))
         print0(f"rollouts: static batch sized for prompts of up to {engine.prompt_floor} tokens (the task's longest)")
@@ -494,7 +505,8 @@ def setup_run(args, resume, rank, world_size, device):
         segments=segments,
         history=list(meta.get("history", [])) if args.resume else [],
         eval_history=[tuple(e) for e in meta.get("eval_history", [])] if args.resume else [],
-        last_saved=start_step - 1 if args.resume else None, micro_rows=args.device_batch_size)
+        last_saved=start_step - 1 if args.resume else None, micro_rows=args.device_batch_size,
+        forward=maybe_compiled(chunk_logprobs, compiling.train, dynamic=True, required=args.compile == "on"))
 
 
 def with_fewer_rows_on_oom(attempt, rows, message, rows_in_use=None, free_memory=None):
@@ -586,7 +598,7 @@ def train_on_rollouts(run, rollouts, step):
             run.model.zero_grad(set_to_none=True)  # what a failed attempt accumulated
             return accumulate_policy_gradient(run.model, batches, cfg.device_batch_size, run.examples_per_rank, run.device,
                                               run.autocast(), micro_batch_rows=rows, loss=run.policy_loss, counts=counts,
-                                              reference=run.reference, first_epoch=first)
+                                              reference=run.reference, first_epoch=first, forward=run.forward)
         last, run.micro_rows = with_fewer_rows_on_oom(attempt, run.micro_rows, "out of memory during training: "
                                                       "retrying with {rows} rows per forward pass",
                                                       free_memory=lambda: give_back_rollout_memory(run.engine))
@@ -649,10 +661,13 @@ def count_no_signal_step(run, record):
 
 def step_record(run, step, rollouts, result, t_rollout, t_train):
     """The step's metrics over all ranks, as logged to wandb and kept in the run's history."""
+    totals = compile_totals()  # graphs compiled and their calls' seconds, since the last record
+    compiled, run.compiled_before = [now - before for now, before in zip(totals, run.compiled_before)], totals
     metrics = drop_unmeasured(reduce_metrics(
         {**rollout_metrics([r.rewards for r in rollouts], [r.completions for r in rollouts], run.config.max_new_tokens,
                            prompt_lengths=[r.prompt_length for r in rollouts], rows_trained=result.first.rows_trained),
-         **objective_metrics(result.first, result.last), "captures": float(run.engine.last_stats.captures)},
+         **objective_metrics(result.first, result.last), "captures": float(run.engine.last_stats.captures),
+         "compiles": float(compiled[0]), "compile_s": compiled[1]},
         run.reduce_device))
     num_tokens = metrics["completion_len_mean"] * metrics["num_samples"]  # generated this step, all ranks
     return {"step": step, **metrics, "reward": metrics["reward_mean"], "sequence_length": metrics["seq_len_mean"],
@@ -680,7 +695,8 @@ def format_step_line(run, m, elapsed):
                + (f" corrected {m['corrected_fraction']:.3f}" if run.config.rollout_correction != "none" else "") + " | "
                if m.get("sampler_tokens") else "")
             + f"rollout {m['time/rollout']:.1f}s captures {m['captures']:.0f} train {m['time/train']:.1f}s {m['rollout_tokens_per_s']:.0f} tok/s | "
-            f"elapsed {format_duration(elapsed)} eta {format_duration(eta_train)}"
+            + (f"compiled {m['compiles']:.0f} graphs in {m['compile_s']:.1f}s | " if m.get("compiles") else "")
+            + f"elapsed {format_duration(elapsed)} eta {format_duration(eta_train)}"
             + (f" + eval {format_duration(eta_eval)}" if eta_eval else ""))
 
 
@@ -721,10 +737,10 @@ def main(argv):
     validate_args(args, world_size)
     resume = restore_settings(args, world_size) if args.resume else None
     _, rank, _, world_size, device = compute_init(args.device_type)
-    check_decode_flag(args.decode, device)
+    decode = check_decode_flag(args.decode, device)
     stop = GracefulStop().install()
     try:
-        train(setup_run(args, resume, rank, world_size, device), stop)
+        train(setup_run(args, resume, rank, world_size, device, decode), stop)
     finally:
         stop.uninstall()
         compute_cleanup()

@@ -66,19 +66,13 @@ class ScriptedEval(ParityTask):
 
 
 class GatedParityTask(ParityTask):
-    """ParityTask whose rewards after the first STEP_REWARDS of a process (its first step's: 2 questions x 4 samples
-    a rank in the tests' runs) wait until the file $GATE_FILE exists, when that variable is set: a test holds every
-    rank inside step 1, signals them, then opens the gate, so the step a signal lands in is known, not raced."""
-    STEP_REWARDS = 8
-
-    def __init__(self, split="train"):
-        super().__init__(split)
-        self.rewards = 0
+    """ParityTask whose rewards wait until the file $GATE_FILE exists, when that variable is set: a test holds every
+    rank inside step 0, before its stop check, signals them, then opens the gate, so the step a signal lands in is
+    known, not raced."""
 
     def reward(self, conversation, response_text):
-        self.rewards += 1
         gate = os.environ.get("GATE_FILE")
-        while gate and self.rewards > self.STEP_REWARDS and not os.path.exists(gate):
+        while gate and not os.path.exists(gate):
             time.sleep(0.01)
         return super().reward(conversation, response_text)
 

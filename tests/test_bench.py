@@ -124,8 +124,11 @@ def test_default_configs_measure_bf16_only_where_it_is_native(kind, monkeypatch,
     assert bench_rl.validate_args(bench_rl.parse_args([])) is None  # no --configs: the device decides
     names = [c.name for c in bench_rl.default_configs(torch.device("cpu"))]
     expected = ["baseline", "batched_plain", "batched_fp32", "batched_fp32_static"] + (
-        ["batched_bf16", "batched_bf16_static"] if native_bf16 else [])
-    assert names == expected  # CUDA graphs (batched_bf16_graph) only on CUDA
+        ["batched_bf16", "batched_bf16_static"] if native_bf16 else []) + ["batched_fp32_compiled"] + (
+        ["batched_bf16_compiled"] if native_bf16 else [])
+    # CUDA graphs (batched_bf16_graph) only on CUDA; compiled configs where chat_rl's --compile=auto compiles (on a
+    # CPU the training forward, not the decode step)
+    assert names == expected
     assert ("skipping batched_bf16" in capsys.readouterr().out) == (not native_bf16)
 
 

@@ -275,9 +275,9 @@ def test_resume_with_one_ranks_shard_lost_is_one_line_and_touches_nothing(disk_f
 def test_torchrun_sigterm_saves_one_consistent_checkpoint_and_resume_is_bitwise(module_base, tmp_path):
     """SIGTERM to torchrun, which forwards it to both ranks: they finish the step, agree to stop, save one
     checkpoint (the model, the meta and both shards of the same step and run) and exit; a 2-rank --resume then
-    ends with bitwise the weights of an uninterrupted 2-rank run. The signal lands in step 1 by construction, not
-    by a race: the ranks' rewards of step 1 wait for a gate file (rl_toy_task.GatedParityTask), opened only once
-    rank 0 says it received the signal. (The uninterrupted run and the resume start their ranks without torchrun's agent, which
+    ends with bitwise the weights of an uninterrupted 2-rank run. The signal lands in step 0 by construction, not
+    by a race: the ranks' rewards wait for a gate file (rl_toy_task.GatedParityTask) until rank 0 says it received
+    the signal, so both are still inside step 0, before its stop check. (The uninterrupted run and the resume start their ranks without torchrun's agent, which
     only adds start-up time: the ranks compute the same.)"""
     flags = [f if not f.startswith("--task=") else "--task=rl_toy_task:GatedParityTask" for f in TINY_RL_FLAGS]
     flags += ["--num-steps=5", "--save-every=-1"]
@@ -293,7 +293,7 @@ def test_torchrun_sigterm_saves_one_consistent_checkpoint_and_resume_is_bitwise(
     try:
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith("Step 0/5"):
+            if line.startswith("rollouts: "):  # set up, before step 0's rewards
                 proc.send_signal(signal.SIGTERM)
             if line.startswith("received SIGTERM: finishing this step"):  # rank 0 has it (the ranks agree by MAX)
                 gate.touch()
@@ -307,7 +307,7 @@ def test_torchrun_sigterm_saves_one_consistent_checkpoint_and_resume_is_bitwise(
     assert len(names) == 4, (names, err[-3000:])
     step = int(names[0][5:11])
     assert names == [f"meta_{step:06d}.json", f"model_{step:06d}.pt", f"optim_{step:06d}_rank0.pt",
-                     f"optim_{step:06d}_rank1.pt"] and step == 1
+                     f"optim_{step:06d}_rank1.pt"] and step == 0
     assert f"Stopped after step {step} on request. Resume with: python -m scripts.chat_rl --resume=d2:{step}" in out
     meta = json.loads((rl_dir(stopped) / names[0]).read_text())
     shards = [torch.load(rl_dir(stopped) / n, weights_only=True) for n in names[2:]]

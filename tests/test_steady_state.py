@@ -36,4 +36,7 @@ def test_every_step_starts_with_the_same_live_tensors_and_objects(decode, sft, b
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=8", f"--decode={decode}", "--save-every=100"])
     tensors, objects = zip(*counts)
     assert len(counts) == 8 and len(set(tensors[1:])) == 1
-    assert len(set(objects[2:])) == 1, objects
+    # Python objects: equal from the third step on, but for a transient of one or two (an interpreter cache filled
+    # on some step); a leak of one object a step grows by 5 over these 6 steps and fails both bounds
+    steady = objects[2:]
+    assert max(steady) - min(steady) <= 2 and steady[-1] - steady[0] <= 1, objects

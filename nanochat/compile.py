@@ -1,0 +1,200 @@
+"""
+torch.compile for a run's two hot paths, and what compiling them costs.
+
+- The static decode step (nanochat/decode_batch.py's `static_step`): fullgraph, static shapes, so one graph per
+  bucketed (rows, keys) shape. On CUDA the engine's own graphs (nanochat/cuda_graphs.py's GraphedStep) capture
+  the compiled step: it is compiled in Inductor's default mode, without Inductor's cudagraphs, so that one
+  owner captures and replays (the engine's graphs already hold every bucket in one pool, warmed up on a side
+  stream; "reduce-overhead" would capture a second time inside them).
+- The training pass's forward (nanochat/rl.py's `chunk_logprobs`: hidden states, logits at the sampled
+  positions, log-probabilities and entropy), for the policy-gradient pass, the PPO epochs and the reference
+  model alike: dynamic shapes (rows, lengths, prompt lengths vary from chunk to chunk), so a run compiles it a
+  bounded number of times (a few graphs: with or without a shared prompt, grad on or off), not once per length.
+
+A compiled function counts its compiles (graphs handed to Inductor) and the seconds of the calls that compiled
+(tracing, Inductor and its C++ or Triton compile, and the call itself: the first-call cost a run pays). Both
+are shared by every caller in the process, as Dynamo's cache is (it is kept per function): a second engine
+or model of the same shapes reuses the graphs. Inductor also keeps its compiled kernels on disk
+(TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER), so a second run compiles much faster.
+
+Where compiling fails (no C++ compiler on a CPU, an operation Dynamo or Inductor cannot take), the function
+says so in one warning line and runs eagerly from then on; with required=True (--compile=on) the failure is a
+UserError instead. Errors of the computation itself (an out-of-memory included) are never caught.
+"""
+
+import functools
+import time
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from nanochat.common import UserError
+
+COMPILE_MODES = ("auto", "on", "off")
+RECOMPILE_LIMIT = 256  # graphs per compiled function: every decode bucket of a large batch (Dynamo's default is 8)
+
+
+def compile_errors():
+    """The exception types that mean "this could not be compiled" (not "the computation failed")."""
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._inductor.exc import InductorError
+    return (TorchDynamoException, InductorError)
+
+
+class CompileFailed(UserError):
+    """--compile=on and compiling failed."""
+
+
+class CompiledFunction:
+    """`fn` compiled (fullgraph), run through Inductor; falls back to `fn` where that fails (the module docstring).
+    compiles: graphs compiled so far; seconds: wall time of the calls that compiled; failed: why it runs
+    eagerly (None while compiled)."""
+
+    def __init__(self, fn, dynamic):
+        self.fn, self.name = fn, fn.__name__
+        self.compiles, self.seconds, self.failed = 0, 0.0, None
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=_CountingInductor(self))
+
+    def __call__(self, *args, required=False):
+        if self.failed is not None:
+            if required:
+                raise CompileFailed(f"torch.compile cannot compile {self.name}: {self.failed}")
+            return self.fn(*args)
+        before, t0 = self.compiles, time.perf_counter()
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
+                                            accumulated_recompile_limit=4 * RECOMPILE_LIMIT):
+                out = self.compiled(*args)
+        except compile_errors() as error:
+            if isinstance(error.__cause__, torch.OutOfMemoryError) or isinstance(error, torch.OutOfMemoryError):
+                raise
+            self.failed = first_line(error)
+            if required:
+                raise CompileFailed(f"torch.compile cannot compile {self.name}: {self.failed}") from error
+            warnings.warn(f"torch.compile failed on {self.name} ({self.failed}); it runs eagerly from now on",
+                          stacklevel=2)
+            return self.fn(*args)
+        if self.compiles != before:
+            self.seconds += time.perf_counter() - t0
+        return out
+
+
+class _CountingInductor:
+    """A torch.compile backend: Inductor (default mode: no cudagraphs of its own), counting the graphs it gets."""
+
+    def __init__(self, owner):
+        self.owner = owner
+
+    def __call__(self, graph_module, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+        self.owner.compiles += 1
+        return compile_fx(graph_module, example_inputs)
+
+
+def first_line(error):
+    """The first non-empty line of the message of what failed (the backend's own error, not Dynamo's wrapper of
+    it), with its type."""
+    error = getattr(error, "inner_exception", None) or error
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
+
+
+_COMPILED = {}  # (fn, dynamic) -> its CompiledFunction: one per process, as Dynamo's cache is one per function
+
+
+def compiled(fn, dynamic):
+    """The process's CompiledFunction of `fn` (made at the first request)."""
+    key = (fn, dynamic)
+    if key not in _COMPILED:
+        _COMPILED[key] = CompiledFunction(fn, dynamic)
+    return _COMPILED[key]
+
+
+def maybe_compiled(fn, on, dynamic, required=False):
+    """`fn` itself (on=False), or its process-wide CompiledFunction; required: a compile failure is a
+    CompileFailed (a UserError) instead of a warning and the eager path."""
+    return functools.partial(compiled(fn, dynamic), required=required) if on else fn
+
+
+def compile_totals():
+    """(graphs compiled, seconds of the calls that compiled) over every compiled function of the process."""
+    return sum(c.compiles for c in _COMPILED.values()), sum(c.seconds for c in _COMPILED.values())
+
+
+class CompilePlan(NamedTuple):
+    """What a run compiles, and why (printed at its start)."""
+    decode: bool  # the static decode step (only static and graph decode modes run it)
+    train: bool   # the training pass's forward
+    why: str
+
+
+# a CPU run compiles its training forward from this many steps on (--compile=auto): measured on a 2-core Xeon,
+# d4 random model, 16 questions x 16 samples x 256 tokens, every row trained: the compiled forward saves ~4.6 s of
+# an 18 s training phase per step, after ~60 s of compiling (a cold Inductor cache): even at a quarter of that
+# saving per step (smaller models, fewer trained rows) a run of this length pays for its compile
+CPU_MIN_STEPS = 50
+
+
+def compile_plan(mode, device, decode, num_steps=None):
+    """The CompilePlan of --compile=`mode` on `device` with decode mode `decode` (cuda_graphs.decode_mode's
+    answer), for a run of `num_steps` steps (None: long). auto: on CUDA both (the step is launch-bound: fusing
+    its elementwise work is the point); on a CPU the training forward only, and only for a run of at least
+    CPU_MIN_STEPS steps (measured there: see CPU_MIN_STEPS; the static decode step compiled is no faster there
+    than the eager exact-shape step that auto decodes with on a CPU, and costs ~10 s per bucket); elsewhere
+    (MPS) nothing: not measured. on: both where they apply (the decode step only in static and graph modes: the
+    eager step's exact shapes would compile at every new shape)."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    static = decode in ("static", "graph")
+    if mode == "off":
+        return CompilePlan(False, False, "--compile=off")
+    if mode == "on":
+        return CompilePlan(static, True, "--compile=on" + ("" if static else "; the eager decode step is not compiled"))
+    if device.type == "cuda":
+        return CompilePlan(static, True, "auto on CUDA")
+    if device.type == "cpu":
+        if num_steps is not None and num_steps < CPU_MIN_STEPS:
+            return CompilePlan(False, False, f"auto on a CPU: {num_steps} steps are too few to pay for compiling "
+                                             f"(from {CPU_MIN_STEPS} on)")
+        return CompilePlan(False, True, f"auto on a CPU with {num_steps or 'many'} steps: the training forward "
+                                        f"(measured to pay from {CPU_MIN_STEPS} steps); not the decode step")
+    return CompilePlan(False, False, f"auto on {device.type}: not measured there")
+
+
+def check_compiler(device):
+    """Why torch.compile cannot run on `device` here (a one-line reason), or None when it can: compiles and runs
+    a two-operation function once (cached on disk by Inductor after the first time)."""
+    probe = compiled(_probe, dynamic=False)
+    x = torch.ones(4, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            out = probe(x)
+        except Exception as error:  # anything that stops the probe (a broken toolchain, a torch build that lacks
+            return first_line(error)  # what the device reports) means: no compiling here
+    if probe.failed is not None:
+        return probe.failed
+    if not torch.equal(out.cpu(), torch.full((4,), 3.0)):
+        return "a compiled probe computed a wrong result"
+    return None
+
+
+def resolve_compile(mode, device, decode, num_steps=None):
+    """The CompilePlan a run of `num_steps` steps uses (compile_plan), after checking that torch.compile works on
+    `device` when the plan compiles anything: where it does not, --compile=on fails (CompileFailed) and auto warns
+    in one line and compiles nothing."""
+    plan = compile_plan(mode, device, decode, num_steps)
+    if not (plan.decode or plan.train):
+        return plan
+    reason = check_compiler(device)
+    if reason is None:
+        return plan
+    if mode == "on":
+        raise CompileFailed(f"torch.compile does not work on {device.type} here ({reason})")
+    warnings.warn(f"torch.compile does not work on {device.type} here ({reason}); running eagerly", stacklevel=2)
+    return CompilePlan(False, False, f"{mode}: torch.compile unavailable ({reason})")
+
+
+def _probe(x):
+    return x * 2 + 1

@@ -1,0 +1,223 @@
+"""torch.compile of the static decode step and of the training forward (issue 36), on the CPU with Inductor.
+
+Compiled decoding samples the eager engine's tokens on nanochat's generation fixtures; a rollout compiles each
+bucketed shape once and the next rollout none; the function compiled is the one proven free of host reads on the
+meta device, and the graph Dynamo captures from it runs there too. The compiled training forward gives the eager
+objective and gradient within fp32 rounding (bound derived as tests/test_rl_sharing.py derives its own). Where
+compiling fails, one warning and the eager result; with --compile=on, a one-line error.
+
+Compiling is slow on a CPU (~10 s a graph with a cold Inductor cache): the compiled functions are the process's
+(nanochat.compile.compiled), so the tests share their graphs, and each test keeps to a few shapes."""
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+
+from nanochat import compile as nc_compile
+from nanochat.checkpoint_manager import build_model
+from nanochat.cli import error_line
+from nanochat.compile import (CPU_MIN_STEPS, RECOMPILE_LIMIT, CompiledFunction, CompileFailed, CompilePlan, compile_plan, compile_totals, compiled,
+                              resolve_compile)
+from nanochat.decode_batch import DecodeBatch, RolloutStats, static_step
+from nanochat.engine import Engine
+from nanochat.rl import accumulate_policy_gradient, chunk_logprobs, pass_denominators
+from nanochat.shared_prompt_cache import SharedPromptKVCache
+from helpers import HAS_CUDA, install_generation, prompt_of, random_model, tiny_config
+from test_rl_sharing import gradients, mixed_batches, term_sizes
+from test_static_decode import ENDING_PROMPTS, DeviceOnly, ending_model
+
+
+@pytest.fixture(autouse=True)
+def no_pretend_cuda(monkeypatch):
+    """Dynamo saves and restores the CUDA random state around a compile wherever torch.cuda says it is there:
+    the session's pretend CUDA (tests/conftest.py) must say what this machine has."""
+    if not HAS_CUDA:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+def completions(engine, prompts, **kwargs):
+    """Per prompt, per sample: (tokens, masks, ended), and separately the two recorded log-probabilities."""
+    out = engine.generate_many(prompts, **kwargs)
+    tokens = [[(c.tokens, c.masks, c.ended) for c in per] for per in out]
+    logprobs = [x for per in out for c in per for x in c.logprobs + c.sampling_logprobs if x == x]
+    return tokens, torch.tensor(logprobs)
+
+
+@pytest.mark.parametrize("name", ["jan2026", "smear"])  # windows; windows, value embeddings and smear
+def test_compiled_decode_samples_the_eager_tokens_on_generation_fixtures(name, tmp_path, monkeypatch):
+    """fp32 rollouts (T=1, top-k 50, rows admitted into freed slots) of nanochat's fixture checkpoints: the static
+    step compiled by Inductor samples exactly the eager engine's tokens; the recorded log-probabilities agree to
+    fp32 rounding of a log-sum-exp over the vocabulary (Inductor sums in its own order: measured <= 1e-6)."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    model, tokenizer, _ = build_model(str(install_generation(tmp_path, name)), 5, "cpu", "eval")
+    prompts = [prompt_of(tokenizer, q) for q in ("What is 12 times 7?", "Hi")]
+    kwargs = dict(num_samples=3, max_tokens=16, temperature=1.0, top_k=50, seeds=[4, 5], max_rows=4)
+    eager, eager_lp = completions(Engine(model, tokenizer, decode="eager"), prompts, **kwargs)
+    before = compile_totals()[0]
+    fast, fast_lp = completions(Engine(model, tokenizer, decode="static", compile="on"), prompts, **kwargs)
+    assert compile_totals()[0] > before  # it did run compiled
+    assert fast == eager
+    assert eager_lp.numel() > 40 and (fast_lp - eager_lp).abs().max() <= 1e-5
+
+
+def test_each_bucket_compiles_once_and_the_next_rollout_compiles_nothing(tiny_tokenizer):
+    """A rollout whose rows end at varied steps runs several row buckets: each compiles once, at its first step
+    (Dynamo would recompile if a step's guards changed from one step to the next: a Python value, a new tensor),
+    and the next rollout on the kept batch compiles no graph at all, and samples what a fresh eager engine
+    samples on the updated weights."""
+    model = ending_model(tiny_tokenizer)
+    prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS[:2]]
+    kwargs = dict(num_samples=4, max_tokens=24, temperature=1.0, top_k=50, seeds=[1, 2], max_rows=6)
+    engine = Engine(model, tiny_tokenizer, decode="static", compile="on")
+    step, shapes = engine.step, []
+    engine.step = lambda batch, rows, keys: (shapes.append((rows, keys)), step(batch, rows, keys))
+    before = compile_totals()[0]
+    first, _ = completions(engine, prompts, **kwargs)
+    assert len(set(shapes)) >= 3 and compile_totals()[0] - before == len(set(shapes)), shapes
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.1)  # what an optimizer step does: in place
+    again, _ = completions(engine, prompts, **kwargs)
+    assert compile_totals()[0] - before == len(set(shapes))
+    assert again == completions(Engine(model, tiny_tokenizer, decode="eager"), prompts, **kwargs)[0] != first
+
+
+class GraphRecorder:
+    """A torch.compile backend that keeps the FX graph Dynamo captured and the inputs it was called with (the
+    tensors Dynamo read: the batch's buffers, cache and weights), and runs it as it is."""
+
+    def __init__(self):
+        self.graphs, self.inputs = [], None
+
+    def __call__(self, graph_module, example_inputs):
+        self.graphs.append(graph_module)
+
+        def run(*args):
+            self.inputs = args
+            return graph_module(*args)
+        return run
+
+
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_the_step_compiled_is_the_one_proven_on_the_meta_device(share_prompts, tiny_tokenizer):
+    """The engine compiles static_step, the function tests/test_static_decode.py runs on the meta device; and the
+    whole graph Dynamo captures from it (fullgraph: one graph, no break) runs on `meta` under DeviceOnly, so the
+    compiled step reads nothing from the host either (fullgraph alone would not show it: Dynamo can capture
+    .item() into a graph)."""
+    assert Engine(ending_model(tiny_tokenizer), tiny_tokenizer, decode="static", compile="on").step.func.fn is static_step
+    config = tiny_config(sequence_len=64, vocab_size=tiny_tokenizer.get_vocab_size(), window_pattern="SL")
+    model = random_model(config, generation="smear").to("meta")
+    if share_prompts:
+        cache = SharedPromptKVCache.for_model(model, 6, 2, 16, 40, rows_per_slot=4, static=True)
+    else:
+        from nanochat.kv_cache import KVCache
+        cache = KVCache.for_model(model, 6, 56)
+    batch = DecodeBatch(model, cache, 1.0, 50, RolloutStats())
+    recorder = GraphRecorder()
+    step = torch.compile(static_step, fullgraph=True, dynamic=False, backend=recorder)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # the other tests' graphs count
+        step(batch, 6, 32)
+    (graph,), inputs = recorder.graphs, recorder.inputs
+    with DeviceOnly() as mode, torch.no_grad():
+        graph(*inputs)
+    assert mode.ops > 50 and all(t.device.type == "meta" for t in inputs if isinstance(t, torch.Tensor))
+
+
+@pytest.fixture(scope="module")
+def smear_model(tmp_path_factory):
+    base = tmp_path_factory.mktemp("smear")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", str(base))
+        model, _, _ = build_model(str(install_generation(base, "smear")), 5, "cpu", "train")
+    return model
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_compiled_training_gives_the_eager_gradient_within_fp32_rounding(smear_model, share_prompt):
+    """The policy-gradient pass with the compiled chunk forward, on the smear fixture (smear crosses the prompt's
+    end; value embeddings; windows) with mixed advantages, a no-signal question and zero-advantage rows skipped,
+    prompts shared or recomputed: objective and gradient within the Higham bound of tests/test_rl_sharing.py.
+    Both paths sum the same terms x_t = w_t * logp_t (and their gradients) in different orders and fusions,
+    each within (n + 2) u sum |x_t| of the exact sum (n terms, a few u of rounding per term), the two within
+    twice that; norm-wise for the gradient."""
+    model = smear_model
+    batches = mixed_batches("smear")
+    logps, grad_norms = term_sizes(model.double(), batches)
+    model.float()
+    u, n, B = torch.finfo(torch.float32).eps / 2, sum(int((b.targets >= 0).sum()) for b in batches), 2
+    weights = [(b.advantages.double() / pass_denominators(b.targets, B, len(batches))).abs()[:, None] for b in batches]
+    objective_bound = 2 * (n + 2) * u * sum((w * logp.abs()).sum() for w, logp in zip(weights, logps)).item()
+    gradient_bound = 2 * (n + 2) * u * sum((w * g).sum() for w, g in zip(weights, grad_norms)).item()
+    forward = compiled(chunk_logprobs, dynamic=True)
+    eager, eager_stats = gradients(model, batches, B, share_prompt=share_prompt)
+    fast, fast_stats = gradients(model, batches, B, share_prompt=share_prompt,
+                                 forward=lambda *args: forward(*args, required=True))
+    assert forward.compiles >= 1 and fast_stats.rows_trained == eager_stats.rows_trained == 6
+    assert abs(fast_stats.objective - eager_stats.objective) <= objective_bound
+    error = torch.cat([(fast[k] - eager[k]).flatten() for k in eager]).norm().item()
+    assert error <= gradient_bound, (error, gradient_bound)
+    assert sum(g.abs().sum() for g in fast.values()) > 0
+
+
+def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch):
+    """Compilation made to fail (the backend raises, as Inductor does without a C++ compiler): one warning, the
+    eager result, and the eager path from then on without another attempt; required (--compile=on): a one-line
+    error that says which flag to change."""
+    def no_compiler(self, graph_module, example_inputs):
+        raise RuntimeError("Compiler: cc is not found")
+
+    monkeypatch.setattr(nc_compile._CountingInductor, "__call__", no_compiler)
+    twice = lambda x: x * 2 + 1
+    function = CompiledFunction(twice, dynamic=False)
+    x = torch.arange(3.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(function(x), x * 2 + 1) and torch.equal(function(x), x * 2 + 1)
+    assert len(caught) == 1 and "runs eagerly" in str(caught[0].message) and "cc is not found" in str(caught[0].message)
+    with pytest.raises(CompileFailed, match="cannot compile <lambda>: .*cc is not found") as error:
+        function(x, required=True)
+    assert "\n" not in error_line(error.value) and "--compile=off" in error_line(error.value)
+    with pytest.raises(CompileFailed, match="cc is not found"):
+        CompiledFunction(twice, dynamic=False)(x, required=True)
+
+    monkeypatch.setattr(nc_compile, "_COMPILED", {})  # the probe is made afresh, and fails
+    with pytest.raises(CompileFailed, match="does not work on cpu here"):
+        resolve_compile("on", torch.device("cpu"), "static")
+    with pytest.warns(UserWarning, match="running eagerly"):  # auto on a long CPU run would compile training
+        assert resolve_compile("auto", torch.device("cpu"), "eager", num_steps=500)[:2] == (False, False)
+
+
+def test_compile_plans():
+    """auto: both on CUDA; on a CPU the training forward only, and only for a run long enough to pay for it."""
+    cpu, cuda, mps = torch.device("cpu"), torch.device("cuda"), torch.device("mps")
+    assert compile_plan("auto", cpu, "static", num_steps=467)[:2] == (False, True)
+    assert compile_plan("auto", cpu, "eager", num_steps=CPU_MIN_STEPS - 1)[:2] == (False, False)
+    assert compile_plan("auto", cuda, "graph")[:2] == (True, True) and compile_plan("auto", cuda, "eager")[:2] == (False, True)
+    assert compile_plan("on", cpu, "static")[:2] == (True, True) and compile_plan("on", cpu, "eager")[:2] == (False, True)
+    assert compile_plan("off", cuda, "graph")[:2] == (False, False) and compile_plan("auto", mps, "eager")[:2] == (False, False)
+    with pytest.raises(ValueError, match="compile mode must be one of auto, on, off"):
+        compile_plan("yes", cpu, "eager")
+
+
+def test_the_golden_trace_compiled(sft, base_dir, monkeypatch, capsys):
+    """chat_rl --compile=on reproduces tests/test_golden_trace.py's trace (4 steps, fp32, teacher-forced rollouts)
+    within the trace's own tolerance, 1e-4 relative: the compiled forward sums the same terms in another order, the
+    same kind of difference as another CPU's kernels. The compile's cost is in the step line and the history of step
+    0 only (the forward is dynamic in the rows' lengths: no step after the first compiles)."""
+    from nanochat.checkpoint_manager import load_checkpoint
+    from scripts import chat_rl
+    from helpers import TINY_RL_FLAGS
+    from test_golden_trace import STEPS, TRACED, check_against_golden, teacher_forced
+    monkeypatch.setattr(chat_rl.Engine, "generate_many", teacher_forced)
+    chat_rl.main(TINY_RL_FLAGS + [f"--num-steps={STEPS}", "--save-every=-1", "--overwrite", "--compile=on"])
+    out = capsys.readouterr().out
+    assert "compile: decode step off, training forward on (--compile=on" in out
+    _, _, meta = load_checkpoint(str(base_dir / "chatrl_checkpoints" / "d2"), STEPS - 1, "cpu")
+    history = meta["history"]
+    check_against_golden([{key: record[key] for key in TRACED} for record in history])
+    compiles = [record["compiles"] for record in history]
+    assert compiles[0] >= 1 and compiles[1:] == [0] * (STEPS - 1) and history[0]["compile_s"] > 0, compiles
+    assert f"compiled {compiles[0]:.0f} graphs in " in out
