@@ -30,8 +30,8 @@ class ParityTask:
 
 class ScriptedParity(ParityTask):
     """ParityTask graded from a hand-written table instead of the text: the k-th grading of question i (counted
-    per process, modulo 4 samples) is OUTCOMES[i][k % 4], whatever the model wrote. Questions without an entry
-    are graded 0. Held-out pass@1 of the last 6 questions, by hand: (1 + 2 + 0 + 4 + 1 + 3) / 24 = 11/24; of the
+    per process) is outcome(i, k), whatever the model wrote: here OUTCOMES[i][k % 4] (4 samples), and 0 for questions
+    without an entry. Held-out pass@1 of the last 6 questions, by hand: (1 + 2 + 0 + 4 + 1 + 3) / 24 = 11/24; of the
     even positions among them (questions 10, 12, 14): (1 + 0 + 1) / 12 = 1/6."""
     OUTCOMES = {10: [1, 0, 0, 0], 11: [1, 1, 0, 0], 12: [0, 0, 0, 0], 13: [1, 1, 1, 1], 14: [0, 1, 0, 0], 15: [1, 1, 1, 0]}
 
@@ -39,29 +39,27 @@ class ScriptedParity(ParityTask):
         super().__init__(split)
         self.graded = {}
 
+    def outcome(self, i, k):
+        return self.OUTCOMES.get(i, [0] * 4)[k % 4]
+
     def evaluate(self, conversation, response_text):
         i = self.questions.index(conversation["messages"][0]["content"])
         k = self.graded.get(i, 0)
         self.graded[i] = k + 1
-        return self.OUTCOMES.get(i, [0] * 4)[k % 4]
+        return self.outcome(i, k)
 
 
-class ScriptedEval(ParityTask):
-    """ParityTask graded from a hand-written table, for chat_eval: it grades each test question once greedily,
-    then its samples in order, so the k-th grading of question i (counted per process) is OUTCOMES[i][k]: [greedy,
-    sample 0, sample 1, ...], whatever the model wrote. The pass@k these give are worked out by hand in
+class ScriptedEval(ScriptedParity):
+    """ScriptedParity's table for chat_eval, which grades each test question once greedily, then its samples in
+    order: OUTCOMES[i] = [greedy, sample 0, sample 1, ...]. The pass@k these give are worked out by hand in
     tests/test_pass_at_k.py."""
     OUTCOMES = {0: [1, 1, 0, 0, 0], 1: [0, 1, 1, 1, 1], 2: [0, 0, 0, 0, 0], 3: [1, 0, 0, 0, 1], 4: [0, 0, 1, 0, 0],
                 5: [1, 1, 0, 0, 0]}
 
     def __init__(self, split="test"):
         super().__init__(split)
-        self.graded = {}
 
-    def evaluate(self, conversation, response_text):
-        i = self.questions.index(conversation["messages"][0]["content"])
-        k = self.graded.get(i, 0)
-        self.graded[i] = k + 1
+    def outcome(self, i, k):
         return self.OUTCOMES[i][k]
 
 
