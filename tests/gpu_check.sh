@@ -3,7 +3,7 @@
 # call of under 8 minutes (each step runs under a timeout and prints its own time):
 #
 #   bash tests/gpu_prepare.sh SHARED_DIR                        # where the shared data and a package registry are
-#   bash tests/gpu_check.sh [checks|suite|speedrun|env] [OUT_DIR]   # on the GPU machine (carry gpu_carry)
+#   bash tests/gpu_check.sh [checks|compiled|suite|speedrun|env] [OUT_DIR]   # on the GPU machine (carry gpu_carry)
 #
 # checks (the default):
 # 1. the GPU tests (tests/test_cuda.py: NCCL under torchrun, bf16 vs fp32 step, a real out-of-memory, chat_sft
@@ -15,6 +15,9 @@
 #    steps each (first and last rollout time), tokens checked equal (graph against static: the same shapes), decode
 #    ms per step against the memory-bandwidth bound, and training of a full batch (advantages forced to +-1 so a
 #    random model trains); what is left of the 8 minutes.
+# compiled: the same d20 bench with --compile (nanochat/compile.py): the static step compiled by Inductor and captured
+#    in the engine's graphs, beside the uncompiled graph config, 2 consecutive steps each: compile seconds and graphs
+#    per step, decode ms per step against the bound, tokens compared (compiled_d20.log, compiled_d20.json).
 # suite: the whole test suite on the GPU machine, the `cuda` tests run, not skipped (gpu_suite.log).
 # speedrun: `bash speedrun.sh` on a fresh base dir (the bootstrap path), timed, with its report (speedrun.log,
 #    speedrun_report.md): the target is under 5 minutes with pass@1 up by at least 4 standard errors.
@@ -34,7 +37,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:-checks}
 out=${2:-out}
-case "$stage" in checks|suite|speedrun|env) ;; *) echo "gpu_check: unknown stage $stage; use checks, suite, speedrun or env" >&2; exit 2 ;; esac
+case "$stage" in checks|compiled|suite|speedrun|env) ;; *) echo "gpu_check: unknown stage $stage; use checks, compiled, suite, speedrun or env" >&2; exit 2 ;; esac
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 stage_start=$(date +%s)
@@ -158,6 +161,11 @@ checks)
     bench_rc=$?
     say "checks: tests exit $tests_rc, bench exit $bench_rc, $(( $(date +%s) - stage_start )) s in all"
     [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+    ;;
+compiled)
+    step "d20 compiled bench" 600 "$out/compiled_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph,batched_bf16_graph_compiled \
+        --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/compiled_d20.json"
     ;;
 suite)
     step "suite" 600 "$out/gpu_suite.log" "$python" -m pytest -q -p no:cacheprovider -rs --durations=20 tests
