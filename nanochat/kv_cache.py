@@ -15,21 +15,26 @@ from nanochat.attention import CacheStep, Visibility, attend, run_cached, sequen
 
 
 @torch.library.custom_op("nanochat::store_rows", mutates_args=("store",))
-def store_rows(store: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
-    """store[rows, positions] = values, in place: how a cache step writes this step's keys and values. store: a
-    cache's (B, T_max, ...) storage or a view of it; rows, positions: broadcastable index tensors; values: their
-    shape + store's trailing dims.
+def store_rows(store: torch.Tensor, layer: int, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
+               heads_first: bool = False) -> None:
+    """cache[rows, positions] = values, in place, where cache is store[layer] ((B, T_max, Hkv, D)), or with
+    heads_first store[layer] transposed from (B, Hkv, T_max, D): how a cache step writes this step's keys and
+    values. rows, positions: broadcastable index tensors; values: their shape + (Hkv, D).
 
     An operator of its own because it declares what it mutates: compiled (nanochat/compile.py), a plain index_put
     into a view of a graph input is functionalized into a write of the whole cache, copied per layer and step
     (measured on a CPU, d4 at 256 rows: the compiled decode step 8x slower than eager), while a custom operator
     that mutates its argument is written in place by Inductor (vLLM writes its KV cache through such an
-    operator for the same reason). Eagerly it is the index_put it names."""
-    store.index_put_((rows, positions), values)
+    operator for the same reason). It takes the whole storage and the layer, not the layer's view: with dynamic
+    shapes (the compiled static step serves every bucket from one graph) Inductor (torch 2.13) computed wrong
+    results when a custom operator mutated a view of a graph input (measured: another greedy token after 7 steps;
+    tests/test_compile.py holds a minimal case). Eagerly it is the index_put it names."""
+    cache = store[layer].transpose(1, 2) if heads_first else store[layer]
+    cache.index_put_((rows, positions), values)
 
 
 @store_rows.register_fake
-def _store_rows_fake(store, rows, positions, values):
+def _store_rows_fake(store, layer, rows, positions, values, heads_first=False):
     return None
 
 
@@ -227,9 +232,9 @@ class KVCacheStep:
         self.smear_previous = cache.prev_embedding.clone() if has_smear and T == 1 else None
 
     def attend(self, layer_idx, q, k, v, window):
+        store_rows(self.cache.k, layer_idx, self.rows, self.positions, k.to(self.cache.k.dtype))
+        store_rows(self.cache.v, layer_idx, self.rows, self.positions, v.to(self.cache.v.dtype))
         k_store, v_store = self.cache.k[layer_idx], self.cache.v[layer_idx]  # (B, T_max, Hkv, D)
-        store_rows(k_store, self.rows, self.positions, k.to(k_store.dtype))
-        store_rows(v_store, self.rows, self.positions, v.to(v_store.dtype))
         # attend in q's dtype: no copy when the cache has it
         return attend(q, k_store[:, :self.keys].to(q.dtype), v_store[:, :self.keys].to(q.dtype), self.mask(window))
 

@@ -182,9 +182,9 @@ class SharedPromptStep:
         Hkv = k.size(2)
         rep = H // Hkv
         # store this step's key/value in each row's completion
-        # (B, capacity, Hkv, D) views of the (B, Hkv, capacity, D) storage: a row's position is its second index
-        store_rows(c.k[layer_idx].transpose(1, 2), self.row_index, c.pos, k[:, 0].to(c.k.dtype))
-        store_rows(c.v[layer_idx].transpose(1, 2), self.row_index, c.pos, v[:, 0].to(c.v.dtype))
+        # the (B, Hkv, capacity, D) storage written as (B, capacity, Hkv, D): a row's position is its second index
+        store_rows(c.k, layer_idx, self.row_index, c.pos, k[:, 0].to(c.k.dtype), heads_first=True)
+        store_rows(c.v, layer_idx, self.row_index, c.pos, v[:, 0].to(c.v.dtype), heads_first=True)
         q = q[:, 0].reshape(B, Hkv, rep, D)
         scale = 1.0 / math.sqrt(D)
         # prompt part: the queries of each slot's rows laid out as (slot, kv head, sample, rep) -> one matmul per

@@ -221,3 +221,27 @@ def test_the_golden_trace_compiled(sft, base_dir, monkeypatch, capsys):
     compiles = [record["compiles"] for record in history]
     assert compiles[0] >= 1 and compiles[1:] == [0] * (STEPS - 1) and history[0]["compile_s"] > 0, compiles
     assert f"compiled {compiles[0]:.0f} graphs in " in out
+
+
+def test_the_cache_write_compiled_with_dynamic_shapes_is_eagers():
+    """kv_cache.store_rows writes into a layer of the whole storage (heads first or not), compiled with dynamic
+    shapes as the static decode step is: the cache and what is read back after the write equal eager's at several
+    (rows, keys) shapes from one graph. (Inductor in torch 2.13 got this wrong when the operator mutated a view of
+    the storage instead: every shape here differed.)"""
+    from nanochat.kv_cache import store_rows
+
+    def write_then_read(cache, rows, positions, values, keys, heads_first):
+        store_rows(cache, 1, rows, positions, values, heads_first)
+        layer = cache[1].transpose(1, 2) if heads_first else cache[1]
+        return layer[:, :keys].sum(dim=(1, 2, 3))
+
+    for heads_first in (False, True):
+        fast = torch.compile(write_then_read, fullgraph=True, dynamic=True)
+        for rows, keys in [(4, 32), (3, 64), (2, 32)]:
+            shape = (2, 4, 2, 128, 8) if heads_first else (2, 4, 128, 2, 8)
+            eager_cache, fast_cache = torch.zeros(shape), torch.zeros(shape)
+            index, positions = torch.arange(rows)[:, None], torch.full((rows, 1), keys - 1)
+            values = torch.randn(rows, 1, 2, 8)
+            expected = write_then_read(eager_cache, index, positions, values, keys, heads_first)
+            got = fast(fast_cache, index, positions, values, keys, heads_first)
+            assert torch.equal(fast_cache, eager_cache) and torch.allclose(got, expected) and expected.abs().sum() > 0
