@@ -15,8 +15,8 @@ import traceback
 
 from nanochat.checkpoint_manager import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
                                          RankLostError, UnknownStepError, UnknownTagError)
-from nanochat.common import SettingError, UserError, get_rank, require
-from nanochat.compile import COMPILE_MODES, CompileFailed
+from nanochat.common import SettingError, UserError, get_rank, print0, require
+from nanochat.compile import COMPILE_MODES, CPU_MIN_STEPS, SFT_CPU_MIN_STEPS, CompileFailed, resolve_compile
 from nanochat.cuda_graphs import DECODE_MODES, decode_mode
 from nanochat.memory_budget import AUTO, FIXED_GB, FRACTION, parse_budget
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
@@ -88,11 +88,23 @@ def add_memory_budget_flag(parser):
 
 
 def add_compile_flag(parser):
-    """--compile: whether the static decode step and the training pass run compiled (nanochat/compile.py)."""
+    """--compile: whether the static decode step and the training pass run compiled (nanochat/compile.py's
+    compile_plan), those of them the script runs."""
     parser.add_argument("--compile", type=str, default="auto", choices=COMPILE_MODES,
-                        help="torch.compile the static decode step and the training forward: auto (on CUDA both; on a "
-                             "CPU the training forward only, where it was measured faster), on (an error where "
-                             "compiling is unavailable), off")
+                        help=f"torch.compile the static decode step and the training forward, where the script runs "
+                             f"them: auto (on CUDA both; on a CPU the training forward only, for runs long enough to "
+                             f"pay for compiling: chat_rl {CPU_MIN_STEPS} steps, chat_sft {SFT_CPU_MIN_STEPS}), on (an "
+                             f"error where compiling is unavailable), off")
+
+
+def resolve_compile_flag(args, device, *plan_args, **plan_kwargs):
+    """--compile for this run (compile.resolve_compile with compile_plan's arguments), printed with why. args.compile
+    becomes off where the plan compiles nothing (torch.compile unavailable under auto, or nothing that pays here), so
+    that the config records what runs and an engine given it compiles nothing. Returns the CompilePlan."""
+    plan = resolve_compile(args.compile, device, *plan_args, **plan_kwargs)
+    args.compile = args.compile if plan.compiles else "off"
+    print0(plan.describe())
+    return plan
 
 
 def add_optimizer_flags(parser):

@@ -10,6 +10,11 @@ torch.compile for a run's two hot paths, and what compiling them costs.
   positions, log-probabilities and entropy), for the policy-gradient pass, the PPO epochs and the reference
   model alike: dynamic shapes (rows, lengths, prompt lengths vary from chunk to chunk), so a run compiles it a
   bounded number of times (a few graphs: with or without a shared prompt, grad on or off), not once per length.
+  SFT's (nanochat/sft.py's `summed_cross_entropy`: a micro-batch's forward and summed loss) likewise.
+
+Which of them a script compiles is its CompilePlan (compile_plan: what --compile=auto|on|off means on each device;
+chat_rl and bench_rl have both, chat_sft the training forward and the decode step of its stop checks, chat_eval
+the decode step).
 
 A compiled function counts its compiles (graphs handed to Inductor) and the seconds of the calls that compiled
 (tracing, Inductor and its C++ or Triton compile, and the call itself: the first-call cost a run pays). Both
@@ -25,7 +30,7 @@ UserError instead. Errors of the computation itself (an out-of-memory included) 
 import functools
 import time
 import warnings
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -122,44 +127,93 @@ def compile_totals():
     return sum(c.compiles for c in _COMPILED.values()), sum(c.seconds for c in _COMPILED.values())
 
 
+class CompileClock:
+    """compile_totals() from the clock's start (what a run compiled; earlier runs in the process are not its own) and
+    in laps (what a step compiled): (graphs compiled, seconds of the calls that compiled)."""
+
+    def __init__(self):
+        self.start = self.last = compile_totals()
+
+    def lap(self):
+        """Since the last lap, or since the start."""
+        lap, self.last = _since(self.last), compile_totals()
+        return lap
+
+    def total(self):
+        """Since the start."""
+        return _since(self.start)
+
+
+def _since(then):
+    now = compile_totals()
+    return now[0] - then[0], now[1] - then[1]
+
+
 class CompilePlan(NamedTuple):
-    """What a run compiles, and why (printed at its start)."""
-    decode: bool  # the static decode step (only static and graph decode modes run it)
-    train: bool   # the training pass's forward
+    """What a run compiles, and why (printed at its start). A part the run does not have is None, not False:
+    chat_eval trains nothing; chat_sft samples only for --stop-at-pass1."""
+    decode: Optional[bool]  # the static decode step (only static and graph decode modes run it)
+    train: Optional[bool]   # the training pass's forward
     why: str
 
+    @property
+    def compiles(self):
+        return bool(self.decode or self.train)
 
-# a CPU run compiles its training forward from this many steps on (--compile=auto): measured on a 2-core Xeon,
-# d4 random model, 16 questions x 16 samples x 256 tokens, every row trained: the compiled forward saves ~4.6 s of
-# an 18 s training phase per step, after ~60 s of compiling (a cold Inductor cache): even at a quarter of that
+    def nothing(self, why):
+        """This plan with every part it has turned off."""
+        return CompilePlan(None if self.decode is None else False, None if self.train is None else False, why)
+
+    def describe(self):
+        """The line a script prints at its start, one entry per part the run has."""
+        parts = [f"{name} {'on' if on else 'off'}" for name, on in (("decode step", self.decode),
+                                                                    ("training forward", self.train)) if on is not None]
+        return f"compile: {', '.join(parts) or 'nothing to compile'} ({self.why}; --compile to choose)"
+
+
+# a CPU run of chat_rl compiles its training forward from this many steps on (--compile=auto): measured on a 2-core
+# Xeon, d4 random model, 16 questions x 16 samples x 256 tokens, every row trained: the compiled forward saves ~4.6 s
+# of an 18 s training phase per step, after ~60 s of compiling (a cold Inductor cache): even at a quarter of that
 # saving per step (smaller models, fewer trained rows) a run of this length pays for its compile
 CPU_MIN_STEPS = 50
+# chat_sft's forward and loss pay later: its steps are short. Measured on the same Xeon, speedrun's CPU bootstrap
+# (d4 from scratch, vocab 2048, arithmetic, 32 conversations a step, fp32): 542 -> 484 ms a step with micro-batches
+# of 4 rows (the default), 517 -> 407 ms with 32; compiling took 28-30 s with a cold Inductor cache (7 s warm). This
+# many steps save ~29 s and ~55 s: about a cold compile
+SFT_CPU_MIN_STEPS = 500
 
 
-def compile_plan(mode, device, decode, num_steps=None):
-    """The CompilePlan of --compile=`mode` on `device` with decode mode `decode` (cuda_graphs.decode_mode's
-    answer), for a run of `num_steps` steps (None: long). auto: on CUDA both (the step is launch-bound: fusing
-    its elementwise work is the point); on a CPU the training forward only, and only for a run of at least
-    CPU_MIN_STEPS steps (measured there: see CPU_MIN_STEPS; the static decode step compiled is no faster there
-    than the eager exact-shape step that auto decodes with on a CPU, and costs ~10 s per bucket); elsewhere
-    (MPS) nothing: not measured. on: both where they apply (the decode step only in static and graph modes: the
-    eager step's exact shapes would compile at every new shape)."""
+def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min_steps=CPU_MIN_STEPS):
+    """The CompilePlan of --compile=`mode` on `device` for a run of `num_steps` steps (None: long) that decodes in
+    mode `decode` (cuda_graphs.decode_mode's answer; None: it samples nothing) and, if `trains`, runs a training
+    forward. auto: on CUDA both (the step is launch-bound: fusing its elementwise work is the point); on a CPU the
+    training forward only, and only for a run of at least `cpu_min_steps` steps, from which it was measured to pay
+    for its compile there (CPU_MIN_STEPS for chat_rl, SFT_CPU_MIN_STEPS for chat_sft); not the static decode step,
+    which compiled is no faster there than the eager exact-shape step that auto decodes with on a CPU, and costs ~10 s
+    per bucket; elsewhere (MPS) nothing: not measured. on: both where they apply (the decode step only in static and
+    graph modes: the eager step's exact shapes would compile at every new shape)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
-    static = decode in ("static", "graph")
+
+    def plan(compile_decode, compile_train, why):  # only the parts the run has; the decode step only where static
+        return CompilePlan(None if decode is None else compile_decode and decode in ("static", "graph"),
+                           compile_train if trains else None, why)
     if mode == "off":
-        return CompilePlan(False, False, "--compile=off")
+        return plan(False, False, "--compile=off")
     if mode == "on":
-        return CompilePlan(static, True, "--compile=on" + ("" if static else "; the eager decode step is not compiled"))
+        return plan(True, True, "--compile=on" + ("; the eager decode step is not compiled" if decode == "eager" else ""))
     if device.type == "cuda":
-        return CompilePlan(static, True, "auto on CUDA")
-    if device.type == "cpu":
-        if num_steps is not None and num_steps < CPU_MIN_STEPS:
-            return CompilePlan(False, False, f"auto on a CPU: {num_steps} steps are too few to pay for compiling "
-                                             f"(from {CPU_MIN_STEPS} on)")
-        return CompilePlan(False, True, f"auto on a CPU with {num_steps or 'many'} steps: the training forward "
-                                        f"(measured to pay from {CPU_MIN_STEPS} steps); not the decode step")
-    return CompilePlan(False, False, f"auto on {device.type}: not measured there")
+        return plan(True, True, "auto on CUDA")
+    if device.type != "cpu":
+        return plan(False, False, f"auto on {device.type}: not measured there")
+    if not trains:
+        return plan(False, False, "auto on a CPU: the compiled decode step was measured no faster there than the eager "
+                                  "exact-shape step, after ~10 s of compiling per bucket")
+    if num_steps is not None and num_steps < cpu_min_steps:
+        return plan(False, False, f"auto on a CPU: {num_steps} steps are too few to pay for compiling "
+                                  f"(from {cpu_min_steps} on)")
+    return plan(False, True, f"auto on a CPU with {num_steps or 'many'} steps: the training forward (measured to pay "
+                             f"from {cpu_min_steps} steps)" + ("" if decode is None else "; not the decode step"))
 
 
 def check_compiler(device):
@@ -180,12 +234,12 @@ def check_compiler(device):
     return None
 
 
-def resolve_compile(mode, device, decode, num_steps=None):
-    """The CompilePlan a run of `num_steps` steps uses (compile_plan), after checking that torch.compile works on
-    `device` when the plan compiles anything: where it does not, --compile=on fails (CompileFailed) and auto warns
-    in one line and compiles nothing."""
-    plan = compile_plan(mode, device, decode, num_steps)
-    if not (plan.decode or plan.train):
+def resolve_compile(mode, device, *plan_args, **plan_kwargs):
+    """The CompilePlan a run uses (compile_plan's, of the same arguments), after checking that torch.compile works on
+    `device` when the plan compiles anything: where it does not, --compile=on fails (CompileFailed) and auto warns in
+    one line and compiles nothing."""
+    plan = compile_plan(mode, device, *plan_args, **plan_kwargs)
+    if not plan.compiles:
         return plan
     reason = check_compiler(device)
     if reason is None:
@@ -193,7 +247,7 @@ def resolve_compile(mode, device, decode, num_steps=None):
     if mode == "on":
         raise CompileFailed(f"torch.compile does not work on {device.type} here ({reason})")
     warnings.warn(f"torch.compile does not work on {device.type} here ({reason}); running eagerly", stacklevel=2)
-    return CompilePlan(False, False, f"{mode}: torch.compile unavailable ({reason})")
+    return plan.nothing(f"{mode}: torch.compile unavailable ({reason})")
 
 
 def _probe(x):

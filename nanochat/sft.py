@@ -74,18 +74,26 @@ def count_targets(micro_batches):
     return sum(int((targets >= 0).sum()) for _, targets in micro_batches)
 
 
-def accumulate_gradient(model, micro_batches, denominator, device, autocast):
+def summed_cross_entropy(model, inputs, targets):
+    """The cross-entropy summed over the trained-on positions (target != -1) of one micro-batch: inputs, targets
+    (B, T). A pure function of tensors: nanochat/compile.py compiles it for the training pass (dynamic shapes: the
+    rows' lengths vary from micro-batch to micro-batch)."""
+    return model(inputs, targets, loss_reduction="sum")
+
+
+def accumulate_gradient(model, micro_batches, denominator, device, autocast, forward=summed_cross_entropy):
     """Forward/backward every micro-batch, accumulating d(sum CE / denominator) into the model's grads.
 
     denominator: the step's trained-on positions averaged over ranks (see the module docstring); with
-    one process, simply the step's count. Returns this rank's contribution to the loss (python float).
+    one process, simply the step's count. forward: summed_cross_entropy, or its compiled version. Returns this
+    rank's contribution to the loss (python float).
     """
     losses = []  # on the device: read once, after the last backward, not once per micro-batch
     for inputs, targets in micro_batches:
         inputs, targets = inputs.to(device), targets.to(device)
         with autocast:
-            loss_sum = model(inputs, targets, loss_reduction="sum")
-        loss = loss_sum / denominator
+            total = forward(model, inputs, targets)
+        loss = total / denominator
         loss.backward()
         losses.append(loss.detach().float())
     return sum(torch.stack(losses).tolist()) if losses else 0.0
@@ -93,13 +101,12 @@ def accumulate_gradient(model, micro_batches, denominator, device, autocast):
 
 @torch.no_grad()
 def loss_sums(model, micro_batches, device, autocast):
-    """(sum of CE over trained-on positions, number of them) over the micro-batches, as python numbers."""
+    """(sum of CE over trained-on positions, number of them) over the micro-batches, as python numbers. Eager: a
+    compiled forward without gradients would be a graph of its own, compiled for an evaluation that runs rarely."""
     total, count = 0.0, 0
     for inputs, targets in micro_batches:
         inputs, targets = inputs.to(device), targets.to(device)
         with autocast:
-            total += model(inputs, targets, loss_reduction="sum").item()
+            total += summed_cross_entropy(model, inputs, targets).item()
         count += int((targets >= 0).sum())
     return total, count
-
-

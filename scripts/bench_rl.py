@@ -58,7 +58,7 @@ from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_
 from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_init, cpu_bf16_kind,
                              cpu_has_native_bf16, cpu_name, dtype_name, synchronize, get_base_dir, get_dist_info, grad_norm,
                              print0, require)
-from nanochat.compile import compile_plan, compile_totals, maybe_compiled
+from nanochat.compile import CompileClock, compile_plan, maybe_compiled
 from nanochat.decode_weights import matmul_modules
 from nanochat.engine import Engine
 from nanochat.kv_cache import cache_geometry
@@ -454,7 +454,7 @@ def bench_engine(rollout_model, tokenizer, config, args):
 def rl_step(model, engine, optimizers, task, indices, config, args, device):
     """One chat_rl step (rollouts, forward/backward, grad norm, optimizer step), timed by phase."""
     autocast = autocast_context(device, config.dtype)
-    compiled_before = compile_totals()
+    compile_clock = CompileClock()
     synchronize(device)
     t0 = time.perf_counter()
     model.eval()
@@ -480,7 +480,7 @@ def rl_step(model, engine, optimizers, task, indices, config, args, device):
     model.zero_grad(set_to_none=True)
     synchronize(device)
     t3 = time.perf_counter()
-    compiles, compile_seconds = (now - before for now, before in zip(compile_totals(), compiled_before))
+    compiles, compile_seconds = compile_clock.lap()
     return {"compiles": compiles, "compile_seconds": compile_seconds,
             "rollout_seconds": t1 - t0, "train_seconds": t2 - t1, "optimizer_seconds": t3 - t2, "step_seconds": t3 - t0,
             "captures": engine.last_stats.captures,

@@ -18,13 +18,15 @@ import time
 
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.cli import (ArgumentParser, add_debug_flag, add_decode_flag, add_memory_budget_flag, add_model_generation_flag,
-                          check_decode_flag, run_main)
+from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
+                          add_model_generation_flag, check_decode_flag, resolve_compile_flag, run_main)
 from nanochat.common import (UserError, autocast_context, collective_device, compute_cleanup, compute_dtype, compute_init, get_base_dir, print0,
                              requested_dtype)
+from nanochat.compile import CompileClock
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.memory_budget import resolve_memory_budget
+from nanochat.metrics import reduce_metrics
 from tasks.registry import make_task
 
 
@@ -46,6 +48,7 @@ def parse_args(argv):
     p.add_argument("--max-rows", type=int, default=0, help="max rows per rollout batch (0 = from the memory budget)")
     add_memory_budget_flag(p)
     add_decode_flag(p)
+    add_compile_flag(p)
     # runtime and output
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
     p.add_argument("--dtype", type=str, default=None,
@@ -83,7 +86,8 @@ def main(argv):
     validate_args(args)
     _, rank, _, _, device = compute_init(args.device_type)
     try:
-        check_decode_flag(args.decode, device)
+        decode = check_decode_flag(args.decode, device)
+        resolve_compile_flag(args, device, decode, trains=False)
         dtype = compute_dtype(device, args.dtype)
         autocast = autocast_context(device, dtype)
         model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step,
@@ -92,23 +96,26 @@ def main(argv):
                                                                    rollout_dtype=dtype)
         print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
         engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
-                        decode=args.decode)
+                        decode=args.decode, compile=args.compile)
         task = make_task(args.task, "test")
         num_examples = len(task) if args.num_examples == -1 else min(args.num_examples, len(task))
         common = dict(device=collective_device(device), seed=args.seed, max_new_tokens=args.max_new_tokens)
-        t0 = time.time()
+        clock, t0 = CompileClock(), time.time()
         with autocast:
             greedy, _ = evaluate_pass_at_k(engine, task, num_examples, 1, temperature=0.0, top_k=None, **common)
             sampled, outcomes = evaluate_pass_at_k(engine, task, num_examples, args.num_samples,
                                                    temperature=args.temperature, top_k=args.top_k or None, **common)
         elapsed = time.time() - t0
+        compiles, compile_seconds = clock.total()  # part of `elapsed`; the most of any rank below
+        compiled = reduce_metrics({"compiles": compiles, "compile_s": compile_seconds}, collective_device(device))
         print0(f"{args.task} test, {num_examples} questions, {args.num_samples} samples at T={args.temperature}, "
                f"top-k {args.top_k} ({elapsed:.1f}s)")
         print0(format_table(greedy, sampled))
         result = {
             "task": args.task, "source": args.source, "model_tag": args.model_tag, "model_step": meta.get("step"),
             "num_questions": sampled.num_questions, "num_samples": args.num_samples,
-            "temperature": args.temperature, "top_k": args.top_k, "seconds": elapsed,
+            "temperature": args.temperature, "top_k": args.top_k, "decode": decode, "compile": args.compile,
+            "seconds": elapsed, "compiles": int(compiled["compiles"]), "compile_s": compiled["compile_s"],
             "greedy_pass@1": greedy.any[0],
             "pass@k": {str(k): v for k, v in enumerate(sampled.any, start=1)},
             "pass@k_unbiased": {str(k): v for k, v in enumerate(sampled.unbiased, start=1)},

@@ -38,8 +38,8 @@ from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, CheckpointError, find_
 from nanochat.checkpoint_pruning import prune_checkpoints, remove_extra_shards
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
                           add_model_generation_flag, add_optimizer_flags, add_runtime_flags, check_decode_flag,
-                          check_optimizer_flags, run_main)
-from nanochat.compile import compile_totals, maybe_compiled, resolve_compile
+                          check_optimizer_flags, resolve_compile_flag, run_main)
+from nanochat.compile import CompileClock, maybe_compiled
 from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup,
                              compute_dtype, compute_init, dtype_name, format_duration, get_base_dir, get_dist_info, print0,
                              remaining_seconds, require, requested_dtype)
@@ -419,7 +419,7 @@ class RLRun:
     consecutive_bad: int = 0
     steps_without_signal: list = field(default_factory=list)  # records of the current streak of steps that trained no row
     forward: object = chunk_logprobs       # the training pass's chunk forward: compiled or not (--compile)
-    compiled_before: tuple = (0, 0.0)      # compile_totals() at the last step record
+    compile_clock: CompileClock = field(default_factory=CompileClock)  # what each step compiled
     step_seconds: list = field(default_factory=list)   # this process's timings, for the ETA
     eval_seconds: list = field(default_factory=list)
 
@@ -480,13 +480,10 @@ def setup_run(args, resume, rank, world_size, device, decode):
         completion_tokens=args.max_new_tokens, prompt_tokens=model.config.sequence_len,
         rollout_dtype=getattr(torch, args.rollout_dtype))
     print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
-    compiling = resolve_compile(args.compile, device, decode, num_steps - start_step)
-    args.compile = args.compile if compiling.decode or compiling.train else "off"  # off where unavailable
+    compiling = resolve_compile_flag(args, device, decode, num_steps - start_step)
     engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
                     decode=args.decode, compile=args.compile)
     print0(f"rollouts: {engine.decode} decode step ({DECODE_DESCRIPTIONS[engine.decode]}; --decode to choose)")
-    print0(f"compile: decode step {'on' if compiling.decode else 'off'}, training forward "
-           f"{'on' if compiling.train else 'off'} ({compiling.why}; --compile to choose)")
     if engine.decode != "eager":  # one static batch for the run, its graphs captured once: sized for every prompt
         engine.reserve_prompt_length(longest_prompt(tokenizer, train_task, val_task))
         print0(f"rollouts: static batch sized for prompts of up to {engine.prompt_floor} tokens (the task's longest)")
@@ -661,8 +658,7 @@ def count_no_signal_step(run, record):
 
 def step_record(run, step, rollouts, result, t_rollout, t_train):
     """The step's metrics over all ranks, as logged to wandb and kept in the run's history."""
-    totals = compile_totals()  # graphs compiled and their calls' seconds, since the last record
-    compiled, run.compiled_before = [now - before for now, before in zip(totals, run.compiled_before)], totals
+    compiled = run.compile_clock.lap()  # graphs compiled and their calls' seconds, since the last record
     metrics = drop_unmeasured(reduce_metrics(
         {**rollout_metrics([r.rewards for r in rollouts], [r.completions for r in rollouts], run.config.max_new_tokens,
                            prompt_lengths=[r.prompt_length for r in rollouts], rows_trained=result.first.rows_trained),

@@ -39,16 +39,18 @@ import torch
 import torch.distributed as dist
 
 from nanochat.checkpoint_manager import list_steps, load_model, save_checkpoint
-from nanochat.cli import (ArgumentParser, add_debug_flag, add_model_generation_flag, add_optimizer_flags, add_runtime_flags,
-                          check_optimizer_flags, run_main)
+from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_model_generation_flag, add_optimizer_flags,
+                          add_runtime_flags, check_optimizer_flags, resolve_compile_flag, run_main)
 from nanochat.common import (UserError, all_reduce_mean, autocast_context, collective_device, compute_cleanup,
                              compute_dtype, compute_init, dtype_name, get_base_dir, get_dist_info, print0, rank_share, require,
                              requested_dtype)
+from nanochat.compile import SFT_CPU_MIN_STEPS, CompileClock, maybe_compiled
+from nanochat.cuda_graphs import decode_mode
 from nanochat.engine import Engine
 from nanochat.gpt import HEAD_DIM, build_fresh_model
 from nanochat.optim import guarded_step, lr_multiplier, scale_initial_lr
-from nanochat.sft import (accumulate_gradient, count_targets, loss_sums, make_micro_batches,
-                          mixture_order, rank_positions)
+from nanochat.sft import (accumulate_gradient, count_targets, loss_sums, make_micro_batches, mixture_order, rank_positions,
+                          summed_cross_entropy)
 from nanochat.stop_rule import MissedBandError, PassBand, held_out_indices, measure_pass1, parse_band
 from nanochat.tokenizer import get_tokenizer
 from nanochat.wandb_utils import init_wandb
@@ -68,6 +70,7 @@ def parse_args(argv):
     p = ArgumentParser(description="Supervised finetuning on a mixture of chat tasks")
     # logging and runtime
     add_runtime_flags(p)
+    add_compile_flag(p)
     p.add_argument("--seed", type=int, default=42, help="seed for the model init and the example order")
     # model to start from
     p.add_argument("--source", type=str, default="mid", help="checkpoint family to finetune: base|mid|sft (unused with --depth)")
@@ -211,14 +214,15 @@ def evaluate_val_loss(model, val_batches, device, reduce_device, autocast):
     return total / count if count > 0 else float("nan")
 
 
-def train_step(model, optimizers, micro_batches, lrm, device, reduce_device, autocast):
-    """One optimizer step on this rank's micro-batches. Returns (loss, grad norm, updated): the loss is
-    the step's token-mean over all ranks; on a non-finite loss or gradient (on any rank) nothing is updated."""
+def train_step(model, optimizers, micro_batches, lrm, device, reduce_device, autocast, forward=summed_cross_entropy):
+    """One optimizer step on this rank's micro-batches, each through `forward` (summed_cross_entropy, or its compiled
+    version). Returns (loss, grad norm, updated): the loss is the step's token-mean over all ranks; on a non-finite
+    loss or gradient (on any rank) nothing is updated."""
     model.train()
     denominator = all_reduce_mean(count_targets(micro_batches), reduce_device)
     if denominator == 0:  # every conversation of the step truncated before its answer
         return float("nan"), 0.0, False
-    local_loss = accumulate_gradient(model, micro_batches, denominator, device, autocast)
+    local_loss = accumulate_gradient(model, micro_batches, denominator, device, autocast, forward)
     gnorm, updated = guarded_step(model, optimizers, lrm, local_loss, reduce_device)
     loss = all_reduce_mean(local_loss, reduce_device) if updated else local_loss  # the step's token mean on all ranks
     return loss, gnorm, updated
@@ -329,10 +333,12 @@ def output_dir(args, config, num_steps, held_out):
     return checkpoint_dir
 
 
-def sft_meta(model, args, step, val_loss, stop):
-    """The checkpoint's meta: nanochat's fields, and the stop rule's record when one ran."""
+def sft_meta(model, args, step, val_loss, stop, compiled):
+    """The checkpoint's meta: nanochat's fields, the graphs the run compiled and their calls' seconds (`compiled`;
+    --compile), and the stop rule's record when one ran."""
+    compiles, compile_seconds = compiled
     meta = {"step": step, "model_config": model.meta_model_config(), "generation": model.generation.name,
-            "user_config": vars(args), "val_loss": val_loss}
+            "user_config": vars(args), "val_loss": val_loss, "compiles": compiles, "compile_s": compile_seconds}
     if stop is not None:
         meta["stop"] = stop
     return meta
@@ -359,10 +365,14 @@ def run(args, task_names, rank, world_size, device):
 
     optimizers = setup_optimizers(model, args)
     band = PassBand(*parse_band(args.stop_at_pass1)) if held_out is not None else None
+    decode = decode_mode("auto", device) if band is not None else None  # only the checks sample
+    compiling = resolve_compile_flag(args, device, decode, num_steps, cpu_min_steps=SFT_CPU_MIN_STEPS)
+    forward = maybe_compiled(summed_cross_entropy, compiling.train, dynamic=True, required=args.compile == "on")
     # one engine for every check: its static batch, and on CUDA its captured decode graphs, serve them all; they
     # stay allocated while training runs (the checks' rows x (prompt + --stop-check-max-tokens) of KV cache, and
     # under bf16 a copy of the matmul weights: d20 ~1.7 GB + 0.95 GB)
-    check_engine = Engine(model, tokenizer) if band is not None else None
+    check_engine = Engine(model, tokenizer, decode=decode, compile=args.compile) if band is not None else None
+    compile_clock = CompileClock()
     val_loss, missed = None, None
     for step in range(num_steps + 1):  # `step` updates done so far
         last_step = step == num_steps
@@ -384,7 +394,7 @@ def run(args, task_names, rank, world_size, device):
         convs = conversations_at(train_tasks, train_order, rank_positions(step, args.examples_per_step, rank, world_size))
         micro_batches = make_micro_batches(tokenizer, convs, args.max_seq_len, args.device_batch_size, pad_token)
         lrm = lr_multiplier(step, num_steps)
-        loss, gnorm, updated = train_step(model, optimizers, micro_batches, lrm, device, reduce_device, autocast)
+        loss, gnorm, updated = train_step(model, optimizers, micro_batches, lrm, device, reduce_device, autocast, forward)
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = (time.time() - t0) * 1000
@@ -392,14 +402,18 @@ def run(args, task_names, rank, world_size, device):
             print0(f"step {step + 1}/{num_steps} | non-finite loss or gradient (loss {loss:.4f}, grad norm {gnorm:.4f}), "
                    f"or no trained-on tokens; update skipped")
             continue
-        print0(f"step {step + 1}/{num_steps} | loss {loss:.4f} | lrm {lrm:.3f} | dt {dt:.0f}ms | grad norm {gnorm:.3f}")
-        wandb_run.log({"step": step + 1, "loss": loss, "lrm": lrm, "grad_norm": gnorm, "dt_ms": dt})
+        compiles, compile_seconds = compile_clock.lap()  # since the last step line: a check's decode graphs included
+        print0(f"step {step + 1}/{num_steps} | loss {loss:.4f} | lrm {lrm:.3f} | dt {dt:.0f}ms | grad norm {gnorm:.3f}"
+               + (f" | compiled {compiles} graphs in {compile_seconds:.1f}s" if compiles else ""))
+        wandb_run.log({"step": step + 1, "loss": loss, "lrm": lrm, "grad_norm": gnorm, "dt_ms": dt, "compiles": compiles,
+                       "compile_s": compile_seconds})
 
     # A run that missed the band still saves its model (nothing is lost: it is a finished, valid checkpoint, and its
     # meta's stop.in_band says it missed), then fails with the error, so that a pipeline does not go on with it.
     if master:
         stop = None if band is None else stop_record(band, held_out, args, task_names[0])
-        save_checkpoint(checkpoint_dir, step, model.state_dict(), None, sft_meta(model, args, step, val_loss, stop))
+        save_checkpoint(checkpoint_dir, step, model.state_dict(), None,
+                        sft_meta(model, args, step, val_loss, stop, compile_clock.total()))
         note = "" if missed is None else f", outside the band {band.describe()}"
         print0(f"Saved checkpoint to {checkpoint_dir} (model_{step:06d}.pt{note})")
     wandb_run.finish()

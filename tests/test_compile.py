@@ -4,12 +4,15 @@ Compiled decoding samples the eager engine's tokens on nanochat's generation fix
 bucketed shape once and the next rollout none; the function compiled is the one proven free of host reads on the
 meta device, and the graph Dynamo captures from it runs there too. The compiled training forward gives the eager
 objective and gradient within fp32 rounding (bound derived as tests/test_rl_sharing.py derives its own). Where
-compiling fails, one warning and the eager result; with --compile=on, a one-line error.
+compiling fails, one warning and the eager result; with --compile=on, a one-line error. chat_sft compiled trains
+as the eager run does, and chat_eval compiled samples the eager run's tokens; which parts each script compiles
+(compile_plan) on a CPU and on CUDA.
 
 Compiling is slow on a CPU (~10 s a graph with a cold Inductor cache): the compiled functions are the process's
 (nanochat.compile.compiled), so the tests share their graphs, and each test keeps to a few shapes."""
 
 import contextlib
+import json
 import warnings
 
 import pytest
@@ -18,8 +21,8 @@ import torch
 from nanochat import compile as nc_compile
 from nanochat.checkpoint_manager import build_model
 from nanochat.cli import error_line
-from nanochat.compile import (CPU_MIN_STEPS, RECOMPILE_LIMIT, CompiledFunction, CompileFailed, CompilePlan, compile_plan, compile_totals, compiled,
-                              resolve_compile)
+from nanochat.compile import (CPU_MIN_STEPS, RECOMPILE_LIMIT, SFT_CPU_MIN_STEPS, CompiledFunction, CompileFailed, CompilePlan,
+                              compile_plan, compile_totals, compiled, resolve_compile)
 from nanochat.decode_batch import DecodeBatch, RolloutStats, static_step
 from nanochat.engine import Engine
 from nanochat.rl import accumulate_policy_gradient, chunk_logprobs, pass_denominators
@@ -191,7 +194,9 @@ def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch):
 
 
 def test_compile_plans():
-    """auto: both on CUDA; on a CPU the training forward only, and only for a run long enough to pay for it."""
+    """auto: both on CUDA; on a CPU the training forward only, and only for a run long enough to pay for it. A part
+    the script does not run is None (chat_eval trains nothing, chat_sft samples only for its stop checks), and its
+    start line names only the parts it runs."""
     cpu, cuda, mps = torch.device("cpu"), torch.device("cuda"), torch.device("mps")
     assert compile_plan("auto", cpu, "static", num_steps=467)[:2] == (False, True)
     assert compile_plan("auto", cpu, "eager", num_steps=CPU_MIN_STEPS - 1)[:2] == (False, False)
@@ -200,6 +205,28 @@ def test_compile_plans():
     assert compile_plan("off", cuda, "graph")[:2] == (False, False) and compile_plan("auto", mps, "eager")[:2] == (False, False)
     with pytest.raises(ValueError, match="compile mode must be one of auto, on, off"):
         compile_plan("yes", cpu, "eager")
+    # chat_sft: a training forward, paying later on a CPU; a decode step only with --stop-at-pass1 (auto decode: graph
+    # on CUDA, eager on a CPU)
+    sft = dict(cpu_min_steps=SFT_CPU_MIN_STEPS)
+    assert compile_plan("auto", cuda, None, num_steps=5, **sft)[:2] == (None, True)
+    assert compile_plan("auto", cuda, "graph", num_steps=5, **sft)[:2] == (True, True)
+    assert compile_plan("auto", cpu, None, num_steps=SFT_CPU_MIN_STEPS, **sft)[:2] == (None, True)
+    assert compile_plan("auto", cpu, "eager", num_steps=SFT_CPU_MIN_STEPS, **sft)[:2] == (False, True)
+    assert compile_plan("auto", cpu, "eager", num_steps=SFT_CPU_MIN_STEPS - 1, **sft)[:2] == (False, False)
+    assert compile_plan("on", cpu, None, num_steps=1, **sft)[:2] == (None, True)
+    assert compile_plan("auto", cpu, None, num_steps=300, **sft).describe() == (
+        f"compile: training forward off (auto on a CPU: 300 steps are too few to pay for compiling "
+        f"(from {SFT_CPU_MIN_STEPS} on); --compile to choose)")
+    # chat_eval: a decode step only, compiled where it is static, on CUDA (auto) or asked for (on)
+    assert compile_plan("auto", cuda, "graph", trains=False)[:2] == (True, None)
+    assert compile_plan("auto", cuda, "eager", trains=False)[:2] == (False, None)
+    assert compile_plan("auto", cpu, "static", trains=False)[:2] == (False, None)
+    assert compile_plan("on", cpu, "static", trains=False)[:2] == (True, None)
+    assert compile_plan("on", cpu, "eager", trains=False)[:2] == (False, None)
+    assert compile_plan("auto", mps, "static", trains=False)[:2] == (False, None)
+    assert compile_plan("auto", cpu, "eager", trains=False).describe().startswith(
+        "compile: decode step off (auto on a CPU: the compiled decode step was measured no faster there")
+    assert compile_plan("on", cuda, "graph", trains=False).describe() == "compile: decode step on (--compile=on; --compile to choose)"
 
 
 def test_the_golden_trace_compiled(sft, base_dir, monkeypatch, capsys):
@@ -245,3 +272,113 @@ def test_the_cache_write_compiled_with_dynamic_shapes_is_eagers():
             expected = write_then_read(eager_cache, index, positions, values, keys, heads_first)
             got = fast(fast_cache, index, positions, values, keys, heads_first)
             assert torch.equal(fast_cache, eager_cache) and torch.allclose(got, expected) and expected.abs().sum() > 0
+
+# ----------------------------------------------------------------------------- chat_sft and chat_eval
+
+SFT_FLAGS = ["--source=sft", "--model-tag=d2", "--tasks=arithmetic", "--arithmetic-difficulty=1", "--num-steps=3",
+             "--examples-per-step=8", "--device-batch-size=4", "--eval-every=-1", "--dtype=float32", "--device-type=cpu",
+             "--seed=9"]
+
+
+def sft_losses(monkeypatch, flags):
+    """chat_sft's per-step losses (as train_step returned them, unrounded) and trained-on token counts."""
+    from scripts import chat_sft
+    from nanochat.sft import count_targets
+    losses, tokens = [], []
+
+    def recording(model, optimizers, micro_batches, *args):
+        loss, gnorm, updated = train_step(model, optimizers, micro_batches, *args)
+        losses.append(loss)
+        tokens.append(count_targets(micro_batches))
+        return loss, gnorm, updated
+    train_step = chat_sft.train_step
+    with monkeypatch.context() as patch:
+        patch.setattr(chat_sft, "train_step", recording)
+        chat_sft.main(SFT_FLAGS + flags)
+    return losses, tokens
+
+
+def test_chat_sft_compiled_gives_the_eager_losses_and_weights(sft, base_dir, monkeypatch, capsys):
+    """chat_sft --compile=on (the training forward and loss compiled, dynamic in the rows' lengths) finetunes the
+    random tiny checkpoint as the eager run does. Step 1 runs on the same weights: the two losses sum the same n
+    positive cross-entropy terms in another order and fusion, each within (n + 2) u of the exact sum relative to
+    it (Higham), so within 2 (n + 2) u of each other. Later steps start from weights that already differ by that
+    rounding through the optimizers: there, and for the final weights, the tolerances tests/test_chat_sft.py's two
+    gloo ranks and tests/test_golden_trace.py hold on every CPU kind for the same kind of difference (summation
+    order): 1e-4 relative for a loss, 1e-5 relative (+ 1e-6) for a weight. The losses move by far more from step to
+    step. The compile is in step 1's line and in the meta; no later step compiles (a new length is no new graph)."""
+    eager, tokens = sft_losses(monkeypatch, ["--compile=off", "--output-tag=eager"])
+    assert "compile: training forward off (--compile=off; --compile to choose)" in capsys.readouterr().out
+    fast, _ = sft_losses(monkeypatch, ["--compile=on", "--output-tag=fast"])
+    out = capsys.readouterr().out
+    assert "compile: training forward on (--compile=on; --compile to choose)" in out
+    u = torch.finfo(torch.float32).eps / 2
+    assert abs(fast[0] - eager[0]) <= 2 * (tokens[0] + 2) * u * eager[0], (fast, eager)
+    assert fast[1:] == pytest.approx(eager[1:], rel=1e-4)
+    assert min(abs(a - b) for a, b in zip(eager, eager[1:])) > 1e-3 * eager[0]  # every step moved the loss
+    step_lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert "| compiled " in step_lines[0] and not any("compiled" in line for line in step_lines[1:]), step_lines
+    checkpoints = base_dir / "chatsft_checkpoints"
+    meta = json.loads((checkpoints / "fast" / "meta_000003.json").read_text())
+    assert meta["compiles"] >= 1 and meta["compile_s"] > 0 and meta["user_config"]["compile"] == "on"
+    assert json.loads((checkpoints / "eager" / "meta_000003.json").read_text())["compiles"] == 0
+    eager_weights, fast_weights = (torch.load(checkpoints / tag / "model_000003.pt") for tag in ("eager", "fast"))
+    for key in eager_weights:
+        torch.testing.assert_close(fast_weights[key], eager_weights[key], atol=1e-6, rtol=1e-5, msg=key)
+
+
+def eval_completions(monkeypatch, flags, out):
+    """chat_eval's report, and every completion it sampled (greedy, then sampled: tokens, masks, ended)."""
+    from nanochat.cli import run_main
+    from scripts import chat_eval
+    sampled = []
+
+    def recording(*args, **kwargs):
+        passk, outcomes = evaluate(*args, **kwargs)
+        sampled.append([(c.tokens, c.masks, c.ended) for o in outcomes for c in o.completions])
+        return passk, outcomes
+    evaluate = chat_eval.evaluate_pass_at_k
+    with monkeypatch.context() as patch:
+        patch.setattr(chat_eval, "evaluate_pass_at_k", recording)
+        run_main(chat_eval.main, ["--task=rl_toy_task:ParityTask", "--num-examples=2", "--num-samples=2",
+                                  "--max-new-tokens=8", "--decode=static", "--device-type=cpu", "--dtype=float32",
+                                  f"--output={out}"] + flags)
+    return json.loads(out.read_text()), sampled
+
+
+def test_chat_eval_compiled_samples_the_eager_tokens(sft, base_dir, monkeypatch, capsys):
+    """chat_eval --compile=on --decode=static: the compiled static step samples exactly the tokens of the eager
+    static step, greedy and at T=1 (fp32, fixed seeds: a difference would need a near-tie within Inductor's
+    rounding of a tiny model's logits), so the report is the same; the compiles are in the report."""
+    eager, eager_tokens = eval_completions(monkeypatch, ["--compile=off"], base_dir / "eager.json")
+    assert "compile: decode step off (--compile=off; --compile to choose)" in capsys.readouterr().out
+    fast, fast_tokens = eval_completions(monkeypatch, ["--compile=on"], base_dir / "fast.json")
+    assert "compile: decode step on (--compile=on; --compile to choose)" in capsys.readouterr().out
+    assert fast_tokens == eager_tokens and sum(len(tokens) for tokens, _, _ in eager_tokens[1]) > 8
+    assert (eager["compiles"], eager["compile"], fast["compile"]) == (0, "off", "on")
+    assert fast["compiles"] >= 1 and fast["compile_s"] > 0
+    skip = {"seconds", "compiles", "compile_s", "compile"}
+    assert {k: v for k, v in fast.items() if k not in skip} == {k: v for k, v in eager.items() if k not in skip}
+
+
+@pytest.mark.parametrize("script", ["chat_sft", "chat_eval"])
+def test_compile_on_where_compiling_fails_is_one_line_and_exit_2(script, sft, base_dir, monkeypatch, capsys):
+    """--compile=on where torch.compile does not work here (compiling stubbed to fail, as Inductor fails without a
+    C++ compiler): one line naming the flag to change, exit 2, no checkpoint or report written."""
+    from nanochat.cli import run_main
+    from scripts import chat_eval, chat_sft
+
+    def no_compiler(self, graph_module, example_inputs):
+        raise RuntimeError("Compiler: cc is not found")
+    monkeypatch.setattr(nc_compile._CountingInductor, "__call__", no_compiler)
+    monkeypatch.setattr(nc_compile, "_COMPILED", {})  # the probe is made afresh, and fails
+    main, flags = {"chat_sft": (chat_sft.main, SFT_FLAGS + ["--output-tag=never"]),
+                   "chat_eval": (chat_eval.main, ["--task=rl_toy_task:ParityTask", "--decode=static",
+                                                  "--device-type=cpu", f"--output={base_dir / 'never.json'}"])}[script]
+    with pytest.raises(SystemExit) as exit:
+        run_main(main, flags + ["--compile=on"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: torch.compile does not work on cpu here") and "cc is not found" in err
+    assert "--compile=off" in err
+    assert not (base_dir / "chatsft_checkpoints" / "never").exists() and not (base_dir / "never.json").exists()

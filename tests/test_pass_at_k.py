@@ -109,20 +109,39 @@ def test_aggregate_over_two_gloo_ranks_by_hand():
             assert_pass_at_k(SimpleNamespace(**got), 3, ANY, UNBIASED_MEAN)
 
 
-def test_chat_eval_reports_the_pass_at_k_worked_out_by_hand(sft, base_dir, capsys):
-    """chat_eval end to end on rl_toy_task.ScriptedEval (6 test questions graded from a table: greedy, then 4 samples):
+SCRIPTED_EVAL_FLAGS = ["--task=rl_toy_task:ScriptedEval", "--num-samples=4", "--max-new-tokens=3", "--device-type=cpu",
+                      "--dtype=float32"]
+
+
+def check_scripted_eval_report(result):
+    """chat_eval's report on rl_toy_task.ScriptedEval (6 test questions graded from a table: greedy, then 4 samples):
     greedy pass@1 = (1+0+0+1+0+1)/6 = 1/2. Samples per question: q0 1000, q1 1111, q2 0000, q3 0001, q4 0100, q5 1000.
     Any of the first k: k=1 q0 q1 q5 = 3/6; k=2 + q4 = 4/6; k=3 the same 4/6; k=4 + q3 = 5/6. Unbiased, n=4 (order
-    does not matter): four questions with c=1 give k/4, q1 gives 1, q2 gives 0: (4 * k/4 + 1) / 6 = 1/3, 1/2, 2/3, 5/6."""
-    from nanochat.cli import run_main
-    from scripts import chat_eval
-    out = base_dir / "eval.json"
-    run_main(chat_eval.main, ["--task=rl_toy_task:ScriptedEval", "--num-samples=4", "--max-new-tokens=3",
-                              "--device-type=cpu", "--dtype=float32", f"--output={out}"])
-    result = json.loads(out.read_text())
+    does not matter): four questions with c=1 give k/4, q1 gives 1, q2 gives 0: (4 * k/4 + 1) / 6 = 1/3, 1/2, 2/3, 5/6.
+    Nothing compiled (--compile=auto on a CPU)."""
     assert result["num_questions"] == 6 and result["num_samples"] == 4
     assert result["greedy_pass@1"] == pytest.approx(1 / 2, abs=1e-12)
     assert result["pass@k"] == pytest.approx({"1": 3 / 6, "2": 4 / 6, "3": 4 / 6, "4": 5 / 6}, abs=1e-12)
     assert result["pass@k_unbiased"] == pytest.approx({"1": 1 / 3, "2": 1 / 2, "3": 2 / 3, "4": 5 / 6}, abs=1e-12)
+    assert (result["compile"], result["compiles"], result["compile_s"]) == ("off", 0, 0.0)
+
+
+def test_chat_eval_reports_the_pass_at_k_worked_out_by_hand(sft, base_dir, capsys):
+    """chat_eval end to end (check_scripted_eval_report)."""
+    from nanochat.cli import run_main
+    from scripts import chat_eval
+    out = base_dir / "eval.json"
+    run_main(chat_eval.main, SCRIPTED_EVAL_FLAGS + [f"--output={out}"])
+    check_scripted_eval_report(json.loads(out.read_text()))
     printed = capsys.readouterr().out
     assert "greedy pass@1: 0.5000 on 6 questions" in printed
+
+
+def test_chat_eval_on_two_gloo_ranks_reports_what_one_process_does(sft, base_dir, monkeypatch):
+    """chat_eval under torchrun: each of 2 ranks samples half of the questions, the counts and the compile record
+    are reduced over the ranks, and rank 0 writes the report one process writes (check_scripted_eval_report)."""
+    from helpers import PYTHONPATH
+    monkeypatch.setenv("PYTHONPATH", PYTHONPATH)  # the ranks import rl_toy_task from tests/
+    out = base_dir / "eval.json"
+    run_ranks(lambda rank: ["-m", "scripts.chat_eval", *SCRIPTED_EVAL_FLAGS, f"--output={out}"])
+    check_scripted_eval_report(json.loads(out.read_text()))
