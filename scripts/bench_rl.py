@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from nanochat.agreement import greedy_agreement
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_memory_budget_flag, add_model_generation_flag,
                           run_main)
 from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_init, cpu_bf16_kind,
@@ -683,38 +684,16 @@ def format_no_signal_table(rows):
     return "\n".join(lines)
 
 
-def greedy_agreement(model, tokenizer, prompts, max_tokens, device):
-    """How far bf16 rollouts follow fp32 ones under greedy decoding, on the same prompts.
-
-    Both decodes run through the engine (the bf16 one under autocast, with a bf16 KV cache). A row agrees up
-    to its first differing token; after that the two continuations see different contexts, so later tokens
-    are not compared. Returns rows, rows identical end to end, fp32 tokens, tokens before the first
-    difference (their ratio is the agreement), and for each differing row the fp32 logit margin between the
-    fp32 choice and the bf16 choice at the first difference: bf16 rounding should only flip near-ties."""
+def bf16_agreement(model, tokenizer, prompts, max_tokens, device):
+    """How far bf16 rollouts follow fp32 ones under greedy decoding, on the same prompts (nanochat/agreement.py's
+    greedy_agreement: bf16 rounding should only flip near-ties). Both decodes run through the engine (the bf16 one
+    under autocast, with a bf16 KV cache)."""
     engine = Engine(model, tokenizer)
     fp32 = engine.generate_many(prompts, num_samples=1, max_tokens=max_tokens, temperature=0.0)
     with torch.amp.autocast(device_type=device.type, dtype=torch.bfloat16):
         bf16 = engine.generate_many(prompts, num_samples=1, max_tokens=max_tokens, temperature=0.0)
-    end = tokenizer.encode_special("<|assistant_end|>")
-    rows = identical = tokens = agreeing = 0
-    margins = []
-    for prompt, (a,), (b,) in zip(prompts, fp32, bf16):
-        prefix = 0
-        while prefix < min(len(a.tokens), len(b.tokens)) and a.tokens[prefix] == b.tokens[prefix]:
-            prefix += 1
-        rows += 1
-        identical += a.tokens == b.tokens
-        tokens += len(a.tokens)
-        agreeing += prefix
-        if a.tokens != b.tokens:
-            # the token each decode chose next; a row that stopped there chose the end token
-            choice_fp32 = a.tokens[prefix] if prefix < len(a.tokens) else end
-            choice_bf16 = b.tokens[prefix] if prefix < len(b.tokens) else end
-            with torch.no_grad():
-                logits = model(torch.tensor([list(prompt) + a.tokens[:prefix]], device=device))[0, -1].float()
-            margins.append(float(logits[choice_fp32] - logits[choice_bf16]))
-    return {"rows": rows, "identical_rows": identical, "tokens": tokens, "tokens_before_first_difference": agreeing,
-            "agreement": agreeing / max(tokens, 1), "fp32_margins_at_differences": margins}
+    ends = [tokenizer.encode_special(t) for t in ("<|assistant_end|>", "<|bos|>")]
+    return greedy_agreement(model, prompts, [a.tokens for a, in fp32], [b.tokens for b, in bf16], ends)
 
 
 def profile_rollout(model, tokenizer, task, indices, config, args, device):
@@ -810,7 +789,7 @@ def run(args, configs, device):
     agreement = None
     if any(c.dtype == torch.bfloat16 for c in configs):
         prompts = [tokenizer.render_for_completion(task[i]) for i in indices]
-        agreement = greedy_agreement(model, tokenizer, prompts, args.max_new_tokens, device)
+        agreement = bf16_agreement(model, tokenizer, prompts, args.max_new_tokens, device)
     print0()
     print0(format_table(results))
     if agreement:

@@ -34,6 +34,20 @@ PYTHONPATH = os.pathsep.join(str(p) for p in [REPO, REPO / "tests"] + ([] if HAS
 # 1.9e-6; the bound is 4 of those, so the CPU's kernel choice has room and a 1e-5 decode error fails.
 FP32_GAP_BOUND = 4 * 2.0 ** -19  # 7.6e-6
 
+# Near-ties: where two decodes of the same fp32 model choose different greedy tokens (nanochat/agreement.py measures
+# the fp32 logit margin of the two choices at a row's first difference), the margin must be within what their
+# roundings can move a logit.
+# bf16 keeps 8 significant bits: a logit between 8 and 16 (the softcap is 15) is rounded to a multiple of 1/16,
+# so two fp32 logits closer than two such steps can swap order under bf16.
+BF16_NEAR_TIE = 0.125
+BF16_MIN_AGREEMENT = 0.9  # measured 0.996 (0.95 with an earlier fixture); a guard against bf16 going wrong wholesale, not the main check
+# Two fp32 paths (the compiled decode step and the eager one) compute the same logits, rounded in other orders and
+# fusions: per logit they agree within the scale FP32_GAP_BOUND measures for two paths' log-probabilities (a logit
+# minus a log-sum-exp, an average of logits). Where path 1 chooses a (z1_a >= z1_b) and path 2 chooses b
+# (z2_b >= z2_a), each path's margin z_a - z_b is within 2 * FP32_GAP_BOUND of 0, and the margin read from a third
+# path (agreement.py's full forward) within 4 * FP32_GAP_BOUND: 3.1e-5, 4000 times tighter than bf16's bound.
+FP32_NEAR_TIE = 4 * FP32_GAP_BOUND
+
 # ----------------------------------------------------------------------------- tiny models
 
 # 16 positions: the short window (8) and the long one (16) both bind in sequences of a few dozen tokens.
