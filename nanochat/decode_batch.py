@@ -239,7 +239,7 @@ class DecodeBatch:
 def static_step(batch, rows, keys):
     """The static decode step of `batch` over rows 0..rows-1, attending to keys 0..keys-1 of each: forward, sample
     into batch.sampled, advance the streams of the rows in use. No host read, no shape that depends on data: the
-    function that CUDA graphs capture and torch.compile compiles (one graph per (rows, keys))."""
+    function that CUDA graphs capture and torch.compile compiles (with dynamic shapes: one graph for every (rows, keys))."""
     logits = run_cached(batch.model, batch.next_input[:rows, None], batch.cache.decode_step(rows, keys))
     batch._draw(logits[:, -1, :], 0, rows)  # (rows, V)
     batch.draws[:rows] += batch.cache.active[:rows]
