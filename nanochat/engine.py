@@ -27,6 +27,9 @@ from nanochat.kv_cache import KVCache, cache_geometry
 from nanochat.rows import Row, SpecialIds
 from nanochat.shared_prompt_cache import SharedPromptKVCache
 
+# the static decode step compiles with dynamic shapes: one graph serves every bucketed shape (see Engine)
+STATIC_STEP_DYNAMIC = True
+
 
 def prompt_slots(rows, num_samples, num_prompts):
     """Prompts held at once with shared prompts: the ones the rows are on, plus room for prompts whose last rows
@@ -98,7 +101,7 @@ class Engine:
         self.share_prompts = share_prompts
         self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
         compiles = compile_plan(compile, model.get_device(), self.decode).decode
-        self.step = maybe_compiled(static_step, compiles, dynamic=True, required=compile == "on")
+        self.step = maybe_compiled(static_step, compiles, dynamic=STATIC_STEP_DYNAMIC, required=compile == "on")
         self.kept = None  # a KeptBatch between rollouts (see _new_batch); release() drops it
         self.prompt_floor = 0  # static batches are sized for prompts this long at least (it never shrinks)
         self.keeps_between_rollouts = True  # the static batch and the decode weights; release() may turn it off

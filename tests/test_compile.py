@@ -31,7 +31,7 @@ from nanochat.cli import error_line
 from nanochat.compile import (CPU_MIN_STEPS, RECOMPILE_LIMIT, SFT_CPU_MIN_STEPS, CompiledFunction, CompileFailed, CompilePlan,
                               compile_plan, compile_totals, compiled, resolve_compile)
 from nanochat.decode_batch import DecodeBatch, RolloutStats, static_step
-from nanochat.engine import Engine
+from nanochat.engine import STATIC_STEP_DYNAMIC, Engine
 from nanochat.rl import chunk_logprobs, pass_denominators
 from nanochat.shared_prompt_cache import SharedPromptKVCache
 from helpers import (BF16_MIN_AGREEMENT, BF16_NEAR_TIE, FP32_GAP_BOUND, FP32_NEAR_TIE, HAS_CUDA, generation_reference,
@@ -75,7 +75,7 @@ def test_compiled_decode_samples_the_eager_tokens_on_generation_fixtures(name, t
     eager, eager_lp = completions(Engine(model, tokenizer, decode="eager"), prompts, **kwargs)
     engine = Engine(model, tokenizer, decode="static", compile="on")
     fast, fast_lp = completions(engine, prompts, **kwargs)
-    step = compiled(static_step, dynamic=False)
+    step = compiled(static_step, dynamic=STATIC_STEP_DYNAMIC)
     assert engine.step.func is step and step.compiles >= 1 and step.failed is None  # it did run compiled
     assert fast == eager
     assert eager_lp.numel() >= 64 and (fast_lp - eager_lp).abs().max() <= FP32_GAP_BOUND
@@ -155,16 +155,16 @@ def test_compiled_bf16_greedy_decode_parts_from_eager_bf16_only_at_near_ties(ari
     assert agreement["agreement"] >= BF16_MIN_AGREEMENT, agreement
 
 
-def test_each_bucket_compiles_once_and_the_next_rollout_compiles_nothing(arithmetic, greedy_fp32):
+def test_a_rollout_compiles_a_few_graphs_and_the_next_rollout_none(arithmetic, greedy_fp32):
     """The greedy fp32 rollout's rows end at varied steps and run three row buckets, and the step is compiled with
-    dynamic shapes: at most two graphs serve them all (Dynamo specializes a dimension of size 1), not one per shape
-    (nor one per step, as a guard that changed from one step to the next would make it: a Python value, a new
-    tensor). After the weights change in place (as an optimizer step changes them), the next rollout on the
+    dynamic shapes: a bounded few graphs serve them all (measured 4 here: Dynamo specializes a size of 1 and compiles
+    once more when it first sees a size change; 9 for the 128 shapes of a 256-row batch), not one per shape, nor one
+    per step (as a guard that changed from one step to the next would make it: a Python value, a new tensor). After the weights change in place (as an optimizer step changes them), the next rollout on the
     kept batch compiles no graph at all, and decodes what a fresh eager engine decodes on the updated weights
     (identical but at fp32 near-ties), which is not what it decoded before."""
     model, tokenizer, prompts = arithmetic.model, arithmetic.tokenizer, arithmetic.prompts[:32]
     shapes, engine = set(greedy_fp32.shapes), greedy_fp32.engine
-    assert {rows for rows, _ in shapes} == {1, 2, 3} and 1 <= greedy_fp32.compiles <= 2, greedy_fp32.shapes
+    assert {rows for rows, _ in shapes} == {1, 2, 3} and 1 <= greedy_fp32.compiles <= 4, greedy_fp32.shapes
     kept, weights = engine.kept_batch, {k: v.clone() for k, v in model.state_dict().items()}
     try:
         with torch.no_grad():
@@ -213,7 +213,7 @@ def test_the_step_compiled_is_the_one_proven_on_the_meta_device(share_prompts, t
         cache = KVCache.for_model(model, 6, 56)
     batch = DecodeBatch(model, cache, 1.0, 50, RolloutStats())
     recorder = GraphRecorder()
-    step = torch.compile(static_step, fullgraph=True, dynamic=False, backend=recorder)
+    step = torch.compile(static_step, fullgraph=True, dynamic=False, backend=recorder)  # static: the graph runs on meta with the shapes it was traced at
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # the other tests' graphs count
         step(batch, 6, 32)
     (graph,), inputs = recorder.graphs, recorder.inputs
@@ -364,7 +364,9 @@ def test_the_cache_write_compiled_with_dynamic_shapes_is_eagers():
             values = torch.randn(rows, 1, 2, 8)
             expected = write_then_read(eager_cache, index, positions, values, keys, heads_first)
             got = fast(fast_cache, index, positions, values, keys, heads_first)
-            assert torch.equal(fast_cache, eager_cache) and torch.allclose(got, expected) and expected.abs().sum() > 0
+            # the write exactly; the read-back sums 16 values in another order (fp32 rounding of that order)
+            assert torch.equal(fast_cache, eager_cache) and expected.abs().sum() > 0
+            assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5), (got, expected)
 
 # ----------------------------------------------------------------------------- chat_sft and chat_eval
 
