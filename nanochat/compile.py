@@ -1,10 +1,10 @@
 """
 torch.compile for a run's two hot paths, and what compiling them costs.
 
-- The static decode step (nanochat/decode_batch.py's `static_step`): fullgraph, dynamic shapes, so one graph (and
-  a specialization for a dimension of 1) serves every bucketed (rows, keys) shape: one graph per shape compiled a
-  static batch's 100+ shapes at ~15 s each. On CUDA the engine's own graphs (nanochat/cuda_graphs.py's GraphedStep) capture
-  the compiled step: it is compiled in Inductor's default mode, without Inductor's cudagraphs, so that one
+- The static decode step (nanochat/decode_batch.py's `static_step`): fullgraph, dynamic shapes, so a few graphs
+  (specializations of a size of 1) serve every bucketed (rows, keys) shape: one graph per shape compiled a static
+  batch's 100+ shapes at ~15 s each. On CUDA the engine's own graphs (nanochat/cuda_graphs.py's GraphedStep)
+  capture the compiled step: it is compiled in Inductor's default mode, without Inductor's cudagraphs, so that one
   owner captures and replays (the engine's graphs already hold every bucket in one pool, warmed up on a side
   stream; "reduce-overhead" would capture a second time inside them).
 - The training pass's forward (nanochat/rl.py's `chunk_logprobs`: hidden states, logits at the sampled
@@ -190,9 +190,10 @@ def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min
     forward. auto: on CUDA both (the step is launch-bound: fusing its elementwise work is the point); on a CPU the
     training forward only, and only for a run of at least `cpu_min_steps` steps, from which it was measured to pay
     for its compile there (CPU_MIN_STEPS for chat_rl, SFT_CPU_MIN_STEPS for chat_sft); not the static decode step,
-    which needs --decode=static there (auto decodes with the eager exact-shape step on a CPU; compiled, the static step
-    was measured 1.3x faster than it on the real workload, after ~60 s of compiling); elsewhere (MPS) nothing: not measured. on: both where they apply (the decode step only in static and
-    graph modes: the eager step's exact shapes would compile at every new shape)."""
+    which needs --decode=static there (auto decodes with the eager exact-shape step on a CPU; compiled, the static
+    step was measured 1.3x faster than it on the real workload, after ~60 s of compiling); elsewhere (MPS) nothing:
+    not measured. on: both where they apply (the decode step only in static and graph modes: the eager step's exact
+    shapes would compile at every new shape)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
 

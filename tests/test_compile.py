@@ -159,9 +159,10 @@ def test_a_rollout_compiles_a_few_graphs_and_the_next_rollout_none(arithmetic, g
     """The greedy fp32 rollout's rows end at varied steps and run three row buckets, and the step is compiled with
     dynamic shapes: a bounded few graphs serve them all (measured 4 here: Dynamo specializes a size of 1 and compiles
     once more when it first sees a size change; 9 for the 128 shapes of a 256-row batch), not one per shape, nor one
-    per step (as a guard that changed from one step to the next would make it: a Python value, a new tensor). After the weights change in place (as an optimizer step changes them), the next rollout on the
-    kept batch compiles no graph at all, and decodes what a fresh eager engine decodes on the updated weights
-    (identical but at fp32 near-ties), which is not what it decoded before."""
+    per step (as a guard that changed from one step to the next would make it: a Python value, a new tensor).
+    After the weights change in place (as an optimizer step changes them), the next rollout on the kept batch
+    compiles no graph at all, and decodes what a fresh eager engine decodes on the updated weights (identical but
+    at fp32 near-ties), which is not what it decoded before."""
     model, tokenizer, prompts = arithmetic.model, arithmetic.tokenizer, arithmetic.prompts[:32]
     shapes, engine = set(greedy_fp32.shapes), greedy_fp32.engine
     assert {rows for rows, _ in shapes} == {1, 2, 3} and 1 <= greedy_fp32.compiles <= 4, greedy_fp32.shapes
@@ -213,7 +214,8 @@ def test_the_step_compiled_is_the_one_proven_on_the_meta_device(share_prompts, t
         cache = KVCache.for_model(model, 6, 56)
     batch = DecodeBatch(model, cache, 1.0, 50, RolloutStats())
     recorder = GraphRecorder()
-    step = torch.compile(static_step, fullgraph=True, dynamic=False, backend=recorder)  # static: the graph runs on meta with the shapes it was traced at
+    # static shapes: the graph then runs on meta as traced (the dynamic trace takes symbolic sizes as inputs)
+    step = torch.compile(static_step, fullgraph=True, dynamic=False, backend=recorder)
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # the other tests' graphs count
         step(batch, 6, 32)
     (graph,), inputs = recorder.graphs, recorder.inputs
