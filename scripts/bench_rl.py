@@ -148,7 +148,8 @@ def parse_args(argv):
                    help="give every row advantage +1 or -1 (alternating) after the rollouts, so that a random model's "
                         "full batch is trained (it earns no reward, so nothing would be)")
     p.add_argument("--repeat", type=int, default=1,
-                   help="measured steps per config, one after another (rollout time of the first and last is reported)")
+                   help="measured steps per config, one after another (times: the last one's, the steady state; "
+                        "every step's in the JSON)")
     # measurement
     p.add_argument("--early-stop-mean", type=float, default=64.0,
                    help="mean completion length of the +early runs (0 = skip them)")
@@ -452,6 +453,9 @@ def bench_engine(rollout_model, tokenizer, config, args):
                   compile="on" if config.compiled else "off")
 
 
+STEP_TIMES = ("rollout_seconds", "train_seconds", "optimizer_seconds", "step_seconds")
+
+
 def rl_step(model, engine, optimizers, task, indices, config, args, device):
     """One chat_rl step (rollouts, forward/backward, grad norm, optimizer step), timed by phase."""
     autocast = autocast_context(device, config.dtype)
@@ -509,7 +513,11 @@ def fresh_optimizers(model, init_lr_frac):
 
 def measure(model, initial_state, tokenizer, task, indices, config, early_stop_mean, args, device, memory, peaks, bandwidth):
     """Run one configuration from the initial weights: an untimed warm-up, then the measured step (--repeat of
-    them, one after another; the figures are the first's, with every rollout's time)."""
+    them, one after another). The work and the tokens compared between configs are the first step's (every config
+    starts it from the same weights); the times are the last step's, the steady state chat_rl runs in: the first
+    also pays what a run pays once (graph captures, compiles, a GPU's first use of each kernel and shape; on an
+    H200 the first step's rollout took 10.0 s with 128 captures, the next ones 2.1 s). Every step's times are in
+    the *_each lists."""
     model.load_state_dict(initial_state)
     rollout_model = model
     if early_stop_mean:
@@ -530,11 +538,14 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
 
     m = runs[0]
     batches, rows, work = m["batches"], m.pop("rows"), m.pop("work")
+    steady = runs[-1]
+    m.update({key: steady[key] for key in STEP_TIMES})
+    steady_decode_forwards = steady["work"]["decode_forwards"]
     kv_bytes = cache_geometry(model).bytes_per_token(config.dtype) * work["kv_positions_read"]
     peak = peaks[dtype_name(config.dtype)]
     # the decode step's roofline: every matmul weight read once in the compute dtype (bf16: the engine's
     # DecodeWeights), plus the keys/values read; embeddings are looked up, a few rows per step
-    decode_ms = 1000 * m["rollout_seconds"] / max(work["decode_forwards"], 1)
+    decode_ms = 1000 * m["rollout_seconds"] / max(steady_decode_forwards, 1)
     element_size = torch.tensor([], dtype=config.dtype).element_size()
     weight_bytes = element_size * sum(linear.weight.numel() for linear in matmul_modules(model))
     step_bytes = weight_bytes + kv_bytes / max(work["decode_forwards"], 1)

@@ -44,6 +44,11 @@ stage_start=$(date +%s)
 STAGE_SECONDS=${GPU_CHECK_STAGE_SECONDS:-470}  # under the 8 minutes a stage may take, setup included
 deadline=$((stage_start + STAGE_SECONDS))
 say() { echo "gpu_check: $*"; }
+# shellcheck source=tests/gpu_venv.sh
+source tests/gpu_venv.sh
+# a probe of the GPU that does not answer in this many seconds means a wedged GPU or driver: say so, do not hang
+# (a call on the first GPU machine printed nothing after the setup's first line until its limit, cause unknown)
+PROBE_SECONDS=${GPU_CHECK_PROBE_SECONDS:-120}
 
 # ---- setup: a python >= 3.10 with a CUDA torch, and what tests/gpu_requirements.txt names
 cuda_python() {  # prints the path of the first candidate python that is >= 3.10 and whose torch sees CUDA
@@ -51,8 +56,8 @@ cuda_python() {  # prints the path of the first candidate python that is >= 3.10
     [ -n "${PYTHON:-}" ] && candidates=("$PYTHON")
     for p in "${candidates[@]}"; do
         command -v "$p" >/dev/null 2>&1 || continue
-        if "$p" -c "import sys, torch; sys.exit(0 if sys.version_info >= (3, 10) and torch.cuda.is_available() else 1)" \
-            >/dev/null 2>&1; then
+        if timeout --kill-after=5 "$PROBE_SECONDS" "$p" -c \
+            "import sys, torch; sys.exit(0 if sys.version_info >= (3, 10) and torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
             command -v "$p"
             return 0
         fi
@@ -70,18 +75,13 @@ missing=$(unmet "$python")
 if [ -n "$missing" ]; then
     venv=$PWD/.gpu_venv
     wheels=$PWD/gpu_carry/wheels
-    stamp="$python $pyver $(ls "$wheels" 2>/dev/null | md5sum | cut -c1-12)"
+    # "bridged": made by make_venv_over (a venv of an earlier gpu_check could not see a venv python's packages)
+    stamp="bridged $python $pyver $(ls "$wheels" 2>/dev/null | md5sum | cut -c1-12)"
     if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/stamp" 2>/dev/null)" = "$stamp" ]; then
         missing=$(unmet "$venv/bin/python")  # what an earlier stage did not need
         say "reusing $venv (python $pyver)${missing:+; it lacks $(echo $missing)}"
     else
-        rm -rf "$venv"
-        if ! "$python" -m venv --without-pip --system-site-packages "$venv" >/dev/null 2>&1; then
-            # no venv module: a venv is a pyvenv.cfg beside bin/python (what the module writes)
-            mkdir -p "$venv/bin"
-            ln -sf "$python" "$venv/bin/python"
-            printf 'home = %s\ninclude-system-site-packages = true\nversion = %s\n' "$(dirname "$python")" "$pyver" > "$venv/pyvenv.cfg"
-        fi
+        make_venv_over "$python" "$venv" || { say "could not make a venv over $python at $venv"; exit 2; }
         echo "$stamp" > "$venv/stamp"
         say "made $venv over python $pyver at $python (its packages stay visible); it lacks $(echo $missing)"
     fi
@@ -111,7 +111,7 @@ fi
 # `python` on PATH for speedrun.sh and the tests' subprocesses: the one chosen here
 bin=$PWD/.gpu_bin
 mkdir -p "$bin"
-ln -sf "$python" "$bin/python"
+python_wrapper "$python" "$bin/python"  # not a symlink: see tests/gpu_venv.sh
 export PATH="$bin:$PATH"
 if [ -d gpu_carry ]; then
     export NANOCHAT_BASE_DIR=${NANOCHAT_BASE_DIR:-$PWD/gpu_carry/base}
@@ -120,8 +120,9 @@ if [ -d gpu_carry ]; then
     # suite goes without it: test_gsm8k compares the local order with the real datasets' shuffle where installed
     [ "$stage" = suite ] || export PYTHONPATH="$PWD/gpu_carry/offline${PYTHONPATH:+:$PYTHONPATH}"
 fi
-"$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 2
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null | tee "$out/gpu.txt"
+timeout --kill-after=5 "$PROBE_SECONDS" "$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || {
+    say "torch could not name the GPU within $PROBE_SECONDS s (exit $?; 124: it hung)"; exit 2; }
+timeout 30 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null | tee "$out/gpu.txt"
 say "setup took $(( $(date +%s) - stage_start )) s"
 
 # ---- the stage's steps, each under a timeout that keeps the stage inside STAGE_SECONDS

@@ -23,8 +23,11 @@ FIXTURES = REPO / "tests" / "fixtures"
 HAS_CUDA = torch.cuda.is_available()
 # its sitecustomize.py carries the guard into subprocesses (conftest's docstring)
 PRETEND_CUDA_DIR = REPO / "tests" / "pretend_cuda"
-# for a subprocess: nanochat, scripts and tasks from the repo, user-style tasks (rl_toy_task) from tests/
-PYTHONPATH = os.pathsep.join(str(p) for p in [REPO, REPO / "tests"] + ([] if HAS_CUDA else [PRETEND_CUDA_DIR]))
+# for a subprocess: nanochat, scripts and tasks from the repo, user-style tasks (rl_toy_task) from tests/, then what
+# the test session was given (a GPU machine's packages installed with --target, say: dropped, the subprocesses of
+# the first GPU run could not import rustbpe)
+PYTHONPATH = os.pathsep.join([str(p) for p in [REPO, REPO / "tests"] + ([] if HAS_CUDA else [PRETEND_CUDA_DIR])]
+                             + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 # The fp32 sampler-trainer gap: decoding (KV cache, one token at a time) and training (whole sequences) compute the
 # same fp32 log-softmax along different paths, so a sampled token's two log-probabilities differ by a few roundings

@@ -41,6 +41,9 @@ def test_static_decode_config_samples_the_same_tokens_and_forced_advantages_trai
     assert "tokens_identical_to" not in results["batched_fp32"]
     for r in results.values():
         assert r["rows_trained"] == r["rows"] == 8 and len(r["rollout_seconds_each"]) == 3
+        # the times are the steady state's (the last step), not the first's, which pays captures and compiles
+        assert (r["rollout_seconds"], r["train_seconds"], r["step_seconds"]) == (
+            r["rollout_seconds_each"][-1], r["train_seconds_each"][-1], r["step_seconds_each"][-1])
         assert r["sampler_tokens"] > 0 and 0 <= r["sampler_gap_mean"] <= r["sampler_gap_max"] <= FP32_GAP_BOUND  # fp32: a few ulps
         assert r["bandwidth_bound_ms"] > 0 and r["decode_x_bound"] == r["decode_ms_per_step"] / r["bandwidth_bound_ms"]
     assert "= batched_fp32+early" in capsys.readouterr().out

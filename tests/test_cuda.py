@@ -3,6 +3,7 @@ them; `bash tests/gpu_check.sh` runs them on a GPU machine): chat_rl through tor
 single process, a bf16 step stays near the fp32 one, a real out-of-memory during rollouts is backed off without
 losing the step, chat_sft and chat_eval run on CUDA, and a checkpoint crosses between CUDA and the CPU."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -42,21 +43,30 @@ def test_torchrun_on_nccl_equals_the_single_process(sft, base_dir, tmp_path):
 
 
 def test_a_bf16_step_stays_near_the_fp32_step(tiny_tokenizer):
-    """The policy-gradient pass under bf16 autocast against fp32 on the same rollouts: objective within 2%,
-    gradient direction within cosine 0.99 (bf16 keeps 8 bits of mantissa; a bug, e.g. a wrong cast, is far off)."""
+    """The policy-gradient pass under bf16 autocast against fp32 on the same rollouts: objective within 1% of its
+    terms' scale, gradient direction within cosine 0.99 (bf16 keeps 8 bits of mantissa; a bug, e.g. a wrong cast,
+    is far off).
+
+    The scale is the objective with every advantage made positive (sum |adv * logp| / tokens): the objective
+    itself is a difference of such terms (advantages sum to 0 per question) and may cancel to near 0, so a bound
+    relative to it fails on rounding alone (on the first GPU run: 7% of the objective, 0.05% of the scale; on a
+    CPU under bf16 autocast 0.03-0.04% of the scale, over three seeds)."""
     model = random_model(tiny_config(sequence_len=128, vocab_size=tiny_tokenizer.get_vocab_size(), window_pattern="SL")).cuda()
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 300, (20,), generator=gen).tolist()
     completions = [(torch.randint(0, 300, (30,), generator=gen).tolist(), [1] * 30) for _ in range(4)]
     batch = make_question_batch(prompt, completions, [1.0, 0.0, 1.0, 0.0], pad_token=0)
-    results = {}
-    for dtype in (torch.float32, torch.bfloat16):
+
+    def policy_gradient(batch, dtype):
         model.zero_grad(set_to_none=True)
         autocast = torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32)
         stats = accumulate_policy_gradient(model, [batch], 4, 1, torch.device("cuda"), autocast)
-        results[dtype] = (stats.objective, torch.cat([p.grad.flatten() for p in model.parameters()]))
-    (o32, g32), (o16, g16) = results[torch.float32], results[torch.bfloat16]
-    assert abs(o16 - o32) <= 0.02 * abs(o32)
+        return stats.objective, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    o32, g32 = policy_gradient(batch, torch.float32)
+    o16, g16 = policy_gradient(batch, torch.bfloat16)
+    scale, _ = policy_gradient(dataclasses.replace(batch, advantages=batch.advantages.abs()), torch.float32)
+    assert abs(o16 - o32) <= 0.01 * abs(scale)
     assert torch.nn.functional.cosine_similarity(g16, g32, dim=0) >= 0.99
 
 
