@@ -35,6 +35,8 @@ make_venv_over() {
 
 python_wrapper() {
     local python=$1 file=$2
+    # an absolute path, symlinks kept (resolved, a venv's python would be its base interpreter again)
+    case "$python" in /*) ;; */*) python="$(cd "$(dirname "$python")" && pwd)/$(basename "$python")" ;; *) python=$(command -v "$python") ;; esac
     mkdir -p "$(dirname "$file")"
     printf '#!/bin/sh\nexec "%s" "$@"\n' "$python" > "$file"
     chmod +x "$file"

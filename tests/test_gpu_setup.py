@@ -60,6 +60,11 @@ def test_the_wrapper_runs_the_python_it_names_with_its_arguments(tmp_path):
     wrapper = tmp_path / "bin" / "python"
     bash('python_wrapper "$1" "$2"', sys.executable, wrapper)
     assert probe(wrapper) == probe(sys.executable)
+    # named by a relative path (PYTHON=.venv/bin/python), it still runs from anywhere (probe runs in /)
+    relative = os.path.relpath(sys.executable, tmp_path)
+    subprocess.run(["bash", "-c", f'source "{GPU_VENV}"; cd "$1" && python_wrapper "$2" "$3"', "bash", tmp_path,
+                    relative, wrapper], check=True, timeout=60)
+    assert probe(wrapper) == probe(sys.executable)
     out = subprocess.run([str(wrapper), "-c", "import sys; print(sys.argv[1:])", "a b", "c"],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['a b', 'c']"
