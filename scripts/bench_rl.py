@@ -536,11 +536,11 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
     peak_mb = memory.peak_mb()
     del optimizers
 
+    steady = runs[-1]
+    steady_decode_forwards = steady["work"]["decode_forwards"]
     m = runs[0]
     batches, rows, work = m["batches"], m.pop("rows"), m.pop("work")
-    steady = runs[-1]
     m.update({key: steady[key] for key in STEP_TIMES})
-    steady_decode_forwards = steady["work"]["decode_forwards"]
     kv_bytes = cache_geometry(model).bytes_per_token(config.dtype) * work["kv_positions_read"]
     peak = peaks[dtype_name(config.dtype)]
     # the decode step's roofline: every matmul weight read once in the compute dtype (bf16: the engine's
