@@ -453,9 +453,6 @@ def bench_engine(rollout_model, tokenizer, config, args):
                   compile="on" if config.compiled else "off")
 
 
-STEP_TIMES = ("rollout_seconds", "train_seconds", "optimizer_seconds", "step_seconds")
-
-
 def rl_step(model, engine, optimizers, task, indices, config, args, device):
     """One chat_rl step (rollouts, forward/backward, grad norm, optimizer step), timed by phase."""
     autocast = autocast_context(device, config.dtype)
@@ -513,11 +510,11 @@ def fresh_optimizers(model, init_lr_frac):
 
 def measure(model, initial_state, tokenizer, task, indices, config, early_stop_mean, args, device, memory, peaks, bandwidth):
     """Run one configuration from the initial weights: an untimed warm-up, then the measured step (--repeat of
-    them, one after another). The work and the tokens compared between configs are the first step's (every config
-    starts it from the same weights); the times are the last step's, the steady state chat_rl runs in: the first
-    also pays what a run pays once (graph captures, compiles, a GPU's first use of each kernel and shape; on an
-    H200 the first step's rollout took 10.0 s with 128 captures, the next ones 2.1 s). Every step's times are in
-    the *_each lists."""
+    them, one after another). The figures are the last step's, the steady state chat_rl runs in: the first also
+    pays what a run pays once (graph captures, compiles, a GPU's first use of each kernel and shape; on an H200
+    the first step's rollout took 10.0 s with 128 captures, the next ones 2.1 s). Every step's times are in the
+    *_each lists. The tokens compared between configs are the first step's: every config starts it from the same
+    weights (the later ones sample from weights it trained)."""
     model.load_state_dict(initial_state)
     rollout_model = model
     if early_stop_mean:
@@ -536,16 +533,15 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
     peak_mb = memory.peak_mb()
     del optimizers
 
-    steady = runs[-1]
-    steady_decode_forwards = steady["work"]["decode_forwards"]
-    m = runs[0]
+    first_tokens = runs[0]["work"]["tokens_digest"]
+    m = runs[-1]
     batches, rows, work = m["batches"], m.pop("rows"), m.pop("work")
-    m.update({key: steady[key] for key in STEP_TIMES})
+    work["tokens_digest"] = first_tokens
     kv_bytes = cache_geometry(model).bytes_per_token(config.dtype) * work["kv_positions_read"]
     peak = peaks[dtype_name(config.dtype)]
     # the decode step's roofline: every matmul weight read once in the compute dtype (bf16: the engine's
     # DecodeWeights), plus the keys/values read; embeddings are looked up, a few rows per step
-    decode_ms = 1000 * m["rollout_seconds"] / max(steady_decode_forwards, 1)
+    decode_ms = 1000 * m["rollout_seconds"] / max(work["decode_forwards"], 1)
     element_size = torch.tensor([], dtype=config.dtype).element_size()
     weight_bytes = element_size * sum(linear.weight.numel() for linear in matmul_modules(model))
     step_bytes = weight_bytes + kv_bytes / max(work["decode_forwards"], 1)

@@ -4,14 +4,14 @@
 #
 #   bash tests/gpu_prepare.sh SHARED_DIR                        # where the shared data and a package registry are
 #   bash tests/gpu_check.sh [checks|compiled|suite|speedrun|env] [OUT_DIR]   # on the GPU machine (carry gpu_carry)
-#   bash tests/gpu_check.sh checks,compiled [OUT_DIR]   # several stages in one call (9 minutes, shared out)
+#   bash tests/gpu_check.sh checks,compiled [OUT_DIR]   # several stages in one call (9 minutes, shared by weight)
 #
 # checks (the default):
 # 1. the GPU tests (tests/test_cuda.py: NCCL under torchrun, bf16 vs fp32 step, a real out-of-memory, chat_sft
 #    and chat_eval on CUDA, checkpoints across devices; CUDA-graph replay equal to the static step it captures),
 #    with the static decode and sampler-gap tests beside them (at most 200 s);
 # 2. the d20 rollout benchmark (nanochat's January-2026 d20 shapes, random weights, GSM8K prompts, 16
-#    questions x 16 samples x 256 tokens, every row forced to run to the cap, the KV budget --memory-budget-gb=auto):
+#    questions x 16 samples x 256 tokens, a random model's rows run to the cap, the KV budget --memory-budget-gb=auto):
 #    eager bf16 decoding, the static step run eagerly and the same step replayed from CUDA graphs, 3 consecutive
 #    steps each (first and last rollout time), tokens checked equal (graph against static: the same shapes), decode
 #    ms per step against the memory-bandwidth bound, and training of a full batch (advantages forced to +-1 so a
@@ -42,6 +42,7 @@ IFS=, read -r -a stages <<< "$stage"
 for s in "${stages[@]}"; do
     case "$s" in checks|compiled|suite|speedrun|env) ;; *) echo "gpu_check: unknown stage $s; use checks, compiled, suite, speedrun or env (or several, comma-separated)" >&2; exit 2 ;; esac
 done
+case "$out" in checks|compiled|suite|speedrun|env) echo "gpu_check: '$out' is a stage, not an output folder; name several stages with commas: $stage,$out" >&2; exit 2 ;; esac
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 stage_start=$(date +%s)
@@ -135,7 +136,7 @@ step() {  # step NAME MAX_SECONDS LOG CMD...: runs CMD under a timeout (at most 
     shift 3
     local left=$((deadline - $(date +%s)))
     if [ "$left" -le 10 ]; then
-        say "$name: not run, the stage's $STAGE_SECONDS s are spent"
+        say "$name: not run, the stage's time is spent"
         return 124
     fi
     [ "$cap" -lt "$left" ] || cap=$left
@@ -186,12 +187,16 @@ speedrun)
 esac
 }
 
-# Each stage gets an equal share of the seconds left when it starts (what one leaves unused goes to the next), and
-# runs in a subshell, so that its environment stays its own.
+# Each stage gets its weight's share of the seconds left when it starts (what one leaves unused goes to the next;
+# on the H200, checks took 4 minutes), and runs in a subshell, so that its environment stays its own. The exit
+# status is the first failing stage's (124 or 137: it ran out of time).
+weight() { case "$1" in checks) echo 5 ;; compiled) echo 4 ;; suite|speedrun) echo 6 ;; env) echo 1 ;; esac; }
 status=0
 for i in "${!stages[@]}"; do
     now=$(date +%s)
-    deadline=$(( now + (end_of_all - now) / (${#stages[@]} - i) ))
+    weights_left=0
+    for s in "${stages[@]:i}"; do weights_left=$((weights_left + $(weight "$s"))); done
+    deadline=$(( now + (end_of_all - now) * $(weight "${stages[i]}") / weights_left ))
     [ ${#stages[@]} -eq 1 ] || say "stage ${stages[i]}: up to $((deadline - now)) s"
     (
         # the json-only `datasets` stand-in for the scripts (they never import it with a local GSM8K directory);
@@ -201,6 +206,6 @@ for i in "${!stages[@]}"; do
             export PYTHONPATH="$PWD/gpu_carry/offline${PYTHONPATH:+:$PYTHONPATH}"
         fi
         run_stage "${stages[i]}"
-    ) || status=1
+    ) || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
 done
 exit "$status"

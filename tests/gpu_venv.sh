@@ -28,16 +28,31 @@ make_venv_over() {
     local site
     site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") || return 1
     mkdir -p "$site"
-    # sys.path[0] is the current directory under -c: left out
-    "$python" -c "import os, sys; print('\n'.join(p for p in sys.path[1:] if p and os.path.isdir(p)))" \
-        > "$site/gpu_check_parent_python.pth"
+    # PYTHON's site folders through site.addsitedir, which also runs their own .pth files (an editable install's
+    # import hook, say), then the rest of its path as plain lines; both are appended after the venv's own folder
+    "$python" - > "$site/gpu_check_parent_python.pth" <<'PY'
+import os, site, sys
+sitedirs = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+sitedirs = [p for p in sitedirs if os.path.isdir(p)]
+print("import site; " + "; ".join(f"site.addsitedir({p!r})" for p in sitedirs))
+# '' (the current directory, under `python -`) is not a folder to keep
+print("\n".join(p for p in sys.path if p and os.path.isdir(p) and p not in sitedirs))
+PY
 }
 
 python_wrapper() {
     local python=$1 file=$2
     # an absolute path, symlinks kept (resolved, a venv's python would be its base interpreter again)
-    case "$python" in /*) ;; */*) python="$(cd "$(dirname "$python")" && pwd)/$(basename "$python")" ;; *) python=$(command -v "$python") ;; esac
+    case "$python" in */*) ;; *) python=$(command -v "$python") || return 1 ;; esac
+    if [[ "$python" != /* ]]; then
+        local dir
+        dir=$(cd "$(dirname "$python")" && pwd) || return 1
+        python="$dir/$(basename "$python")"
+    fi
     mkdir -p "$(dirname "$file")"
-    printf '#!/bin/sh\nexec "%s" "$@"\n' "$python" > "$file"
+    # single-quoted for sh, each ' written as '\''
+    local quoted
+    quoted=$(printf '%s' "$python" | sed "s/'/'\\\\''/g")
+    printf "#!/bin/sh\nexec '%s' \"\$@\"\n" "$quoted" > "$file"
     chmod +x "$file"
 }

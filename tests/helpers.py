@@ -27,7 +27,7 @@ PRETEND_CUDA_DIR = REPO / "tests" / "pretend_cuda"
 # the test session was given (a GPU machine's packages installed with --target, say: dropped, the subprocesses of
 # the first GPU run could not import rustbpe)
 PYTHONPATH = os.pathsep.join([str(p) for p in [REPO, REPO / "tests"] + ([] if HAS_CUDA else [PRETEND_CUDA_DIR])]
-                             + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+                             + [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 # The fp32 sampler-trainer gap: decoding (KV cache, one token at a time) and training (whole sequences) compute the
 # same fp32 log-softmax along different paths, so a sampled token's two log-probabilities differ by a few roundings

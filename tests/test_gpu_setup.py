@@ -68,3 +68,13 @@ def test_the_wrapper_runs_the_python_it_names_with_its_arguments(tmp_path):
     out = subprocess.run([str(wrapper), "-c", "import sys; print(sys.argv[1:])", "a b", "c"],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['a b', 'c']"
+
+
+def test_a_venv_and_its_wrapper_in_a_folder_named_with_quotes_spaces_and_dollars(tmp_path):
+    folder = tmp_path / "a b'c $HOME \"d"
+    folder.mkdir()
+    bash('make_venv_over "$1" "$2" && python_wrapper "$2/bin/python" "$3"', sys.executable, folder / "venv",
+         folder / "bin" / "python")
+    prefix, torch_dir = probe(folder / "bin" / "python")
+    assert prefix == str(folder / "venv")
+    assert torch_dir == os.path.dirname(__import__("torch").__file__)
