@@ -87,6 +87,24 @@ def add_memory_budget_flag(parser):
                              f"at the start), elsewhere {FIXED_GB:g}")
 
 
+def add_train_rows_flag(parser):
+    """--train-rows: rows of one question per training forward (read it with train_rows)."""
+    parser.add_argument("--train-rows", type=int, default=0,
+                        help="rows of one question per training forward (0 = --device-batch-size, nanochat's pass; at "
+                             "most --num-samples count). The gradient is the same for any value: each row keeps the "
+                             "denominator of its --device-batch-size pass. More rows make larger matmuls (on a GPU, "
+                             "fewer and fuller kernels) and need more memory; halved on out-of-memory")
+
+
+def train_rows(args):
+    """Rows of one question per training forward: --train-rows, else --device-batch-size; never more than a
+    question has (nanochat.rl.accumulate_policy_gradient's forwards hold one question's rows). A negative value
+    is a one-line error."""
+    if args.train_rows < 0:
+        raise UserError(f"--train-rows must be >= 0 (0 = --device-batch-size), got {args.train_rows}")
+    return min(args.train_rows or args.device_batch_size, args.num_samples)
+
+
 def add_compile_flag(parser):
     """--compile: whether the static decode step and the training pass run compiled (nanochat/compile.py's
     compile_plan), those of them the script runs."""

@@ -55,7 +55,7 @@ import torch.nn as nn
 
 from nanochat.agreement import greedy_agreement
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_memory_budget_flag, add_model_generation_flag,
-                          run_main)
+                          add_train_rows_flag, run_main, train_rows)
 from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_init, cpu_bf16_kind,
                              cpu_has_native_bf16, cpu_name, dtype_name, synchronize, get_base_dir, get_dist_info, grad_norm,
                              print0, require)
@@ -139,6 +139,7 @@ def parse_args(argv):
     p.add_argument("--num-samples", type=int, default=16, help="completions sampled per question")
     p.add_argument("--max-new-tokens", type=int, default=256, help="completion length cap in tokens")
     p.add_argument("--device-batch-size", type=int, default=8, help="rows per training pass (and per baseline engine call)")
+    add_train_rows_flag(p)
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument("--top-k", type=int, default=50, help="top-k sampling (0 = whole vocabulary)")
     p.add_argument("--max-rows", type=int, default=0, help="batched configs: max rows decoded together (0 = memory budget)")
@@ -177,6 +178,7 @@ def validate_args(args):
         require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     require(args.num_samples % args.device_batch_size == 0,
             f"--num-samples ({args.num_samples}) must be a multiple of --device-batch-size ({args.device_batch_size})")
+    train_rows(args)  # refuses a negative --train-rows
     require(args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}")
     require(args.top_k >= 0, f"--top-k must be >= 0, got {args.top_k}")
     require(args.max_rows >= 0, f"--max-rows must be >= 0, got {args.max_rows}")
@@ -472,7 +474,8 @@ def rl_step(model, engine, optimizers, task, indices, config, args, device):
                    for b in batches]
     model.train()
     trained = accumulate_policy_gradient(model, batches, args.device_batch_size, len(indices), device, autocast,
-                                         share_prompt=config.lean, skip_zero_advantage=config.lean,
+                                         micro_batch_rows=train_rows(args), share_prompt=config.lean,
+                                         skip_zero_advantage=config.lean,
                                          forward=maybe_compiled(chunk_logprobs, config.compiled, dynamic=True, required=True))
     synchronize(device)
     t2 = time.perf_counter()
@@ -768,7 +771,7 @@ def run(args, configs, device):
     memory = PeakMemory(device)
     # once, for every config (bf16's decode weights reserved: the larger case), as chat_rl sizes its run
     args.memory_budget_gb, budget_line = resolve_memory_budget(
-        args.memory_budget_gb, model, device, fresh_optimizers(model, args.init_lr_frac), rows=args.device_batch_size,
+        args.memory_budget_gb, model, device, fresh_optimizers(model, args.init_lr_frac), rows=train_rows(args),
         completion_tokens=args.max_new_tokens, prompt_tokens=cfg.sequence_len)
     print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
 

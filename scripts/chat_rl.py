@@ -37,8 +37,8 @@ from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, CheckpointError, find_
                                          update_meta)
 from nanochat.checkpoint_pruning import prune_checkpoints, remove_extra_shards
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
-                          add_model_generation_flag, add_optimizer_flags, add_runtime_flags, check_decode_flag,
-                          check_optimizer_flags, resolve_compile_flag, run_main)
+                          add_model_generation_flag, add_optimizer_flags, add_runtime_flags, add_train_rows_flag,
+                          check_decode_flag, check_optimizer_flags, resolve_compile_flag, run_main, train_rows)
 from nanochat.compile import CompileClock, maybe_compiled
 from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup,
                              compute_dtype, compute_init, dtype_name, format_duration, get_base_dir, get_dist_info, print0,
@@ -107,6 +107,7 @@ def parse_args(argv):
     p.add_argument("--num-steps", type=int, default=-1, help="override the number of steps (-1 = from epochs)")
     # batch sizes and sampling
     p.add_argument("--device-batch-size", type=int, default=8, help="rows per training forward pass (and eval samples per question)")
+    add_train_rows_flag(p)
     p.add_argument("--examples-per-step", type=int, default=16, help="questions per optimizer step, summed over ranks")
     p.add_argument("--num-samples", type=int, default=16, help="completions sampled per question")
     p.add_argument("--max-new-tokens", type=int, default=256, help="completion length cap in tokens")
@@ -166,6 +167,7 @@ def validate_args(args, world_size):
         resolve_output_tag(args, args.model_tag, depth=None)  # refuses the run it reads
     for name in ("device_batch_size", "examples_per_step", "num_samples", "max_new_tokens", "num_epochs", "eval_examples"):
         require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    train_rows(args)  # refuses a negative --train-rows
     require(args.num_samples % args.device_batch_size == 0,
             f"--num-samples ({args.num_samples}) must be a multiple of --device-batch-size ({args.device_batch_size}); "
             f"e.g. --device-batch-size={_largest_divisor_at_most(args.num_samples, args.device_batch_size)}")
@@ -241,7 +243,7 @@ def resolve_dtypes(args, model, tokenizer, train_task, device):
     requested = args.dtype
     length = len(tokenizer.render_for_completion(train_task[0])) + args.max_new_tokens
     args.dtype = phase_dtype("training", device, requested, lambda candidates: fastest_training_dtype(
-        model, args.device_batch_size, length, candidates))
+        model, train_rows(args), length, candidates))
     rollout_request = "float32" if args.rollout_dtype == "auto" and requested == "float32" else args.rollout_dtype
     args.rollout_dtype = phase_dtype("rollouts", device, rollout_request,
                                      lambda candidates: fastest_decode_dtype(model, candidates))
@@ -249,7 +251,8 @@ def resolve_dtypes(args, model, tokenizer, train_task, device):
 
 # flags that define the run; --resume restores them from the checkpoint so the continuation is exact
 RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows", "memory_budget_gb", "max_bad_steps",
-                 "output_tag", "decode", "compile", "keep_last", "no_signal_steps")  # a resumed run writes to its own directory
+                 "output_tag", "decode", "compile", "keep_last", "no_signal_steps",  # a resumed run writes to its own directory
+                 "train_rows")  # the same gradient for any value: the machine's memory decides
 
 
 def resolve_resume(spec):
@@ -476,7 +479,7 @@ def setup_run(args, resume, rank, world_size, device, decode):
         segments = segments + [{"start_step": start_step, "world_size": world_size}]
     reference = load_reference(start, device, args.model_generation) if args.kl_coef > 0 else None
     args.memory_budget_gb, budget_line = resolve_memory_budget(
-        args.memory_budget_gb, model, device, optimizers, rows=args.device_batch_size,
+        args.memory_budget_gb, model, device, optimizers, rows=train_rows(args),
         completion_tokens=args.max_new_tokens, prompt_tokens=model.config.sequence_len,
         rollout_dtype=getattr(torch, args.rollout_dtype))
     print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
@@ -502,7 +505,7 @@ def setup_run(args, resume, rank, world_size, device, decode):
         segments=segments,
         history=list(meta.get("history", [])) if args.resume else [],
         eval_history=[tuple(e) for e in meta.get("eval_history", [])] if args.resume else [],
-        last_saved=start_step - 1 if args.resume else None, micro_rows=args.device_batch_size,
+        last_saved=start_step - 1 if args.resume else None, micro_rows=train_rows(args),
         forward=maybe_compiled(chunk_logprobs, compiling.train, dynamic=True, required=args.compile == "on"))
 
 

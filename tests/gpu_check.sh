@@ -18,7 +18,8 @@
 #    random model trains); what is left of the 8 minutes.
 # compiled: the same d20 bench with --compile (nanochat/compile.py): the static step compiled by Inductor and captured
 #    in the engine's graphs, beside the uncompiled graph config, 2 consecutive steps each: compile seconds and graphs
-#    per step, decode ms per step against the bound, tokens compared (compiled_d20.log, compiled_d20.json).
+#    per step, decode ms per step against the bound, tokens compared (compiled_d20.log, compiled_d20.json); then,
+#    with the time left, the graph config training 16 rows per forward (--train-rows=16; train_rows_d20.*).
 # suite: the whole test suite on the GPU machine, the `cuda` tests run, not skipped (gpu_suite.log).
 # speedrun: `bash speedrun.sh` on a fresh base dir (the bootstrap path), timed, with its report (speedrun.log,
 #    speedrun_report.md): the target is under 5 minutes with pass@1 up by at least 4 standard errors.
@@ -173,6 +174,12 @@ compiled)
     step "d20 compiled bench" 600 "$out/compiled_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph,batched_bf16_graph_compiled \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/compiled_d20.json"
+    compiled_rc=$?
+    # with what time is left: whole questions (16 rows) per training forward against checks' 8-row graph config
+    step "d20 bench, 16 train rows" 300 "$out/train_rows_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --train-rows=16 \
+        --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/train_rows_d20.json"
+    return "$compiled_rc"
     ;;
 suite)
     step "suite" 600 "$out/gpu_suite.log" "$python" -m pytest -q -p no:cacheprovider -rs --durations=20 tests

@@ -8,10 +8,12 @@ import json
 import math
 
 import pytest
+import torch
 
 from gloo_ranks import run_ranks
 from helpers import PYTHONPATH, TINY_RL_FLAGS, assert_same_weights, weights
 from nanochat.cli import run_main
+from nanochat.common import UserError
 from nanochat.engine import Engine
 from scripts import chat_rl
 
@@ -147,6 +149,35 @@ def test_lr_and_weight_decay_flags_reach_the_param_groups(recipe, optimizer_type
                 assert group["weight_decay"] == pytest.approx(weight_decay), names[id(p)]
                 seen.append(names[id(p)])
     assert sorted(seen) == sorted(names.values())
+
+
+# ----------------------------------------------------------------------------- --train-rows
+
+def test_train_rows_changes_the_forwards_not_the_weights(sft, base_dir, monkeypatch):
+    """--train-rows=4 trains each question's 4 rows in one forward instead of two of --device-batch-size=2: the
+    forwards see 4 rows, and the weights after 2 steps are the default run's within fp32 rounding (each row keeps
+    its 2-row pass's denominator)."""
+    real, rows_seen = chat_rl.accumulate_policy_gradient, []
+
+    def accumulate(model, batches, *args, micro_batch_rows=None, **kwargs):
+        rows_seen.append(micro_batch_rows)
+        return real(model, batches, *args, micro_batch_rows=micro_batch_rows, **kwargs)
+    monkeypatch.setattr(chat_rl, "accumulate_policy_gradient", accumulate)
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1"])
+    default = weights(rl_dir(base_dir) / "model_000001.pt")
+    assert rows_seen == [2, 2]
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--overwrite", "--train-rows=4"])
+    assert rows_seen[2:] == [4, 4]
+    wide = weights(rl_dir(base_dir) / "model_000001.pt")
+    assert default.keys() == wide.keys()
+    assert any(not torch.equal(default[k], v) for k, v in sft.state_dict().items())  # the runs did train
+    for k in default:
+        torch.testing.assert_close(wide[k], default[k], rtol=1e-5, atol=1e-6, msg=k)
+    # more rows than a question has are a question's rows; a negative value is refused in one line
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1", "--save-every=-1", "--overwrite", "--train-rows=64"])
+    assert rows_seen[4:] == [4]
+    with pytest.raises(UserError, match="--train-rows must be >= 0"):
+        chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1", "--train-rows=-1"])
 
 
 # ----------------------------------------------------------------------------- resume
