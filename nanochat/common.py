@@ -230,6 +230,17 @@ def synchronize(device):
         torch.mps.synchronize()
 
 
+def to_device(tensor, device):
+    """`tensor`, a host tensor, on `device` without waiting for it. A plain CPU -> CUDA copy synchronizes the stream
+    (PyTorch waits for the copy, so the host waits for every kernel queued before it): in the training pass that
+    stopped the host from queuing the next chunk while the GPU ran this one, once per small index tensor. Copied
+    from pinned memory the transfer is queued like a kernel (PyTorch's host allocator keeps the pinned block until
+    the copy is done). Elsewhere (CPU, MPS) a plain .to(device)."""
+    if torch.device(device).type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def autocast_context(device, dtype):
     """bf16 autocast on `device`, or nothing for float32 (weights are float32 either way)."""
     if dtype == torch.float32:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from nanochat.common import to_device
 from nanochat.sft import collate_rows
 
 
@@ -464,19 +465,20 @@ def _backward_chunk(model, question, chunk, loss, first, reference, device, auto
     valid = targets[:, offset:] >= 0  # (B, T')
     row_host, position_host = valid.nonzero(as_tuple=True)  # (N,): each target's row and position, row-major
     num_tokens = row_host.numel()
-    row_index, position = row_host.to(device), position_host.to(device)
-    inputs = batch.inputs[chunk].to(device)
-    sampled = targets[:, offset:][valid].to(device)  # (N,)
+    # every host tensor goes over with to_device: queued, so the host can run ahead of the GPU into the next chunk
+    row_index, position = to_device(row_host, device), to_device(position_host, device)
+    inputs = to_device(batch.inputs[chunk], device)
+    sampled = to_device(targets[:, offset:][valid], device)  # (N,)
     with autocast:  # the log-probabilities are computed in fp32 inside, whatever autocast says
         logp, entropy = forward(model, inputs, batch.prompt_length, share_prompt, row_index, position, sampled)  # (N,)
-    where = (chunk.to(device)[row_index], position + offset)  # each token's place in the question's (R, T)
-    per_token = lambda row_values: row_values[chunk].to(device)[row_index]  # (R,) -> (N,)
+    where = (to_device(chunk[row_host], device), position + offset)  # each token's place in the question's (R, T)
+    per_token = lambda row_values: to_device(row_values[chunk][row_host], device)  # (R,) -> (N,)
     token_denominators = per_token(question.denominators).to(logp.dtype)
     if first:
         # on-policy: the ratio is 1, so the clipped surrogate's gradient is A * grad logp (nanochat's term)
         token_weights = per_token(question.weights).to(logp.dtype)
         if batch.sampler_logprobs is not None:
-            sampler = batch.sampler_logprobs[chunk][:, offset:][valid].to(device)  # (N,)
+            sampler = to_device(batch.sampler_logprobs[chunk][:, offset:][valid], device)  # (N,)
             correction = _sampler_gap(logp.detach(), sampler, row_index, chunk.numel(), loss, tally)
             if correction is not None:
                 token_weights = token_weights * correction

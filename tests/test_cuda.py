@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nanochat.checkpoint_manager import load_model
+from nanochat.common import to_device
 from nanochat.rl import accumulate_policy_gradient, make_question_batch
 from helpers import HAS_CUDA, PYTHONPATH, REPO, TINY_RL_FLAGS, random_model, tiny_config
 
@@ -68,6 +69,22 @@ def test_a_bf16_step_stays_near_the_fp32_step(tiny_tokenizer):
     scale, _ = policy_gradient(dataclasses.replace(batch, advantages=batch.advantages.abs()), torch.float32)
     assert abs(o16 - o32) <= 0.01 * abs(scale)
     assert torch.nn.functional.cosine_similarity(g16, g32, dim=0) >= 0.99
+
+
+def test_to_device_queues_the_copy_instead_of_waiting_for_the_gpu():
+    """nanochat.common.to_device (the training pass's host-to-GPU copies): with a kernel still running, the copy
+    returns at once and the stream is still busy; a plain .to("cuda") waits for the kernel first (the stall the
+    training pass had once per index tensor). The copied values are the host's."""
+    device = torch.device("cuda")
+    host = torch.arange(1000)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time at ~2 GHz
+    queued = to_device(host, device)
+    assert not torch.cuda.current_stream().query()  # the host did not wait for the sleeping kernel
+    torch.cuda._sleep(200_000_000)
+    plain = host.to(device)
+    assert torch.cuda.current_stream().query()  # a pageable copy synchronizes the stream
+    assert torch.equal(queued.cpu(), host) and torch.equal(plain.cpu(), host)
 
 
 def test_a_real_out_of_memory_in_rollouts_is_backed_off(sft, base_dir):
