@@ -77,6 +77,7 @@ def test_to_device_queues_the_copy_instead_of_waiting_for_the_gpu():
     training pass had once per index tensor). The copied values are the host's."""
     device = torch.device("cuda")
     host = torch.arange(1000)
+    to_device(host, device)  # the pinned host allocator's first block (a fresh cudaHostAlloc may wait), as in training
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time at ~2 GHz
     queued = to_device(host, device)
