@@ -54,12 +54,13 @@ class CompileFailed(UserError):
 
 class CompiledFunction:
     """`fn` compiled (fullgraph), run through Inductor; falls back to `fn` where that fails (the module docstring).
-    compiles: graphs compiled so far; seconds: wall time of the calls that compiled; failed: why it runs
-    eagerly (None while compiled)."""
+    compiles: graphs compiled so far; kernels: the kernels Inductor generated for each of them (fused Triton or C++
+    kernels; matmuls and attention run as library calls and are not among them): a call of a graph launches each
+    once; seconds: wall time of the calls that compiled; failed: why it runs eagerly (None while compiled)."""
 
     def __init__(self, fn, dynamic):
         self.fn, self.name = fn, fn.__name__
-        self.compiles, self.seconds, self.failed = 0, 0.0, None
+        self.compiles, self.kernels, self.seconds, self.failed = 0, [], 0.0, None
         self.compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=_CountingInductor(self))
 
     def __call__(self, *args, required=False):
@@ -93,9 +94,15 @@ class _CountingInductor:
         self.owner = owner
 
     def __call__(self, graph_module, example_inputs):
+        from torch._inductor import metrics
         from torch._inductor.compile_fx import compile_fx
+        before = metrics.generated_kernel_count  # a graph from Inductor's disk cache counts its kernels too
+        compiled = compile_fx(graph_module, example_inputs)
+        # counted once compiled: Dynamo may call the backend again for the same graph after Inductor asked it to
+        # trace again (TensorifyScalarRestartAnalysis, seen on the decode step), and the call that raised made none
         self.owner.compiles += 1
-        return compile_fx(graph_module, example_inputs)
+        self.owner.kernels.append(metrics.generated_kernel_count - before)
+        return compiled
 
 
 def first_line(error):
@@ -121,6 +128,12 @@ def maybe_compiled(fn, on, dynamic, required=False):
     """`fn` itself (on=False), or its process-wide CompiledFunction; required: a compile failure is a
     CompileFailed (a UserError) instead of a warning and the eager path."""
     return functools.partial(compiled(fn, dynamic), required=required) if on else fn
+
+
+def generated_kernels(fn, dynamic):
+    """The kernels Inductor generated for each graph of the process's compiled `fn` so far (CompiledFunction's
+    kernels; [] if it was never compiled)."""
+    return list(_COMPILED[(fn, dynamic)].kernels) if (fn, dynamic) in _COMPILED else []
 
 
 def compile_totals():

@@ -59,9 +59,10 @@ from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_
 from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_init, cpu_bf16_kind,
                              cpu_has_native_bf16, cpu_name, dtype_name, synchronize, get_base_dir, get_dist_info, grad_norm,
                              print0, require)
-from nanochat.compile import CompileClock, compile_plan, maybe_compiled
+from nanochat.compile import CompileClock, compile_plan, generated_kernels, maybe_compiled
 from nanochat.decode_weights import matmul_modules
-from nanochat.engine import Engine
+from nanochat.decode_batch import static_step
+from nanochat.engine import STATIC_STEP_DYNAMIC, Engine
 from nanochat.kv_cache import cache_geometry
 from nanochat.flops import matmul_flops_per_token, rollout_flops, train_flops
 from nanochat.gpt import GPT, build_fresh_model
@@ -571,6 +572,10 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
             "compile_seconds_each": [warm_up["compile_seconds"]] + [r["compile_seconds"] for r in runs],
             "step_seconds_each": [r["step_seconds"] for r in runs], "train_seconds_each": [r["train_seconds"] for r in runs],
             **decode_op_counts(model, config, work, args),
+            # the compiled static step: the fused kernels of its largest graph (a step launches each once, plus the
+            # matmul and attention library calls), against decode_step_kernels of the eager step
+            "decode_step_inductor_kernels": (max(generated_kernels(static_step, STATIC_STEP_DYNAMIC), default=0)
+                                             if config.compiled and config.decode != "eager" else None),
             "resident_mb_at_start": resident_mb, "peak_memory_mb": peak_mb}
 
 
@@ -649,13 +654,16 @@ def format_table(results):
     if any(r["compiles_each"] != [0] * len(r["compiles_each"]) for r in results.values()):
         lines.append("")
         lines.append(f"{'config':<26} {'compiles warm-up/steps':>22} {'compile s':>22} {'step s first..last':>19} "
-                     f"{'rollout s first..last':>21} {'train s first..last':>20}")
+                     f"{'rollout s first..last':>21} {'train s first..last':>20} {'decode kernels':>14}")
         span = lambda values: f"{values[0]:.2f}..{values[-1]:.2f}"
         for name, r in results.items():
+            # the compiled decode step's Inductor kernels (besides library matmuls); eager: the meta count's kernels
+            kernels = r.get("decode_step_inductor_kernels")
+            kernels = f"{kernels} fused" if kernels is not None else f"{r['decode_step_kernels']} eager"
             lines.append(f"{name:<26} {'/'.join(map(str, r['compiles_each'])):>22} "
                          f"{'/'.join(f'{s:.1f}' for s in r['compile_seconds_each']):>22} "
                          f"{span(r['step_seconds_each']):>19} {span(r['rollout_seconds_each']):>21} "
-                         f"{span(r['train_seconds_each']):>20}")
+                         f"{span(r['train_seconds_each']):>20} {kernels:>14}")
     return "\n".join(lines)
 
 
