@@ -27,7 +27,7 @@
 #
 # Setup, before every stage: the python is $PYTHON, else the first of python3, python3.12, python3.11, python3.10,
 # python that is >= 3.10 and whose torch sees CUDA. If it has everything in tests/gpu_requirements.txt it runs as it
-# is; else a venv over it (.gpu_venv: --system-site-packages, so its torch and whatever else it has stay; made
+# is; else a venv over it (.gpu_venv, tests/gpu_venv.sh: it sees the python's own packages, a venv's too; made
 # without pip, so no ensurepip is needed) gets what it lacks from gpu_carry/wheels, with the python's own pip or
 # else the pip wheel carried there (wandb only for the suite, which alone needs it). The venv sits outside gpu_carry,
 # which each device call replaces, and is reused while its stamp (the python, its version, the wheels) matches:
@@ -196,7 +196,7 @@ esac
 }
 
 # Each stage gets its weight's share of the seconds left when it starts (what one leaves unused goes to the next;
-# on the H200, checks took 4 minutes), and runs in a subshell, so that its environment stays its own. The exit
+# on the H200, checks took 3 minutes with 4 of its tests failing early), and runs in a subshell, so that its environment stays its own. The exit
 # status is the first failing stage's (124 or 137: it ran out of time).
 weight() { case "$1" in checks) echo 6 ;; compiled) echo 4 ;; suite|speedrun) echo 6 ;; env) echo 1 ;; esac; }
 status=0
