@@ -507,6 +507,14 @@ def decode_op_counts(model, config, work, args):
             "decode_step_ops_per_layer": count.ops_per_block, "decode_step_kernels_per_layer": count.kernels_per_block}
 
 
+def largest_new_graph(graphs_before):
+    """The kernels of the largest graph of the static decode step compiled since the process had `graphs_before`
+    of them (this config's: another dtype or decode mode compiles its own), else of any (this config reused
+    graphs an earlier one compiled)."""
+    kernels = generated_kernels(static_step, STATIC_STEP_DYNAMIC)
+    return max(kernels[graphs_before:] or kernels, default=0)
+
+
 def fresh_optimizers(model, init_lr_frac):
     """chat_rl's optimizers at step 0 (the lr multiplier is 1 there)."""
     return scale_initial_lr(model.setup_optimizers(ortho_dtype=torch.float32), init_lr_frac)
@@ -524,6 +532,7 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
     if early_stop_mean:
         rollout_model = EarlyStopModel(model, tokenizer.encode_special("<|assistant_end|>"), early_stop_mean)
     optimizers = fresh_optimizers(model, args.init_lr_frac)
+    decode_graphs_before = len(generated_kernels(static_step, STATIC_STEP_DYNAMIC))  # earlier configs' graphs
     # warm-up: kernels and allocator pools for this dtype, one question, a few tokens, no optimizer step
     warm = argparse.Namespace(**{**vars(args), "num_samples": args.device_batch_size, "max_new_tokens": min(4, args.max_new_tokens)})
     warm_up = rl_step(model, bench_engine(rollout_model, tokenizer, config, warm), [], task, indices[:1], config, warm,
@@ -574,7 +583,7 @@ def measure(model, initial_state, tokenizer, task, indices, config, early_stop_m
             **decode_op_counts(model, config, work, args),
             # the compiled static step: the fused kernels of its largest graph (a step launches each once, plus the
             # matmul and attention library calls), against decode_step_kernels of the eager step
-            "decode_step_inductor_kernels": (max(generated_kernels(static_step, STATIC_STEP_DYNAMIC), default=0)
+            "decode_step_inductor_kernels": (largest_new_graph(decode_graphs_before)
                                              if config.compiled and config.decode != "eager" else None),
             "resident_mb_at_start": resident_mb, "peak_memory_mb": peak_mb}
 

@@ -16,13 +16,11 @@ import json
 import os
 import time
 
-import torch.distributed as dist
-
 from nanochat.checkpoint_manager import load_model
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
                           add_model_generation_flag, check_decode_flag, resolve_compile_flag, run_main)
 from nanochat.common import (UserError, autocast_context, collective_device, compute_cleanup, compute_dtype, compute_init, get_base_dir, print0,
-                             requested_dtype)
+                             requested_dtype, wait_for_all_ranks)
 from nanochat.compile import CompileClock
 from nanochat.engine import Engine
 from nanochat.evaluation import evaluate_pass_at_k
@@ -128,11 +126,7 @@ def main(argv):
             with open(path, "w") as f:
                 json.dump(result, f, indent=2)
             print0(f"wrote {path}")
-        if dist.is_initialized():
-            # no rank tears down the process group while rank 0 is still writing: with the metrics' reduce as the
-            # last collective, a rank that left first was aborted by gloo at exit ("terminate called without an
-            # active exception": 2 of 16 2-rank runs; 0 of 20 with this barrier), as chat_sft and chat_rl end
-            dist.barrier()
+        wait_for_all_ranks()
         return result
     finally:
         compute_cleanup()

@@ -30,7 +30,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, CheckpointError, find_checkpoint, list_steps, list_tags,
                                          load_meta, load_model, make_checkpoint_dir, new_run_id, save_checkpoint,
@@ -42,7 +41,7 @@ from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_
 from nanochat.compile import CompileClock, maybe_compiled
 from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup,
                              compute_dtype, compute_init, dtype_name, format_duration, get_base_dir, get_dist_info, print0,
-                             remaining_seconds, require, requested_dtype)
+                             remaining_seconds, require, requested_dtype, wait_for_all_ranks)
 from nanochat.cuda_graphs import DECODE_DESCRIPTIONS
 from nanochat.engine import Engine
 from nanochat.memory_budget import resolve_memory_budget
@@ -798,8 +797,7 @@ def train(run, stop):
     if path:
         print0(f"Report: {path}")
     wandb_run.finish()
-    if dist.is_initialized():
-        dist.barrier()
+    wait_for_all_ranks()
 
 
 if __name__ == "__main__":

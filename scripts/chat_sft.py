@@ -36,14 +36,13 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 
 from nanochat.checkpoint_manager import list_steps, load_model, save_checkpoint
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_model_generation_flag, add_optimizer_flags,
                           add_runtime_flags, check_optimizer_flags, resolve_compile_flag, run_main)
 from nanochat.common import (UserError, all_reduce_mean, autocast_context, collective_device, compute_cleanup,
                              compute_dtype, compute_init, dtype_name, get_base_dir, get_dist_info, print0, rank_share, require,
-                             requested_dtype)
+                             requested_dtype, wait_for_all_ranks)
 from nanochat.compile import SFT_CPU_MIN_STEPS, CompileClock, maybe_compiled
 from nanochat.cuda_graphs import decode_mode
 from nanochat.engine import Engine
@@ -417,8 +416,7 @@ def run(args, task_names, rank, world_size, device):
         note = "" if missed is None else f", outside the band {band.describe()}"
         print0(f"Saved checkpoint to {checkpoint_dir} (model_{step:06d}.pt{note})")
     wandb_run.finish()
-    if dist.is_initialized():
-        dist.barrier()  # no rank tears down the process group while rank 0 is still writing
+    wait_for_all_ranks()
     if missed is not None:
         raise missed
 
