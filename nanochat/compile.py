@@ -106,11 +106,21 @@ class _CountingInductor:
 
 
 def first_line(error):
-    """The first non-empty line of the message of what failed (the backend's own error, not Dynamo's wrapper of
-    it), with its type."""
+    """What failed, in one line: the message's first line (the backend's own error, not Dynamo's wrapper of it)
+    with its type, and where Dynamo explains it, its explanation and the innermost frame of code outside torch
+    that it was tracing ("Unsupported method call" alone, the first CUDA run's whole report, names neither the
+    method nor the line)."""
     error = getattr(error, "inner_exception", None) or error
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    said = f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
+    explanation = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Explanation:")), None)
+    frames = [line for line in lines if line.startswith("File \"") and "/torch/" not in line]
+    where = None
+    if frames:  # File "/path/to/x.py", line 12, in fn
+        path, _, rest = frames[-1][len('File "'):].partition('"')
+        where = f"{path.rsplit('/', 1)[-1]}{rest.replace(', line ', ':').replace(', in ', ' in ')}"
+    detail = "; ".join(part for part in (explanation, where and f"at {where}") if part)
+    return f"{said} ({detail})" if detail else said
 
 
 _COMPILED = {}  # (fn, dynamic) -> its CompiledFunction: one per process, as Dynamo's cache is one per function

@@ -128,13 +128,20 @@ class SharedPromptKVCache:
         self.prompt_slot[row] = 0
         self.sample[row] = self.rows_per_slot
 
+    # what a prefix view shares with its cache as it is, and what it takes the first rows of
+    SHARED_FIELDS = ("pool_k", "pool_v", "pool_len", "static", "rows_per_slot")
+    ROW_FIELDS = ("pos", "prompt_slot", "sample", "active")
+
     def prefix(self, rows):
-        """A cache over rows 0..rows-1 sharing this one's storage and pool (the rows in use are a dense prefix)."""
+        """A cache over rows 0..rows-1 sharing this one's storage and pool (the rows in use are a dense prefix).
+        Field by field, not by copying __dict__: Dynamo (torch 2.11, the first CUDA run's) cannot trace
+        `__dict__.update` inside the compiled decode step."""
         view = SharedPromptKVCache.__new__(SharedPromptKVCache)
-        view.__dict__.update(self.__dict__)
-        view.k, view.v = self.k[:, :rows], self.v[:, :rows]
-        for name in ("pos", "prompt_slot", "sample", "active"):
+        for name in self.SHARED_FIELDS:
+            setattr(view, name, getattr(self, name))
+        for name in self.ROW_FIELDS:
             setattr(view, name, getattr(self, name)[:rows])
+        view.k, view.v = self.k[:, :rows], self.v[:, :rows]
         view.suffix_cap = self.k.size(3)  # a view cannot grow: the base cache grows before views are taken
         view.prev_embedding = None if self.prev_embedding is None else self.prev_embedding[:rows]
         return view
@@ -189,7 +196,9 @@ class SharedPromptStep:
         scale = 1.0 / math.sqrt(D)
         # prompt part: the queries of each slot's rows laid out as (slot, kv head, sample, rep) -> one matmul per
         # slot and kv head reads that prompt's keys once
-        slots, G = c.pool_k.size(1), c.rows_per_slot + c.static  # + the spare column of free rows, if in the step
+        # + the spare column of free rows, if in the step (1 if ..., not + bool: a symbolic size plus a bool breaks
+        # torch 2.11's shape tracing)
+        slots, G = c.pool_k.size(1), c.rows_per_slot + (1 if c.static else 0)
         grid = q.new_zeros(slots, Hkv, G, rep, D)
         grid[c.prompt_slot, :, c.sample] = q
         pool_k, pool_v = c.pool_k[layer_idx].to(q.dtype), c.pool_v[layer_idx].to(q.dtype)  # (slots, Hkv, Lp, D)

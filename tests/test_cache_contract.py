@@ -79,3 +79,21 @@ def test_every_cache_gives_each_row_the_full_forward(kind, generation):
         for _ in range(3):
             step(2, [0, 1])
     assert cache.keys_read(2, 5) == (2 * 5 if kind == "copy" else 2 * 16 + 2 * 5)
+
+
+@pytest.mark.parametrize("generation", ["jan2026", "smear"])  # without and with smear's prev_embedding
+def test_a_shared_prompt_prefix_view_has_every_field_of_its_cache(generation):
+    """prefix(rows) builds its view field by field (Dynamo cannot trace copying __dict__): it has every field the
+    cache has, per-row ones cut to the first rows and sharing storage, the rest the cache's own."""
+    model = random_model(tiny_config(), generation=generation)
+    cache = SharedPromptKVCache.for_model(model, 6, 2, 16, 40, rows_per_slot=3, static=True)
+    view = cache.prefix(4)
+    assert set(vars(view)) == set(vars(cache))
+    for name, value in vars(cache).items():
+        if isinstance(value, torch.Tensor) and value.size(0) == 6 and name not in ("k", "v"):
+            assert view.__dict__[name].shape[0] == 4 and view.__dict__[name].data_ptr() == value.data_ptr(), name
+        elif name in ("k", "v"):
+            assert view.__dict__[name].shape[1] == 4 and view.__dict__[name].data_ptr() == value.data_ptr(), name
+        elif name != "suffix_cap":
+            assert view.__dict__[name] is value, name
+    assert (view.prev_embedding is None) == (generation != "smear")

@@ -19,7 +19,11 @@ from helpers import HAS_CUDA, PYTHONPATH, REPO, TINY_RL_FLAGS, random_model, tin
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 
-CUDA_RL_FLAGS = [f for f in TINY_RL_FLAGS if not f.startswith("--device-type")] + ["--device-type=cuda"]
+# --compile=off: these runs test NCCL, out-of-memory and devices, not compiling; a compile per subprocess (CUDA's
+# default) kept the first H100 run of this file past its 200 s before its first test ended. The compiled step on
+# CUDA is tested in tests/test_static_decode.py and measured by `gpu_check.sh compiled`.
+NO_COMPILE = ["--compile=off"]
+CUDA_RL_FLAGS = [f for f in TINY_RL_FLAGS if not f.startswith("--device-type")] + ["--device-type=cuda"] + NO_COMPILE
 
 
 def run(cmd, base_dir, **env):
@@ -112,12 +116,12 @@ def test_chat_sft_and_chat_eval_run_on_cuda_and_the_checkpoint_loads_on_the_cpu(
     """A model trained on CUDA is saved, loads on the CPU with the same weights, evaluates on CUDA, and a model
     saved from the CPU loads back on CUDA."""
     run([sys.executable, "-m", "scripts.chat_sft", "--depth=2", "--tasks=arithmetic", "--num-steps=3", "--eval-every=-1",
-         "--device-type=cuda", "--examples-per-step=8", "--device-batch-size=8", "--sequence-len=256"], base_dir)
+         "--device-type=cuda", "--examples-per-step=8", "--device-batch-size=8", "--sequence-len=256", *NO_COMPILE], base_dir)
     on_cpu, _, meta = load_model("sft", torch.device("cpu"), phase="eval")
     on_cuda, _, _ = load_model("sft", torch.device("cuda"), phase="eval")
     assert meta["step"] == 3
     assert all(torch.equal(a, b.cpu()) for a, b in zip(on_cpu.state_dict().values(), on_cuda.state_dict().values()))
     run([sys.executable, "-m", "scripts.chat_eval", "--source=sft", "--task=arithmetic", "--num-examples=4",
-         "--num-samples=2", "--max-new-tokens=32", "--device-type=cuda"], base_dir)
+         "--num-samples=2", "--max-new-tokens=32", "--device-type=cuda", *NO_COMPILE], base_dir)
     result = json.loads((base_dir / "report" / "chat_eval_sft.json").read_text())
     assert result["num_questions"] == 4 and 0 <= result["greedy_pass@1"] <= 1
