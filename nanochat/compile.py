@@ -35,7 +35,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from nanochat.common import UserError
+from nanochat.common import UserError, print0
 
 COMPILE_MODES = ("auto", "on", "off")
 RECOMPILE_LIMIT = 256  # graphs per compiled function: every decode bucket of a large batch (Dynamo's default is 8)
@@ -56,10 +56,11 @@ class CompiledFunction:
     """`fn` compiled (fullgraph), run through Inductor; falls back to `fn` where that fails (the module docstring).
     compiles: graphs compiled so far; kernels: the kernels Inductor generated for each of them (fused Triton or C++
     kernels; matmuls and attention run as library calls and are not among them): a call of a graph launches each
-    once; seconds: wall time of the calls that compiled; failed: why it runs eagerly (None while compiled)."""
+    once; seconds: wall time of the calls that compiled; failed: why it runs eagerly (None while compiled).
+    announce: print a line (rank 0) as each graph goes to Inductor and as it comes back compiled."""
 
-    def __init__(self, fn, dynamic):
-        self.fn, self.name = fn, fn.__name__
+    def __init__(self, fn, dynamic, announce=True):
+        self.fn, self.name, self.announce = fn, fn.__name__, announce  # announce: print each compile's start and end
         self.compiles, self.kernels, self.seconds, self.failed = 0, [], 0.0, None
         self.compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=_CountingInductor(self))
 
@@ -97,11 +98,19 @@ class _CountingInductor:
         from torch._inductor import metrics
         from torch._inductor.compile_fx import compile_fx
         before = metrics.generated_kernel_count  # a graph from Inductor's disk cache counts its kernels too
+        number, t0 = self.owner.compiles + 1, time.perf_counter()
+        # said before and after: a compile may take minutes (on the first H100 run the d20 decode step had not
+        # finished in two), and a run that goes quiet for that long must say why
+        if self.owner.announce:
+            print0(f"compile: {self.owner.name}: graph {number} going to Inductor")
         compiled = compile_fx(graph_module, example_inputs)
         # counted once compiled: Dynamo may call the backend again for the same graph after Inductor asked it to
         # trace again (TensorifyScalarRestartAnalysis, seen on the decode step), and the call that raised made none
         self.owner.compiles += 1
         self.owner.kernels.append(metrics.generated_kernel_count - before)
+        if self.owner.announce:
+            print0(f"compile: {self.owner.name}: graph {number} compiled in {time.perf_counter() - t0:.1f} s "
+                   f"({self.owner.kernels[-1]} generated kernels)")
         return compiled
 
 
@@ -126,11 +135,11 @@ def first_line(error):
 _COMPILED = {}  # (fn, dynamic) -> its CompiledFunction: one per process, as Dynamo's cache is one per function
 
 
-def compiled(fn, dynamic):
-    """The process's CompiledFunction of `fn` (made at the first request)."""
+def compiled(fn, dynamic, announce=True):
+    """The process's CompiledFunction of `fn` (made at the first request; announce: see CompiledFunction)."""
     key = (fn, dynamic)
     if key not in _COMPILED:
-        _COMPILED[key] = CompiledFunction(fn, dynamic)
+        _COMPILED[key] = CompiledFunction(fn, dynamic, announce)
     return _COMPILED[key]
 
 
@@ -210,8 +219,10 @@ SFT_CPU_MIN_STEPS = 500
 def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min_steps=CPU_MIN_STEPS):
     """The CompilePlan of --compile=`mode` on `device` for a run of `num_steps` steps (None: long) that decodes in
     mode `decode` (cuda_graphs.decode_mode's answer; None: it samples nothing) and, if `trains`, runs a training
-    forward. auto: on CUDA both (the step is launch-bound: fusing its elementwise work is the point); on a CPU the
-    training forward only, and only for a run of at least `cpu_min_steps` steps, from which it was measured to pay
+    forward. auto: on CUDA nothing, until measured to pay there (the first H100 runs, torch 2.11: the d20 static
+    decode step had not finished compiling after two minutes, nor a 2-layer model's test in 80 s, while the
+    uncompiled step replayed from CUDA graphs was measured at 11 ms per 256-row step; `tests/gpu_check.sh compiled`
+    measures it); on a CPU the training forward only, and only for a run of at least `cpu_min_steps` steps, from which it was measured to pay
     for its compile there (CPU_MIN_STEPS for chat_rl, SFT_CPU_MIN_STEPS for chat_sft); not the static decode step,
     which needs --decode=static there (auto decodes with the eager exact-shape step on a CPU; compiled, the static
     step was measured 1.3x faster than it on the real workload, after ~60 s of compiling); elsewhere (MPS) nothing:
@@ -228,7 +239,8 @@ def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min
     if mode == "on":
         return plan(True, True, "--compile=on" + ("; the eager decode step is not compiled" if decode == "eager" else ""))
     if device.type == "cuda":
-        return plan(True, True, "auto on CUDA")
+        return plan(False, False, "auto on CUDA: not yet measured to pay there (tests/gpu_check.sh compiled "
+                                  "measures it); --compile=on to compile")
     if device.type != "cpu":
         return plan(False, False, f"auto on {device.type}: not measured there")
     if not trains:
@@ -244,7 +256,7 @@ def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min
 def check_compiler(device):
     """Why torch.compile cannot run on `device` here (a one-line reason), or None when it can: compiles and runs
     a two-operation function once (cached on disk by Inductor after the first time)."""
-    probe = compiled(_probe, dynamic=False)
+    probe = compiled(_probe, dynamic=False, announce=False)  # a check, not a part of the run: said only if it fails
     x = torch.ones(4, device=device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

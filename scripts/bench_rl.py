@@ -55,7 +55,7 @@ import torch.nn as nn
 
 from nanochat.agreement import greedy_agreement
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_memory_budget_flag, add_model_generation_flag,
-                          add_train_rows_flag, run_main, train_rows)
+                          add_train_rows_flag, check_train_rows, run_main, train_rows)
 from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_init, cpu_bf16_kind,
                              cpu_has_native_bf16, cpu_name, dtype_name, synchronize, get_base_dir, get_dist_info, grad_norm,
                              print0, require)
@@ -179,7 +179,7 @@ def validate_args(args):
         require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     require(args.num_samples % args.device_batch_size == 0,
             f"--num-samples ({args.num_samples}) must be a multiple of --device-batch-size ({args.device_batch_size})")
-    train_rows(args)  # refuses a negative --train-rows
+    check_train_rows(args)
     require(args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}")
     require(args.top_k >= 0, f"--top-k must be >= 0, got {args.top_k}")
     require(args.max_rows >= 0, f"--max-rows must be >= 0, got {args.max_rows}")
@@ -475,7 +475,7 @@ def rl_step(model, engine, optimizers, task, indices, config, args, device):
                    for b in batches]
     model.train()
     trained = accumulate_policy_gradient(model, batches, args.device_batch_size, len(indices), device, autocast,
-                                         micro_batch_rows=train_rows(args), share_prompt=config.lean,
+                                         micro_batch_rows=train_rows(args, device), share_prompt=config.lean,
                                          skip_zero_advantage=config.lean,
                                          forward=maybe_compiled(chunk_logprobs, config.compiled, dynamic=True, required=True))
     synchronize(device)
@@ -788,7 +788,7 @@ def run(args, configs, device):
     memory = PeakMemory(device)
     # once, for every config (bf16's decode weights reserved: the larger case), as chat_rl sizes its run
     args.memory_budget_gb, budget_line = resolve_memory_budget(
-        args.memory_budget_gb, model, device, fresh_optimizers(model, args.init_lr_frac), rows=train_rows(args),
+        args.memory_budget_gb, model, device, fresh_optimizers(model, args.init_lr_frac), rows=train_rows(args, device),
         completion_tokens=args.max_new_tokens, prompt_tokens=cfg.sequence_len)
     print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
 

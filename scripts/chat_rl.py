@@ -37,7 +37,8 @@ from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, CheckpointError, find_
 from nanochat.checkpoint_pruning import prune_checkpoints, remove_extra_shards
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
                           add_model_generation_flag, add_optimizer_flags, add_runtime_flags, add_train_rows_flag,
-                          check_decode_flag, check_optimizer_flags, resolve_compile_flag, run_main, train_rows)
+                          check_decode_flag, check_optimizer_flags, check_train_rows, resolve_compile_flag, run_main,
+                          train_rows)
 from nanochat.compile import CompileClock, maybe_compiled
 from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup,
                              compute_dtype, compute_init, dtype_name, format_duration, get_base_dir, get_dist_info, print0,
@@ -166,7 +167,7 @@ def validate_args(args, world_size):
         resolve_output_tag(args, args.model_tag, depth=None)  # refuses the run it reads
     for name in ("device_batch_size", "examples_per_step", "num_samples", "max_new_tokens", "num_epochs", "eval_examples"):
         require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    train_rows(args)  # refuses a negative --train-rows
+    check_train_rows(args)
     require(args.num_samples % args.device_batch_size == 0,
             f"--num-samples ({args.num_samples}) must be a multiple of --device-batch-size ({args.device_batch_size}); "
             f"e.g. --device-batch-size={_largest_divisor_at_most(args.num_samples, args.device_batch_size)}")
@@ -242,7 +243,7 @@ def resolve_dtypes(args, model, tokenizer, train_task, device):
     requested = args.dtype
     length = len(tokenizer.render_for_completion(train_task[0])) + args.max_new_tokens
     args.dtype = phase_dtype("training", device, requested, lambda candidates: fastest_training_dtype(
-        model, train_rows(args), length, candidates))
+        model, train_rows(args, device), length, candidates))
     rollout_request = "float32" if args.rollout_dtype == "auto" and requested == "float32" else args.rollout_dtype
     args.rollout_dtype = phase_dtype("rollouts", device, rollout_request,
                                      lambda candidates: fastest_decode_dtype(model, candidates))
@@ -478,7 +479,7 @@ def setup_run(args, resume, rank, world_size, device, decode):
         segments = segments + [{"start_step": start_step, "world_size": world_size}]
     reference = load_reference(start, device, args.model_generation) if args.kl_coef > 0 else None
     args.memory_budget_gb, budget_line = resolve_memory_budget(
-        args.memory_budget_gb, model, device, optimizers, rows=train_rows(args),
+        args.memory_budget_gb, model, device, optimizers, rows=train_rows(args, device),
         completion_tokens=args.max_new_tokens, prompt_tokens=model.config.sequence_len,
         rollout_dtype=getattr(torch, args.rollout_dtype))
     print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
@@ -486,6 +487,8 @@ def setup_run(args, resume, rank, world_size, device, decode):
     engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
                     decode=args.decode, compile=args.compile)
     print0(f"rollouts: {engine.decode} decode step ({DECODE_DESCRIPTIONS[engine.decode]}; --decode to choose)")
+    print0(f"training: {train_rows(args, device)} rows of a question per forward "
+           f"({'--train-rows' if args.train_rows else 'auto on ' + device.type}; the same gradient for any count)")
     if engine.decode != "eager":  # one static batch for the run, its graphs captured once: sized for every prompt
         engine.reserve_prompt_length(longest_prompt(tokenizer, train_task, val_task))
         print0(f"rollouts: static batch sized for prompts of up to {engine.prompt_floor} tokens (the task's longest)")
@@ -504,7 +507,7 @@ def setup_run(args, resume, rank, world_size, device, decode):
         segments=segments,
         history=list(meta.get("history", [])) if args.resume else [],
         eval_history=[tuple(e) for e in meta.get("eval_history", [])] if args.resume else [],
-        last_saved=start_step - 1 if args.resume else None, micro_rows=train_rows(args),
+        last_saved=start_step - 1 if args.resume else None, micro_rows=train_rows(args, device),
         forward=maybe_compiled(chunk_logprobs, compiling.train, dynamic=True, required=args.compile == "on"))
 
 

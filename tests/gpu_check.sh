@@ -17,10 +17,14 @@
 #    steps each (first and last rollout time), tokens checked equal (graph against static: the same shapes), decode
 #    ms per step against the memory-bandwidth bound, and training of a full batch (advantages forced to +-1 so a
 #    random model trains); what is left of the 8 minutes.
-# compiled: the same d20 bench with --compile (nanochat/compile.py): the static step compiled by Inductor and captured
-#    in the engine's graphs, beside the uncompiled graph config, 2 consecutive steps each: compile seconds and graphs
-#    per step, decode ms per step against the bound, tokens compared (compiled_d20.log, compiled_d20.json); then,
-#    with the time left, the graph config training 16 rows per forward (--train-rows=16; train_rows_d20.*).
+# compiled: --compile=on on CUDA (auto compiles nothing there until this stage measures that it pays): the compiled
+#    static step replayed from CUDA graphs against itself run without them (tests/test_compile.py's cuda test), then
+#    the same d20 bench with the static step compiled by Inductor and captured in the engine's graphs, beside the
+#    uncompiled graph config, 2 consecutive steps each: compile seconds and graphs per step, decode ms per step
+#    against the bound, tokens compared (compiled_d20.log with TORCH_LOGS=recompiles, compiled_d20.json); then, with
+#    the time left, the graph config training 8 rows per forward (nanochat's pass; train_rows_d20.*) against auto's
+#    16. Run it alone, in a call of its own: on the first H100 run, torch 2.11, the d20 step had not finished
+#    compiling after two minutes (with checks,compiled it gets under four).
 # suite: the whole test suite on the GPU machine, the `cuda` tests run, not skipped (gpu_suite.log).
 # speedrun: `bash speedrun.sh` on a fresh base dir (the bootstrap path), timed, with its report (speedrun.log,
 #    speedrun_report.md): the target is under 5 minutes with pass@1 up by at least 4 standard errors.
@@ -173,15 +177,20 @@ checks)
     [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
     ;;
 compiled)
-    step "d20 compiled bench" 600 "$out/compiled_d20.log" \
+    # the compiled step captured in CUDA graphs against itself without them (a tiny model; the first H100 run of its
+    # compile did not end in 80 s); then the d20 bench, each compile and recompile named as it happens
+    step "compiled gpu tests" 200 "$out/compiled_tests.log" \
+        "$python" -m pytest -q -p no:cacheprovider -rs -m cuda tests/test_compile.py
+    tests_rc=$?
+    TORCH_LOGS=recompiles step "d20 compiled bench" 600 "$out/compiled_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph,batched_bf16_graph_compiled \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/compiled_d20.json"
     compiled_rc=$?
-    # with what time is left: whole questions (16 rows) per training forward against checks' 8-row graph config
-    step "d20 bench, 16 train rows" 300 "$out/train_rows_d20.log" \
-        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --train-rows=16 \
+    # with what time is left: nanochat's 8 rows per training forward against auto's 16 on CUDA (cli.CUDA_TRAIN_ROWS)
+    step "d20 bench, 8 train rows" 300 "$out/train_rows_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --train-rows=8 \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/train_rows_d20.json"
-    return "$compiled_rc"
+    [ "$tests_rc" -eq 0 ] && [ "$compiled_rc" -eq 0 ]
     ;;
 suite)
     step "suite" 600 "$out/gpu_suite.log" "$python" -m pytest -q -p no:cacheprovider -rs --durations=20 tests

@@ -4,6 +4,7 @@
 weight-decay flags (the optimizers' param groups, after --init-lr-frac) and --recipe=2026-07 (run and resume).
 Resuming on the same or another number of ranks: tests/test_resume_ranks.py."""
 
+import argparse
 import json
 import math
 
@@ -12,7 +13,7 @@ import torch
 
 from gloo_ranks import run_ranks
 from helpers import PYTHONPATH, TINY_RL_FLAGS, assert_same_weights, weights
-from nanochat.cli import run_main
+from nanochat.cli import CUDA_TRAIN_ROWS, run_main, train_rows
 from nanochat.common import UserError
 from nanochat.engine import Engine
 from scripts import chat_rl
@@ -178,6 +179,19 @@ def test_train_rows_changes_the_forwards_not_the_weights(sft, base_dir, monkeypa
     assert rows_seen[4:] == [4]
     with pytest.raises(UserError, match="--train-rows must be >= 0"):
         chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1", "--train-rows=-1"])
+
+
+def test_train_rows_auto_is_16_on_cuda_and_the_pass_elsewhere():
+    """--train-rows=0 (auto): CUDA_TRAIN_ROWS (16, measured on an H100) on CUDA, or --device-batch-size if larger;
+    --device-batch-size elsewhere; a question's rows at most; a number as given (capped likewise)."""
+    def rows(device, **flags):
+        args = argparse.Namespace(**{"train_rows": 0, "device_batch_size": 8, "num_samples": 16, **flags})
+        return train_rows(args, torch.device(device))
+    assert CUDA_TRAIN_ROWS == 16
+    assert rows("cuda") == 16 and rows("cpu") == 8 and rows("mps") == 8
+    assert rows("cuda", device_batch_size=32, num_samples=64) == 32  # never fewer than the pass
+    assert rows("cuda", num_samples=8) == 8 and rows("cuda", device_batch_size=4, num_samples=12) == 12
+    assert rows("cuda", train_rows=4) == 4 and rows("cpu", train_rows=64) == 16
 
 
 # ----------------------------------------------------------------------------- resume

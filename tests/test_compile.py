@@ -17,7 +17,9 @@ ve's only in floats that a dynamic graph takes as inputs), each test keeps to on
 greedy rollouts serve two tests."""
 
 import contextlib
+import io
 import json
+import re
 import warnings
 from types import SimpleNamespace
 
@@ -40,7 +42,7 @@ from helpers import (BF16_MIN_AGREEMENT, BF16_NEAR_TIE, FP32_GAP_BOUND, FP32_NEA
                      install_generation, prompt_of, random_model, tiny_config)
 from test_generations import FIXTURE_NAMES
 from test_rl_sharing import gradients, question, term_sizes
-from test_static_decode import DeviceOnly, ending_model
+from test_static_decode import ENDING_KWARGS, ENDING_PROMPTS, DeviceOnly, ending_model, logprobs, rollouts
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -305,14 +307,72 @@ def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch):
         assert resolve_compile("auto", torch.device("cpu"), "eager", num_steps=500)[:2] == (False, False)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_step_replayed_from_cuda_graphs_equals_it_run_without(dtype, tiny_tokenizer):
+    """On a GPU (`gpu_check.sh compiled` runs it): the static step compiled by Inductor and captured in the engine's
+    CUDA graphs gives exactly the same compiled step's tokens and log-probabilities run without graphs (the same
+    generated kernels), over rows that end at different steps and buckets that change, as the uncompiled graphs do
+    (tests/test_static_decode.py); and it did run compiled."""
+    model = ending_model(tiny_tokenizer).cuda()
+    prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        static = Engine(model, tiny_tokenizer, decode="static", compile="on")
+        graph = Engine(model, tiny_tokenizer, decode="graph", compile="on")
+        assert graph.step.func is static.step.func  # one compiled function: the same graphs
+        assert rollouts(graph, prompts, **ENDING_KWARGS) == rollouts(static, prompts, **ENDING_KWARGS)
+        assert logprobs(graph, prompts, **ENDING_KWARGS) == logprobs(static, prompts, **ENDING_KWARGS)
+        assert len(graph.kept_batch.graphs.replays) >= 3
+    step = graph.step.func
+    assert step.failed is None and step.compiles >= 1
+
+
+def test_each_graph_compiled_is_announced_as_it_starts_and_as_it_ends(capsys):
+    """A compile may take minutes (the d20 decode step on an H100 did not finish in two): each graph says when it goes
+    to Inductor and when it is back, with its seconds and kernels; a call that compiles nothing says nothing."""
+    def double_plus_one(x):
+        return x * 2 + 1
+    function = CompiledFunction(double_plus_one, dynamic=False)
+    capsys.readouterr()
+    assert torch.equal(function(torch.ones(3)), torch.full((3,), 3.0))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "compile: double_plus_one: graph 1 going to Inductor"
+    assert re.fullmatch(r"compile: double_plus_one: graph 1 compiled in \d+\.\d s \(\d+ generated kernels\)", lines[1])
+    assert len(lines) == 2 and function.compiles == 1
+    function(torch.ones(3))
+    assert capsys.readouterr().out == ""
+
+
+def test_a_compile_failure_names_what_dynamo_could_not_trace_and_where():
+    """The one line of a failed compile (the warning, or --compile=on's error) says what Dynamo could not trace and
+    the line of our code it was at: "Unsupported method call" alone was the first CUDA run's whole report."""
+    def writes_a_string_buffer(x):
+        buffer = io.StringIO()  # not traceable: a graph break, which fullgraph refuses
+        buffer.write("x")
+        return x + 1
+    function = CompiledFunction(writes_a_string_buffer, dynamic=False)
+    with pytest.raises(CompileFailed) as error:
+        function(torch.ones(2), required=True)
+    line = str(error.value)
+    assert "\n" not in line and line.startswith("torch.compile cannot compile writes_a_string_buffer: Unsupported: ")
+    assert re.search(r"at test_compile\.py:\d+ in writes_a_string_buffer\)$", line), line
+    assert "Explanation" not in line and "Dynamo" in line  # the explanation's text, not its label
+
+
 def test_compile_plans():
-    """auto: both on CUDA; on a CPU the training forward only, and only for a run long enough to pay for it. A part
+    """auto: nothing on CUDA (not yet measured to pay there); on a CPU the training forward only, and only for a run
+    long enough to pay for it. A part
     the script does not run is None (chat_eval trains nothing, chat_sft samples only for its stop checks), and its
     start line names only the parts it runs."""
     cpu, cuda, mps = torch.device("cpu"), torch.device("cuda"), torch.device("mps")
     assert compile_plan("auto", cpu, "static", num_steps=467)[:2] == (False, True)
     assert compile_plan("auto", cpu, "eager", num_steps=CPU_MIN_STEPS - 1)[:2] == (False, False)
-    assert compile_plan("auto", cuda, "graph")[:2] == (True, True) and compile_plan("auto", cuda, "eager")[:2] == (False, True)
+    assert compile_plan("auto", cuda, "graph")[:2] == (False, False) and compile_plan("auto", cuda, "eager")[:2] == (False, False)
+    assert compile_plan("on", cuda, "graph")[:2] == (True, True) and compile_plan("on", cuda, "eager")[:2] == (False, True)
+    assert compile_plan("auto", cuda, "graph").describe() == (
+        "compile: decode step off, training forward off (auto on CUDA: not yet measured to pay there "
+        "(tests/gpu_check.sh compiled measures it); --compile=on to compile; --compile to choose)")
     assert compile_plan("on", cpu, "static")[:2] == (True, True) and compile_plan("on", cpu, "eager")[:2] == (False, True)
     assert compile_plan("off", cuda, "graph")[:2] == (False, False) and compile_plan("auto", mps, "eager")[:2] == (False, False)
     with pytest.raises(ValueError, match="compile mode must be one of auto, on, off"):
@@ -320,8 +380,8 @@ def test_compile_plans():
     # chat_sft: a training forward, paying later on a CPU; a decode step only with --stop-at-pass1 (auto decode: graph
     # on CUDA, eager on a CPU)
     sft = dict(cpu_min_steps=SFT_CPU_MIN_STEPS)
-    assert compile_plan("auto", cuda, None, num_steps=5, **sft)[:2] == (None, True)
-    assert compile_plan("auto", cuda, "graph", num_steps=5, **sft)[:2] == (True, True)
+    assert compile_plan("auto", cuda, None, num_steps=5, **sft)[:2] == (None, False)
+    assert compile_plan("on", cuda, "graph", num_steps=5, **sft)[:2] == (True, True)
     assert compile_plan("auto", cpu, None, num_steps=SFT_CPU_MIN_STEPS, **sft)[:2] == (None, True)
     assert compile_plan("auto", cpu, "eager", num_steps=SFT_CPU_MIN_STEPS, **sft)[:2] == (False, True)
     assert compile_plan("auto", cpu, "eager", num_steps=SFT_CPU_MIN_STEPS - 1, **sft)[:2] == (False, False)
@@ -329,8 +389,9 @@ def test_compile_plans():
     assert compile_plan("auto", cpu, None, num_steps=300, **sft).describe() == (
         f"compile: training forward off (auto on a CPU: 300 steps are too few to pay for compiling "
         f"(from {SFT_CPU_MIN_STEPS} on); --compile to choose)")
-    # chat_eval: a decode step only, compiled where it is static, on CUDA (auto) or asked for (on)
-    assert compile_plan("auto", cuda, "graph", trains=False)[:2] == (True, None)
+    # chat_eval: a decode step only, compiled where it is static and asked for (on)
+    assert compile_plan("auto", cuda, "graph", trains=False)[:2] == (False, None)
+    assert compile_plan("on", cuda, "graph", trains=False)[:2] == (True, None)
     assert compile_plan("auto", cuda, "eager", trains=False)[:2] == (False, None)
     assert compile_plan("auto", cpu, "static", trains=False)[:2] == (False, None)
     assert compile_plan("on", cpu, "static", trains=False)[:2] == (True, None)

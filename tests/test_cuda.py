@@ -19,9 +19,9 @@ from helpers import HAS_CUDA, PYTHONPATH, REPO, TINY_RL_FLAGS, random_model, tin
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 
-# --compile=off: these runs test NCCL, out-of-memory and devices, not compiling; a compile per subprocess (CUDA's
-# default) kept the first H100 run of this file past its 200 s before its first test ended. The compiled step on
-# CUDA is tested in tests/test_static_decode.py and measured by `gpu_check.sh compiled`.
+# --compile=off, pinned (auto also compiles nothing on CUDA, for now): these runs test NCCL, out-of-memory and
+# devices, not compiling; compiling in each subprocess (then auto's choice on CUDA) kept the first H100 run of this
+# file past its 200 s before its first test ended. Compiling on CUDA is tested and measured by `gpu_check.sh compiled`.
 NO_COMPILE = ["--compile=off"]
 CUDA_RL_FLAGS = [f for f in TINY_RL_FLAGS if not f.startswith("--device-type")] + ["--device-type=cuda"] + NO_COMPILE
 

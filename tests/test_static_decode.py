@@ -322,26 +322,20 @@ def test_an_out_of_memory_inside_a_capture_is_raised_as_one(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("compile", ["off", "on"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_replay_equals_the_static_step(dtype, compile, tiny_tokenizer):
+def test_cuda_graph_replay_equals_the_static_step(dtype, tiny_tokenizer):
     """On a GPU: rollouts replayed from CUDA graphs (several row and key buckets: 30 rows that end at different
     steps, admitted into freed slots) give exactly the static step's tokens and log-probabilities (the same
     shapes run eagerly: the same kernels). Eager decoding runs other shapes, whose kernels may round otherwise
-    on a GPU, so it is compared by the sampler gap (tests/test_sampler_gap.py), not token for token.
-    compile=on: the step compiled by Inductor (CUDA's default), captured in the engine's graphs, against the
-    same compiled step run without them."""
+    on a GPU, so it is compared by the sampler gap (tests/test_sampler_gap.py), not token for token."""
     model = ending_model(tiny_tokenizer).cuda()
     prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
     with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-        static = Engine(model, tiny_tokenizer, decode="static", compile=compile)
-        graph = Engine(model, tiny_tokenizer, decode="graph", compile=compile)
-        if compile == "on":
-            assert graph.step.func is static.step.func and graph.step.func.failed is None
+        static = Engine(model, tiny_tokenizer, decode="static")
+        graph = Engine(model, tiny_tokenizer, decode="graph")
         assert rollouts(graph, prompts, **ENDING_KWARGS) == rollouts(static, prompts, **ENDING_KWARGS)
         assert logprobs(graph, prompts, **ENDING_KWARGS) == logprobs(static, prompts, **ENDING_KWARGS)
         assert len(graph.kept_batch.graphs.replays) >= 3
-        assert compile == "off" or graph.step.func.compiles >= 1  # it did run compiled
         ends = {len(c[0]) for per in rollouts(graph, prompts, **ENDING_KWARGS) for c in per}
     assert len(ends) > 2
 
