@@ -79,10 +79,10 @@ def check_decode_flag(decode, device):
 
 
 def add_memory_budget_flag(parser):
-    """--memory-budget-gb: the KV cache a rollout batch may use; resolve it with
+    """--memory-budget-gb: the KV cache the rollout batches in memory at once may use; resolve it with
     nanochat.memory_budget.resolve_memory_budget before building the Engine, which takes GiB."""
     parser.add_argument("--memory-budget-gb", type=parse_budget, default=AUTO,
-                        help=f"KV-cache memory (GiB) a rollout batch may use; auto (the default): on CUDA {FRACTION:g} of "
+                        help=f"KV-cache memory (GiB) the rollout batches in memory at once (a step's, an eval's kept beside it) may use together; auto (the default): on CUDA {FRACTION:g} of "
                              f"the memory free after the model, optimizer state and a training-peak reserve (stated "
                              f"at the start), elsewhere {FIXED_GB:g}")
 

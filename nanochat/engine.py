@@ -29,6 +29,8 @@ from nanochat.shared_prompt_cache import SharedPromptKVCache
 
 # the static decode step compiles with dynamic shapes: one graph serves every bucketed shape (see Engine)
 STATIC_STEP_DYNAMIC = True
+# static batches kept between rollouts at most (chat_rl's training shape and its eval's; see Engine._new_batch)
+KEEP_BATCHES = 2
 
 
 def prompt_slots(rows, num_samples, num_prompts):
@@ -55,9 +57,17 @@ class BatchShape(NamedTuple):
 
 
 class KeptBatch(NamedTuple):
-    """A static batch kept between rollouts, and the shape it was made for (see Engine._new_batch)."""
+    """A static batch kept between rollouts, the shape it was made for, its cache's bytes, and whether its rows were
+    what the memory budget left (fewer than the rollout's samples) rather than every sample (see Engine._new_batch)."""
     shape: BatchShape
     batch: DecodeBatch
+    nbytes: int
+    budget_bound: bool
+
+
+def cache_bytes(cache):
+    """The bytes of a rollout cache's tensors (a static cache holds all it will ever use)."""
+    return sum(value.nbytes for value in vars(cache).values() if isinstance(value, torch.Tensor))
 
 
 def make_batch(model, shape, plan, stats, weights, step):
@@ -102,7 +112,7 @@ class Engine:
         self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
         compiles = compile_plan(compile, model.get_device(), self.decode).decode
         self.step = maybe_compiled(static_step, compiles, dynamic=STATIC_STEP_DYNAMIC, required=compile == "on")
-        self.kept = None  # a KeptBatch between rollouts (see _new_batch); release() drops it
+        self.kept = []  # KeptBatch-es between rollouts, the latest last (see _new_batch); release() drops them
         self.prompt_floor = 0  # static batches are sized for prompts this long at least (it never shrinks)
         self.keeps_between_rollouts = True  # the static batch and the decode weights; release() may turn it off
         self.weights = DecodeWeights(model)
@@ -116,18 +126,24 @@ class Engine:
 
     @property
     def kept_batch(self):
-        """The static batch kept for the next rollout, or None."""
-        return None if self.kept is None else self.kept.batch
+        """The static batch kept last (by the last rollout that ran to its end), or None."""
+        return self.kept[-1].batch if self.kept else None
 
     def release(self, keep_from_now_on=True):
         """Drop what is kept between rollouts: the static batch (its KV cache and CUDA graphs, captured over the
         decode weights) and the decode weights, e.g. to give their memory to training after an out-of-memory.
         With keep_from_now_on=False later rollouts free theirs when they end. True if anything was held."""
-        held = self.kept is not None or bool(self.weights.copies)
-        self.kept = None
+        held = bool(self.kept) or bool(self.weights.copies)
+        self.kept = []
         self.weights.clear()
         self.keeps_between_rollouts = keep_from_now_on
         return held
+
+    def drop_kept_batches(self):
+        """Drop the static batches kept from earlier rollouts (not the decode weights), e.g. after an out-of-memory
+        in a rollout of another shape. Returns how many there were."""
+        dropped, self.kept = len(self.kept), []
+        return dropped
 
     # -- nanochat's API ------------------------------------------------------------
     def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
@@ -167,12 +183,13 @@ class Engine:
                 progress(len(finished))
         return results
 
-    def rows_for_budget(self, prompt_len, max_tokens, dtype, num_samples=1):
-        """How many rows' KV cache fit in the memory budget: prompt + completion per row, or with shared
-        prompts a completion per row plus the prompt pool (about 2 prompts per num_samples rows, see
-        prompt_slots). The budget is the KV cache's: bf16 decode weights (DecodeWeights) come on top."""
+    def rows_for_budget(self, prompt_len, max_tokens, dtype, num_samples=1, budget_bytes=None):
+        """How many rows' KV cache fit in the memory budget (or in budget_bytes): prompt + completion per row, or
+        with shared prompts a completion per row plus the prompt pool (about 2 prompts per num_samples rows, see
+        prompt_slots). The budget is the KV caches': bf16 decode weights (DecodeWeights) come on top."""
         per_token = cache_geometry(self.model).bytes_per_token(dtype)
-        budget_tokens = self.memory_budget_gb * (1 << 30) / per_token
+        budget_bytes = self.memory_budget_gb * (1 << 30) if budget_bytes is None else budget_bytes
+        budget_tokens = max(0.0, budget_bytes / per_token)
         if not self.share_prompts:
             return max(1, int(budget_tokens // (prompt_len + max_tokens)))
         return max(1, int((budget_tokens - prompt_len) // (max_tokens + 2 * prompt_len / num_samples)))
@@ -185,25 +202,53 @@ class Engine:
         prompt seen or reserved (prompt_floor) rounded up to PROMPT_BUCKET positions, never less, and its rows are
         what the budget holds at that capacity. It is kept after a rollout that ran to its end and serves the next
         one of the same shape, so its cache and its CUDA graphs (all captured when it is made) are made once per
-        run, not once per rollout. Returns (the batch, the shape a kept batch must have to serve again; None: not
-        to be kept)."""
+        run, not once per rollout. Up to KEEP_BATCHES shapes are kept at once, within the budget together: chat_rl's
+        evals sample another shape than its steps, and with one batch kept each eval replaced the training batch
+        and the next step made it again (on an H100, ~15 s of captures each way, every eval).
+
+        A kept batch serves a rollout whose shape it has but for its rows, when those are the rows the rollout
+        asks for: every sample (or max_rows, when given), or, for a batch made with what the budget left, still
+        fewer than every sample. A new batch gets the rows the budget less the kept batches holds, when that is
+        at least half of what the whole budget would hold, else the oldest kept batches go first. Returns (the
+        batch, what to keep it as once the rollout ends; None: not to be kept)."""
         dtype = autocast_dtype(self.model.get_device()) or cache_geometry(self.model).dtype
         plan = decode_plan(self.decode)
         if plan.static:
             self.prompt_floor = max(self.prompt_floor, longest)
             longest = -(-self.prompt_floor // PROMPT_BUCKET) * PROMPT_BUCKET
-        cap = max_rows or self.max_rows or self.rows_for_budget(longest, max_tokens, dtype, num_samples)
-        B = max(1, min(cap, num_prompts * num_samples))
-        shape = BatchShape(B, prompt_slots(B, num_samples, num_prompts) if self.share_prompts else None, longest,
-                           max_tokens, num_samples, dtype, temperature, top_k)
-        self.last_stats = RolloutStats(rows_allocated=B)
-        kept, self.kept = self.kept, None
-        if kept is not None and kept.shape == shape:
-            kept.batch.begin_rollout(self.last_stats)
-            return kept.batch, shape
-        del kept  # its memory is free before the new cache is allocated
+        samples, limit = num_prompts * num_samples, max_rows or self.max_rows
+
+        def shape_of(rows):
+            return BatchShape(rows, prompt_slots(rows, num_samples, num_prompts) if self.share_prompts else None,
+                              longest, max_tokens, num_samples, dtype, temperature, top_k)
+
+        def serves(kept):
+            rows = kept.shape.rows
+            if kept.shape != shape_of(rows):
+                return False
+            return rows == min(limit, samples) if limit else rows == samples or (kept.budget_bound and rows < samples)
+
+        self.kept = [k for k in self.kept if k.shape.prompt_cap >= longest]  # made for shorter prompts: never again
+        for i, kept in enumerate(self.kept):
+            if serves(kept):
+                del self.kept[i]  # in use until the rollout ends (kept again then)
+                self.last_stats = RolloutStats(rows_allocated=kept.shape.rows)
+                kept.batch.begin_rollout(self.last_stats)
+                return kept.batch, kept._replace(batch=None)
+        del self.kept[:max(0, len(self.kept) - (KEEP_BATCHES - 1))]  # room for this one among those kept
+        budget = self.memory_budget_gb * (1 << 30)
+        whole = min(limit or self.rows_for_budget(longest, max_tokens, dtype, num_samples), samples)
+        while True:
+            room = self.rows_for_budget(longest, max_tokens, dtype, num_samples, budget - sum(k.nbytes for k in self.kept))
+            rows = max(1, min(limit or room, samples))
+            if not self.kept or (rows <= room and 2 * rows >= whole):
+                break
+            del self.kept[0]  # the oldest; its memory is free before the new cache is allocated
+        shape = shape_of(rows)
+        self.last_stats = RolloutStats(rows_allocated=rows)
         batch = make_batch(self.model, shape, plan, self.last_stats, self.weights, self.step)
-        return batch, shape if plan.static else None
+        keep = KeptBatch(shape, None, cache_bytes(batch.cache), not limit and rows < samples) if plan.static else None
+        return batch, keep
 
     @torch.no_grad()
     def _rollout(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows=None):
@@ -219,7 +264,7 @@ class Engine:
         if max_tokens is None:
             max_tokens = max(1, self.model.config.sequence_len - longest)
         self.weights.refresh(autocast_dtype(self.model.get_device()))  # the trainer has changed the weights since the last rollout
-        batch, shape = self._new_batch(len(prompts), longest, num_samples, max_tokens, temperature, top_k, max_rows)
+        batch, keep = self._new_batch(len(prompts), longest, num_samples, max_tokens, temperature, top_k, max_rows)
         waiting, pending = deque(range(len(prompts))), None  # prompts not prefilled yet; the one being admitted
         while batch.in_flight or waiting or pending is not None:
             events = batch.decode_step()
@@ -237,6 +282,6 @@ class Engine:
                 yield events
         if not self.keeps_between_rollouts:
             self.weights.clear()
-        elif shape is not None:  # every row retired and every prompt slot freed: ready for the next rollout
-            self.kept = KeptBatch(shape, batch)
+        elif keep is not None:  # every row retired and every prompt slot freed: ready for the next rollout
+            self.kept.append(keep._replace(batch=batch))
 

@@ -568,10 +568,15 @@ def sample_rollouts(run, step):
         with run.autocast(rollouts=True):
             return sample_questions(run.engine, run.train_task, indices, [question_seed(step, i) for i in indices],
                                     sampling, scale_by_std=cfg.advantage_std, label=f"step {step} rollouts")
+    def give_back_kept_batches():  # an eval's batch kept beside the steps' (Engine._new_batch), or theirs beside it
+        dropped = run.engine.drop_kept_batches()
+        return (f"out of memory during rollouts: gave back the {dropped} decode batch(es) kept from other rollouts; "
+                "retrying") if dropped else None
     run.model.eval()
     rollouts, _ = with_fewer_rows_on_oom(attempt, run.engine.max_rows, "out of memory during rollouts: retrying with "
                                          "--max-rows={rows}", rows_in_use=lambda: max(run.engine.last_stats.rows_allocated,
-                                                                                 run.engine.last_stats.max_batch_rows))
+                                                                                 run.engine.last_stats.max_batch_rows),
+                                         free_memory=give_back_kept_batches)
     return rollouts
 
 

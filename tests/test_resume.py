@@ -134,6 +134,32 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(sft, base_dir,
         assert torch.allclose(got[k], reference[k], atol=1e-5), k
 
 
+def test_out_of_memory_in_a_rollout_first_gives_back_the_batches_kept_from_other_rollouts(sft, base_dir, monkeypatch,
+                                                                                          capsys):
+    """The engine keeps the eval's static batch beside the steps' (Engine._new_batch). An out-of-memory in a step's
+    rollout first gives the kept batches back and retries with the same rows: nothing halved, the weights those of
+    an undisturbed run, bit for bit."""
+    flags = TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--decode=static", "--eval-every=1",
+                             "--eval-examples=4"]
+    chat_rl.main(flags)
+    reference = weights(rl_dir(base_dir) / "model_000001.pt")
+    real_sample, kept_when_raised = chat_rl.sample_questions, []
+
+    def sample_questions(engine, *args, **kwargs):
+        if not kept_when_raised:
+            kept_when_raised.append(len(engine.kept))
+            raise torch.OutOfMemoryError("simulated")
+        return real_sample(engine, *args, **kwargs)
+
+    monkeypatch.setattr(chat_rl, "sample_questions", sample_questions)
+    chat_rl.main(flags + ["--overwrite"])
+    out = capsys.readouterr().out
+    assert kept_when_raised == [1]  # step 0's eval batch
+    assert "out of memory during rollouts: gave back the 1 decode batch(es) kept from other rollouts; retrying" in out
+    assert "retrying with" not in out
+    assert_same_weights(weights(rl_dir(base_dir) / "model_000001.pt"), reference)
+
+
 def test_out_of_memory_in_training_first_releases_the_kept_rollout_batch(sft, base_dir, monkeypatch, capsys):
     """With a static decode step the engine keeps its batch (KV cache; on CUDA, graphs) between rollouts. An
     out-of-memory in training first gives that memory back and retries with the same rows, so nothing is halved

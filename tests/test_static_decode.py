@@ -16,7 +16,7 @@ from nanochat.checkpoint_manager import build_model
 from nanochat.cuda_graphs import (KEY_BUCKET, ROW_BUCKETS, DecodePlan, GraphedStep, bucket_shapes, bucketed_shape,
                                   capture_cuda_graph, decode_mode, decode_plan, exact_shape)
 from nanochat.decode_batch import DecodeBatch, RolloutStats
-from nanochat.engine import Engine
+from nanochat.engine import KEEP_BATCHES, Engine
 from nanochat.gpt import GPT
 from nanochat.kv_cache import KVCache
 from nanochat.op_count import CountOps, OpCount, count_decode_step_ops
@@ -242,10 +242,76 @@ def test_a_static_batch_is_reused_by_the_next_rollout_of_its_shape(tiny_tokenize
                     for p, s in ((first, [1, 2]), (second, [3, 4]))]
     long_prompt = [prompt_of(tiny_tokenizer, "word " * 40)]
     rollouts(engine, long_prompt, seeds=[5], **kwargs)
-    assert engine.kept_batch is not batch and engine.kept.shape.prompt_cap == 128  # the pool rounded up to 128
+    assert engine.kept_batch is not batch and engine.kept[-1].shape.prompt_cap == 128  # the pool rounded up to 128
+    assert len(engine.kept) == 1  # the batch for shorter prompts can serve no rollout again: gone
+    long_batch = engine.kept_batch
     stream = engine.generate(first[0], num_samples=2, max_tokens=10, seed=1)
     next(stream)  # a rollout left unfinished: its batch is not kept
-    assert engine.kept_batch is None
+    assert [k.batch for k in engine.kept] == [long_batch]
+
+
+def test_two_shapes_alternating_keep_a_batch_each(tiny_tokenizer):
+    """chat_rl alternates its steps' rollout shape with its evals' (other samples per question, more questions):
+    each keeps its own static batch (on CUDA, its graphs), so neither is made again when the other has run; tokens
+    are fresh eager engines'. A third shape makes a batch in place of the oldest (KEEP_BATCHES); where the budget
+    the kept batches leave holds under half the rows the whole budget would, they go first; a kept batch made for
+    the rows the budget left serves again."""
+    config = tiny_config(sequence_len=256, vocab_size=tiny_tokenizer.get_vocab_size(), window_pattern="SL")
+    model = random_model(config, generation="smear")
+    prompts = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold 48 clips", "c", "d e f g")]
+    step = dict(num_samples=4, max_tokens=20, temperature=1.0, top_k=50)
+    evals = dict(num_samples=2, max_tokens=24, temperature=1.0, top_k=50)
+    eager = Engine(model, tiny_tokenizer, decode="eager")
+    engine = Engine(model, tiny_tokenizer, decode="static")
+    assert KEEP_BATCHES == 2
+    outs, batches = [], []
+    for kwargs, questions in ((step, prompts[:2]), (evals, prompts), (step, prompts[:2]), (evals, prompts)):
+        outs.append(rollouts(engine, questions, seeds=list(range(len(questions))), **kwargs))
+        assert outs[-1] == rollouts(eager, questions, seeds=list(range(len(questions))), **kwargs)
+        batches.append(engine.kept_batch)
+    assert batches[0] is batches[2] and batches[1] is batches[3] and batches[0] is not batches[1]
+    assert [k.batch for k in engine.kept] == [batches[0], batches[1]]
+    rollouts(engine, prompts[:1], seeds=[0], num_samples=3, max_tokens=8)  # a third shape: the oldest goes
+    assert [k.batch for k in engine.kept][0] is batches[1] and len(engine.kept) == 2
+
+    # a budget that holds the step's batch and little more: the eval's batch takes its place, with every row the
+    # budget holds (6, not its 8 samples), and serves the next eval; the step's batch comes back in its place
+    tight = Engine(model, tiny_tokenizer, decode="static")
+    rollouts(tight, prompts[:2], seeds=[0, 1], **step)
+    step_batch = tight.kept[-1]
+    tight.memory_budget_gb = step_batch.nbytes * 1.2 / 2 ** 30
+    rows_alone = tight.rows_for_budget(64, evals["max_tokens"], torch.float32, evals["num_samples"])
+    assert rows_alone < 8  # the budget binds the eval's rows
+    assert tight.rows_for_budget(64, evals["max_tokens"], torch.float32, evals["num_samples"],
+                                 tight.memory_budget_gb * 2 ** 30 - step_batch.nbytes) * 2 < rows_alone
+    rollouts(tight, prompts, seeds=[0, 1, 2, 3], **evals)
+    eval_batch = tight.kept_batch
+    assert [k.batch for k in tight.kept] == [eval_batch] and eval_batch.cache.batch_size == rows_alone
+    assert tight.kept[-1].budget_bound
+    again = rollouts(tight, prompts, seeds=[0, 1, 2, 3], **evals)
+    assert tight.kept_batch is eval_batch and again == rollouts(eager, prompts, seeds=[0, 1, 2, 3], **evals)
+    rollouts(tight, prompts[:2], seeds=[0, 1], **step)
+    step_rows = min(8, tight.rows_for_budget(64, step["max_tokens"], torch.float32, step["num_samples"]))
+    assert [(k.shape.num_samples, k.batch.cache.batch_size) for k in tight.kept] == [(4, step_rows)]  # made way
+
+    # chat_rl's case: an eval of more samples than the budget holds, beside the step's batch, with 10 rows (of the
+    # at most 20 the whole budget would give) in the budget the step's batch leaves: both kept, both serve again
+    both = Engine(model, tiny_tokenizer, decode="static")
+    rollouts(both, prompts[:2], seeds=[0, 1], **step)
+    step_batch = both.kept[-1]
+    room = lambda budget: both.rows_for_budget(64, evals["max_tokens"], torch.float32, evals["num_samples"], budget)
+    eval_bytes = next(b for b in range(0, 10 ** 9, 1024) if room(b) >= 10)
+    both.memory_budget_gb = (step_batch.nbytes + eval_bytes) / 2 ** 30
+    questions = prompts * 4  # 32 samples: more than the budget holds
+    assert 10 < room(both.memory_budget_gb * 2 ** 30) <= 20
+    eval_batches = []
+    for _ in range(2):
+        assert rollouts(both, questions, seeds=list(range(16)), **evals) == rollouts(eager, questions, seeds=list(range(16)), **evals)
+        rollouts(both, prompts[:2], seeds=[0, 1], **step)
+        assert [(k.shape.num_samples, k.shape.rows) for k in both.kept] == [(2, 10), (4, 8)]
+        assert both.kept[0].budget_bound and both.kept[1].batch is step_batch.batch
+        eval_batches.append(both.kept[0].batch)
+    assert eval_batches[0] is eval_batches[1]
 
 
 class DeviceOnly(TorchDispatchMode):
