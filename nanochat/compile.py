@@ -29,6 +29,8 @@ UserError instead. Errors of the computation itself (an out-of-memory included) 
 """
 
 import functools
+import os
+import sysconfig
 import time
 import warnings
 from typing import NamedTuple, Optional
@@ -93,6 +95,7 @@ class _CountingInductor:
 
     def __init__(self, owner):
         self.owner = owner
+        self.announced = 0  # the graph number last said to go to Inductor
 
     def __call__(self, graph_module, example_inputs):
         from torch._inductor import metrics
@@ -102,7 +105,9 @@ class _CountingInductor:
         # said before and after: a compile may take minutes (on the first H100 run the d20 decode step had not
         # finished in two), and a run that goes quiet for that long must say why
         if self.owner.announce:
-            print0(f"compile: {self.owner.name}: graph {number} going to Inductor")
+            again = " again (Dynamo traced it anew)" if self.announced == number else ""
+            print0(f"compile: {self.owner.name}: graph {number} going to Inductor{again}")
+        self.announced = number
         compiled = compile_fx(graph_module, example_inputs)
         # counted once compiled: Dynamo may call the backend again for the same graph after Inductor asked it to
         # trace again (TensorifyScalarRestartAnalysis, seen on the decode step), and the call that raised made none
@@ -116,20 +121,30 @@ class _CountingInductor:
 
 def first_line(error):
     """What failed, in one line: the message's first line (the backend's own error, not Dynamo's wrapper of it)
-    with its type, and where Dynamo explains it, its explanation and the innermost frame of code outside torch
-    that it was tracing ("Unsupported method call" alone, the first CUDA run's whole report, names neither the
-    method nor the line)."""
-    error = getattr(error, "inner_exception", None) or error
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    said = f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
-    explanation = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Explanation:")), None)
-    frames = [line for line in lines if line.startswith("File \"") and "/torch/" not in line]
+    with its type, and where Dynamo explains it, its explanation and the innermost frame of our code that it was
+    tracing ("Unsupported method call" alone, the first CUDA run's whole report, names neither the method nor the
+    line). The wrapper's message is searched too: the backend's own has no frames."""
+    inner = getattr(error, "inner_exception", None) or error
+    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
+    every = lines + ([line.strip() for line in str(error).splitlines() if line.strip()] if inner is not error else [])
+    said = f"{type(inner).__name__}: {lines[0] if lines else ''}".strip()
+    explanation = next((line.split(":", 1)[1].strip() for line in every if line.startswith("Explanation:")), None)
+    frames = [line for line in every if line.startswith('File "') and _is_ours(line[len('File "'):].partition('"')[0])]
     where = None
     if frames:  # File "/path/to/x.py", line 12, in fn
         path, _, rest = frames[-1][len('File "'):].partition('"')
-        where = f"{path.rsplit('/', 1)[-1]}{rest.replace(', line ', ':').replace(', in ', ' in ')}"
+        where = f"{os.path.basename(path)}{rest.replace(', line ', ':').replace(', in ', ' in ')}"
     detail = "; ".join(part for part in (explanation, where and f"at {where}") if part)
     return f"{said} ({detail})" if detail else said
+
+
+def _is_ours(path):
+    """Whether a traceback's file is code of this program, not torch's, an installed package's or Python's own."""
+    path = os.path.abspath(path)
+    libraries = [os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
+                 sysconfig.get_paths()["platlib"]]
+    return not any(path.startswith(os.path.abspath(root) + os.sep) for root in libraries) and \
+        "site-packages" not in path and "dist-packages" not in path
 
 
 _COMPILED = {}  # (fn, dynamic) -> its CompiledFunction: one per process, as Dynamo's cache is one per function

@@ -139,10 +139,12 @@ class Engine:
         self.keeps_between_rollouts = keep_from_now_on
         return held
 
-    def drop_kept_batches(self):
-        """Drop the static batches kept from earlier rollouts (not the decode weights), e.g. after an out-of-memory
-        in a rollout of another shape. Returns how many there were."""
-        dropped, self.kept = len(self.kept), []
+    def drop_kept_batches(self, keep_latest=False):
+        """Drop the static batches kept from earlier rollouts (not the decode weights), all of them or all but the
+        latest (in chat_rl's training, the step's own: an eval's goes), e.g. after an out-of-memory. Returns how
+        many it dropped."""
+        keep = self.kept[-1:] if keep_latest else []
+        dropped, self.kept = len(self.kept) - len(keep), keep
         return dropped
 
     # -- nanochat's API ------------------------------------------------------------
@@ -183,20 +185,22 @@ class Engine:
                 progress(len(finished))
         return results
 
-    def rows_for_budget(self, prompt_len, max_tokens, dtype, num_samples=1, budget_bytes=None):
-        """How many rows' KV cache fit in the memory budget (or in budget_bytes): prompt + completion per row, or
+    def rows_for_budget(self, prompt_len, max_tokens, dtype, num_samples=1, budget_bytes=None, at_least=1):
+        """How many rows' KV cache fit in the memory budget (or in budget_bytes), and at least `at_least` (1: a
+        rollout runs with one row whatever the budget; 0: what truly fits): prompt + completion per row, or
         with shared prompts a completion per row plus the prompt pool (about 2 prompts per num_samples rows, see
         prompt_slots). The budget is the KV caches': bf16 decode weights (DecodeWeights) come on top."""
         per_token = cache_geometry(self.model).bytes_per_token(dtype)
         budget_bytes = self.memory_budget_gb * (1 << 30) if budget_bytes is None else budget_bytes
         budget_tokens = max(0.0, budget_bytes / per_token)
         if not self.share_prompts:
-            return max(1, int(budget_tokens // (prompt_len + max_tokens)))
-        return max(1, int((budget_tokens - prompt_len) // (max_tokens + 2 * prompt_len / num_samples)))
+            return max(at_least, int(budget_tokens // (prompt_len + max_tokens)))
+        return max(at_least, int((budget_tokens - prompt_len) // (max_tokens + 2 * prompt_len / num_samples)))
 
     def _new_batch(self, num_prompts, longest, num_samples, max_tokens, temperature, top_k, max_rows):
-        """An empty DecodeBatch: max_rows rows (else the engine's, else what the memory budget holds), at most
-        one per sample of every prompt, with a cache for prompts of up to `longest` tokens.
+        """An empty DecodeBatch: max_rows rows (else the engine's, else what the memory budget holds beside the
+        batches kept, see below), at most one per sample of every prompt, with a cache for prompts of up to
+        `longest` tokens.
 
         A static batch (static and graph modes) has a shape fixed for the run: its prompts' capacity is the longest
         prompt seen or reserved (prompt_floor) rounded up to PROMPT_BUCKET positions, never less, and its rows are
@@ -208,9 +212,12 @@ class Engine:
 
         A kept batch serves a rollout whose shape it has but for its rows, when those are the rows the rollout
         asks for: every sample (or max_rows, when given), or, for a batch made with what the budget left, still
-        fewer than every sample. A new batch gets the rows the budget less the kept batches holds, when that is
-        at least half of what the whole budget would hold, else the oldest kept batches go first. Returns (the
-        batch, what to keep it as once the rollout ends; None: not to be kept)."""
+        fewer than every sample. A new batch gets the rows the budget less the kept batches holds (max_rows, when
+        given, if they fit there), when that is at least half of what the whole budget would hold, else the
+        oldest kept batches go first. In chat_rl the first eval, before any step, takes the whole budget; step 0's
+        batch displaces it, and the next eval's batch, made beside the step's, serves every eval after: two
+        eval batches and one step batch a run. Returns (the batch, what to keep it as once the rollout ends; None:
+        not to be kept)."""
         dtype = autocast_dtype(self.model.get_device()) or cache_geometry(self.model).dtype
         plan = decode_plan(self.decode)
         if plan.static:
@@ -239,9 +246,10 @@ class Engine:
         budget = self.memory_budget_gb * (1 << 30)
         whole = min(limit or self.rows_for_budget(longest, max_tokens, dtype, num_samples), samples)
         while True:
-            room = self.rows_for_budget(longest, max_tokens, dtype, num_samples, budget - sum(k.nbytes for k in self.kept))
+            room = self.rows_for_budget(longest, max_tokens, dtype, num_samples, budget - sum(k.nbytes for k in self.kept),
+                                        at_least=0)
             rows = max(1, min(limit or room, samples))
-            if not self.kept or (rows <= room and 2 * rows >= whole):
+            if not self.kept or (rows <= room and 2 * rows >= whole):  # room 0: nothing fits beside them
                 break
             del self.kept[0]  # the oldest; its memory is free before the new cache is allocated
         shape = shape_of(rows)

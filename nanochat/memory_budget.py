@@ -1,5 +1,6 @@
 """
-How much memory a rollout batch's KV cache may take (`--memory-budget-gb`), decided once at the start of a run.
+How much memory the rollout batches' KV caches in memory at once may take together (`--memory-budget-gb`; a
+step's and an eval's, see engine.Engine._new_batch), decided once at the start of a run.
 
     --memory-budget-gb=N     N GiB, on every device
     --memory-budget-gb=auto  (the default) on CUDA: FRACTION of what is left of the device's free memory, measured
@@ -15,9 +16,10 @@ What is set aside is what the run allocates after the budget is decided, at full
   decode weights  the bf16 copies of the matmul weights that bf16 rollouts use (engine.DecodeWeights; 2 bytes
                   per weight, outside the KV budget), 0 for fp32 rollouts
   training peak   the activations of one training forward and backward, estimated (training_peak_bytes)
-The KV cache of a static decode batch is kept from one rollout to the next, so it is still there when the
-model trains: hence the training peak in the reserve. FRACTION leaves room for the allocator's fragmentation and
-for what the estimates miss (CUDA-graph pools, temporaries of the optimizer step).
+The KV caches of static decode batches are kept from one rollout to the next (the step's and the eval's, within
+the budget together), so they are still there when the model trains: hence the training peak in the reserve.
+FRACTION leaves room for the allocator's fragmentation and for what the estimates miss (CUDA-graph pools, one per
+kept batch; temporaries of the optimizer step). An out-of-memory in training gives back the eval's batch first.
 
 The arithmetic is `plan_budget`, a pure function of byte counts; `resolve_memory_budget` measures and estimates
 them for a run and returns the GiB the Engine takes, with the line that states how it was chosen.

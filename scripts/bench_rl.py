@@ -2,8 +2,9 @@
 Benchmark of one chat_rl step, several ways, in one process, on the same model and the same questions.
 
 One step of chat_rl at its default shape: --num-questions GSM8K train questions x --num-samples samples x up to
---max-new-tokens tokens, then the policy-gradient forward/backward in passes of --device-batch-size rows, then
-the Muon + AdamW step. Configurations (--configs):
+--max-new-tokens tokens, then the policy-gradient forward/backward in passes of --device-batch-size rows (forwards
+of --train-rows rows: auto, 16 on CUDA; the baseline's of --device-batch-size, as nanochat's), then the Muon + AdamW
+step. Configurations (--configs):
   baseline      nanochat-style: one question per engine call, `Engine.generate_batch(prompt,
                 num_samples=device_batch_size)` repeated num_samples / device_batch_size times; fp32
   batched_fp32  chat_rl's rollouts (nanochat.rollout): every question in one `Engine.generate_many` call; fp32
@@ -475,7 +476,8 @@ def rl_step(model, engine, optimizers, task, indices, config, args, device):
                    for b in batches]
     model.train()
     trained = accumulate_policy_gradient(model, batches, args.device_batch_size, len(indices), device, autocast,
-                                         micro_batch_rows=train_rows(args, device), share_prompt=config.lean,
+                                         micro_batch_rows=train_rows(args, device) if config.batched else args.device_batch_size,
+                                         share_prompt=config.lean,
                                          skip_zero_advantage=config.lean,
                                          forward=maybe_compiled(chunk_logprobs, config.compiled, dynamic=True, required=True))
     synchronize(device)

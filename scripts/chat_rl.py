@@ -533,9 +533,14 @@ def with_fewer_rows_on_oom(attempt, rows, message, rows_in_use=None, free_memory
 
 
 def give_back_rollout_memory(engine):
-    """After an out-of-memory in training: the engine's batch and weight copies kept for the next rollout go, and
+    """After an out-of-memory in training: first the batches the engine keeps from other rollouts (an eval's) go,
+    the step's own staying; at the next, the engine's batch and weight copies kept for the next rollout go, and
     later rollouts keep none (rebuilding them each rollout costs less than running short of memory each step).
     What to print, or None if it held nothing."""
+    dropped = engine.drop_kept_batches(keep_latest=True)
+    if dropped:
+        return (f"out of memory during training: gave back the {dropped} decode batch(es) the rollout engine keeps "
+                "from other rollouts (an eval's); retrying")
     if engine.release(keep_from_now_on=False):
         return ("out of memory during training: gave back the KV cache, decode graphs and weights the rollout engine "
                 "keeps between rollouts (it keeps none from now on); retrying")

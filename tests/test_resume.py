@@ -160,6 +160,39 @@ def test_out_of_memory_in_a_rollout_first_gives_back_the_batches_kept_from_other
     assert_same_weights(weights(rl_dir(base_dir) / "model_000001.pt"), reference)
 
 
+def test_out_of_memory_in_training_first_gives_back_the_evals_batch_then_the_steps(sft, base_dir, monkeypatch, capsys):
+    """With an eval's static batch kept beside the step's, an out-of-memory in training first gives back the eval's
+    (the step's batch stays, and the engine keeps batches still), and retries with the same rows: the weights are
+    an undisturbed run's, bit for bit."""
+    flags = TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--decode=static", "--eval-every=1",
+                             "--eval-examples=4"]
+    chat_rl.main(flags)
+    reference = weights(rl_dir(base_dir) / "model_000001.pt")
+    real_accumulate, kept_when_raised = chat_rl.accumulate_policy_gradient, []
+    engines, real_init = [], chat_rl.Engine.__init__
+
+    def init(self, *args, **kwargs):
+        engines.append(self)
+        real_init(self, *args, **kwargs)
+
+    def accumulate(*args, **kwargs):
+        if not kept_when_raised:
+            kept_when_raised.append([k.shape.num_samples for k in engines[-1].kept])
+            raise torch.OutOfMemoryError("simulated")
+        return real_accumulate(*args, **kwargs)
+
+    monkeypatch.setattr(chat_rl, "accumulate_policy_gradient", accumulate)
+    monkeypatch.setattr(chat_rl.Engine, "__init__", init)
+    chat_rl.main(flags + ["--overwrite"])
+    out = capsys.readouterr().out
+    assert kept_when_raised == [[2, 4]]  # the eval's (--device-batch-size samples), then the step's (--num-samples)
+    assert ("out of memory during training: gave back the 1 decode batch(es) the rollout engine keeps from other "
+            "rollouts (an eval's); retrying") in out
+    assert "keeps none from now on" not in out and "retrying with" not in out
+    assert engines[-1].keeps_between_rollouts
+    assert_same_weights(weights(rl_dir(base_dir) / "model_000001.pt"), reference)
+
+
 def test_out_of_memory_in_training_first_releases_the_kept_rollout_batch(sft, base_dir, monkeypatch, capsys):
     """With a static decode step the engine keeps its batch (KV cache; on CUDA, graphs) between rollouts. An
     out-of-memory in training first gives that memory back and retries with the same rows, so nothing is halved

@@ -247,6 +247,7 @@ def test_a_static_batch_is_reused_by_the_next_rollout_of_its_shape(tiny_tokenize
     long_batch = engine.kept_batch
     stream = engine.generate(first[0], num_samples=2, max_tokens=10, seed=1)
     next(stream)  # a rollout left unfinished: its batch is not kept
+    stream.close()
     assert [k.batch for k in engine.kept] == [long_batch]
 
 
@@ -293,6 +294,9 @@ def test_two_shapes_alternating_keep_a_batch_each(tiny_tokenizer):
     rollouts(tight, prompts[:2], seeds=[0, 1], **step)
     step_rows = min(8, tight.rows_for_budget(64, step["max_tokens"], torch.float32, step["num_samples"]))
     assert [(k.shape.num_samples, k.batch.cache.batch_size) for k in tight.kept] == [(4, step_rows)]  # made way
+    tight.memory_budget_gb = tight.kept[0].nbytes / 2 ** 30  # the kept batch fills the budget: not one row beside it
+    rollouts(tight, prompts[:1], seeds=[0], num_samples=1, max_tokens=8)
+    assert [k.shape.num_samples for k in tight.kept] == [1]
 
     # chat_rl's case: an eval of more samples than the budget holds, beside the step's batch, with 10 rows (of the
     # at most 20 the whole budget would give) in the budget the step's batch leaves: both kept, both serve again
