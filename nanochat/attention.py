@@ -35,8 +35,11 @@ def attend(q, k, v, mask):
     """Scaled dot-product attention. q: (B, T, H, D); k, v: (B, Tk, Hkv, D) with H a multiple of Hkv (GQA);
     mask: None = causal over T == Tk, else bool broadcastable to (B, H, T, Tk), True = visible.
     Returns (B, H, T, D)."""
+    # `not ... ==`, which Dynamo evaluates to a Python bool under dynamic shapes: `!=` (and bool() or int() of it)
+    # stayed symbolic, which SDPA refuses (the compiled copy-cache decode step failed on it, torch 2.11 and 2.13)
+    gqa = not (k.shape[2] == q.shape[2])
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                          is_causal=mask is None, enable_gqa=k.size(2) != q.size(2))
+                                          is_causal=mask is None, enable_gqa=gqa)
 
 
 def window_mask(query_pos, num_keys, window):

@@ -1,8 +1,8 @@
 """
 torch.compile for a run's two hot paths, and what compiling them costs.
 
-- The static decode step (nanochat/decode_batch.py's `static_step`): fullgraph, dynamic shapes, so a few graphs
-  (specializations of a size of 1) serve every bucketed (rows, keys) shape: one graph per shape compiled a static
+- The static decode step (nanochat/decode_batch.py's `static_step`): fullgraph, dynamic shapes, so three graphs at
+  most (all, some and one of the batch's rows) serve every bucketed (rows, keys) shape: one graph per shape compiled a static
   batch's 100+ shapes at ~15 s each. On CUDA the engine's own graphs (nanochat/cuda_graphs.py's GraphedStep)
   capture the compiled step: it is compiled in Inductor's default mode, without Inductor's cudagraphs, so that one
   owner captures and replays (the engine's graphs already hold every bucket in one pool, warmed up on a side

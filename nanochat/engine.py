@@ -77,7 +77,8 @@ def make_batch(model, shape, plan, stats, weights, step):
         cache = SharedPromptKVCache.for_model(model, shape.rows, shape.prompt_slots, shape.prompt_cap, shape.max_tokens,
                                               shape.num_samples, shape.dtype, plan.static)
     else:
-        cache = KVCache.for_model(model, shape.rows, shape.prompt_cap + shape.max_tokens, shape.dtype)
+        cache = KVCache.for_model(model, shape.rows, shape.prompt_cap + shape.max_tokens, shape.dtype,
+                                  spare_positions=1 if plan.static else 0)
     batch = DecodeBatch(model, cache, shape.temperature, shape.top_k, stats, plan.shape, plan.graphs, weights, step)
     if plan.static:
         batch.prepare_shapes()

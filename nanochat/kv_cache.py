@@ -121,8 +121,11 @@ class KVCache:
     """
 
     def __init__(self, batch_size, num_heads, seq_len, head_dim, num_layers, device="cpu", dtype=torch.float32,
-                 embed_dim=None, embed_dtype=torch.float32):
-        shape = (num_layers, batch_size, seq_len, num_heads, head_dim)
+                 embed_dim=None, embed_dtype=torch.float32, spare_positions=0):
+        # spare_positions: allocated past seq_len and never read, as a static batch's cache has one (see
+        # SharedPromptKVCache: a compiled step whose keys spanned the whole storage compiled a graph of its own)
+        self.spare_positions = spare_positions
+        shape = (num_layers, batch_size, seq_len + spare_positions, num_heads, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -131,11 +134,11 @@ class KVCache:
                                torch.zeros(batch_size, 1, embed_dim, device=device, dtype=embed_dtype))
 
     @classmethod
-    def for_model(cls, model, batch_size, seq_len, dtype=None):
+    def for_model(cls, model, batch_size, seq_len, dtype=None, spare_positions=0):
         """An empty cache shaped for `model`, with the per-row state its generation carries between steps."""
         g = cache_geometry(model)
         return cls(batch_size, g.n_kv_head, seq_len, g.head_dim, g.n_layer, device=g.device, dtype=dtype or g.dtype,
-                   embed_dim=g.smear_dim, embed_dtype=g.smear_dtype)
+                   embed_dim=g.smear_dim, embed_dtype=g.smear_dtype, spare_positions=spare_positions)
 
     @property
     def batch_size(self):
@@ -151,7 +154,7 @@ class KVCache:
 
     @property
     def key_capacity(self):
-        return self.max_seq_len
+        return self.max_seq_len - self.spare_positions
 
     def reset(self):
         self.pos.zero_()
@@ -166,8 +169,8 @@ class KVCache:
         """A forward of T tokens per row after what each holds (one host read, for the keys it spans).
         max_positions: positions the model's rotary tables cover, if limited."""
         keys = int(self.pos.max()) + T
-        if keys > self.max_seq_len or (max_positions is not None and keys > max_positions):
-            raise ValueError(f"KV cache overflow: {keys} positions needed, the cache holds {self.max_seq_len} "
+        if keys > self.key_capacity or (max_positions is not None and keys > max_positions):
+            raise ValueError(f"KV cache overflow: {keys} positions needed, the cache holds {self.key_capacity} "
                              f"and the rotary tables {max_positions}")
         return KVCacheStep(self, T, keys)
 
@@ -195,6 +198,7 @@ class KVCache:
     def rows(self, start, stop):
         """A cache over rows [start, stop) that shares storage with this one (writes land here)."""
         view = KVCache.__new__(KVCache)
+        view.spare_positions = self.spare_positions
         view.k, view.v, view.pos = self.k[:, start:stop], self.v[:, start:stop], self.pos[start:stop]
         view.active = self.active[start:stop]
         view.prev_embedding = None if self.prev_embedding is None else self.prev_embedding[start:stop]

@@ -38,9 +38,12 @@ class SharedPromptKVCache:
         self.pool_len = torch.zeros(slots, dtype=torch.long, device=device)
         self.suffix_cap = suffix_cap
         # static: for decode steps over a fixed number of rows (free ones included) that may be captured: every
-        # position is allocated now, so the storage never moves, and free rows get a spare sample column
+        # position is allocated now, so the storage never moves, and free rows get a spare sample column. And one
+        # position more, never read: a step's keys then never span the whole storage, and the compiled step's
+        # slices of it are never the whole of it (Dynamo compiled the steps whose keys did as graphs of their own:
+        # measured on a 256-row x 256-token batch's 128 shapes, 6 graphs without the spare position, 3 with it)
         self.static = static
-        capacity = suffix_cap if static else min(suffix_cap, self.INITIAL_SUFFIX_CAPACITY)
+        capacity = suffix_cap + 1 if static else min(suffix_cap, self.INITIAL_SUFFIX_CAPACITY)
         self.k = torch.zeros(num_layers, batch_size, num_heads, capacity, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
