@@ -62,7 +62,7 @@ class CompiledFunction:
     announce: print a line (rank 0) as each graph goes to Inductor and as it comes back compiled."""
 
     def __init__(self, fn, dynamic, announce=True):
-        self.fn, self.name, self.announce = fn, fn.__name__, announce  # announce: print each compile's start and end
+        self.fn, self.name, self.announce = fn, fn.__name__, announce
         self.compiles, self.kernels, self.seconds, self.failed = 0, [], 0.0, None
         self.compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=_CountingInductor(self))
 
@@ -141,10 +141,11 @@ def first_line(error):
 def _is_ours(path):
     """Whether a traceback's file is code of this program, not torch's, an installed package's or Python's own."""
     path = os.path.abspath(path)
-    libraries = [os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
-                 sysconfig.get_paths()["platlib"]]
-    return not any(path.startswith(os.path.abspath(root) + os.sep) for root in libraries) and \
-        "site-packages" not in path and "dist-packages" not in path
+    if "site-packages" in path or "dist-packages" in path:  # installed packages, this interpreter's or another's
+        return False
+    # torch and Python itself, wherever they are installed (a source build of torch is in no site-packages)
+    return not any(path.startswith(os.path.abspath(root) + os.sep)
+                   for root in (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"]))
 
 
 _COMPILED = {}  # (fn, dynamic) -> its CompiledFunction: one per process, as Dynamo's cache is one per function

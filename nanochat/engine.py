@@ -134,8 +134,7 @@ class Engine:
         """Drop what is kept between rollouts: the static batch (its KV cache and CUDA graphs, captured over the
         decode weights) and the decode weights, e.g. to give their memory to training after an out-of-memory.
         With keep_from_now_on=False later rollouts free theirs when they end. True if anything was held."""
-        held = bool(self.kept) or bool(self.weights.copies)
-        self.kept = []
+        held = self.drop_kept_batches() > 0 or bool(self.weights.copies)
         self.weights.clear()
         self.keeps_between_rollouts = keep_from_now_on
         return held
@@ -217,8 +216,8 @@ class Engine:
         given, if they fit there), when that is at least half of what the whole budget would hold, else the
         oldest kept batches go first. In chat_rl the first eval, before any step, takes the whole budget; step 0's
         batch displaces it, and the next eval's batch, made beside the step's, serves every eval after: two
-        eval batches and one step batch a run. Returns (the batch, what to keep it as once the rollout ends; None:
-        not to be kept)."""
+        eval batches and one step batch a run. Returns (the batch, its KeptBatch to keep once the rollout ends;
+        None: not to be kept)."""
         dtype = autocast_dtype(self.model.get_device()) or cache_geometry(self.model).dtype
         plan = decode_plan(self.decode)
         if plan.static:
@@ -242,7 +241,7 @@ class Engine:
                 del self.kept[i]  # in use until the rollout ends (kept again then)
                 self.last_stats = RolloutStats(rows_allocated=kept.shape.rows)
                 kept.batch.begin_rollout(self.last_stats)
-                return kept.batch, kept._replace(batch=None)
+                return kept.batch, kept
         del self.kept[:max(0, len(self.kept) - (KEEP_BATCHES - 1))]  # room for this one among those kept
         budget = self.memory_budget_gb * (1 << 30)
         whole = min(limit or self.rows_for_budget(longest, max_tokens, dtype, num_samples), samples)
@@ -256,7 +255,7 @@ class Engine:
         shape = shape_of(rows)
         self.last_stats = RolloutStats(rows_allocated=rows)
         batch = make_batch(self.model, shape, plan, self.last_stats, self.weights, self.step)
-        keep = KeptBatch(shape, None, cache_bytes(batch.cache), not limit and rows < samples) if plan.static else None
+        keep = KeptBatch(shape, batch, cache_bytes(batch.cache), not limit and rows < samples) if plan.static else None
         return batch, keep
 
     @torch.no_grad()
@@ -292,5 +291,5 @@ class Engine:
         if not self.keeps_between_rollouts:
             self.weights.clear()
         elif keep is not None:  # every row retired and every prompt slot freed: ready for the next rollout
-            self.kept.append(keep._replace(batch=batch))
+            self.kept.append(keep)
 

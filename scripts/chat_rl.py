@@ -235,15 +235,15 @@ def phase_dtype(phase, device, requested, measure):
     return name
 
 
-def resolve_dtypes(args, model, tokenizer, train_task, device):
+def resolve_dtypes(args, model, tokenizer, train_task, device, rows):
     """Set args.dtype and args.rollout_dtype to what will run: the run's config and checkpoints record them, so
-    a resumed run computes as it did. Training is timed on one micro-batch of the run's own shape (the first
-    question's prompt plus --max-new-tokens), rollouts on a batched decode step. --rollout-dtype=auto is float32
+    a resumed run computes as it did. Training is timed on one micro-batch of the run's own shape (`rows` rows of
+    the first question's prompt plus --max-new-tokens), rollouts on a batched decode step. --rollout-dtype=auto is float32
     with a float32 --dtype, else measured on its own: decoding and training gain from bf16 on different CPUs."""
     requested = args.dtype
     length = len(tokenizer.render_for_completion(train_task[0])) + args.max_new_tokens
     args.dtype = phase_dtype("training", device, requested, lambda candidates: fastest_training_dtype(
-        model, train_rows(args, device), length, candidates))
+        model, rows, length, candidates))
     rollout_request = "float32" if args.rollout_dtype == "auto" and requested == "float32" else args.rollout_dtype
     args.rollout_dtype = phase_dtype("rollouts", device, rollout_request,
                                      lambda candidates: fastest_decode_dtype(model, candidates))
@@ -458,7 +458,8 @@ def setup_run(args, resume, rank, world_size, device, decode):
         args.keep_last = (meta.get("user_config", {}).get("keep_last") if args.resume else None) or 0
     start = meta.get("start_checkpoint")
     train_task, val_task = make_task(args.task, "train"), make_task(args.task, "test")
-    resolve_dtypes(args, model, tokenizer, train_task, device)
+    rows = train_rows(args, device)  # per training forward
+    resolve_dtypes(args, model, tokenizer, train_task, device, rows)
     num_steps = args.num_steps if args.num_steps > 0 else (len(train_task) // args.examples_per_step) * args.num_epochs
     if num_steps < 1:
         raise UserError(f"the {args.task} train split has {len(train_task)} questions, fewer than --examples-per-step "
@@ -479,7 +480,7 @@ def setup_run(args, resume, rank, world_size, device, decode):
         segments = segments + [{"start_step": start_step, "world_size": world_size}]
     reference = load_reference(start, device, args.model_generation) if args.kl_coef > 0 else None
     args.memory_budget_gb, budget_line = resolve_memory_budget(
-        args.memory_budget_gb, model, device, optimizers, rows=train_rows(args, device),
+        args.memory_budget_gb, model, device, optimizers, rows=rows,
         completion_tokens=args.max_new_tokens, prompt_tokens=model.config.sequence_len,
         rollout_dtype=getattr(torch, args.rollout_dtype))
     print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
@@ -487,7 +488,7 @@ def setup_run(args, resume, rank, world_size, device, decode):
     engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
                     decode=args.decode, compile=args.compile)
     print0(f"rollouts: {engine.decode} decode step ({DECODE_DESCRIPTIONS[engine.decode]}; --decode to choose)")
-    print0(f"training: {train_rows(args, device)} rows of a question per forward "
+    print0(f"training: {rows} rows of a question per forward "
            f"({'--train-rows' if args.train_rows else 'auto on ' + device.type}; the same gradient for any count)")
     if engine.decode != "eager":  # one static batch for the run, its graphs captured once: sized for every prompt
         engine.reserve_prompt_length(longest_prompt(tokenizer, train_task, val_task))
@@ -507,7 +508,7 @@ def setup_run(args, resume, rank, world_size, device, decode):
         segments=segments,
         history=list(meta.get("history", [])) if args.resume else [],
         eval_history=[tuple(e) for e in meta.get("eval_history", [])] if args.resume else [],
-        last_saved=start_step - 1 if args.resume else None, micro_rows=train_rows(args, device),
+        last_saved=start_step - 1 if args.resume else None, micro_rows=rows,
         forward=maybe_compiled(chunk_logprobs, compiling.train, dynamic=True, required=args.compile == "on"))
 
 
