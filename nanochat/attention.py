@@ -25,6 +25,7 @@ The model never asks how keys are stored, and never calls back into what schedul
 Each context builds a window's visibility once per forward, at its first layer, and reuses it in the others.
 """
 
+import math
 from typing import Optional, Protocol
 
 import torch
@@ -34,12 +35,33 @@ import torch.nn.functional as F
 def attend(q, k, v, mask):
     """Scaled dot-product attention. q: (B, T, H, D); k, v: (B, Tk, Hkv, D) with H a multiple of Hkv (GQA);
     mask: None = causal over T == Tk, else bool broadcastable to (B, H, T, Tk), True = visible.
-    Returns (B, H, T, D)."""
+    Returns (B, H, T, D). bf16 on a CPU goes through explicit_attention (see there); everything else through
+    PyTorch's fused kernel."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        return explicit_attention(q, k, v, mask)
     # `not ... ==`, which Dynamo evaluates to a Python bool under dynamic shapes: `!=` (and bool() or int() of it)
     # stayed symbolic, which SDPA refuses (the compiled copy-cache decode step failed on it, torch 2.11 and 2.13)
     gqa = not (k.shape[2] == q.shape[2])
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                           is_causal=mask is None, enable_gqa=gqa)
+
+
+def explicit_attention(q, k, v, mask):
+    """attend() written out: fp32 scores (fp32_scores), fp32 softmax, probabilities rounded to v's dtype for the
+    weighted sum, as a fused kernel computes in bf16. Same arguments and result as attend().
+    Why on a CPU in bf16: PyTorch's fused CPU kernel is slow there at training's shapes, its backward above all;
+    measured on a 2-core AMD EPYC (AVX512-BF16, torch 2.13) on the speedrun's d4 model (16 rows of ~60 tokens over a
+    ~50-token shared prompt): the compiled training pass of a chat_rl step 2.15 s with the fused kernel, 1.59 s
+    with this (Inductor fuses the mask and softmax around two matmuls)."""
+    B, T, H, D = q.shape
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H(kv), T(k), D)
+    if not (k.shape[1] == H):  # grouped-query attention: each kv head serves H // Hkv query heads
+        k, v = k.repeat_interleave(H // k.size(1), dim=1), v.repeat_interleave(H // v.size(1), dim=1)
+    scores = fp32_scores(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(D))  # (B, H, T, Tk) fp32
+    if mask is None:  # causal: key j visible from query i iff j <= i
+        mask = torch.ones(T, k.size(2), dtype=torch.bool, device=q.device).tril()
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return probs.to(v.dtype) @ v
 
 
 def window_mask(query_pos, num_keys, window):
@@ -58,15 +80,17 @@ def fp32_scores(q, k_t):
     """q @ k_t (..., T, D) @ (..., D, Tk) with at least float32 results whatever the inputs' dtype, as a fused attention
     kernel keeps its scores: rounding them to bf16 would widen the sampler-trainer gap for nothing. On CUDA the
     matmul writes fp32 itself (bmm's out_dtype); elsewhere the inputs are upcast (exactly) first. Both are fp32
-    accumulations of the same products."""
+    accumulations of the same products. Autocast is off inside: on a CPU it casts a matmul's fp32 inputs back to
+    bf16 and returns bf16 scores (it did here until Nov 2026)."""
     if q.dtype in (torch.float32, torch.float64):  # already at least fp32
         return q @ k_t
-    if q.is_cuda:
-        batch = torch.broadcast_shapes(q.shape[:-2], k_t.shape[:-2])
-        scores = torch.bmm(q.expand(*batch, *q.shape[-2:]).reshape(-1, *q.shape[-2:]),
-                           k_t.expand(*batch, *k_t.shape[-2:]).reshape(-1, *k_t.shape[-2:]), out_dtype=torch.float32)
-        return scores.view(*batch, q.size(-2), k_t.size(-1))
-    return q.float() @ k_t.float()
+    with torch.autocast(q.device.type, enabled=False):
+        if q.is_cuda:
+            batch = torch.broadcast_shapes(q.shape[:-2], k_t.shape[:-2])
+            scores = torch.bmm(q.expand(*batch, *q.shape[-2:]).reshape(-1, *q.shape[-2:]),
+                               k_t.expand(*batch, *k_t.shape[-2:]).reshape(-1, *k_t.shape[-2:]), out_dtype=torch.float32)
+            return scores.view(*batch, q.size(-2), k_t.size(-1))
+        return q.float() @ k_t.float()
 
 
 class AttentionContext(Protocol):

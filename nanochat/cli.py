@@ -87,17 +87,18 @@ def add_memory_budget_flag(parser):
                              f"at the start), elsewhere {FIXED_GB:g}")
 
 
-# rows per training forward on CUDA under --train-rows=0 (auto): measured on an H100 (d20, random weights, 256 rows
-# of 256 sampled tokens, every row trained, bench_rl): 16 rows a forward trained them in 2.7 s, 8 (nanochat's
-# --device-batch-size) in 3.9-4.8 s. On a CPU --device-batch-size was fastest (see the README)
-CUDA_TRAIN_ROWS = 16
+# rows per training forward under --train-rows=0 (auto), on every device: measured on an H100 (d20, random weights,
+# 256 rows of 256 sampled tokens, every row trained, bench_rl): 16 rows a forward trained them in 2.7 s, 8 (nanochat's
+# --device-batch-size) in 3.9-4.8 s; on a 2-core AMD EPYC (the speedrun's d4 model, its real chat_rl steps, bf16,
+# compiled): 1.6-1.9 s against 1.8-2.0 s (see the README)
+AUTO_TRAIN_ROWS = 16
 
 
 def add_train_rows_flag(parser):
     """--train-rows: rows of one question per training forward (read it with train_rows)."""
     parser.add_argument("--train-rows", type=int, default=0,
-                        help=f"rows of one question per training forward (0 = auto: on CUDA {CUDA_TRAIN_ROWS}, or "
-                             "--device-batch-size if larger; elsewhere --device-batch-size, nanochat's pass; at most "
+                        help=f"rows of one question per training forward (0 = auto: {AUTO_TRAIN_ROWS}, or "
+                             "--device-batch-size if larger; at most "
                              "--num-samples count). The gradient is the same for any value: each row keeps the "
                              "denominator of its --device-batch-size pass. More rows make larger matmuls (on a GPU, "
                              "fewer and fuller kernels) and need more memory; halved on out-of-memory")
@@ -109,13 +110,12 @@ def check_train_rows(args):
         raise UserError(f"--train-rows must be >= 0 (0 = auto), got {args.train_rows}")
 
 
-def train_rows(args, device):
-    """Rows of one question per training forward on `device`: --train-rows, else (0, auto) CUDA_TRAIN_ROWS on CUDA
-    (--device-batch-size if larger) and --device-batch-size elsewhere; never more than a question has
-    (nanochat.rl.accumulate_policy_gradient's forwards hold one question's rows)."""
+def train_rows(args):
+    """Rows of one question per training forward: --train-rows, else (0, auto) AUTO_TRAIN_ROWS (--device-batch-size
+    if larger); never more than a question has (nanochat.rl.accumulate_policy_gradient's forwards hold one
+    question's rows). The same on every device: 16 was measured faster on an H100 and on a CPU."""
     check_train_rows(args)
-    auto = max(args.device_batch_size, CUDA_TRAIN_ROWS) if device.type == "cuda" else args.device_batch_size
-    return min(args.train_rows or auto, args.num_samples)
+    return min(args.train_rows or max(args.device_batch_size, AUTO_TRAIN_ROWS), args.num_samples)
 
 
 def add_compile_flag(parser):

@@ -3,7 +3,7 @@ Benchmark of one chat_rl step, several ways, in one process, on the same model a
 
 One step of chat_rl at its default shape: --num-questions GSM8K train questions x --num-samples samples x up to
 --max-new-tokens tokens, then the policy-gradient forward/backward in passes of --device-batch-size rows (forwards
-of --train-rows rows: auto, 16 on CUDA; the baseline's of --device-batch-size, as nanochat's), then the Muon + AdamW
+of --train-rows rows: auto, 16; the baseline's of --device-batch-size, as nanochat's), then the Muon + AdamW
 step. Configurations (--configs):
   baseline      nanochat-style: one question per engine call, `Engine.generate_batch(prompt,
                 num_samples=device_batch_size)` repeated num_samples / device_batch_size times; fp32
@@ -476,7 +476,7 @@ def rl_step(model, engine, optimizers, task, indices, config, args, device):
                    for b in batches]
     model.train()
     trained = accumulate_policy_gradient(model, batches, args.device_batch_size, len(indices), device, autocast,
-                                         micro_batch_rows=train_rows(args, device) if config.batched else args.device_batch_size,
+                                         micro_batch_rows=train_rows(args) if config.batched else args.device_batch_size,
                                          share_prompt=config.lean,
                                          skip_zero_advantage=config.lean,
                                          forward=maybe_compiled(chunk_logprobs, config.compiled, dynamic=True, required=True))
@@ -790,7 +790,7 @@ def run(args, configs, device):
     memory = PeakMemory(device)
     # once, for every config (bf16's decode weights reserved: the larger case), as chat_rl sizes its run
     args.memory_budget_gb, budget_line = resolve_memory_budget(
-        args.memory_budget_gb, model, device, fresh_optimizers(model, args.init_lr_frac), rows=train_rows(args, device),
+        args.memory_budget_gb, model, device, fresh_optimizers(model, args.init_lr_frac), rows=train_rows(args),
         completion_tokens=args.max_new_tokens, prompt_tokens=cfg.sequence_len)
     print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
 

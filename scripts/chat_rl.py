@@ -458,7 +458,7 @@ def setup_run(args, resume, rank, world_size, device, decode):
         args.keep_last = (meta.get("user_config", {}).get("keep_last") if args.resume else None) or 0
     start = meta.get("start_checkpoint")
     train_task, val_task = make_task(args.task, "train"), make_task(args.task, "test")
-    rows = train_rows(args, device)  # per training forward
+    rows = train_rows(args)  # per training forward
     resolve_dtypes(args, model, tokenizer, train_task, device, rows)
     num_steps = args.num_steps if args.num_steps > 0 else (len(train_task) // args.examples_per_step) * args.num_epochs
     if num_steps < 1:
@@ -489,7 +489,7 @@ def setup_run(args, resume, rank, world_size, device, decode):
                     decode=args.decode, compile=args.compile)
     print0(f"rollouts: {engine.decode} decode step ({DECODE_DESCRIPTIONS[engine.decode]}; --decode to choose)")
     print0(f"training: {rows} rows of a question per forward "
-           f"({'--train-rows' if args.train_rows else 'auto on ' + device.type}; the same gradient for any count)")
+           f"({'--train-rows' if args.train_rows else 'auto'}; the same gradient for any count)")
     if engine.decode != "eager":  # one static batch for the run, its graphs captured once: sized for every prompt
         engine.reserve_prompt_length(longest_prompt(tokenizer, train_task, val_task))
         print0(f"rollouts: static batch sized for prompts of up to {engine.prompt_floor} tokens (the task's longest)")

@@ -186,7 +186,7 @@ compiled)
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph,batched_bf16_graph_compiled \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/compiled_d20.json"
     compiled_rc=$?
-    # with what time is left: nanochat's 8 rows per training forward against auto's 16 on CUDA (cli.CUDA_TRAIN_ROWS)
+    # with what time is left: nanochat's 8 rows per training forward against auto's 16 (cli.AUTO_TRAIN_ROWS)
     step "d20 bench, 8 train rows" 300 "$out/train_rows_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --train-rows=8 \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/train_rows_d20.json"

@@ -13,7 +13,7 @@ import torch
 
 from gloo_ranks import run_ranks
 from helpers import PYTHONPATH, TINY_RL_FLAGS, assert_same_weights, weights
-from nanochat.cli import CUDA_TRAIN_ROWS, run_main, train_rows
+from nanochat.cli import AUTO_TRAIN_ROWS, run_main, train_rows
 from nanochat.common import UserError
 from nanochat.engine import Engine
 from scripts import chat_rl
@@ -155,19 +155,19 @@ def test_lr_and_weight_decay_flags_reach_the_param_groups(recipe, optimizer_type
 # ----------------------------------------------------------------------------- --train-rows
 
 def test_train_rows_changes_the_forwards_not_the_weights(sft, base_dir, monkeypatch):
-    """--train-rows=4 trains each question's 4 rows in one forward instead of two of --device-batch-size=2: the
-    forwards see 4 rows, and the weights after 2 steps are the default run's within fp32 rounding (each row keeps
-    its 2-row pass's denominator)."""
+    """auto (here a question's 4 rows) trains each question in one forward instead of two of --train-rows=2 (as
+    --device-batch-size=2, nanochat's passes): the forwards see 4 rows, and the weights after 2 steps are the 2-row
+    run's within fp32 rounding (each row keeps its 2-row pass's denominator)."""
     real, rows_seen = chat_rl.accumulate_policy_gradient, []
 
     def accumulate(model, batches, *args, micro_batch_rows=None, **kwargs):
         rows_seen.append(micro_batch_rows)
         return real(model, batches, *args, micro_batch_rows=micro_batch_rows, **kwargs)
     monkeypatch.setattr(chat_rl, "accumulate_policy_gradient", accumulate)
-    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1"])
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--train-rows=2"])
     default = weights(rl_dir(base_dir) / "model_000001.pt")
     assert rows_seen == [2, 2]
-    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--overwrite", "--train-rows=4"])
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--overwrite"])
     assert rows_seen[2:] == [4, 4]
     wide = weights(rl_dir(base_dir) / "model_000001.pt")
     assert default.keys() == wide.keys()
@@ -181,17 +181,16 @@ def test_train_rows_changes_the_forwards_not_the_weights(sft, base_dir, monkeypa
         chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1", "--train-rows=-1"])
 
 
-def test_train_rows_auto_is_16_on_cuda_and_the_pass_elsewhere():
-    """--train-rows=0 (auto): CUDA_TRAIN_ROWS (16, measured on an H100) on CUDA, or --device-batch-size if larger;
-    --device-batch-size elsewhere; a question's rows at most; a number as given (capped likewise)."""
-    def rows(device, **flags):
-        args = argparse.Namespace(**{"train_rows": 0, "device_batch_size": 8, "num_samples": 16, **flags})
-        return train_rows(args, torch.device(device))
-    assert CUDA_TRAIN_ROWS == 16
-    assert rows("cuda") == 16 and rows("cpu") == 8 and rows("mps") == 8
-    assert rows("cuda", device_batch_size=32, num_samples=64) == 32  # never fewer than the pass
-    assert rows("cuda", num_samples=8) == 8 and rows("cuda", device_batch_size=4, num_samples=12) == 12
-    assert rows("cuda", train_rows=4) == 4 and rows("cpu", train_rows=64) == 16
+def test_train_rows_auto_is_16_or_the_pass_if_larger():
+    """--train-rows=0 (auto): AUTO_TRAIN_ROWS (16, measured on an H100 and a CPU), or --device-batch-size if larger;
+    a question's rows at most; a number as given (capped likewise)."""
+    def rows(**flags):
+        return train_rows(argparse.Namespace(**{"train_rows": 0, "device_batch_size": 8, "num_samples": 16, **flags}))
+    assert AUTO_TRAIN_ROWS == 16
+    assert rows() == 16
+    assert rows(device_batch_size=32, num_samples=64) == 32  # never fewer than the pass
+    assert rows(num_samples=8) == 8 and rows(device_batch_size=4, num_samples=12) == 12
+    assert rows(train_rows=4) == 4 and rows(train_rows=64) == 16
 
 
 # ----------------------------------------------------------------------------- resume
