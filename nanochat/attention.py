@@ -35,9 +35,9 @@ import torch.nn.functional as F
 def attend(q, k, v, mask):
     """Scaled dot-product attention. q: (B, T, H, D); k, v: (B, Tk, Hkv, D) with H a multiple of Hkv (GQA);
     mask: None = causal over T == Tk, else bool broadcastable to (B, H, T, Tk), True = visible.
-    Returns (B, H, T, D). bf16 on a CPU goes through explicit_attention (see there); everything else through
-    PyTorch's fused kernel."""
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+    Returns (B, H, T, D). Several bf16 queries per row on a CPU (training, prefill) go through explicit_attention
+    (see there); everything else, a decode step's single query included, through PyTorch's fused kernel."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(1) > 1:
         return explicit_attention(q, k, v, mask)
     # `not ... ==`, which Dynamo evaluates to a Python bool under dynamic shapes: `!=` (and bool() or int() of it)
     # stayed symbolic, which SDPA refuses (the compiled copy-cache decode step failed on it, torch 2.11 and 2.13)
@@ -49,10 +49,12 @@ def attend(q, k, v, mask):
 def explicit_attention(q, k, v, mask):
     """attend() written out: fp32 scores (fp32_scores), fp32 softmax, probabilities rounded to v's dtype for the
     weighted sum, as a fused kernel computes in bf16. Same arguments and result as attend().
-    Why on a CPU in bf16: PyTorch's fused CPU kernel is slow there at training's shapes, its backward above all;
-    measured on a 2-core AMD EPYC (AVX512-BF16, torch 2.13) on the speedrun's d4 model (16 rows of ~60 tokens over a
-    ~50-token shared prompt): the compiled training pass of a chat_rl step 2.15 s with the fused kernel, 1.59 s
-    with this (Inductor fuses the mask and softmax around two matmuls)."""
+    Why on a CPU in bf16, for several queries a row: PyTorch's fused CPU kernel is slow there at training's shapes,
+    its backward above all; measured on a 2-core AMD EPYC (AVX512-BF16, torch 2.13) on the speedrun's d4 model (16
+    rows of ~60 tokens over a ~50-token shared prompt): the compiled training pass of a chat_rl step 2.15 s with the
+    fused kernel, 1.59 s with this (Inductor fuses the mask and softmax around two matmuls). Not for one query a row
+    (a decode step): there the fused kernel was 2.5x faster (256 rows over 70 keys: 7.5 ms against 19 ms, most of
+    it upcasting the keys)."""
     B, T, H, D = q.shape
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H(kv), T(k), D)
     if not (k.shape[1] == H):  # grouped-query attention: each kv head serves H // Hkv query heads
