@@ -8,7 +8,7 @@ import math
 import torch
 
 from nanochat.attention import Visibility, fp32_scores
-from nanochat.kv_cache import cache_geometry, store_rows
+from nanochat.kv_cache import cache_geometry, write_rows
 
 
 class SharedPromptKVCache:
@@ -193,8 +193,8 @@ class SharedPromptStep:
         rep = H // Hkv
         # store this step's key/value in each row's completion
         # the (B, Hkv, capacity, D) storage written as (B, capacity, Hkv, D): a row's position is its second index
-        store_rows(c.k, layer_idx, self.row_index, c.pos, k[:, 0].to(c.k.dtype), heads_first=True)
-        store_rows(c.v, layer_idx, self.row_index, c.pos, v[:, 0].to(c.v.dtype), heads_first=True)
+        write_rows(c.k, layer_idx, self.row_index, c.pos, k[:, 0].to(c.k.dtype), heads_first=True)
+        write_rows(c.v, layer_idx, self.row_index, c.pos, v[:, 0].to(c.v.dtype), heads_first=True)
         q = q[:, 0].reshape(B, Hkv, rep, D)
         scale = 1.0 / math.sqrt(D)
         # prompt part: the queries of each slot's rows laid out as (slot, kv head, sample, rep) -> one matmul per

@@ -455,14 +455,15 @@ def test_the_golden_trace_compiled(sft, base_dir, monkeypatch, capsys):
 
 
 def test_the_cache_write_compiled_with_dynamic_shapes_is_eagers():
-    """kv_cache.store_rows writes into a layer of the whole storage (heads first or not), compiled with dynamic
-    shapes as the static decode step is: the cache and what is read back after the write equal eager's at several
+    """kv_cache.write_rows writes into a layer of the whole storage (heads first or not), compiled with dynamic
+    shapes as the static decode step is (through the store_rows operator; eagerly a plain index_put): the cache and
+    what is read back after the write equal eager's at several
     (rows, keys) shapes from one graph. (Inductor in torch 2.13 got this wrong when the operator mutated a view of
     the storage instead: every shape here differed.)"""
-    from nanochat.kv_cache import store_rows
+    from nanochat.kv_cache import write_rows
 
     def write_then_read(cache, rows, positions, values, keys, heads_first):
-        store_rows(cache, 1, rows, positions, values, heads_first)
+        write_rows(cache, 1, rows, positions, values, heads_first)
         layer = cache[1].transpose(1, 2) if heads_first else cache[1]
         return layer[:, :keys].sum(dim=(1, 2, 3))
 
