@@ -32,12 +32,20 @@ import torch
 import torch.nn.functional as F
 
 
+# explicit_attention's reach in keys: it reads and writes (T, keys) scores and probabilities where the fused kernel
+# streams them, so long sequences lose. Measured eagerly (speedrun's d4 model, bf16, a 2-core AMD EPYC, forward +
+# backward of a training batch): 4 x 128 tokens 184 ms against the fused kernel's 274; 32 x 128 even (1887 / 1874);
+# 4 x 512 slower (1168 / 970)
+EXPLICIT_MAX_KEYS = 256
+
+
 def attend(q, k, v, mask):
     """Scaled dot-product attention. q: (B, T, H, D); k, v: (B, Tk, Hkv, D) with H a multiple of Hkv (GQA);
     mask: None = causal over T == Tk, else bool broadcastable to (B, H, T, Tk), True = visible.
-    Returns (B, H, T, D). Several bf16 queries per row on a CPU (training, prefill) go through explicit_attention
-    (see there); everything else, a decode step's single query included, through PyTorch's fused kernel."""
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(1) > 1:
+    Returns (B, H, T, D). Several bf16 queries per row over at most EXPLICIT_MAX_KEYS keys on a CPU (training,
+    prefill) go through explicit_attention (see there); everything else, a decode step's single query included,
+    through PyTorch's fused kernel."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(1) > 1 and k.size(1) <= EXPLICIT_MAX_KEYS:
         return explicit_attention(q, k, v, mask)
     # `not ... ==`, which Dynamo evaluates to a Python bool under dynamic shapes: `!=` (and bool() or int() of it)
     # stayed symbolic, which SDPA refuses (the compiled copy-cache decode step failed on it, torch 2.11 and 2.13)
@@ -54,7 +62,8 @@ def explicit_attention(q, k, v, mask):
     rows of ~60 tokens over a ~50-token shared prompt): the compiled training pass of a chat_rl step 2.15 s with the
     fused kernel, 1.59 s with this (Inductor fuses the mask and softmax around two matmuls). Not for one query a row
     (a decode step): there the fused kernel was 2.5x faster (256 rows over 70 keys: 7.5 ms against 19 ms, most of
-    it upcasting the keys)."""
+    it upcasting the keys). It keeps the (B, H, T, Tk) probabilities for the backward where the fused kernel keeps
+    O(T) per row: 16 MB a layer for 4 rows x 4 heads x 512 x 512, fine at the model sizes CPUs train."""
     B, T, H, D = q.shape
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H(kv), T(k), D)
     if not (k.shape[1] == H):  # grouped-query attention: each kv head serves H // Hkv query heads
@@ -62,7 +71,7 @@ def explicit_attention(q, k, v, mask):
     scores = fp32_scores(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(D))  # (B, H, T, Tk) fp32
     if mask is None:  # causal: key j visible from query i iff j <= i
         mask = torch.ones(T, k.size(2), dtype=torch.bool, device=q.device).tril()
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    probs = torch.where(mask, scores, float("-inf")).softmax(dim=-1)
     return probs.to(v.dtype) @ v
 
 
@@ -84,15 +93,21 @@ def fp32_scores(q, k_t):
     matmul writes fp32 itself (bmm's out_dtype); elsewhere the inputs are upcast (exactly) first. Both are fp32
     accumulations of the same products. Autocast is off inside: on a CPU it casts a matmul's fp32 inputs back to
     bf16 and returns bf16 scores (it did here until Nov 2026)."""
+    if torch.amp.is_autocast_available(q.device.type) and torch.is_autocast_enabled(q.device.type):
+        with torch.autocast(q.device.type, enabled=False):
+            return _fp32_product(q, k_t)
+    return _fp32_product(q, k_t)  # outside autocast, or on the meta device (op counts), which has none to turn off
+
+
+def _fp32_product(q, k_t):
     if q.dtype in (torch.float32, torch.float64):  # already at least fp32
         return q @ k_t
-    with torch.autocast(q.device.type, enabled=False):
-        if q.is_cuda:
-            batch = torch.broadcast_shapes(q.shape[:-2], k_t.shape[:-2])
-            scores = torch.bmm(q.expand(*batch, *q.shape[-2:]).reshape(-1, *q.shape[-2:]),
-                               k_t.expand(*batch, *k_t.shape[-2:]).reshape(-1, *k_t.shape[-2:]), out_dtype=torch.float32)
-            return scores.view(*batch, q.size(-2), k_t.size(-1))
-        return q.float() @ k_t.float()
+    if q.is_cuda:
+        batch = torch.broadcast_shapes(q.shape[:-2], k_t.shape[:-2])
+        scores = torch.bmm(q.expand(*batch, *q.shape[-2:]).reshape(-1, *q.shape[-2:]),
+                           k_t.expand(*batch, *k_t.shape[-2:]).reshape(-1, *k_t.shape[-2:]), out_dtype=torch.float32)
+        return scores.view(*batch, q.size(-2), k_t.size(-1))
+    return q.float() @ k_t.float()
 
 
 class AttentionContext(Protocol):

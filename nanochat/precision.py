@@ -3,8 +3,9 @@ The dtypes a run computes in where that is a measured choice.
 
 On a GPU bf16 autocast is simply faster. On a CPU it depends on the chip and on the work: without AVX512-BF16
 or AMX, bf16 matmuls take a slow path (never chosen; see common.compute_dtype); with AVX512-BF16 but no AMX,
-a d4 model's training step is ~1.7x slower in bf16 than in fp32 while a large decode batch may gain; with AMX
-bf16 usually wins. So a run that may use bf16 on a CPU or MPS times one step of its own work each way at its
+a d4 model's training step was ~1.7x slower in bf16 than in fp32 on one such Xeon (with PyTorch's fused bf16
+attention; written out since, ~1.3x faster than fp32 on an AVX512-BF16 EPYC) while a large decode batch may gain;
+with AMX bf16 usually wins. So a run that may use bf16 on a CPU or MPS times one step of its own work each way at its
 start, and keeps fp32 (nanochat's CPU numerics) unless bf16 is clearly faster. The choice is made on rank 0
 and every rank takes it, so that all ranks compute alike.
 """

@@ -3,7 +3,7 @@ Benchmark of one chat_rl step, several ways, in one process, on the same model a
 
 One step of chat_rl at its default shape: --num-questions GSM8K train questions x --num-samples samples x up to
 --max-new-tokens tokens, then the policy-gradient forward/backward in passes of --device-batch-size rows (forwards
-of --train-rows rows: auto, 16; the baseline's of --device-batch-size, as nanochat's), then the Muon + AdamW
+of --train-rows rows: auto, 16 or --device-batch-size if larger; the baseline's of --device-batch-size, as nanochat's), then the Muon + AdamW
 step. Configurations (--configs):
   baseline      nanochat-style: one question per engine call, `Engine.generate_batch(prompt,
                 num_samples=device_batch_size)` repeated num_samples / device_batch_size times; fp32

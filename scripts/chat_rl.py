@@ -106,7 +106,9 @@ def parse_args(argv):
     p.add_argument("--num-epochs", type=int, default=1, help="epochs over the task's train split")
     p.add_argument("--num-steps", type=int, default=-1, help="override the number of steps (-1 = from epochs)")
     # batch sizes and sampling
-    p.add_argument("--device-batch-size", type=int, default=8, help="rows per training forward pass (and eval samples per question)")
+    p.add_argument("--device-batch-size", type=int, default=8,
+                   help="rows per pass: nanochat's micro-batch, whose valid tokens each row's loss denominator counts "
+                        "(forwards take --train-rows rows); also eval samples per question")
     add_train_rows_flag(p)
     p.add_argument("--examples-per-step", type=int, default=16, help="questions per optimizer step, summed over ranks")
     p.add_argument("--num-samples", type=int, default=16, help="completions sampled per question")

@@ -589,3 +589,27 @@ def test_compile_on_where_compiling_fails_is_one_line_and_exit_2(script, sft, ba
     assert err.count("\n") == 1 and err.startswith("error: torch.compile does not work on cpu here") and "cc is not found" in err
     assert "--compile=off" in err
     assert not (base_dir / "chatsft_checkpoints" / "never").exists() and not (base_dir / "never.json").exists()
+
+
+def test_compiled_bf16_training_attention_traces_whole_and_matches_eager():
+    """The compiled training forward (chunk_logprobs, compiled with dynamic shapes) traces a CPU's explicit bf16
+    attention (nanochat/attention.py) in one graph, autocast turned off inside fp32_scores included, and its output
+    and gradients are eager's, at two sequence lengths from one compile. aot_eager traces forward and backward as
+    Inductor would, without generating kernels (seconds, not minutes)."""
+    from nanochat.attention import attend
+
+    def forward(q, k, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return attend(q, k, v, None).float().square().sum()
+
+    compiled = torch.compile(forward, fullgraph=True, dynamic=True, backend="aot_eager")
+    for T in (9, 13):
+        gen = torch.Generator().manual_seed(T)
+        eager_inputs = [torch.randn(2, T, heads, 16, generator=gen).bfloat16().requires_grad_() for heads in (4, 2, 2)]
+        compiled_inputs = [x.detach().clone().requires_grad_() for x in eager_inputs]
+        want, got = forward(*eager_inputs), compiled(*compiled_inputs)
+        want.backward()
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        for a, b in zip(compiled_inputs, eager_inputs):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-2, atol=1e-3)

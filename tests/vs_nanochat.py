@@ -12,8 +12,9 @@ Python needs `tokenizers` (pip install tokenizers) besides what this project ins
 3. the arithmetic task written as GSM8K jsonl (question, answer with <<expr=result>> calls, #### N), read by both
    loaders: ours from $NANOCHAT_BASE_DIR/data/gsm8k, nanochat's through a stand-in for `datasets` (json only,
    shuffled as `datasets` shuffles);
-4. chat_rl (defaults, eval and saving off), nanochat's chat_rl, chat_rl again, each stopped after --steps step
-   lines past step 0; prints each run's seconds between consecutive step lines, their median, and the ratios.
+4. chat_rl (defaults; one eval question at step 0 and no saving, before the timed steps), nanochat's chat_rl,
+   chat_rl again, each stopped after --steps step lines past step 0; prints each run's seconds between
+   consecutive step lines, their median, and the ratios.
 Not part of the test suite (it takes ~10 minutes and a nanochat checkout).
 """
 
@@ -25,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -68,8 +70,9 @@ def write_gsm8k_jsonl(directory):
         task = Arithmetic(split=split)
         with open(directory / f"{split}.jsonl", "w") as f:
             for i in range(task.num_examples()):
-                question, answer = task.get_example(i)["messages"][0]["content"], ""
-                for part in task.get_example(i)["messages"][1]["content"]:
+                user, assistant = task.get_example(i)["messages"]
+                question, answer = user["content"], ""
+                for part in assistant["content"]:
                     if part["type"] == "text":
                         answer += part["text"]
                     elif part["type"] == "python":
@@ -101,27 +104,32 @@ def to_value_embedding_layout(src, dst):
     torch.save(state, target / f"model_{step:06d}.pt")
     (target / f"meta_{step:06d}.json").write_text(json.dumps(meta, indent=2))
     for name in ("tokenizer", "data"):
-        if not (dst / name).exists():
+        if not (dst / name).is_symlink():
             (dst / name).symlink_to(src / name)
 
 
-def step_gaps(label, cmd, env, cwd, steps, log):
-    """Run cmd until it has printed steps + 1 step lines; the seconds between consecutive ones."""
+def step_gaps(label, cmd, env, cwd, steps, log, timeout=1800):
+    """Run cmd until it has printed steps + 1 step lines; the seconds between consecutive ones. A run that ends
+    or is still going after `timeout` seconds before that is an error naming its log."""
     stamps, start = [], time.time()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env={**env, "PYTHONUNBUFFERED": "1"}, cwd=cwd, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
+        watchdog = threading.Timer(timeout, proc.kill)
+        watchdog.start()
         for line in proc.stdout:
             out.write(f"{time.time() - start:8.2f} {line}")
             if STEP_LINE.search(line):
                 stamps.append(time.time())
                 if len(stamps) > steps:
                     break
+        watchdog.cancel()
         proc.kill()
         proc.wait()
+    if len(stamps) <= steps:
+        raise SystemExit(f"{label}: {len(stamps)} of {steps + 1} step lines before it ended (exit code "
+                         f"{proc.returncode}); see {log}")
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    if not gaps:
-        raise SystemExit(f"{label}: no step lines; see {log}")
     print(f"{label}: s/step {' '.join(f'{g:.2f}' for g in gaps)} | median {statistics.median(gaps):.2f} ({log})",
           flush=True)
     return statistics.median(gaps)
