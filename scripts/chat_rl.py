@@ -45,12 +45,12 @@ from nanochat.common import (GracefulStop, UserError, autocast_context, collecti
                              remaining_seconds, require, requested_dtype, wait_for_all_ranks)
 from nanochat.cuda_graphs import DECODE_DESCRIPTIONS
 from nanochat.engine import Engine
-from nanochat.memory_budget import resolve_memory_budget
+from nanochat.memory_budget import FIXED_GB, resolve_memory_budget
 from nanochat.evaluation import evaluate_pass_at_k
 from nanochat.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
 from nanochat.optim import LR_SCHEDULES, guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.optimizer_shards import optimizer_states_for_resume
-from nanochat.precision import MARGIN, PREFERENCE, fastest_decode_dtype, fastest_training_dtype, rank0_choice
+from nanochat.precision import MARGIN, PREFERENCE, fastest_rollout_dtype, fastest_training_dtype, rank0_choice
 from nanochat.report import get_report, log_chat_rl
 from nanochat.rl import (LOSS_NORMS, ROLLOUT_CORRECTIONS, PolicyLoss, TrainStats, accumulate_policy_gradient, chunk_logprobs,
                          step_counts)
@@ -240,15 +240,24 @@ def phase_dtype(phase, device, requested, measure):
 def resolve_dtypes(args, model, tokenizer, train_task, device, rows):
     """Set args.dtype and args.rollout_dtype to what will run: the run's config and checkpoints record them, so
     a resumed run computes as it did. Training is timed on one micro-batch of the run's own shape (`rows` rows of
-    the first question's prompt plus --max-new-tokens), rollouts on a batched decode step. --rollout-dtype=auto is float32
-    with a float32 --dtype, else measured on its own: decoding and training gain from bf16 on different CPUs."""
+    the first question's prompt plus --max-new-tokens), rollouts on the run's own rollout shortened (its first
+    questions x --num-samples, 16 tokens, an engine as the run's; see fastest_rollout_dtype). --rollout-dtype=auto
+    is float32 with a float32 --dtype, else measured on its own: decoding and training gain from bf16 on different
+    CPUs."""
     requested = args.dtype
     length = len(tokenizer.render_for_completion(train_task[0])) + args.max_new_tokens
     args.dtype = phase_dtype("training", device, requested, lambda candidates: fastest_training_dtype(
         model, rows, length, candidates))
     rollout_request = "float32" if args.rollout_dtype == "auto" and requested == "float32" else args.rollout_dtype
-    args.rollout_dtype = phase_dtype("rollouts", device, rollout_request,
-                                     lambda candidates: fastest_decode_dtype(model, candidates))
+
+    def measure_rollouts(candidates):
+        questions = max(1, min(len(train_task), args.examples_per_step // get_dist_info()[3]))  # a rank's step
+        prompts = [tokenizer.render_for_completion(train_task[i]) for i in range(questions)]
+        budget = args.memory_budget_gb if isinstance(args.memory_budget_gb, (int, float)) else FIXED_GB  # off CUDA
+        engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=budget, decode=args.decode,
+                        compile="off")
+        return fastest_rollout_dtype(engine, prompts, args.num_samples, candidates)
+    args.rollout_dtype = phase_dtype("rollouts", device, rollout_request, measure_rollouts)
 
 
 # flags that define the run; --resume restores them from the checkpoint so the continuation is exact

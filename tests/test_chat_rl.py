@@ -216,7 +216,7 @@ def measurements(monkeypatch):
             return state["answers"][phase]
         return measure
     monkeypatch.setattr(chat_rl, "fastest_training_dtype", fake("training"))
-    monkeypatch.setattr(chat_rl, "fastest_decode_dtype", fake("rollouts"))
+    monkeypatch.setattr(chat_rl, "fastest_rollout_dtype", fake("rollouts"))
     return state
 
 
