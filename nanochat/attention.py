@@ -32,20 +32,23 @@ import torch
 import torch.nn.functional as F
 
 
-# explicit_attention's reach in keys: it reads and writes (T, keys) scores and probabilities where the fused kernel
-# streams them, so long sequences lose. Measured eagerly (speedrun's d4 model, bf16, a 2-core AMD EPYC, forward +
-# backward of a training batch): 4 x 128 tokens 184 ms against the fused kernel's 274; 32 x 128 even (1887 / 1874);
-# 4 x 512 slower (1168 / 970)
+# explicit_attention's reach in keys, eagerly: it reads and writes (T, keys) scores and probabilities where the
+# fused kernel streams them, so long sequences lose (compiled, Inductor fuses them). Measured eagerly (speedrun's d4
+# model, bf16, a 2-core AMD EPYC, forward + backward of a training batch): 4 x 128 tokens 184 ms against the fused
+# kernel's 274; 32 x 128 even (1887 / 1874); 4 x 512 slower (1168 / 970)
 EXPLICIT_MAX_KEYS = 256
 
 
 def attend(q, k, v, mask):
     """Scaled dot-product attention. q: (B, T, H, D); k, v: (B, Tk, Hkv, D) with H a multiple of Hkv (GQA);
     mask: None = causal over T == Tk, else bool broadcastable to (B, H, T, Tk), True = visible.
-    Returns (B, H, T, D). Several bf16 queries per row over at most EXPLICIT_MAX_KEYS keys on a CPU (training,
-    prefill) go through explicit_attention (see there); everything else, a decode step's single query included,
-    through PyTorch's fused kernel."""
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(1) > 1 and k.size(1) <= EXPLICIT_MAX_KEYS:
+    Returns (B, H, T, D). Several bf16 queries per row on a CPU (training, prefill) go through explicit_attention
+    (see there), eagerly over at most EXPLICIT_MAX_KEYS keys, compiled over any number: a length limit there would
+    be a guard, and the first longer row (a completion run to 256 tokens after its prompt) a new graph mid-run
+    (measured: 59 s of compiling at step 9 of a d4 run). Everything else, a decode step's single query included,
+    goes through PyTorch's fused kernel."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(1) > 1 and (
+            torch.compiler.is_compiling() or k.size(1) <= EXPLICIT_MAX_KEYS):
         return explicit_attention(q, k, v, mask)
     # `not ... ==`, which Dynamo evaluates to a Python bool under dynamic shapes: `!=` (and bool() or int() of it)
     # stayed symbolic, which SDPA refuses (the compiled copy-cache decode step failed on it, torch 2.11 and 2.13)

@@ -594,22 +594,30 @@ def test_compile_on_where_compiling_fails_is_one_line_and_exit_2(script, sft, ba
 def test_compiled_bf16_training_attention_traces_whole_and_matches_eager():
     """The compiled training forward (chunk_logprobs, compiled with dynamic shapes) traces a CPU's explicit bf16
     attention (nanochat/attention.py) in one graph, autocast turned off inside fp32_scores included, and its output
-    and gradients are eager's, at two sequence lengths from one compile. aot_eager traces forward and backward as
-    Inductor would, without generating kernels (seconds, not minutes)."""
-    from nanochat.attention import attend
+    and gradients are eager's, at sequence lengths on both sides of EXPLICIT_MAX_KEYS from one compile (eagerly the
+    longer one takes the fused kernel; compiled, a limit would be a guard and a new graph mid-run). aot_eager traces
+    forward and backward as Inductor would, without generating kernels (seconds, not minutes)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from nanochat.attention import EXPLICIT_MAX_KEYS, attend, explicit_attention
 
     def forward(q, k, v):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return attend(q, k, v, None).float().square().sum()
 
-    compiled = torch.compile(forward, fullgraph=True, dynamic=True, backend="aot_eager")
-    for T in (9, 13):
+    def explicit_forward(q, k, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return explicit_attention(q, k, v, None).float().square().sum()
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(forward, fullgraph=True, dynamic=True, backend=counter)
+    for T in (9, 13, EXPLICIT_MAX_KEYS + 3):
         gen = torch.Generator().manual_seed(T)
         eager_inputs = [torch.randn(2, T, heads, 16, generator=gen).bfloat16().requires_grad_() for heads in (4, 2, 2)]
         compiled_inputs = [x.detach().clone().requires_grad_() for x in eager_inputs]
-        want, got = forward(*eager_inputs), compiled(*compiled_inputs)
+        want, got = explicit_forward(*eager_inputs), compiled(*compiled_inputs)
         want.backward()
         got.backward()
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
         for a, b in zip(compiled_inputs, eager_inputs):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-2, atol=1e-3)
+    assert counter.frame_count == 1
