@@ -237,7 +237,7 @@ def phase_dtype(phase, device, requested, measure):
     return name
 
 
-def resolve_dtypes(args, model, tokenizer, train_task, device, rows):
+def resolve_dtypes(args, model, tokenizer, train_task, device, rows, world_size):
     """Set args.dtype and args.rollout_dtype to what will run: the run's config and checkpoints record them, so
     a resumed run computes as it did. Training is timed on one micro-batch of the run's own shape (`rows` rows of
     the first question's prompt plus --max-new-tokens), rollouts on the run's own rollout shortened (its first
@@ -251,7 +251,7 @@ def resolve_dtypes(args, model, tokenizer, train_task, device, rows):
     rollout_request = "float32" if args.rollout_dtype == "auto" and requested == "float32" else args.rollout_dtype
 
     def measure_rollouts(candidates):
-        questions = max(1, min(len(train_task), args.examples_per_step // get_dist_info()[3]))  # a rank's step
+        questions = max(1, min(len(train_task), args.examples_per_step // world_size))  # a rank's step
         prompts = [tokenizer.render_for_completion(train_task[i]) for i in range(questions)]
         budget = args.memory_budget_gb if isinstance(args.memory_budget_gb, (int, float)) else FIXED_GB  # off CUDA
         engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=budget, decode=args.decode,
@@ -470,7 +470,7 @@ def setup_run(args, resume, rank, world_size, device, decode):
     start = meta.get("start_checkpoint")
     train_task, val_task = make_task(args.task, "train"), make_task(args.task, "test")
     rows = train_rows(args)  # per training forward
-    resolve_dtypes(args, model, tokenizer, train_task, device, rows)
+    resolve_dtypes(args, model, tokenizer, train_task, device, rows, world_size)
     num_steps = args.num_steps if args.num_steps > 0 else (len(train_task) // args.examples_per_step) * args.num_epochs
     if num_steps < 1:
         raise UserError(f"the {args.task} train split has {len(train_task)} questions, fewer than --examples-per-step "
