@@ -106,7 +106,9 @@ class _CountingInductor:
         # finished in two), and a run that goes quiet for that long must say why
         if self.owner.announce:
             again = " again (Dynamo traced it anew)" if self.announced == number else ""
-            print0(f"compile: {self.owner.name}: graph {number} going to Inductor{again}")
+            why = recompile_reason() if number > 1 and not again else None
+            print0(f"compile: {self.owner.name}: graph {number} going to Inductor{again}"
+                   + (f" (no earlier graph fits: {why})" if why else ""))
         self.announced = number
         compiled = compile_fx(graph_module, example_inputs)
         # counted once compiled: Dynamo may call the backend again for the same graph after Inductor asked it to
@@ -117,6 +119,19 @@ class _CountingInductor:
             print0(f"compile: {self.owner.name}: graph {number} compiled in {time.perf_counter() - t0:.1f} s "
                    f"({self.owner.kernels[-1]} generated kernels)")
         return compiled
+
+
+def recompile_reason():
+    """Why Dynamo is compiling a function it has compiled before: the first guard of an earlier graph that failed,
+    as Dynamo words it (e.g. "2 <= rows"), or None where this torch does not say. Read from Dynamo's record of
+    the compile in progress (a private one: other torch versions may keep it elsewhere, and then no reason is
+    given), so that a recompile in the middle of a run, which can take a minute on a CPU, says what caused it."""
+    try:
+        from torch._dynamo.utils import get_metrics_context
+        reason = get_metrics_context()._metrics.get("recompile_reason")
+    except Exception:  # any change in torch's private record: no reason, never a failed compile
+        return None
+    return " ".join(reason.split()) if isinstance(reason, str) and reason.strip() else None
 
 
 def first_line(error):

@@ -99,6 +99,7 @@ CONFIGS = {c.name: c for c in (BenchConfig("baseline", False, torch.float32, Fal
                                 BenchConfig("batched_fp32_compiled", True, torch.float32, True, "eager", True),
                                 BenchConfig("batched_fp32_static_compiled", True, torch.float32, True, "static", True),
                                 BenchConfig("batched_bf16_compiled", True, torch.bfloat16, True, "eager", True),
+                                BenchConfig("batched_bf16_static_compiled", True, torch.bfloat16, True, "static", True),
                                 BenchConfig("batched_bf16_graph_compiled", True, torch.bfloat16, True, "graph", True))}
 # nanochat's d20 of January 2026 (561M parameters), random weights: the shapes the GPU figures are quoted for
 PRESETS = {"d20": dict(depth=20, vocab_size=65536, sequence_len=2048, window_pattern="SSSL")}

@@ -434,7 +434,7 @@ class RLRun:
     steps_without_signal: list = field(default_factory=list)  # records of the current streak of steps that trained no row
     forward: object = chunk_logprobs       # the training pass's chunk forward: compiled or not (--compile)
     compile_clock: CompileClock = field(default_factory=CompileClock)  # what each step compiled
-    step_seconds: list = field(default_factory=list)   # this process's timings, for the ETA
+    step_seconds: list = field(default_factory=list)   # this process's timings, for the ETA, compiling left out
     eval_seconds: list = field(default_factory=list)
 
     @property
@@ -567,10 +567,14 @@ def evaluate(run, step):
         passk, _ = evaluate_pass_at_k(run.engine, run.val_task, run.config.eval_examples, run.config.device_batch_size,
                                       max_new_tokens=256, temperature=1.0, top_k=50, device=run.reduce_device, seed=0)
     t_eval = time.time() - t0
-    run.eval_seconds.append(t_eval)
-    print0(f"Step {step} | " + ", ".join(f"Pass@{k + 1}: {v:.4f}" for k, v in enumerate(passk.any)) + f" | eval {t_eval:.1f}s")
+    # what compiled since the last step line is the eval's own (its batch's shapes): said here, not in the next step's
+    # line, and left out of the ETA, which counts what every later eval costs
+    graphs, compile_s = run.compile_clock.lap()
+    run.eval_seconds.append(max(t_eval - compile_s, 0.0))
+    print0(f"Step {step} | " + ", ".join(f"Pass@{k + 1}: {v:.4f}" for k, v in enumerate(passk.any)) + f" | eval {t_eval:.1f}s"
+           + (f" | compiled {graphs} graphs in {compile_s:.1f}s" if graphs else ""))
     run.eval_history.append((step, passk.as_dict()))
-    return {"step": step, **passk.as_dict(), "time/eval": t_eval}
+    return {"step": step, **passk.as_dict(), "time/eval": t_eval, "eval_compiles": graphs, "eval_compile_s": compile_s}
 
 
 def sample_rollouts(run, step):
@@ -798,8 +802,8 @@ def train(run, stop):
         t_train = time.time() - t0
 
         # ---- log
-        run.step_seconds.append(t_rollout + t_train)
         record = step_record(run, step, rollouts, result, t_rollout, t_train)
+        run.step_seconds.append(max(t_rollout + t_train - record["compile_s"], 0.0))  # the ETA: compiling is one-off
         print0(format_step_line(run, record, time.time() - run_start))
         count_no_signal_step(run, record)
         run.history.append(record)

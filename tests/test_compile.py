@@ -373,6 +373,12 @@ def test_each_graph_compiled_is_announced_as_it_starts_and_as_it_ends(capsys):
     assert len(lines) == 2 and function.compiles == 1
     function(torch.ones(3))
     assert capsys.readouterr().out == ""
+    # another shape fails graph 1's guard on the size: the second graph's line names the guard that failed (a
+    # recompile in the middle of a run costs up to a minute on a CPU, and should say what caused it)
+    assert torch.equal(function(torch.ones(5)), torch.full((5,), 3.0))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("compile: double_plus_one: graph 2 going to Inductor (no earlier graph fits: ")
+    assert "size mismatch at index 0. expected 3, actual 5" in lines[0] and len(lines) == 2, lines
 
 
 def test_a_compile_failure_names_what_dynamo_could_not_trace_and_where():
@@ -437,12 +443,17 @@ def test_the_golden_trace_compiled(sft, base_dir, monkeypatch, capsys):
     """chat_rl --compile=on reproduces tests/test_golden_trace.py's trace (4 steps, fp32, teacher-forced rollouts)
     within the trace's own tolerance, 1e-4 relative: the compiled forward sums the same terms in another order, the
     same kind of difference as another CPU's kernels. The compile's cost is in the step line and the history of step
-    0 only (the forward is dynamic in the rows' lengths: no step after the first compiles)."""
+    0 only (the forward is dynamic in the rows' lengths: no step after the first compiles), and out of the ETA: the
+    step seconds it extrapolates are each step's rollout and training seconds less that step's compiling."""
     from nanochat.checkpoint_manager import load_checkpoint
     from scripts import chat_rl
     from helpers import TINY_RL_FLAGS
     from test_golden_trace import STEPS, TRACED, check_against_golden, teacher_forced
     monkeypatch.setattr(chat_rl.Engine, "generate_many", teacher_forced)
+    eta_inputs = []  # the step seconds each step line's ETA extrapolated from
+    real_remaining = chat_rl.remaining_seconds
+    monkeypatch.setattr(chat_rl, "remaining_seconds",
+                        lambda step_seconds, *rest: eta_inputs.append(list(step_seconds)) or real_remaining(step_seconds, *rest))
     chat_rl.main(TINY_RL_FLAGS + [f"--num-steps={STEPS}", "--save-every=-1", "--overwrite", "--compile=on"])
     out = capsys.readouterr().out
     assert "compile: decode step off, training forward on (--compile=on" in out
@@ -452,6 +463,9 @@ def test_the_golden_trace_compiled(sft, base_dir, monkeypatch, capsys):
     compiles = [record["compiles"] for record in history]
     assert compiles[0] >= 1 and compiles[1:] == [0] * (STEPS - 1) and history[0]["compile_s"] > 0, compiles
     assert f"compiled {compiles[0]:.0f} graphs in " in out
+    steady = [max(r["time/rollout"] + r["time/train"] - r["compile_s"], 0.0) for r in history]
+    assert eta_inputs[-1] == pytest.approx(steady, abs=1e-9) and eta_inputs[0] == pytest.approx(steady[:1], abs=1e-9)
+    assert steady[0] < history[0]["time/rollout"] + history[0]["time/train"] - 0.5 * history[0]["compile_s"]
 
 
 def test_the_cache_write_compiled_with_dynamic_shapes_is_eagers():
