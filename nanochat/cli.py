@@ -16,7 +16,7 @@ import traceback
 from nanochat.checkpoint_manager import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
                                          RankLostError, UnknownStepError, UnknownTagError)
 from nanochat.common import SettingError, UserError, get_rank, print0, require
-from nanochat.compile import COMPILE_MODES, CPU_MIN_STEPS, SFT_CPU_MIN_STEPS, CompileFailed, resolve_compile
+from nanochat.compile import COMPILE_MODES, CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, SFT_CPU_MIN_STEPS, CompileFailed, resolve_compile
 from nanochat.cuda_graphs import DECODE_MODES, decode_mode
 from nanochat.memory_budget import AUTO, FIXED_GB, FRACTION, parse_budget
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
@@ -59,12 +59,12 @@ def add_runtime_flags(parser, wandb_run=True):
                              "chat_rl, measured faster at the start")
 
 
-def add_decode_flag(parser):
+def add_decode_flag(parser, auto_note=""):
     """--decode: how the rollout engine runs its decode step (nanochat.engine.decode_mode). The tokens are the
-    same in every mode; only the speed differs."""
+    same in every mode; only the speed differs. auto_note: what the script's auto does besides (its help)."""
     parser.add_argument("--decode", type=str, default="auto", choices=DECODE_MODES,
-                        help="decode step of rollouts: auto (graph on CUDA, eager elsewhere), eager (exact shapes), "
-                             "static (bucketed shapes, eagerly), graph (bucketed shapes replayed from CUDA graphs)")
+                        help=f"decode step of rollouts: auto (graph on CUDA, eager elsewhere{auto_note}), eager (exact "
+                             "shapes), static (bucketed shapes, eagerly), graph (bucketed shapes replayed from CUDA graphs)")
 
 
 def check_decode_flag(decode, device):
@@ -123,8 +123,9 @@ def add_compile_flag(parser):
     compile_plan), those of them the script runs."""
     parser.add_argument("--compile", type=str, default="auto", choices=COMPILE_MODES,
                         help=f"torch.compile the static decode step and the training forward, where the script runs "
-                             f"them: auto (on CUDA nothing yet: not measured to pay there; on a CPU the training forward only, for runs long enough to "
-                             f"pay for compiling: chat_rl {CPU_MIN_STEPS} steps, chat_sft {SFT_CPU_MIN_STEPS}), on (an "
+                             f"them: auto (on CUDA nothing yet: not measured to pay there; on a CPU the training forward, for runs long enough to "
+                             f"pay for compiling: chat_rl {CPU_MIN_STEPS} steps, chat_sft {SFT_CPU_MIN_STEPS}; and "
+                             f"chat_rl's static decode step from {CPU_DECODE_MIN_STEPS} steps), on (an "
                              f"error where compiling is unavailable), off")
 
 

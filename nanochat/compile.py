@@ -245,6 +245,14 @@ CPU_MIN_STEPS = 50
 # of 4 rows (the default), 517 -> 407 ms with 32; compiling took 28-30 s with a cold Inductor cache (7 s warm). This
 # many steps save ~29 s and ~55 s: about a cold compile
 SFT_CPU_MIN_STEPS = 500
+# a CPU run of chat_rl compiles its static decode step from this many steps on (--compile=auto; with --decode=auto
+# it then decodes with that step, see run_decode_mode). Measured on a 2-core AMD EPYC (AVX512-BF16), the speedrun's d4
+# SFT model on arithmetic, nanochat's defaults, bf16 rollouts, medians of 10 steps run side by side: 3.00 s a step
+# against 3.81 and 3.55 with the eager exact-shape step (3.05 against 3.32 earlier that day): ~0.5-0.8 s saved a
+# step; the decode step compiles 4-5 graphs at the first step and the first eval (all rows, some, one; the eval's
+# batch), 18-25 s each with a cold Inductor cache (4-7 s warm), and an eval's batch of another size may add one or
+# two: ~150 s at most, paid back by ~300 steps even at the low end of the saving
+CPU_DECODE_MIN_STEPS = 300
 
 
 def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min_steps=CPU_MIN_STEPS):
@@ -253,12 +261,12 @@ def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min
     forward. auto: on CUDA nothing, until measured to pay there (the first H100 runs, torch 2.11: the d20 static
     decode step had not finished compiling after two minutes, nor a 2-layer model's test in 80 s, while the
     uncompiled step replayed from CUDA graphs was measured at 11 ms per 256-row step; `tests/gpu_check.sh compiled`
-    measures it); on a CPU the training forward only, and only for a run of at least `cpu_min_steps` steps, from which it was measured to pay
-    for its compile there (CPU_MIN_STEPS for chat_rl, SFT_CPU_MIN_STEPS for chat_sft); not the static decode step,
-    which needs --decode=static there (auto decodes with the eager exact-shape step on a CPU; compiled, the static
-    step was measured 1.3x faster than it on the real workload, after ~60 s of compiling); elsewhere (MPS) nothing:
-    not measured. on: both where they apply (the decode step only in static and graph modes: the eager step's exact
-    shapes would compile at every new shape)."""
+    measures it); on a CPU the training forward for a run of at least `cpu_min_steps` steps, from which it was
+    measured to pay for its compile there (CPU_MIN_STEPS for chat_rl, SFT_CPU_MIN_STEPS for chat_sft), and the
+    static decode step (--decode=static; chat_rl's --decode=auto becomes it, see run_decode_mode) for a training
+    run of at least CPU_DECODE_MIN_STEPS steps (not for chat_eval's or the SFT checks' sampling alone: not measured
+    to pay there); elsewhere (MPS) nothing: not measured. on: both where they apply (the decode step only in static
+    and graph modes: the eager step's exact shapes would compile at every new shape)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
 
@@ -280,8 +288,25 @@ def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min
     if num_steps is not None and num_steps < cpu_min_steps:
         return plan(False, False, f"auto on a CPU: {num_steps} steps are too few to pay for compiling "
                                   f"(from {cpu_min_steps} on)")
-    return plan(False, True, f"auto on a CPU with {num_steps or 'many'} steps: the training forward (measured to pay "
-                             f"from {cpu_min_steps} steps)" + ("" if decode is None else "; not the decode step"))
+    why = f"auto on a CPU with {num_steps or 'many'} steps: the training forward (measured to pay from {cpu_min_steps} steps)"
+    if decode is None:
+        return plan(False, True, why)
+    if decode != "static":
+        return plan(False, True, why + "; not the eager decode step (its exact shapes change every step)")
+    if num_steps is not None and num_steps < CPU_DECODE_MIN_STEPS:
+        return plan(False, True, why + f"; not the decode step (it pays from {CPU_DECODE_MIN_STEPS} steps)")
+    return plan(True, True, why + f" and the static decode step (from {CPU_DECODE_MIN_STEPS})")
+
+
+def run_decode_mode(decode_flag, decode, compile_mode, device, num_steps):
+    """The decode mode a chat_rl run of num_steps steps uses for --decode=`decode_flag`, whose mode is `decode`
+    (cuda_graphs.decode_mode's answer: auto is graph on CUDA, eager elsewhere), except that auto on a CPU is static
+    where --compile=`compile_mode` compiles the static step for such a run (compile_plan: auto from
+    CPU_DECODE_MIN_STEPS steps, on always): compiled, the static step is the faster one there, uncompiled the
+    exact-shape eager step is."""
+    if decode_flag == "auto" and device.type == "cpu" and compile_plan(compile_mode, device, "static", num_steps).decode:
+        return "static"
+    return decode
 
 
 def check_compiler(device):

@@ -39,7 +39,7 @@ from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_
                           add_model_generation_flag, add_optimizer_flags, add_runtime_flags, add_train_rows_flag,
                           check_decode_flag, check_optimizer_flags, check_train_rows, resolve_compile_flag, run_main,
                           train_rows)
-from nanochat.compile import CompileClock, maybe_compiled
+from nanochat.compile import CPU_DECODE_MIN_STEPS, CompileClock, maybe_compiled, run_decode_mode
 from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup,
                              compute_dtype, compute_init, dtype_name, format_duration, get_base_dir, get_dist_info, print0,
                              remaining_seconds, require, requested_dtype, wait_for_all_ranks)
@@ -89,8 +89,8 @@ def parse_args(argv):
     add_runtime_flags(p)
     p.add_argument("--rollout-dtype", type=str, default="auto",
                    help="dtype of rollouts and evals: auto (float32 with --dtype=float32; else bfloat16 on a GPU, and "
-                        "on a CPU/MPS bfloat16 only where a decode step measured at the start is 1.2x faster; kept "
-                        "on --resume), float32 or bfloat16")
+                        "on a CPU/MPS bfloat16 only where the run's rollout, timed shortened at the start, is 1.2x "
+                        "faster, or as --dtype where the decode step is compiled; kept on --resume), float32 or bfloat16")
     # model to start from, and where the run is written
     p.add_argument("--source", type=str, default="sft",
                    help="checkpoint family to start from: base|mid|sft|rl (rl: a new run from an RL checkpoint)")
@@ -118,7 +118,7 @@ def parse_args(argv):
     p.add_argument("--max-rows", type=int, default=0,
                    help="max rows decoded together in one rollout batch (0 = as many as --memory-budget-gb allows)")
     add_memory_budget_flag(p)
-    add_decode_flag(p)
+    add_decode_flag(p, auto_note=f"; on a CPU static where --compile compiles it: a run of {CPU_DECODE_MIN_STEPS}+ steps")
     add_compile_flag(p)
     # optimization
     add_optimizer_flags(p)
@@ -237,17 +237,23 @@ def phase_dtype(phase, device, requested, measure):
     return name
 
 
-def resolve_dtypes(args, model, tokenizer, train_task, device, rows, world_size):
+def resolve_dtypes(args, model, tokenizer, train_task, device, rows, world_size, compiled_decode=False):
     """Set args.dtype and args.rollout_dtype to what will run: the run's config and checkpoints record them, so
     a resumed run computes as it did. Training is timed on one micro-batch of the run's own shape (`rows` rows of
     the first question's prompt plus --max-new-tokens), rollouts on the run's own rollout shortened (its first
-    questions x --num-samples, 16 tokens, an engine as the run's; see fastest_rollout_dtype). --rollout-dtype=auto
-    is float32 with a float32 --dtype, else measured on its own: decoding and training gain from bf16 on different
-    CPUs."""
+    questions x --num-samples, 16 tokens, an eager engine as the run's; see fastest_rollout_dtype). --rollout-dtype=auto
+    is float32 with a float32 --dtype; with a compiled decode step (compiled_decode), training's dtype: timing it
+    would compile it twice, and compiled its matmuls are most of its time, as in training (measured on an AVX512-BF16
+    CPU, 256 rows: 12.9 ms a step in bf16, 26.2 in fp32); else measured on its own: the eager step's many small
+    operations gain less from bf16, and decoding and training gain from bf16 on different CPUs."""
     requested = args.dtype
     length = len(tokenizer.render_for_completion(train_task[0])) + args.max_new_tokens
     args.dtype = phase_dtype("training", device, requested, lambda candidates: fastest_training_dtype(
         model, rows, length, candidates))
+    if compiled_decode and args.rollout_dtype == "auto":
+        args.rollout_dtype = args.dtype
+        print0(f"rollouts decode in {args.dtype}: as training, with the compiled decode step (--rollout-dtype to choose)")
+        return
     rollout_request = "float32" if args.rollout_dtype == "auto" and requested == "float32" else args.rollout_dtype
 
     def measure_rollouts(candidates):
@@ -453,10 +459,21 @@ class RLRun:
         return autocast_context(self.device, getattr(torch, self.config.rollout_dtype if rollouts else self.config.dtype))
 
 
-def setup_run(args, resume, rank, world_size, device, decode):
+def resolve_decode_and_compile(args, device, steps_left):
+    """The decode mode and the CompilePlan of a run with steps_left steps to go (printed with why), args.decode and
+    args.compile set to them: compile.run_decode_mode's mode (--decode=auto on a CPU is the static step where it is
+    compiled), compile.compile_plan's plan for it; where compiling turns out to be unavailable, the mode --decode
+    gives without compiling."""
+    uncompiled = check_decode_flag(args.decode, device)
+    decode = run_decode_mode(args.decode, uncompiled, args.compile, device, steps_left)
+    compiling = resolve_compile_flag(args, device, decode, steps_left)
+    args.decode = decode if compiling.decode or decode == uncompiled else uncompiled
+    return compiling
+
+
+def setup_run(args, resume, rank, world_size, device):
     """Load the model (a new run, or `resume`: restore_settings' Resume), resolve the effective configuration, and
-    build the optimizers, the engine and the tasks: an RLRun at its first step. decode: the decode mode that runs
-    (check_decode_flag's)."""
+    build the optimizers, the engine and the tasks: an RLRun at its first step."""
     start_step = 0
     if resume:
         with resume.errors():
@@ -470,7 +487,6 @@ def setup_run(args, resume, rank, world_size, device, decode):
     start = meta.get("start_checkpoint")
     train_task, val_task = make_task(args.task, "train"), make_task(args.task, "test")
     rows = train_rows(args)  # per training forward
-    resolve_dtypes(args, model, tokenizer, train_task, device, rows, world_size)
     num_steps = args.num_steps if args.num_steps > 0 else (len(train_task) // args.examples_per_step) * args.num_epochs
     if num_steps < 1:
         raise UserError(f"the {args.task} train split has {len(train_task)} questions, fewer than --examples-per-step "
@@ -478,6 +494,8 @@ def setup_run(args, resume, rank, world_size, device, decode):
     require(args.warmup_steps < num_steps, f"--warmup-steps ({args.warmup_steps}) must be fewer than the run's "
                                            f"{num_steps} steps")
     print0(f"Calculated number of steps: {num_steps}")
+    compiling = resolve_decode_and_compile(args, device, num_steps - start_step)
+    resolve_dtypes(args, model, tokenizer, train_task, device, rows, world_size, compiled_decode=bool(compiling.decode))
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], args.output_tag)
     # Muon orthogonalizes in the run's compute dtype: bf16 where it is native (nanochat's numerics), fp32 otherwise
     optimizers = scale_initial_lr(model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
@@ -495,9 +513,8 @@ def setup_run(args, resume, rank, world_size, device, decode):
         completion_tokens=args.max_new_tokens, prompt_tokens=model.config.sequence_len,
         rollout_dtype=getattr(torch, args.rollout_dtype))
     print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
-    compiling = resolve_compile_flag(args, device, decode, num_steps - start_step)
     engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
-                    decode=args.decode, compile=args.compile)
+                    decode=args.decode, compile=args.compile if compiling.decode else "off")
     print0(f"rollouts: {engine.decode} decode step ({DECODE_DESCRIPTIONS[engine.decode]}; --decode to choose)")
     print0(f"training: {rows} rows of a question per forward "
            f"({'--train-rows' if args.train_rows else 'auto'}; the same gradient for any count)")
@@ -764,10 +781,10 @@ def main(argv):
     validate_args(args, world_size)
     resume = restore_settings(args, world_size) if args.resume else None
     _, rank, _, world_size, device = compute_init(args.device_type)
-    decode = check_decode_flag(args.decode, device)
+    check_decode_flag(args.decode, device)  # before the model loads: graph off CUDA is a one-line error
     stop = GracefulStop().install()
     try:
-        train(setup_run(args, resume, rank, world_size, device, decode), stop)
+        train(setup_run(args, resume, rank, world_size, device), stop)
     finally:
         stop.uninstall()
         compute_cleanup()

@@ -127,10 +127,11 @@ def test_default_configs_measure_bf16_only_where_it_is_native(kind, monkeypatch,
     assert bench_rl.validate_args(bench_rl.parse_args([])) is None  # no --configs: the device decides
     names = [c.name for c in bench_rl.default_configs(torch.device("cpu"))]
     expected = ["baseline", "batched_plain", "batched_fp32", "batched_fp32_static"] + (
-        ["batched_bf16", "batched_bf16_static"] if native_bf16 else []) + ["batched_fp32_compiled"] + (
-        ["batched_bf16_compiled"] if native_bf16 else [])
+        ["batched_bf16", "batched_bf16_static"] if native_bf16 else []) + [
+        "batched_fp32_compiled", "batched_fp32_static_compiled"] + (
+        ["batched_bf16_compiled", "batched_bf16_static_compiled"] if native_bf16 else [])
     # CUDA graphs (batched_bf16_graph) only on CUDA; compiled configs where chat_rl's --compile=auto compiles (on a
-    # CPU the training forward, not the decode step)
+    # CPU the training forward, and the static decode step of a long run: the benchmark's stands for one)
     assert names == expected
     assert ("skipping batched_bf16" in capsys.readouterr().out) == (not native_bf16)
 

@@ -30,8 +30,9 @@ from nanochat import compile as nc_compile
 from nanochat.agreement import greedy_agreement
 from nanochat.checkpoint_manager import build_model, load_model
 from nanochat.cli import error_line
-from nanochat.compile import (CPU_MIN_STEPS, RECOMPILE_LIMIT, SFT_CPU_MIN_STEPS, CompiledFunction, CompileFailed, CompilePlan,
-                              compile_plan, compile_totals, compiled, generated_kernels, resolve_compile)
+from nanochat.compile import (CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, RECOMPILE_LIMIT, SFT_CPU_MIN_STEPS, CompiledFunction,
+                              CompileFailed, CompilePlan, compile_plan, compile_totals, compiled, generated_kernels,
+                              resolve_compile, run_decode_mode)
 from nanochat.decode_batch import DecodeBatch, RolloutStats, static_step
 from nanochat.cuda_graphs import bucket_shapes, decode_plan
 from nanochat.decode_weights import DecodeWeights
@@ -398,12 +399,21 @@ def test_a_compile_failure_names_what_dynamo_could_not_trace_and_where():
 
 
 def test_compile_plans():
-    """auto: nothing on CUDA (not yet measured to pay there); on a CPU the training forward only, and only for a run
-    long enough to pay for it. A part
-    the script does not run is None (chat_eval trains nothing, chat_sft samples only for its stop checks), and its
-    start line names only the parts it runs."""
+    """auto: nothing on CUDA (not yet measured to pay there); on a CPU the training forward for a run long enough to
+    pay for it, and the static decode step for a training run longer still (never the eager step: its exact shapes
+    change every step). A part the script does not run is None (chat_eval trains nothing, chat_sft samples only for
+    its stop checks), and its start line names only the parts it runs."""
     cpu, cuda, mps = torch.device("cpu"), torch.device("cuda"), torch.device("mps")
-    assert compile_plan("auto", cpu, "static", num_steps=467)[:2] == (False, True)
+    assert compile_plan("auto", cpu, "static", num_steps=467)[:2] == (True, True)
+    assert compile_plan("auto", cpu, "static", num_steps=CPU_DECODE_MIN_STEPS)[:2] == (True, True)
+    assert compile_plan("auto", cpu, "static", num_steps=CPU_DECODE_MIN_STEPS - 1)[:2] == (False, True)
+    assert compile_plan("auto", cpu, "static")[:2] == (True, True)  # a run of unknown length: a long one
+    assert compile_plan("auto", cpu, "eager", num_steps=467)[:2] == (False, True)
+    assert compile_plan("auto", cpu, "static", num_steps=467).describe() == (
+        f"compile: decode step on, training forward on (auto on a CPU with 467 steps: the training forward (measured to "
+        f"pay from {CPU_MIN_STEPS} steps) and the static decode step (from {CPU_DECODE_MIN_STEPS}); --compile to choose)")
+    assert compile_plan("auto", cpu, "static", num_steps=CPU_DECODE_MIN_STEPS - 1).describe().endswith(
+        f"; not the decode step (it pays from {CPU_DECODE_MIN_STEPS} steps); --compile to choose)")
     assert compile_plan("auto", cpu, "eager", num_steps=CPU_MIN_STEPS - 1)[:2] == (False, False)
     assert compile_plan("auto", cuda, "graph")[:2] == (False, False) and compile_plan("auto", cuda, "eager")[:2] == (False, False)
     assert compile_plan("on", cuda, "graph")[:2] == (True, True) and compile_plan("on", cuda, "eager")[:2] == (False, True)
@@ -439,6 +449,24 @@ def test_compile_plans():
     assert compile_plan("on", cuda, "graph", trains=False).describe() == "compile: decode step on (--compile=on; --compile to choose)"
 
 
+def test_chat_rls_auto_decode_is_the_static_step_on_a_cpu_where_that_step_is_compiled():
+    """--decode=auto is graph on CUDA and, on a CPU, the eager exact-shape step, except where the run compiles the
+    static step (--compile=auto from CPU_DECODE_MIN_STEPS steps, --compile=on always): compiled, the static step is
+    the faster there. A mode the user gave is kept."""
+    from nanochat.cuda_graphs import decode_mode
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+
+    def mode(flag, compile_mode, device, steps):
+        return run_decode_mode(flag, decode_mode(flag, device), compile_mode, device, steps)
+    assert mode("auto", "auto", cpu, 467) == "static"
+    assert mode("auto", "auto", cpu, CPU_DECODE_MIN_STEPS - 1) == "eager"
+    assert mode("auto", "auto", cpu, CPU_MIN_STEPS - 1) == "eager"
+    assert mode("auto", "on", cpu, 5) == "static" and mode("auto", "off", cpu, 467) == "eager"
+    assert mode("eager", "auto", cpu, 467) == "eager" and mode("static", "off", cpu, 5) == "static"
+    assert mode("auto", "auto", cuda, 467) == "graph" and mode("auto", "on", cuda, 467) == "graph"
+    assert mode("auto", "auto", torch.device("mps"), 467) == "eager"
+
+
 def test_the_golden_trace_compiled(sft, base_dir, monkeypatch, capsys):
     """chat_rl --compile=on reproduces tests/test_golden_trace.py's trace (4 steps, fp32, teacher-forced rollouts)
     within the trace's own tolerance, 1e-4 relative: the compiled forward sums the same terms in another order, the
@@ -456,7 +484,7 @@ def test_the_golden_trace_compiled(sft, base_dir, monkeypatch, capsys):
                         lambda step_seconds, *rest: eta_inputs.append(list(step_seconds)) or real_remaining(step_seconds, *rest))
     chat_rl.main(TINY_RL_FLAGS + [f"--num-steps={STEPS}", "--save-every=-1", "--overwrite", "--compile=on"])
     out = capsys.readouterr().out
-    assert "compile: decode step off, training forward on (--compile=on" in out
+    assert "compile: decode step on, training forward on (--compile=on" in out  # rollouts teacher-forced: not run
     _, _, meta = load_checkpoint(str(base_dir / "chatrl_checkpoints" / "d2"), STEPS - 1, "cpu")
     history = meta["history"]
     check_against_golden([{key: record[key] for key in TRACED} for record in history])
@@ -635,3 +663,48 @@ def test_compiled_bf16_training_attention_traces_whole_and_matches_eager():
         for a, b in zip(compiled_inputs, eager_inputs):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-2, atol=1e-3)
     assert counter.frame_count == 1
+
+
+def test_chat_rl_decodes_with_the_static_step_where_it_compiles_it(sft, base_dir, monkeypatch, capsys):
+    """chat_rl --decode=auto on a CPU with --compile=on (or auto, for a long run) decodes with the static step,
+    compiled, its rollouts in training's dtype without timing them (timing would compile the step twice). The
+    compiling itself is stubbed (what is checked is the choice and what the engine runs; the compiled step's
+    tokens are checked above)."""
+    from scripts import chat_rl
+    from helpers import TINY_RL_FLAGS
+    from nanochat import engine as nc_engine
+    asked = []
+
+    def recording(fn, on, dynamic, required=False):
+        asked.append((fn.__name__, on))
+        return fn
+    monkeypatch.setattr(nc_engine, "maybe_compiled", recording)
+    monkeypatch.setattr(chat_rl, "maybe_compiled", recording)
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1", "--save-every=-1", "--overwrite", "--compile=on"])
+    out = capsys.readouterr().out
+    assert "compile: decode step on, training forward on (--compile=on; --compile to choose)" in out
+    assert "rollouts decode in float32: as training, with the compiled decode step (--rollout-dtype to choose)" in out
+    assert "rollouts: static decode step" in out
+    assert ("static_step", True) in asked and ("chunk_logprobs", True) in asked
+
+
+@pytest.mark.parametrize("compiler", ["works", "fails"])
+def test_a_long_cpu_runs_auto_decode_is_static_only_where_compiling_works(compiler, monkeypatch):
+    """--decode=auto --compile=auto for a CPU run of 467 steps: the static step, compiled; where torch.compile does
+    not work (stubbed to fail, as Inductor does without a C++ compiler), one warning, nothing compiled and the eager
+    step (uncompiled, the faster one on a CPU)."""
+    from scripts import chat_rl
+    if compiler == "fails":
+        def no_compiler(self, graph_module, example_inputs):
+            raise RuntimeError("Compiler: cc is not found")
+        monkeypatch.setattr(nc_compile._CountingInductor, "__call__", no_compiler)
+        monkeypatch.setattr(nc_compile, "_COMPILED", {})  # the probe is made afresh, and fails
+    args = SimpleNamespace(decode="auto", compile="auto")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = chat_rl.resolve_decode_and_compile(args, torch.device("cpu"), 467)
+    if compiler == "works":
+        assert plan[:2] == (True, True) and (args.decode, args.compile) == ("static", "auto") and not caught
+    else:
+        assert plan[:2] == (False, False) and (args.decode, args.compile) == ("eager", "off")
+        assert len(caught) == 1 and "torch.compile does not work on cpu here" in str(caught[0].message)
