@@ -18,36 +18,42 @@ def write_rows(store, layer, rows, positions, values, heads_first=False):
     """cache[rows, positions] = values, in place, where cache is store[layer] ((B, T_max, Hkv, D)), or with
     heads_first store[layer] transposed from (B, Hkv, T_max, D): how a cache step writes this step's keys and
     values. rows, positions: broadcastable index tensors; values: their shape + (Hkv, D). Traced by torch.compile,
-    through the operator store_rows (see there); eagerly, the index_put itself: the operator's Python dispatch
-    costs ~0.16 ms a call, 0.15 s of a 2.9 s rollout (the speedrun's d4 model, 256 rows, a 2-core CPU)."""
+    through the operator store_rows (see there); eagerly, the index_put itself, without the operator's dispatch (when
+    it was a custom_op, ~0.16 ms a call, 0.15 s of a 2.9 s rollout: the speedrun's d4 model, 256 rows, a 2-core CPU)."""
     if torch.compiler.is_compiling():
         store_rows(store, layer, rows, positions, values, heads_first)
     else:
         _index_put_rows(store, layer, rows, positions, values, heads_first)
 
 
-def _index_put_rows(store, layer, rows, positions, values, heads_first):
+def _index_put_rows(store, layer, rows, positions, values, heads_first=False):
+    # heads_first has its default here too: the dispatcher leaves out an argument equal to the schema's default
     cache = store[layer].transpose(1, 2) if heads_first else store[layer]
     cache.index_put_((rows, positions), values)
 
 
-@torch.library.custom_op("nanochat::store_rows", mutates_args=("store",))
-def store_rows(store: torch.Tensor, layer: int, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
-               heads_first: bool = False) -> None:
-    """write_rows as an operator of its own, for torch.compile: it declares what it mutates. Compiled
-    (nanochat/compile.py), a plain index_put into a view of a graph input is functionalized into a write of the
-    whole cache, copied per layer and step (measured on a CPU, d4 at 256 rows: the compiled decode step 8x slower
-    than eager), while a custom operator that mutates its argument is written in place by Inductor (vLLM writes its
-    KV cache through such an operator for the same reason). It takes the whole storage and the layer, not the
-    layer's view: with dynamic shapes (the compiled static step serves every bucket from one graph) Inductor (torch
-    2.13) computed wrong results when a custom operator mutated a view of a graph input (measured: another greedy
-    token after 7 steps; tests/test_compile.py holds a minimal case)."""
-    _index_put_rows(store, layer, rows, positions, values, heads_first)
+# write_rows as an operator of its own, for torch.compile: it declares what it mutates (the schema's "Tensor(a!)").
+# Compiled (nanochat/compile.py), a plain index_put into a view of a graph input is functionalized into a write of the
+# whole cache, copied per layer and step (measured on a CPU, d4 at 256 rows: the compiled decode step 8x slower than
+# eager), while an operator that mutates its argument is written in place by Inductor (vLLM writes its KV cache
+# through such an operator for the same reason). It takes the whole storage and the layer, not the layer's view: with
+# dynamic shapes (the compiled static step serves every bucket from one graph) Inductor (torch 2.13) computed wrong
+# results when a custom operator mutated a view of a graph input (measured: another greedy token after 7 steps;
+# tests/test_compile.py holds a minimal case). Defined through torch.library.Library, not the custom_op decorator,
+# whose Python wrapper (argument defaults, autograd redispatch) cost ~25 us a call: 8 calls a step, as vLLM registers
+# its own operators directly for the same reason.
+_OPERATORS = torch.library.Library("nanochat", "DEF")
+_OPERATORS.define("store_rows(Tensor(a!) store, int layer, Tensor rows, Tensor positions, Tensor values, "
+                  "bool heads_first=False) -> ()")
+_OPERATORS.impl("store_rows", _index_put_rows, "CompositeExplicitAutograd")
 
 
-@store_rows.register_fake
+@torch.library.register_fake("nanochat::store_rows")
 def _store_rows_fake(store, layer, rows, positions, values, heads_first=False):
     return None
+
+
+store_rows = torch.ops.nanochat.store_rows.default
 
 
 class CacheGeometry(NamedTuple):
