@@ -15,7 +15,7 @@ torch.compile for a run's two hot paths, and what compiling them costs.
 
 Which of them a script compiles is its CompilePlan (compile_plan: what --compile=auto|on|off means on each device;
 chat_rl and bench_rl have both, chat_sft the training forward and the decode step of its stop checks, chat_eval
-the decode step).
+the decode step). chat_rl's --decode=auto on a CPU is the static step where the plan compiles it (run_decode_mode).
 
 A compiled function counts its compiles (graphs handed to Inductor) and the seconds of the calls that compiled
 (tracing, Inductor and its C++ or Triton compile, and the call itself: the first-call cost a run pays). Both
