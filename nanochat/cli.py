@@ -60,8 +60,9 @@ def add_runtime_flags(parser, wandb_run=True):
 
 
 def add_decode_flag(parser, auto_note=""):
-    """--decode: how the rollout engine runs its decode step (nanochat.engine.decode_mode). The tokens are the
-    same in every mode; only the speed differs. auto_note: what the script's auto does besides (its help)."""
+    """--decode: how the rollout engine runs its decode step (nanochat.engine.decode_mode). Uncompiled, the tokens
+    are the same in every mode; only the speed differs (compiled, a near-tie may fall the other way). auto_note: what
+    the script's auto does besides (its help)."""
     parser.add_argument("--decode", type=str, default="auto", choices=DECODE_MODES,
                         help=f"decode step of rollouts: auto (graph on CUDA, eager elsewhere{auto_note}), eager (exact "
                              "shapes), static (bucketed shapes, eagerly), graph (bucketed shapes replayed from CUDA graphs)")

@@ -131,7 +131,9 @@ def recompile_reason():
         reason = get_metrics_context()._metrics.get("recompile_reason")
     except Exception:  # any change in torch's private record: no reason, never a failed compile
         return None
-    return " ".join(reason.split()) if isinstance(reason, str) and reason.strip() else None
+    if not isinstance(reason, str) or not reason.strip() or reason.startswith("Unable to find"):  # Dynamo's "none"
+        return None
+    return " ".join(reason.split())
 
 
 def first_line(error):
@@ -193,7 +195,7 @@ def compile_totals():
 
 class CompileClock:
     """compile_totals() from the clock's start (what a run compiled; earlier runs in the process are not its own) and
-    in laps (what a step compiled): (graphs compiled, seconds of the calls that compiled)."""
+    in laps (what a step or an eval compiled): (graphs compiled, seconds of the calls that compiled)."""
 
     def __init__(self):
         self.start = self.last = compile_totals()
@@ -248,10 +250,10 @@ SFT_CPU_MIN_STEPS = 500
 # a CPU run of chat_rl compiles its static decode step from this many steps on (--compile=auto; with --decode=auto
 # it then decodes with that step, see run_decode_mode). Measured on a 2-core AMD EPYC (AVX512-BF16), the speedrun's d4
 # SFT model on arithmetic, nanochat's defaults, bf16 rollouts, medians of 10 steps run side by side: 3.00 s a step
-# against 3.81 and 3.55 with the eager exact-shape step (3.05 against 3.32 earlier that day): ~0.5-0.8 s saved a
-# step; the decode step compiles 4-5 graphs at the first step and the first eval (all rows, some, one; the eval's
-# batch), 18-25 s each with a cold Inductor cache (4-7 s warm), and an eval's batch of another size may add one or
-# two: ~150 s at most, paid back by ~300 steps even at the low end of the saving
+# against 3.81 and 3.55 with the eager exact-shape step, and 3.05 against 3.32 earlier that day: 0.27-0.8 s saved a
+# step; the decode step compiles 5 graphs at step 0 and 1 (all rows, some, one; the eval's batch), ~105 s in all with
+# a cold Inductor cache, 28-38 s warm. Cold, that pays back from 130 to 390 steps across the measured savings; warm,
+# from under 150. 300 keeps the default GSM8K run (467 steps) and leaves short trial runs uncompiled
 CPU_DECODE_MIN_STEPS = 300
 
 
@@ -298,13 +300,15 @@ def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min
     return plan(True, True, why + f" and the static decode step (from {CPU_DECODE_MIN_STEPS})")
 
 
-def run_decode_mode(decode_flag, decode, compile_mode, device, num_steps):
+def run_decode_mode(decode_flag, decode, compile_mode, device, num_steps, dtype="bfloat16"):
     """The decode mode a chat_rl run of num_steps steps uses for --decode=`decode_flag`, whose mode is `decode`
     (cuda_graphs.decode_mode's answer: auto is graph on CUDA, eager elsewhere), except that auto on a CPU is static
     where --compile=`compile_mode` compiles the static step for such a run (compile_plan: auto from
-    CPU_DECODE_MIN_STEPS steps, on always): compiled, the static step is the faster one there, uncompiled the
-    exact-shape eager step is."""
-    if decode_flag == "auto" and device.type == "cpu" and compile_plan(compile_mode, device, "static", num_steps).decode:
+    CPU_DECODE_MIN_STEPS steps, on always) and it trains in bf16 (`dtype`, its rollouts then too): compiled in bf16,
+    the static step is the faster one there, uncompiled the exact-shape eager step is; in fp32 the compiled step's
+    gain was measured too small to pay for its compile (on the EPYC, a rollout 1.65-1.98 s against 1.73-2.34 s)."""
+    if (decode_flag == "auto" and device.type == "cpu" and dtype == "bfloat16"
+            and compile_plan(compile_mode, device, "static", num_steps).decode):
         return "static"
     return decode
 

@@ -42,7 +42,7 @@ def _index_put_rows(store, layer, rows, positions, values, heads_first=False):
 # tests/test_compile.py holds a minimal case). Defined through torch.library.Library, not the custom_op decorator,
 # whose Python wrapper (argument defaults, autograd redispatch) cost ~25 us a call: 8 calls a step, as vLLM registers
 # its own operators directly for the same reason.
-_OPERATORS = torch.library.Library("nanochat", "DEF")
+_OPERATORS = torch.library.Library("nanochat", "FRAGMENT")  # a fragment: another module may define in the namespace
 _OPERATORS.define("store_rows(Tensor(a!) store, int layer, Tensor rows, Tensor positions, Tensor values, "
                   "bool heads_first=False) -> ()")
 _OPERATORS.impl("store_rows", _index_put_rows, "CompositeExplicitAutograd")

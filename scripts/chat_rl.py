@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, CheckpointError, find_checkpoint, list_steps, list_tags,
                                          load_meta, load_model, make_checkpoint_dir, new_run_id, save_checkpoint,
@@ -118,7 +119,8 @@ def parse_args(argv):
     p.add_argument("--max-rows", type=int, default=0,
                    help="max rows decoded together in one rollout batch (0 = as many as --memory-budget-gb allows)")
     add_memory_budget_flag(p)
-    add_decode_flag(p, auto_note=f"; on a CPU static where --compile compiles it: a run of {CPU_DECODE_MIN_STEPS}+ steps")
+    add_decode_flag(p, auto_note=f"; on a CPU, training in bf16, static where --compile compiles it: auto from "
+                                 f"{CPU_DECODE_MIN_STEPS} steps, on always")
     add_compile_flag(p)
     # optimization
     add_optimizer_flags(p)
@@ -237,19 +239,25 @@ def phase_dtype(phase, device, requested, measure):
     return name
 
 
-def resolve_dtypes(args, model, tokenizer, train_task, device, rows, world_size, compiled_decode=False):
-    """Set args.dtype and args.rollout_dtype to what will run: the run's config and checkpoints record them, so
-    a resumed run computes as it did. Training is timed on one micro-batch of the run's own shape (`rows` rows of
-    the first question's prompt plus --max-new-tokens), rollouts on the run's own rollout shortened (its first
-    questions x --num-samples, 16 tokens, an eager engine as the run's; see fastest_rollout_dtype). --rollout-dtype=auto
-    is float32 with a float32 --dtype; with a compiled decode step (compiled_decode), training's dtype: timing it
-    would compile it twice, and compiled its matmuls are most of its time, as in training (measured on an AVX512-BF16
-    CPU, 256 rows: 12.9 ms a step in bf16, 26.2 in fp32); else measured on its own: the eager step's many small
-    operations gain less from bf16, and decoding and training gain from bf16 on different CPUs."""
+def resolve_training_dtype(args, model, tokenizer, train_task, device, rows):
+    """Set args.dtype to what training runs in (the run's config and checkpoints record it, so a resumed run
+    computes as it did), timed on one micro-batch of the run's own shape (`rows` rows of the first question's prompt
+    plus --max-new-tokens). Returns the dtype that was asked for (resolve_rollout_dtype's `requested`)."""
     requested = args.dtype
     length = len(tokenizer.render_for_completion(train_task[0])) + args.max_new_tokens
     args.dtype = phase_dtype("training", device, requested, lambda candidates: fastest_training_dtype(
         model, rows, length, candidates))
+    return requested
+
+
+def resolve_rollout_dtype(args, model, tokenizer, train_task, device, world_size, requested, compiled_decode=False):
+    """Set args.rollout_dtype to what rollouts run in (recorded, as args.dtype is), after resolve_training_dtype
+    (requested: the --dtype asked for). --rollout-dtype=auto is float32 with a float32 --dtype; with a compiled decode step (compiled_decode), training's
+    dtype: timing it would compile it twice, and compiled its matmuls are most of its time, as in training (measured
+    on an AVX512-BF16 CPU, 256 rows: 12.9 ms a step in bf16, 26.2 in fp32); else timed on its own on the run's
+    rollout shortened (its first questions x --num-samples, 16 tokens, an uncompiled engine in the run's decode
+    mode; see fastest_rollout_dtype): the eager step's many small operations gain less from bf16, and decoding and
+    training gain from bf16 on different CPUs."""
     if compiled_decode and args.rollout_dtype == "auto":
         args.rollout_dtype = args.dtype
         print0(f"rollouts decode in {args.dtype}: as training, with the compiled decode step (--rollout-dtype to choose)")
@@ -459,14 +467,25 @@ class RLRun:
         return autocast_context(self.device, getattr(torch, self.config.rollout_dtype if rollouts else self.config.dtype))
 
 
-def resolve_decode_and_compile(args, device, steps_left):
-    """The decode mode and the CompilePlan of a run with steps_left steps to go (printed with why), args.decode and
+def resolve_decode_and_compile(args, device, num_steps):
+    """The decode mode and the CompilePlan of a run of num_steps steps in all (printed with why), args.decode and
     args.compile set to them: compile.run_decode_mode's mode (--decode=auto on a CPU is the static step where it is
-    compiled), compile.compile_plan's plan for it; where compiling turns out to be unavailable, the mode --decode
-    gives without compiling."""
+    compiled and the run trains in bf16), compile.compile_plan's plan for it. Decided on the run's whole length, not
+    the steps left, so that a resumed run decodes as it started (--decode and --compile are not restored by
+    --resume; the compiled step may sample another token at a near-tie). Every rank takes the same plan: where
+    torch.compile works on some ranks only, none compiles (each probes its own; ranks deciding apart would run
+    different collectives next), and with the plan compiling nothing the mode is the one --decode gives uncompiled.
+    A decode step that fails to compile later, at its first call, warns once and runs uncompiled (the same tokens)."""
     uncompiled = check_decode_flag(args.decode, device)
-    decode = run_decode_mode(args.decode, uncompiled, args.compile, device, steps_left)
-    compiling = resolve_compile_flag(args, device, decode, steps_left)
+    decode = run_decode_mode(args.decode, uncompiled, args.compile, device, num_steps, args.dtype)
+    compiling = resolve_compile_flag(args, device, decode, num_steps)
+    if dist.is_initialized():
+        works = torch.tensor([int(compiling.compiles)], device=collective_device(device))
+        dist.all_reduce(works, op=dist.ReduceOp.MIN)
+        if compiling.compiles and not works.item():
+            compiling = compiling.nothing("torch.compile does not work on every rank")
+            args.compile = "off"
+            print0(compiling.describe())
     args.decode = decode if compiling.decode or decode == uncompiled else uncompiled
     return compiling
 
@@ -494,8 +513,10 @@ def setup_run(args, resume, rank, world_size, device):
     require(args.warmup_steps < num_steps, f"--warmup-steps ({args.warmup_steps}) must be fewer than the run's "
                                            f"{num_steps} steps")
     print0(f"Calculated number of steps: {num_steps}")
-    compiling = resolve_decode_and_compile(args, device, num_steps - start_step)
-    resolve_dtypes(args, model, tokenizer, train_task, device, rows, world_size, compiled_decode=bool(compiling.decode))
+    requested_dtype = resolve_training_dtype(args, model, tokenizer, train_task, device, rows)
+    compiling = resolve_decode_and_compile(args, device, num_steps)
+    resolve_rollout_dtype(args, model, tokenizer, train_task, device, world_size, requested_dtype,
+                          compiled_decode=bool(compiling.decode))
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], args.output_tag)
     # Muon orthogonalizes in the run's compute dtype: bf16 where it is native (nanochat's numerics), fp32 otherwise
     optimizers = scale_initial_lr(model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
@@ -515,7 +536,9 @@ def setup_run(args, resume, rank, world_size, device):
     print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
     engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
                     decode=args.decode, compile=args.compile if compiling.decode else "off")
-    print0(f"rollouts: {engine.decode} decode step ({DECODE_DESCRIPTIONS[engine.decode]}; --decode to choose)")
+    how = DECODE_DESCRIPTIONS[engine.decode]
+    how = "bucketed static shapes, compiled" if compiling.decode and engine.decode == "static" else how
+    print0(f"rollouts: {engine.decode} decode step ({how}; --decode to choose)")
     print0(f"training: {rows} rows of a question per forward "
            f"({'--train-rows' if args.train_rows else 'auto'}; the same gradient for any count)")
     if engine.decode != "eager":  # one static batch for the run, its graphs captured once: sized for every prompt
@@ -587,6 +610,9 @@ def evaluate(run, step):
     # what compiled since the last step line is the eval's own (its batch's shapes): said here, not in the next step's
     # line, and left out of the ETA, which counts what every later eval costs
     graphs, compile_s = run.compile_clock.lap()
+    # the most of any rank (rank 0's eval time includes waiting for the others' compiles), as a step's
+    compiled = reduce_metrics({"compiles": graphs, "compile_s": compile_s}, run.reduce_device)
+    graphs, compile_s = int(compiled["compiles"]), float(compiled["compile_s"])
     run.eval_seconds.append(max(t_eval - compile_s, 0.0))
     print0(f"Step {step} | " + ", ".join(f"Pass@{k + 1}: {v:.4f}" for k, v in enumerate(passk.any)) + f" | eval {t_eval:.1f}s"
            + (f" | compiled {graphs} graphs in {compile_s:.1f}s" if graphs else ""))
