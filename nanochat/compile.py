@@ -36,8 +36,9 @@ import warnings
 from typing import NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 
-from nanochat.common import UserError, print0
+from nanochat.common import UserError, collective_device, print0
 
 COMPILE_MODES = ("auto", "on", "off")
 RECOMPILE_LIMIT = 256  # graphs per compiled function: every decode bucket of a large batch (Dynamo's default is 8)
@@ -334,11 +335,18 @@ def check_compiler(device):
 def resolve_compile(mode, device, *plan_args, **plan_kwargs):
     """The CompilePlan a run uses (compile_plan's, of the same arguments), after checking that torch.compile works on
     `device` when the plan compiles anything: where it does not, --compile=on fails (CompileFailed) and auto warns in
-    one line and compiles nothing."""
+    one line and compiles nothing. Under a process group every rank takes the same plan: each probes its own
+    toolchain, and where any fails, none compiles (ranks deciding apart would run different code, and in chat_rl
+    different collectives, next)."""
     plan = compile_plan(mode, device, *plan_args, **plan_kwargs)
     if not plan.compiles:
         return plan
     reason = check_compiler(device)
+    if dist.is_initialized():
+        works = torch.tensor([int(reason is None)], device=collective_device(device))
+        dist.all_reduce(works, op=dist.ReduceOp.MIN)
+        if reason is None and not works.item():
+            reason = "it failed on another rank"
     if reason is None:
         return plan
     if mode == "on":

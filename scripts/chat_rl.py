@@ -30,7 +30,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, CheckpointError, find_checkpoint, list_steps, list_tags,
                                          load_meta, load_model, make_checkpoint_dir, new_run_id, save_checkpoint,
@@ -472,21 +471,13 @@ def resolve_decode_and_compile(args, device, num_steps):
     args.compile set to them: compile.run_decode_mode's mode (--decode=auto on a CPU is the static step where it is
     compiled and the run trains in bf16), compile.compile_plan's plan for it. Decided on the run's whole length, not
     the steps left, so that a resumed run decodes as it started (--decode and --compile are not restored by
-    --resume; the compiled step may sample another token at a near-tie). Every rank takes the same plan: where
-    torch.compile works on some ranks only, none compiles (each probes its own; ranks deciding apart would run
-    different collectives next), and with the plan compiling nothing the mode is the one --decode gives uncompiled.
-    A decode step that fails to compile later, at its first call, warns once and runs uncompiled (the same tokens)."""
+    --resume; the compiled step may sample another token at a near-tie). Every rank takes the same plan
+    (compile.resolve_compile); where it compiles nothing, the mode is the one --decode gives uncompiled. A decode
+    step that fails to compile later, at its first call, warns once and runs uncompiled (the same tokens)."""
     uncompiled = check_decode_flag(args.decode, device)
     decode = run_decode_mode(args.decode, uncompiled, args.compile, device, num_steps, args.dtype)
     compiling = resolve_compile_flag(args, device, decode, num_steps)
-    if dist.is_initialized():
-        works = torch.tensor([int(compiling.compiles)], device=collective_device(device))
-        dist.all_reduce(works, op=dist.ReduceOp.MIN)
-        if compiling.compiles and not works.item():
-            compiling = compiling.nothing("torch.compile does not work on every rank")
-            args.compile = "off"
-            print0(compiling.describe())
-    args.decode = decode if compiling.decode or decode == uncompiled else uncompiled
+    args.decode = decode if compiling.decode else uncompiled
     return compiling
 
 

@@ -724,3 +724,29 @@ def test_a_long_cpu_runs_auto_decode_is_static_only_where_compiling_works(compil
     else:
         assert plan[:2] == (False, False) and (args.decode, args.compile) == ("eager", "off")
         assert len(caught) == 1 and "torch.compile does not work on cpu here" in str(caught[0].message)
+
+
+AGREE_ON_COMPILING = """
+import sys, warnings, torch, torch.distributed as dist
+from nanochat import compile as nc_compile
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+nc_compile.check_compiler = lambda device: None if rank == 0 else "Compiler: cc is not found"  # rank 1 cannot compile
+warnings.simplefilter("ignore")
+try:
+    plan = nc_compile.resolve_compile(sys.argv[1], torch.device("cpu"), "static", 467)
+    print("plan", plan.decode, plan.train)
+except nc_compile.CompileFailed as error:
+    print("failed", "another rank" in str(error) or "cc is not found" in str(error))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_ranks_take_one_compile_plan_where_one_rank_cannot_compile(mode):
+    """Each rank probes its own toolchain; where one fails, every rank compiles nothing (auto) or stops with the
+    one-line error (on): none goes on alone down another path (in chat_rl, other collectives: a hang)."""
+    from gloo_ranks import run_ranks
+    outputs = run_ranks(lambda rank: ["-c", AGREE_ON_COMPILING, mode])
+    expected = "plan False False" if mode == "auto" else "failed True"
+    assert [out.strip() for out, _ in outputs] == [expected] * 2
