@@ -60,12 +60,15 @@ class CompiledFunction:
     compiles: graphs compiled so far; kernels: the kernels Inductor generated for each of them (fused Triton or C++
     kernels; matmuls and attention run as library calls and are not among them): a call of a graph launches each
     once; seconds: wall time of the calls that compiled; failed: why it runs eagerly (None while compiled).
-    announce: print a line (rank 0) as each graph goes to Inductor and as it comes back compiled."""
+    announce: print a line (rank 0) as each graph goes to Inductor and as it comes back compiled.
+    graph_compiler: what turns each traced graph into code, Inductor's compile_fx unless given (the tests trace
+    some graphs with a cheaper one: Dynamo and AOTAutograd run, Inductor's minute of code generation does not)."""
 
-    def __init__(self, fn, dynamic, announce=True):
+    def __init__(self, fn, dynamic, announce=True, graph_compiler=None):
         self.fn, self.name, self.announce = fn, fn.__name__, announce
         self.compiles, self.kernels, self.seconds, self.failed = 0, [], 0.0, None
-        self.compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=_CountingInductor(self))
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic,
+                                      backend=_CountingInductor(self, graph_compiler))
 
     def __call__(self, *args, required=False):
         if self.failed is not None:
@@ -94,8 +97,8 @@ class CompiledFunction:
 class _CountingInductor:
     """A torch.compile backend: Inductor (default mode: no cudagraphs of its own), counting the graphs it gets."""
 
-    def __init__(self, owner):
-        self.owner = owner
+    def __init__(self, owner, graph_compiler=None):
+        self.owner, self.graph_compiler = owner, graph_compiler
         self.announced = 0  # the graph number last said to go to Inductor
 
     def __call__(self, graph_module, example_inputs):
@@ -111,7 +114,7 @@ class _CountingInductor:
             print0(f"compile: {self.owner.name}: graph {number} going to Inductor{again}"
                    + (f" (no earlier graph fits: {why})" if why else ""))
         self.announced = number
-        compiled = compile_fx(graph_module, example_inputs)
+        compiled = (self.graph_compiler or compile_fx)(graph_module, example_inputs)
         # counted once compiled: Dynamo may call the backend again for the same graph after Inductor asked it to
         # trace again (TensorifyScalarRestartAnalysis, seen on the decode step), and the call that raised made none
         self.owner.compiles += 1

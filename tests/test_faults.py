@@ -24,7 +24,7 @@ from nanochat.checkpoint_manager import list_steps, load_model
 from nanochat.optimizer_shards import load_shard_for_resume
 from nanochat.cli import run_main
 from scripts import chat_rl
-from gloo_ranks import free_port
+from gloo_ranks import start_ranks as launch_ranks
 from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS, assert_same_weights, make_sft_checkpoint, weights
 
 FAULT_RUN = str(REPO / "tests" / "fault_run.py")
@@ -48,12 +48,8 @@ def env_for(base, **extra):
 
 
 def start_ranks(args, base, world_size=2):
-    """`python *args` as `world_size` ranks of one gloo process group (torchrun's environment, no agent)."""
-    port = free_port()
-    return [subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=env_for(base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
-                                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
-            for r in range(world_size)]
+    """`python *args` as `world_size` ranks of one gloo process group (torchrun's environment, the store hosted here as torchrun's agent would)."""
+    return launch_ranks(lambda rank: args, world_size, env_for(base))
 
 
 def wait_all(procs, timeout=180):

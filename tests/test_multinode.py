@@ -3,12 +3,46 @@ weights one process reaches, and each node writes only its own checkpoint files.
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import torch
 
-from gloo_ranks import free_port
 from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_nodes(args_for_node, env_for_node, num_nodes=2, attempts=3):
+    """`torchrun <args_for_node(i)>` as node i of `num_nodes` (static rendezvous, README's multi-node commands).
+    Node 0's agent binds --master-port, which can only be picked free beforehand: another process may take it in
+    between. Then node 0 fails at once with EADDRINUSE, and the launch is tried again on another port.
+    Returns (processes, [(stdout, stderr)])."""
+    for _ in range(attempts):
+        port = free_port()
+        nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={num_nodes}",
+                                   "--nproc-per-node=1", f"--node-rank={i}", "--master-addr=127.0.0.1",
+                                   f"--master-port={port}", *args_for_node(i)],
+                                  cwd=REPO, env=env_for_node(i), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(num_nodes)]
+        outputs = []
+        try:
+            for node in nodes:
+                outputs.append(node.communicate(timeout=300))
+                if node is nodes[0] and node.returncode != 0 and "EADDRINUSE" in outputs[0][1]:
+                    break
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    node.kill()
+                    node.wait()
+        if len(outputs) == num_nodes:
+            return nodes, outputs
+    raise AssertionError(f"the master port was taken {attempts} times in a row")
 
 
 def test_two_nodes_end_with_the_same_weights_as_one_process(sft, base_dir, tmp_path):
@@ -27,21 +61,8 @@ def test_two_nodes_end_with_the_same_weights_as_one_process(sft, base_dir, tmp_p
     node_dirs = [tmp_path / f"node{i}" for i in range(2)]
     for node_dir in node_dirs:  # a copy of the base dir as it was before the run
         shutil.copytree(base_dir, node_dir, ignore=shutil.ignore_patterns("chatrl_checkpoints", "report"))
-    port = free_port()
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-                               f"--node-rank={i}", "--master-addr=127.0.0.1", f"--master-port={port}",
-                               "-m", "scripts.chat_rl", "--", *flags],
-                              cwd=REPO, env={**env, "NANOCHAT_BASE_DIR": str(node_dirs[i])},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    outputs = []
-    try:
-        for node in nodes:
-            outputs.append(node.communicate(timeout=300))
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
+    nodes, outputs = run_nodes(lambda i: ["-m", "scripts.chat_rl", "--", *flags],
+                               lambda i: {**env, "NANOCHAT_BASE_DIR": str(node_dirs[i])})
     for node, (_, err) in zip(nodes, outputs):
         assert node.returncode == 0, err[-3000:]
 
