@@ -15,7 +15,7 @@ import traceback
 
 from nanochat.checkpoint_manager import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
                                          RankLostError, UnknownStepError, UnknownTagError)
-from nanochat.common import SettingError, UserError, get_rank, print0, require
+from nanochat.common import SettingError, UserError, cleanup_after_error, get_rank, print0, require
 from nanochat.compile import COMPILE_MODES, CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, SFT_CPU_MIN_STEPS, CompileFailed, resolve_compile
 from nanochat.cuda_graphs import DECODE_MODES, decode_mode
 from nanochat.memory_budget import AUTO, FIXED_GB, FRACTION, parse_budget
@@ -229,10 +229,13 @@ def run_main(main, argv=None):
             raise
         if get_rank() == 0:  # every rank hits the same validation error; say it once
             print(f"error: {error_line(e)}", file=sys.stderr, flush=True)
+        cleanup_after_error()
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
+        cleanup_after_error()
         sys.exit(130)
     except Exception:
         traceback.print_exc()
+        cleanup_after_error()
         sys.exit(1)

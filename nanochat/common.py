@@ -263,6 +263,18 @@ def compute_cleanup():
         dist.destroy_process_group()
 
 
+def cleanup_after_error():
+    """Tear down the process group, if any, on an error path: without wait_for_all_ranks' barrier (a rank that
+    failed alone would wait there for ever). A process that exited with its group alive left gloo's threads to the
+    interpreter's exit, which now and then aborted it ("terminate called without an active exception", exit code
+    -6 instead of the error's 2; a 2-rank --resume refused on both ranks, once in a loaded test run)."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # already broken (a peer gone): the exit code must still be the error's
+            pass
+
+
 def collective_device(device):
     """Where a tensor that ranks reduce together must live: the rank's CUDA device (NCCL reduces CUDA tensors
     only), else the CPU (gloo)."""

@@ -39,6 +39,12 @@ PRETEND_CUDA = load_pretend_cuda()
 
 
 def pytest_configure(config):
+    # Under pytest-xdist (tests/run.sh runs one worker per core) each worker computes on one thread, and so does every
+    # process a test starts: two workers of two OpenMP threads each on two cores wait on each other's spinning
+    # threads (measured ~10x slower), one thread each keeps both cores busy without that
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     # before any test module imports datasets / huggingface_hub: they read these once, at import
     root = tempfile.mkdtemp(prefix="nanochat-tests-")
     config._nanochat_tmp_root = root
@@ -51,6 +57,17 @@ def pytest_configure(config):
     if not HAS_CUDA:  # subprocesses that inherit this environment (helpers.PYTHONPATH has the folder too)
         os.environ[PRETEND_CUDA.ENV] = "1"
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PRETEND_CUDA_DIR), os.environ.get("PYTHONPATH")]))
+
+
+# Fixtures that cost seconds to make (a model trained from scratch, runs of several processes): every test that
+# uses one, directly or through another fixture, is `slow` (the quick tier, `-m "not slow"`, would make it)
+SLOW_FIXTURES = {"one_step_sft", "uninterrupted", "disk_full_on_rank1", "two_ranks", "first_run"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session", autouse=True)

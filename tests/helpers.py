@@ -18,9 +18,10 @@ from nanochat.gpt import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
-# whether torch really sees a GPU, read here, before conftest's pretend-CUDA guard patches torch.cuda: the
-# `cuda` tests skip on it, and the guard stays off where it is True
-HAS_CUDA = torch.cuda.is_available()
+# whether torch really sees a GPU, read here, before conftest's pretend-CUDA guard patches torch.cuda (or, in a
+# process started under the guard, from the real answer it keeps): the `cuda` tests skip on it, and the guard stays
+# off where it is True
+HAS_CUDA = getattr(torch.cuda, "real_is_available", torch.cuda.is_available)()
 # its sitecustomize.py carries the guard into subprocesses (conftest's docstring)
 PRETEND_CUDA_DIR = REPO / "tests" / "pretend_cuda"
 # for a subprocess: nanochat, scripts and tasks from the repo, user-style tasks (rl_toy_task) from tests/, then what

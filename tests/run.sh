@@ -9,7 +9,8 @@
 #    shows an NVIDIA GPU, a CUDA build (PyPI's torch for Linux);
 # 3. installs this package with its test extras (pip install -e ".[test]");
 # 4. prints one line naming the CPU, its bf16 support, torch's version and thread count;
-# 5. runs pytest and exits with pytest's exit code.
+# 5. runs pytest, one pytest-xdist worker per core (at most 4; NANOCHAT_TEST_WORKERS=N sets N, 0 runs in this
+#    process), each computing on one thread, and exits with pytest's exit code.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,6 +35,13 @@ fi
 # which machine this is, so that a red log says which CPU kind (and bf16 path) the numbers came from
 "$venv_python" -c "from nanochat.common import cpu_summary; print('tests/run.sh: ' + cpu_summary())"
 
+# One worker per core: most tests are single-threaded (tiny models, Inductor's code generation, processes starting),
+# so a 2-core machine runs two at a time in ~half the time. --dist loadfile keeps a file's tests, and the module
+# fixtures they share (a trained model, compiled graphs), on one worker.
+workers=${NANOCHAT_TEST_WORKERS:-$("$venv_python" -c "import os; print(min(4, os.cpu_count() or 1))")}
+parallel=()
+[ "$workers" -gt 0 ] && parallel=(-n "$workers" --dist loadfile)
+
 # with arguments they replace `tests` (a path selects; with options only, pyproject's testpaths is `tests`)
 [ $# -gt 0 ] || set -- tests
-exec "$venv_python" -m pytest -q -p no:cacheprovider "$@"
+exec "$venv_python" -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@"

@@ -69,6 +69,7 @@ def test_same_index_same_example_across_instances(difficulty):
             assert a[i] == a[i]  # no state carried between calls
 
 
+@pytest.mark.slow
 def test_same_examples_in_processes_with_different_hash_seeds():
     """Regression guard: seeds derived from hash() of a str differ per process (PYTHONHASHSEED), so a run's
     ranks or a resumed run would see different problems."""

@@ -157,6 +157,7 @@ def test_debug_shows_the_traceback(base, monkeypatch):
         run_main(chat_rl.main, TINY_FLAGS + ["--debug"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["3 ranks do not divide --examples-per-step=2", "base dir does not exist"])
 def test_real_process_exits_2_with_one_line(name, tmp_path):
     """The real `python -m scripts.chat_rl`: exit status 2 and exactly one stderr line. With RANK/WORLD_SIZE

@@ -216,6 +216,7 @@ def test_peak_memory_is_reset_between_measurements():
     assert memory.peak_mb() < high - 40
 
 
+@pytest.mark.slow
 def test_bf16_greedy_rollouts_follow_fp32_on_a_trained_model(one_step_sft, monkeypatch):
     """bf16 sampling (autocast + bf16 KV cache) against fp32, greedy, on a trained 2-layer model and 256 held-out
     one-step arithmetic questions. The property: bf16 only changes a greedy decision where fp32 itself had a

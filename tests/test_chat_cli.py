@@ -69,6 +69,7 @@ def reply(tokenizer, conversation, **sampling):
     return Engine(model, tokenizer).generate_many([prompt], max_tokens=24, **sampling)[0][0]
 
 
+@pytest.mark.slow
 def test_piped_greedy_chat_is_the_engines_greedy_output(plain_sft, base_dir, tiny_tokenizer):
     """Two turns, `clear`, the first question again, then end of input: every answer is the engine's
     greedy completion of the conversation so far, rendered with render_for_completion."""
@@ -88,6 +89,7 @@ def test_piped_greedy_chat_is_the_engines_greedy_output(plain_sft, base_dir, tin
     assert first.tokens != second.tokens  # the second answer really saw a different conversation
 
 
+@pytest.mark.slow
 def test_prompt_flag_answers_once_and_exits_0(plain_sft, base_dir, tiny_tokenizer):
     """-p prints only the answer: the engine's sample for the same seed at the default T=0.6, top-k 50."""
     result = run_cli(base_dir, FLAGS + ["-p", "hello there", "--seed=3"], stdin="never read\n")

@@ -176,6 +176,7 @@ def test_eval_steps_for_the_eta():
     assert [s for s in range(9) if chat_rl.is_eval_step(s, 8, 4)] == [0, 4, 8]
 
 
+@pytest.mark.slow
 def test_two_ranks_end_with_the_same_weights_as_one(sft, base_dir, tmp_path):
     """Distributed equivalence. Why equality must hold: each question's samples are seeded by
     (step, question index) and each row has its own random stream, so both layouts sample the same
@@ -228,6 +229,7 @@ def recorded_dtypes(base_dir, step):
 AUTO_FLAGS = [f for f in TINY_RL_FLAGS if not f.startswith("--dtype")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["none", "avx512-bf16", "amx"])
 @pytest.mark.parametrize("training, rollouts", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
 def test_auto_dtypes_follow_the_cpu_kind_and_the_measurements(kind, training, rollouts, sft, base_dir, monkeypatch,
@@ -252,6 +254,7 @@ def test_auto_dtypes_follow_the_cpu_kind_and_the_measurements(kind, training, ro
         assert f"training computes in {name(training)}" in out and f"rollouts decode in {name(rollouts)}" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["none", "avx512-bf16", "amx"])
 def test_forced_dtypes_are_not_measured(kind, sft, base_dir, monkeypatch, measurements):
     """--dtype=float32 runs both phases in float32; --dtype=bfloat16 trains in bf16 where it is native (float32
@@ -380,6 +383,7 @@ def test_out_of_memory_while_allocating_the_rollout_cache_halves_the_rows(sft, b
     assert reward(out) == reward(reference) and len(reward(out)) == 1
 
 
+@pytest.mark.slow
 def test_a_run_captures_its_decode_graphs_in_its_first_step_only(sft, base_dir, tiny_tokenizer, capsys, cpu_graphs,
                                                                   monkeypatch):
     """Issue 35: the static batch is sized once for the run (the task's longest prompt, the rows the memory budget

@@ -239,6 +239,7 @@ def test_from_scratch_run_writes_a_checkpoint_that_sft_loading_finds_and_learns(
     assert final_loss < 0.6 * initial_loss, (initial_loss, final_loss)
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_finetune_to_the_same_weights_as_one_process(scratch_run):
     """Finetuning the scratch run's checkpoint (--source=sft, default --init-lr-frac): each of 2 ranks takes
     half of every step's examples and the distributed optimizers average the gradients; with the token-mean
@@ -526,6 +527,7 @@ def test_refuses_a_tag_holding_a_step_after_the_earliest_stop(base_dir, monkeypa
     assert "already holds model_000003.pt, a later step than step 2, where this run may stop" in err[0]
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_measure_and_stop_as_one_process(sft, base_dir, monkeypatch):
     """A held-out measurement on 2 gloo ranks, each sampling half of the 6 held-out questions: the counts are
     summed over ranks, so both ranks take the decision of one process and rank 0 records the pass@1 of all 6

@@ -94,6 +94,7 @@ def compiled_for(name, fn, dynamic, monkeypatch):
     return traced
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_compiled_decode_samples_the_eager_tokens_on_generation_fixtures(name, tmp_path, monkeypatch):
     """fp32 rollouts (T=1, top-k 50, the second prompt's rows admitted into the slots the first's freed) of each of
@@ -156,6 +157,7 @@ def greedy_fp32(arithmetic):
                            kernels=generated_kernels(static_step, STATIC_STEP_DYNAMIC)[graphs_before:])
 
 
+@pytest.mark.slow
 def test_compiled_greedy_decode_parts_from_eager_only_at_fp32_near_ties(arithmetic, greedy_fp32):
     """Greedy fp32 rollouts (static step, at most 3 rows of 32 tokens) of the 256 questions, compiled against
     eager: at each row's first difference the fp32 logits of the two choices are within FP32_NEAR_TIE (3.1e-5,
@@ -171,6 +173,7 @@ def test_compiled_greedy_decode_parts_from_eager_only_at_fp32_near_ties(arithmet
     assert len(gaps) > 256 * 15 and max(gaps) <= FP32_GAP_BOUND
 
 
+@pytest.mark.slow
 def test_compiled_bf16_greedy_decode_parts_from_eager_bf16_only_at_near_ties(arithmetic):
     """The engine's bf16 rollouts (autocast, bf16 matmul weights and KV cache), greedy, static step compiled against
     eager, on the 256 questions: at each row's first difference the fp32 logits of the two choices are within
@@ -219,6 +222,7 @@ def test_a_rollout_compiles_a_few_graphs_and_the_next_rollout_none(arithmetic, g
         model.load_state_dict(weights)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("share_prompts", [True, False])
 def test_every_bucketed_shape_of_a_static_batch_compiles_three_graphs_at_most(share_prompts):
     """A static batch's shapes, each run once through a freshly compiled step (as the engine's CUDA graphs warm every
@@ -312,6 +316,7 @@ def small_batches(name):
             question(prompts[1][:16], [0, 0, 0, 0], [3, 4, 6, 2], seed=2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_compiled_training_gives_the_eager_gradient_within_fp32_rounding(name, tmp_path, monkeypatch):
     """The policy-gradient pass with the compiled chunk forward (Inductor on INDUCTOR_GENERATIONS, traced whole by
@@ -499,6 +504,7 @@ def test_chat_rls_auto_decode_is_the_static_step_on_a_cpu_where_that_step_is_com
     assert run_decode_mode("static", "static", "auto", cpu, 467, dtype="float32") == "static"
 
 
+@pytest.mark.slow
 def test_the_golden_trace_compiled(sft, base_dir, monkeypatch, capsys):
     """chat_rl --compile=on reproduces tests/test_golden_trace.py's trace (4 steps, fp32, teacher-forced rollouts)
     within the trace's own tolerance, 1e-4 relative: the compiled forward sums the same terms in another order, the
@@ -528,6 +534,7 @@ def test_the_golden_trace_compiled(sft, base_dir, monkeypatch, capsys):
     assert steady[0] < history[0]["time/rollout"] + history[0]["time/train"] - 0.5 * history[0]["compile_s"]
 
 
+@pytest.mark.slow
 def test_the_cache_write_compiled_with_dynamic_shapes_is_eagers():
     """kv_cache.write_rows writes into a layer of the whole storage (heads first or not), compiled with dynamic
     shapes as the static decode step is (through the store_rows operator; eagerly a plain index_put): the cache and
@@ -579,6 +586,7 @@ def sft_losses(monkeypatch, flags):
     return losses, tokens
 
 
+@pytest.mark.slow
 def test_chat_sft_compiled_gives_the_eager_losses_and_weights(sft, base_dir, monkeypatch, capsys):
     """chat_sft --compile=on (the training forward and loss compiled, dynamic in the rows' lengths) finetunes the
     random tiny checkpoint as the eager run does. Step 1 runs on the same weights: the two losses sum the same n
@@ -627,6 +635,7 @@ def eval_completions(monkeypatch, flags, out):
     return json.loads(out.read_text()), sampled
 
 
+@pytest.mark.slow
 def test_chat_eval_compiled_samples_the_eager_tokens(sft, base_dir, monkeypatch, capsys):
     """chat_eval --compile=on --decode=static: the compiled static step samples exactly the tokens of the eager
     static step, greedy and at T=1 (fp32, fixed seeds: a difference would need a near-tie within Inductor's
@@ -668,6 +677,7 @@ def test_compile_on_where_compiling_fails_is_one_line_and_exit_2(script, sft, ba
     assert not (base_dir / "chatsft_checkpoints" / "never").exists() and not (base_dir / "never.json").exists()
 
 
+@pytest.mark.slow
 def test_compiled_bf16_training_attention_traces_whole_and_matches_eager():
     """The compiled training forward (chunk_logprobs, compiled with dynamic shapes) traces a CPU's explicit bf16
     attention (nanochat/attention.py) in one graph, autocast turned off inside fp32_scores included, and its output
@@ -774,6 +784,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["auto", "on"])
 def test_ranks_take_one_compile_plan_where_one_rank_cannot_compile(mode):
     """Each rank probes its own toolchain; where one fails, every rank compiles nothing (auto) or stops with the

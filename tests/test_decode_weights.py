@@ -90,6 +90,7 @@ def bf16_rollouts(model, tokenizer, prompts, decode, share_prompts):
 @pytest.mark.parametrize("name,decode,share_prompts", [("oct2025", "eager", True), ("oct2025", "static", False),
                                                        ("ve_late", "static", True), ("smear", "eager", False),
                                                        ("smear", "static", True)])
+@pytest.mark.slow
 def test_bf16_rollouts_are_bitwise_those_of_plain_autocast(name, decode, share_prompts, tmp_path, monkeypatch):
     """nanochat's fixture checkpoints: the copies change nothing a rollout returns, in either decode step (both KV
     caches), and with them no parameter is cast (prefills and decode steps alike use them); oct2025's rows call the

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from nanochat.common import autodetect_device_type
@@ -22,6 +23,7 @@ def test_this_process_sees_cuda():
     assert autodetect_device_type() == "cuda"
 
 
+@pytest.mark.slow
 def test_subprocesses_see_cuda():
     """The ways the tests start Python: with helpers.PYTHONPATH in their environment, with the session's
     environment inherited, and as a torchrun rank."""

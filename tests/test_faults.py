@@ -148,6 +148,7 @@ def resume_and_compare(base, uninterrupted):
     assert_same_weights(weights(rl_dir(base) / "model_000003.pt"), uninterrupted)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", SAVE_POINTS)
 def test_sigkill_at_every_write_of_a_save_keeps_the_last_complete_checkpoint_and_resume_is_exact(
         point, module_base, uninterrupted, tmp_path, monkeypatch, one_thread):
@@ -168,6 +169,7 @@ def test_sigkill_at_every_write_of_a_save_keeps_the_last_complete_checkpoint_and
     resume_and_compare(base, uninterrupted)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", SAVE_POINTS)
 def test_disk_full_at_every_write_of_a_save_is_one_line_and_resume_is_exact(point, module_base, uninterrupted, tmp_path,
                                                                           monkeypatch, capsys, one_thread):
@@ -203,6 +205,7 @@ def test_disk_full_at_every_write_of_a_save_is_one_line_and_resume_is_exact(poin
     resume_and_compare(base, uninterrupted)
 
 
+@pytest.mark.slow
 def test_a_rank_killed_while_writing_its_shard_leaves_the_previous_checkpoint_complete(module_base, tmp_path,
                                                                                        monkeypatch):
     """Rank 1 of 2 dies (SIGKILL) with its step-2 shard half written: rank 0, waiting for every rank to have
@@ -239,6 +242,7 @@ def disk_full_on_rank1(module_base, tmp_path_factory):
     return base, wait_all(start_ranks([FAULT_RUN, "disk-full:optim_000002_rank1.pt", *TINY_RL_FLAGS, *STEPS], base))
 
 
+@pytest.mark.slow
 def test_disk_full_on_one_rank_stops_every_rank_with_one_line(disk_full_on_rank1):
     """Every rank exits 2; rank 0 (the one that prints) says in one line what rank 1 hit; nothing of step 2 is
     left on either rank (staged files removed everywhere), and step 1 is complete."""
@@ -252,6 +256,7 @@ def test_disk_full_on_one_rank_stops_every_rank_with_one_line(disk_full_on_rank1
         "meta_000001.json", "model_000001.pt", "optim_000001_rank0.pt", "optim_000001_rank1.pt"]
 
 
+@pytest.mark.slow
 def test_resume_with_one_ranks_shard_lost_is_one_line_and_touches_nothing(disk_full_on_rank1, tmp_path):
     """--resume on 2 ranks after rank 1's shard of the latest step was lost (its node's disk replaced): rank 1
     finds it missing, rank 0 reports it (the ranks compare their checks before either goes on), both exit 2,
@@ -268,6 +273,7 @@ def test_resume_with_one_ranks_shard_lost_is_one_line_and_touches_nothing(disk_f
     assert digests(base) == before
 
 
+@pytest.mark.slow
 def test_torchrun_sigterm_saves_one_consistent_checkpoint_and_resume_is_bitwise(module_base, tmp_path):
     """SIGTERM to torchrun, which forwards it to both ranks: they finish the step, agree to stop, save one
     checkpoint (the model, the meta and both shards of the same step and run) and exit; a 2-rank --resume then

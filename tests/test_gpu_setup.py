@@ -8,6 +8,7 @@ through a symlink to that python, could not either."""
 import os
 import subprocess
 import sys
+import pytest
 
 from helpers import REPO
 
@@ -56,6 +57,7 @@ def test_without_a_venv_module_the_venv_is_written_by_hand_and_still_sees_the_pa
     assert torch_dir == os.path.dirname(__import__("torch").__file__)
 
 
+@pytest.mark.slow
 def test_the_wrapper_runs_the_python_it_names_with_its_arguments(tmp_path):
     wrapper = tmp_path / "bin" / "python"
     bash('python_wrapper "$1" "$2"', sys.executable, wrapper)

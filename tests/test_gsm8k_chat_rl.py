@@ -96,6 +96,7 @@ def test_two_gsm8k_steps_log_the_rewards_of_what_was_sampled(sft, base_dir, tiny
         assert f"Step {step} | Pass@1: 0.2500, Pass@2: 0.7500 |" in out
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_give_the_one_rank_rewards_and_pass_at_k(sft, base_dir, monkeypatch):
     """The same GSM8K run on 2 ranks: each rank samples half of each step's questions and half of the eval's,
     and the logged rewards and pass@k (summed over ranks) are the 1-rank run's."""

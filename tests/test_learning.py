@@ -49,6 +49,7 @@ def per_question_pass_rates(source, base):
     return [sum(o.rewards) / EVAL_SAMPLES for o in outcomes]
 
 
+@pytest.mark.slow
 def test_rl_raises_held_out_pass_at_1_beyond_noise(one_step_sft, monkeypatch):
     base = one_step_sft
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))

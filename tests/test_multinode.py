@@ -6,6 +6,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import pytest
 import torch
 
 from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS
@@ -45,6 +46,7 @@ def run_nodes(args_for_node, env_for_node, num_nodes=2, attempts=3):
     raise AssertionError(f"the master port was taken {attempts} times in a row")
 
 
+@pytest.mark.slow
 def test_two_nodes_end_with_the_same_weights_as_one_process(sft, base_dir, tmp_path):
     """Each node gets its own copy of the base dir (no shared filesystem), as README's multi-node section
     allows: the run must not read anything another node writes. Rank 0 (node 0) writes the model and meta,

@@ -355,6 +355,7 @@ def two_ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_distributed_recipes_take_nanochats_steps(two_ranks):
     """The same golden check with the distributed optimizers (DistAdamW + DistMuon, MuonAdamW) on 2 gloo
     ranks, each rank fed different gradients whose average is the fixture's; both ranks agree."""

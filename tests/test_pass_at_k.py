@@ -137,6 +137,7 @@ def test_chat_eval_reports_the_pass_at_k_worked_out_by_hand(sft, base_dir, capsy
     assert "greedy pass@1: 0.5000 on 6 questions" in printed
 
 
+@pytest.mark.slow
 def test_chat_eval_on_two_gloo_ranks_reports_what_one_process_does(sft, base_dir, monkeypatch):
     """chat_eval under torchrun: each of 2 ranks samples half of the questions, the counts and the compile record
     are reduced over the ranks, and rank 0 writes the report one process writes (check_scripted_eval_report)."""

@@ -134,6 +134,7 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(sft, base_dir,
         assert torch.allclose(got[k], reference[k], atol=1e-5), k
 
 
+@pytest.mark.slow
 def test_out_of_memory_in_a_rollout_first_gives_back_the_batches_kept_from_other_rollouts(sft, base_dir, monkeypatch,
                                                                                           capsys):
     """The engine keeps the eval's static batch beside the steps' (Engine._new_batch). An out-of-memory in a step's
@@ -160,6 +161,7 @@ def test_out_of_memory_in_a_rollout_first_gives_back_the_batches_kept_from_other
     assert_same_weights(weights(rl_dir(base_dir) / "model_000001.pt"), reference)
 
 
+@pytest.mark.slow
 def test_out_of_memory_in_training_first_gives_back_the_evals_batch_then_the_steps(sft, base_dir, monkeypatch, capsys):
     """With an eval's static batch kept beside the step's, an out-of-memory in training first gives back the eval's
     (the step's batch stays, and the engine keeps batches still), and retries with the same rows: the weights are
@@ -233,6 +235,7 @@ def test_out_of_memory_in_training_first_releases_the_kept_rollout_batch(sft, ba
     assert_same_weights(weights(rl_dir(base_dir) / "model_000001.pt"), reference)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_resume_matches_uninterrupted_run(sft, base_dir, tmp_path, tiny_tokenizer):
     """A real process: start, SIGTERM once a step has completed, check the saved checkpoint and the
     message, resume to the end, and compare with an uninterrupted run in a copy of the base dir."""

@@ -81,6 +81,7 @@ def question_log(tmp_path, monkeypatch):
     return tmp_path / "questions"
 
 
+@pytest.mark.slow
 def test_two_rank_run_resumes_on_two_ranks_bitwise_and_on_one_rank(sft, base_dir, question_log, monkeypatch, capsys):
     """A 2-rank run's step 1 resumed on 2 ranks ends with bitwise the uninterrupted run's weights and history. On 1
     rank, the optimizer it loads is the 2 shards gathered, bit for bit; it trains on the epoch's next questions in
@@ -126,6 +127,7 @@ def test_two_rank_run_resumes_on_two_ranks_bitwise_and_on_one_rank(sft, base_dir
     assert sorted(p.name for p in directory.glob("optim_000003_*")) == ["optim_000003_rank0.pt"]
 
 
+@pytest.mark.slow
 def test_one_rank_run_resumes_on_two_ranks_mid_schedule_and_three_ranks_are_refused(sft, base_dir, question_log,
                                                                                    monkeypatch, capsys):
     """A 1-process cosine run with warm-up, resumed from step 1 on 2 ranks: the epoch goes on with questions 8-15

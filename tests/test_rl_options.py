@@ -264,6 +264,7 @@ OPTIONS = {"loss_norm": "token", "clip_high": 0.28, "ppo_epochs": 2, "kl_coef": 
            "mask_truncated": True}
 
 
+@pytest.mark.slow
 def test_options_run_checkpoint_and_resume(sft, base_dir, capsys):
     """Every option at once: the run logs the PPO and KL diagnostics and records the flags, the starting
     checkpoint and the final eval in its meta; --resume (with no option flags) restores the options, reloads the

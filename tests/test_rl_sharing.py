@@ -93,6 +93,7 @@ def mixed(models):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["jan2026", "ve", "smear"])
 @pytest.mark.parametrize("device_batch_size", [1, 2, 4])
 def test_skipping_and_prompt_sharing_leave_the_gradient_unchanged(models, mixed, name, device_batch_size):

@@ -33,6 +33,7 @@ def first_run(tmp_path_factory, gsm8k_dir):
     return base, run_speedrun(base, gsm8k_dir)
 
 
+@pytest.mark.slow
 def test_stages_run_in_order_and_leave_their_files(first_run, gsm8k_dir):
     base, out = first_run
     stages = re.findall(r"^=== \[\d\d:\d\d\] (\d)/5", out, re.MULTILINE)
@@ -65,6 +66,7 @@ def test_stages_run_in_order_and_leave_their_files(first_run, gsm8k_dir):
     assert f"report: {report} (total " in out
 
 
+@pytest.mark.slow
 def test_second_run_reuses_the_bootstrapped_checkpoint(first_run, gsm8k_dir):
     base, _ = first_run
     sft = base / "chatsft_checkpoints" / "d1" / "model_000002.pt"

@@ -107,6 +107,7 @@ ENDING_PROMPTS = ("a b", "Natalia sold 48 clips", "c", "d e f", "g")
 ENDING_KWARGS = dict(num_samples=6, max_tokens=40, temperature=1.0, top_k=50, seeds=[1, 2, 3, 4, 5], max_rows=14)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["jan2026", "ve", "smear"])  # every cache feature: windows, value embeddings, smear
 @pytest.mark.parametrize("share_prompts", [True, False])
 def test_replayed_graphs_equal_the_static_step(name, share_prompts, tmp_path, monkeypatch, cpu_graphs):
@@ -152,6 +153,7 @@ def test_replayed_graphs_carry_tool_calls_early_ends_and_refilled_slots(tiny_tok
     assert cpu_graphs.captures > 0 and cpu_graphs.replays == 2 * graph.last_stats.decode_forwards
 
 
+@pytest.mark.slow
 def test_the_stand_in_catches_what_a_capture_breaks(tiny_tokenizer, cpu_graphs, monkeypatch):
     """graph_capture's replays have a real capture's teeth: a batch that writes its next inputs into a new
     tensor instead of its buffer (the graph keeps reading the buffer it captured), or a cache that grows after

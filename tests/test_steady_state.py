@@ -18,6 +18,7 @@ def live_counts():
     return sum(issubclass(type(o), torch.Tensor) for o in objects), len(objects)  # type(): no __class__ lookups
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decode", ["eager", "static"])
 def test_every_step_starts_with_the_same_live_tensors_and_objects(decode, sft, base_dir, monkeypatch):
     """Counted when each step's rollouts start, over 8 steps: the first step creates the engine's kept batch and

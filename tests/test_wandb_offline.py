@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from nanochat.common import DummyWandb
 from nanochat.wandb_utils import init_wandb, log_samples_table
 from helpers import PYTHONPATH, REPO
@@ -39,6 +41,7 @@ def run_python(code, env):
                           timeout=60, stdin=subprocess.DEVNULL)
 
 
+@pytest.mark.slow
 def test_offline_run_records_logged_keys(tmp_path):
     proc = run_python(OFFLINE_RUN, wandb_env(tmp_path, "offline"))
     assert proc.returncode == 0, proc.stderr
@@ -61,6 +64,7 @@ def test_offline_run_records_logged_keys(tmp_path):
     assert table["data"] == [[2, "What is 2+3?", "5 #### 5", 1.0], [2, "What is 4*4?", "15 #### 15", 0.0]]
 
 
+@pytest.mark.slow
 def test_online_without_api_key_is_a_user_error(tmp_path):
     """No key and no network: wandb refuses locally; we turn that into a WandbStartError naming the run and the
     environment fixes, which a script (run_main) prints as one line with the flag that turns wandb off."""

@@ -51,6 +51,7 @@ def items(updates):
     return {(u.key or "/".join(u.nested_key)): json.loads(u.value_json) for u in updates}
 
 
+@pytest.mark.slow
 def test_chat_rl_run_logs_its_config_metrics_evals_and_samples_to_wandb(sft, base_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true", HOME=str(tmp_path / "home"),

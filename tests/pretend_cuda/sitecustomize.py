@@ -34,6 +34,10 @@ def refusing(name):
 
 def pretend_cuda(cuda, setattr=setattr):
     """Give the torch.cuda module `cuda` these answers (setattr: monkeypatch.setattr, to undo it after a test)."""
+    if not hasattr(cuda, "real_is_available"):
+        # what the machine has, for helpers.HAS_CUDA in a process that starts under the guard: a pytest-xdist
+        # worker inherits the session's environment, so its torch is patched before the tests' helpers are imported
+        cuda.real_is_available = cuda.is_available
     setattr(cuda, "is_available", is_available)
     setattr(cuda, "device_count", device_count)
     # where a process would start using CUDA: torch's lazy init (tensors and modules moved to "cuda", device
