@@ -8,6 +8,7 @@ process group. Everything else asks `torch.distributed.is_initialized()`; nothin
 """
 
 import contextlib
+import gc
 import os
 import platform
 import re
@@ -260,19 +261,28 @@ def wait_for_all_ranks():
 def compute_cleanup():
     """Tear down the process group, if any."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        release_process_group()
 
 
 def cleanup_after_error():
-    """Tear down the process group, if any, on an error path: without wait_for_all_ranks' barrier (a rank that
+    """Tear down a gloo process group, if any, on an error path: without wait_for_all_ranks' barrier (a rank that
     failed alone would wait there for ever). A process that exited with its group alive left gloo's threads to the
     interpreter's exit, which now and then aborted it ("terminate called without an active exception", exit code
-    -6 instead of the error's 2; a 2-rank --resume refused on both ranks, once in a loaded test run)."""
-    if dist.is_initialized():
+    -6 instead of the error's 2; a 2-rank --resume refused on both ranks, once in a loaded test run). Not NCCL's:
+    its teardown can wait for a collective that a rank which failed alone will never join."""
+    if dist.is_initialized() and dist.get_backend() == "gloo":
         try:
-            dist.destroy_process_group()
+            release_process_group()
         except Exception:  # already broken (a peer gone): the exit code must still be the error's
             pass
+
+
+def release_process_group():
+    """destroy_process_group, after a collection: gloo's work objects caught in reference cycles (a distributed
+    optimizer's) still hold tensors, and freed during the interpreter's exit they take the GIL from a dying
+    interpreter, which aborts the process ("terminate called without an active exception"; pytorch#179291)."""
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def collective_device(device):
