@@ -18,7 +18,7 @@ from nanochat.checkpoint_manager import (CorruptCheckpointError, MissingMetaErro
 from nanochat.common import SettingError, UserError, cleanup_after_error, get_rank, print0, require
 from nanochat.compile import COMPILE_MODES, CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, SFT_CPU_MIN_STEPS, CompileFailed, resolve_compile
 from nanochat.cuda_graphs import DECODE_MODES, decode_mode
-from nanochat.memory_budget import AUTO, FIXED_GB, FRACTION, parse_budget
+from nanochat.memory_budget import AUTO, FIXED_GB, FRACTION, NoMemoryForRolloutsError, parse_budget
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
 from nanochat.tokenizer import TokenizerError
 from nanochat.wandb_utils import WandbStartError
@@ -188,6 +188,7 @@ HINTS = {
     JumpedOverBandError: "check more often (a smaller --stop-check-every) or widen the band of --stop-at-pass1",
     CompileFailed: "use --compile=off (or auto, which falls back to eager with a warning)",
     BandNotReachedError: "allow more steps (a larger --num-steps) or lower the band of --stop-at-pass1",
+    NoMemoryForRolloutsError: "pass --memory-budget-gb=N to choose the KV cache's size, or lower --device-batch-size",
 }
 
 

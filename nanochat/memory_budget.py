@@ -88,12 +88,16 @@ class MemoryPlan:
                 f"{gb(self.training_peak)} (estimated))")
 
 
+class NoMemoryForRolloutsError(UserError):
+    """Nothing of the device's free memory is left for a KV cache once the rest of the run is counted. The
+    message states the arithmetic; what to change on the command line is the script's (nanochat/cli.py's HINTS)."""
+
+
 def plan_budget(free, model, optimizer, decode_weights, training_peak, fraction=FRACTION):
-    """The MemoryPlan of these byte counts; a UserError when nothing is left for a KV cache."""
+    """The MemoryPlan of these byte counts; a NoMemoryForRolloutsError when nothing is left for a KV cache."""
     plan = MemoryPlan(int(free), int(model), int(optimizer), int(decode_weights), int(training_peak), fraction)
     if plan.budget_bytes <= 0:
-        raise UserError(f"no device memory left for rollouts: {plan.describe().split(': ', 1)[1]}; pass "
-                        f"--memory-budget-gb=N to choose the KV cache's size, or lower --device-batch-size")
+        raise NoMemoryForRolloutsError(f"no device memory left for rollouts: {plan.describe().split(': ', 1)[1]}")
     return plan
 
 

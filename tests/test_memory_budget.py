@@ -11,6 +11,7 @@ from nanochat import memory_budget
 from nanochat.common import UserError
 from nanochat.engine import Engine
 from nanochat.gpt import GPT, GPTConfig
+from nanochat.cli import error_line
 from nanochat.memory_budget import GiB, parse_budget, plan_budget, resolve_memory_budget
 
 
@@ -84,8 +85,11 @@ def test_auto_off_cuda_is_the_fixed_default_and_a_number_is_taken_as_given(free_
 def test_no_memory_left_is_one_line_naming_the_flag(free_memory):
     free_memory[0] = 64 * 1024  # less than the optimizer will need
     model = Stub()
-    with pytest.raises(UserError, match=r"^no device memory left for rollouts: .* pass --memory-budget-gb=N"):
+    with pytest.raises(UserError, match=r"^no device memory left for rollouts: ") as refused:
         resolve_memory_budget("auto", model, torch.device("cuda"), [stub_optimizer(model)], rows=8, completion_tokens=16)
+    assert "--" not in str(refused.value)  # the library states the facts; the script names the flags
+    line = error_line(refused.value)
+    assert "\n" not in line and line.startswith(str(refused.value) + "; pass --memory-budget-gb=N to choose")
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "nan", "lots"])
