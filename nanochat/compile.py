@@ -61,8 +61,8 @@ class CompiledFunction:
     kernels; matmuls and attention run as library calls and are not among them): a call of a graph launches each
     once; seconds: wall time of the calls that compiled; failed: why it runs eagerly (None while compiled).
     announce: print a line (rank 0) as each graph goes to Inductor and as it comes back compiled.
-    graph_compiler: what turns each traced graph into code, Inductor's compile_fx unless given (the tests trace
-    some graphs with a cheaper one: Dynamo and AOTAutograd run, Inductor's minute of code generation does not)."""
+    graph_compiler: what turns each traced graph into code, Inductor's compile_fx unless given (the tests pass one
+    that runs Dynamo's graph as traced, where Inductor's minute of code generation is not what they check)."""
 
     def __init__(self, fn, dynamic, announce=True, graph_compiler=None):
         self.fn, self.name, self.announce = fn, fn.__name__, announce

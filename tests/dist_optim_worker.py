@@ -12,7 +12,6 @@ rank fed its own gradients whose average is the fixture's (`rank_grad_fn`).
 The parameter sets, gradients and hyperparameters live here so the test builds the same references.
 """
 
-import gc
 import io
 import sys
 from pathlib import Path
@@ -204,8 +203,8 @@ def main(out_path):
     rank = dist.get_rank()
     torch.save({"resume": resume_check(rank), "golden": golden_check(rank)}, out_path)
     dist.barrier()
-    gc.collect()  # the optimizers' gloo work objects freed now, not in the interpreter's exit (which aborted a rank)
-    dist.destroy_process_group()
+    from nanochat.common import release_process_group
+    release_process_group()  # the optimizers' gloo work objects freed now, not in the interpreter's exit
 
 
 if __name__ == "__main__":

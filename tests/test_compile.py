@@ -71,8 +71,8 @@ def completions(engine, prompts, **kwargs):
 # Inductor's code generation costs ~40 s a direction of a training graph and ~10 s a decode graph on a 2-core CPU;
 # Dynamo's and AOTAutograd's tracing ~15 s more (most of test_compile's time, issue 45). Inductor compiles the
 # generation whose forward has every feature of the others (smear: lambdas, sliding windows, value embeddings, smear,
-# backout, the q/k scale; head computes the same forward and compiles nothing anew); the golden trace compiled
-# (jan2026, below) and the trained model's tests (its decode step) run Inductor on two more. Every other generation
+# backout, the q/k scale; head computes the same forward and compiles nothing anew); chat_sft's compiled test (its
+# forward) and the trained model's tests (its decode step) run Inductor on jan2026's layout. Every other generation
 # is traced whole by Dynamo (fullgraph, shapes dynamic as in a run: the graph breaks and guards a generation's
 # Python could cause) and its graph run as traced, by ATen's kernels (Dynamo's own "eager" backend): whether each
 # generation's forward compiles to one graph that computes what eager computes is asked of each; how Inductor lowers
@@ -99,10 +99,9 @@ def compiled_for(name, fn, dynamic, monkeypatch):
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_compiled_decode_samples_the_eager_tokens_on_generation_fixtures(name, tmp_path, monkeypatch):
     """fp32 rollouts (T=1, top-k 50, the second prompt's rows admitted into the slots the first's freed) of each of
-    nanochat's fixture checkpoints: the static step compiled (by Inductor on INDUCTOR_GENERATIONS, traced whole elsewhere)
-    samples exactly the eager engine's tokens;
-    the recorded log-probabilities agree within FP32_GAP_BOUND (Inductor sums the log-sum-exp over the vocabulary
-    in its own order: measured <= 1e-6). Two rows at a time, and with these seeds no row ends before its 16 tokens
+    nanochat's fixture checkpoints: the static step compiled (by Inductor on INDUCTOR_GENERATIONS, traced whole
+    elsewhere) samples exactly the eager engine's tokens; the recorded log-probabilities agree within FP32_GAP_BOUND
+    (Inductor sums the log-sum-exp over the vocabulary in its own order: measured <= 1e-6). Two rows at a time, and with these seeds no row ends before its 16 tokens
     (measured on every fixture): one bucketed shape, one graph per generation; rows that end early and the smaller
     buckets they leave are tested on the trained model below."""
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))

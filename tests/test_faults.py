@@ -48,7 +48,8 @@ def env_for(base, **extra):
 
 
 def start_ranks(args, base, world_size=2):
-    """`python *args` as `world_size` ranks of one gloo process group (torchrun's environment, the store hosted here as torchrun's agent would)."""
+    """`python *args` as `world_size` ranks of one gloo process group (torchrun's environment; the store they
+    meet at is hosted here, as torchrun's agent hosts it)."""
     return launch_ranks(lambda rank: args, world_size, env_for(base))
 
 
