@@ -13,13 +13,13 @@ import os
 import sys
 import traceback
 
-from nanochat.checkpoint_manager import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
+from nanochat.checkpoints.errors import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
                                          RankLostError, UnknownStepError, UnknownTagError)
 from nanochat.common import SettingError, UserError, cleanup_after_error, get_rank, print0, require
-from nanochat.compile import COMPILE_MODES, CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, SFT_CPU_MIN_STEPS, CompileFailed, resolve_compile
-from nanochat.cuda_graphs import DECODE_MODES, decode_mode
-from nanochat.memory_budget import AUTO, FIXED_GB, FRACTION, NoMemoryForRolloutsError, parse_budget
-from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
+from nanochat.model.compile import COMPILE_MODES, CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, SFT_CPU_MIN_STEPS, CompileFailed, resolve_compile
+from nanochat.engine.cuda_graphs import DECODE_MODES, decode_mode
+from nanochat.engine.memory_budget import AUTO, FIXED_GB, FRACTION, NoMemoryForRolloutsError, parse_budget
+from nanochat.rl.stop_rule import BandNotReachedError, JumpedOverBandError
 from nanochat.tokenizer import TokenizerError
 from nanochat.wandb_utils import WandbStartError
 from tasks.gsm8k import GSM8KUnavailableError
@@ -60,7 +60,7 @@ def add_runtime_flags(parser, wandb_run=True):
 
 
 def add_decode_flag(parser, auto_note=""):
-    """--decode: how the rollout engine runs its decode step (nanochat.engine.decode_mode). Uncompiled, the tokens
+    """--decode: how the rollout engine runs its decode step (nanochat.engine.engine.decode_mode). Uncompiled, the tokens
     are the same in every mode; only the speed differs (compiled, a near-tie may fall the other way). auto_note: what
     the script's auto does besides (its help)."""
     parser.add_argument("--decode", type=str, default="auto", choices=DECODE_MODES,
@@ -81,7 +81,7 @@ def check_decode_flag(decode, device):
 
 def add_memory_budget_flag(parser):
     """--memory-budget-gb: the KV cache the rollout batches in memory at once may use; resolve it with
-    nanochat.memory_budget.resolve_memory_budget before building the Engine, which takes GiB."""
+    nanochat.engine.memory_budget.resolve_memory_budget before building the Engine, which takes GiB."""
     parser.add_argument("--memory-budget-gb", type=parse_budget, default=AUTO,
                         help=f"KV-cache memory (GiB) the rollout batches in memory at once (a step's, an eval's kept beside it) may use together; auto (the default): on CUDA {FRACTION:g} of "
                              f"the memory free after the model, optimizer state and a training-peak reserve (stated "
@@ -113,14 +113,14 @@ def check_train_rows(args):
 
 def train_rows(args):
     """Rows of one question per training forward: --train-rows, else (0, auto) AUTO_TRAIN_ROWS (--device-batch-size
-    if larger); never more than a question has (nanochat.rl.accumulate_policy_gradient's forwards hold one
+    if larger); never more than a question has (nanochat.rl.policy_gradient.accumulate_policy_gradient's forwards hold one
     question's rows). The same on every device: 16 was measured faster on an H100 and on a CPU."""
     check_train_rows(args)
     return min(args.train_rows or max(args.device_batch_size, AUTO_TRAIN_ROWS), args.num_samples)
 
 
 def add_compile_flag(parser):
-    """--compile: whether the static decode step and the training pass run compiled (nanochat/compile.py's
+    """--compile: whether the static decode step and the training pass run compiled (nanochat/model/compile.py's
     compile_plan), those of them the script runs."""
     parser.add_argument("--compile", type=str, default="auto", choices=COMPILE_MODES,
                         help=f"torch.compile the static decode step and the training forward, where the script runs "
@@ -158,8 +158,8 @@ def check_optimizer_flags(args):
 
 
 def add_model_generation_flag(parser):
-    """--model-generation, for every script that loads a checkpoint (see nanochat/generations.py)."""
-    from nanochat.generations import VE_ERA_WITH_NEW_META
+    """--model-generation, for every script that loads a checkpoint (see nanochat/model/generations.py)."""
+    from nanochat.model.generations import VE_ERA_WITH_NEW_META
     parser.add_argument("--model-generation", type=str, default=None, choices=VE_ERA_WITH_NEW_META,
                         help="which forward a value-embedding checkpoint with nanochat's 2026-01-31+ meta layout was "
                              "trained with (its files cannot tell): ve (to 2026-03-01), ve_mar2 (03-02..03-03), "

@@ -191,7 +191,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 def requested_dtype(dtype):
     """The precision a run asks for: `dtype` when given (the --dtype flag; None = not given), else
     $NANOCHAT_DTYPE (how current nanochat sets it), else "auto": bf16 where it is fast (on a CPU or MPS the
-    scripts that measure decide; see nanochat.precision). A value other than auto/float32/bfloat16 is a
+    scripts that measure decide; see nanochat.model.precision). A value other than auto/float32/bfloat16 is a
     UserError naming where it came from (a SettingError for `dtype`)."""
     env = os.environ.get("NANOCHAT_DTYPE")
     if dtype is not None:

@@ -155,7 +155,7 @@ def log_chat_rl(report, config, history, eval_history, section=CHAT_RL_SECTION):
 
     config: dict (e.g. vars(args)), shown whole, in its order.
     history: list of per-step dicts, each with "step", "reward_mean" and "completion_len_mean" (the keys of
-        nanochat.metrics.rollout_metrics; "completion_len_min"/"completion_len_max" draw a band when present).
+        nanochat.rl.metrics.rollout_metrics; "completion_len_min"/"completion_len_max" draw a band when present).
     eval_history: list of (step, {"pass@1": ..., "pass@2": ..., ...}) (e.g. PassAtK.as_dict()).
     Returns the section's path, or None from a DummyReport.
     """

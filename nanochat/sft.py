@@ -26,7 +26,7 @@ def render_rows(tokenizer, conversations, max_seq_len):
 
 def collate_rows(rows, pad_token):
     """rows: list of (ids, mask) -> (inputs, targets), both (B, T) int64 with T = longest row - 1. RL's
-    question batches are built with it too (nanochat.rl.make_question_batch).
+    question batches are built with it too (nanochat.rl.advantages.make_question_batch).
 
     targets[b, t] = ids[b][t + 1] where mask[b][t + 1] == 1, else -1 (prompt, tool outputs, and padding
     past the row's end). Inputs past a row's end are pad_token; they only feed positions whose target is -1.
@@ -76,7 +76,7 @@ def count_targets(micro_batches):
 
 def summed_cross_entropy(model, inputs, targets):
     """The cross-entropy summed over the trained-on positions (target != -1) of one micro-batch: inputs, targets
-    (B, T). A pure function of tensors: nanochat/compile.py compiles it for the training pass (dynamic shapes: the
+    (B, T). A pure function of tensors: nanochat/model/compile.py compiles it for the training pass (dynamic shapes: the
     rows' lengths vary from micro-batch to micro-batch)."""
     return model(inputs, targets, loss_reduction="sum")
 

@@ -7,14 +7,14 @@ of --train-rows rows: auto, 16 or --device-batch-size if larger; the baseline's 
 step. Configurations (--configs):
   baseline      nanochat-style: one question per engine call, `Engine.generate_batch(prompt,
                 num_samples=device_batch_size)` repeated num_samples / device_batch_size times; fp32
-  batched_fp32  chat_rl's rollouts (nanochat.rollout): every question in one `Engine.generate_many` call; fp32
+  batched_fp32  chat_rl's rollouts (nanochat.rl.rollout): every question in one `Engine.generate_many` call; fp32
   batched_bf16  the same with rollouts and training under bf16 autocast (by default only where bf16 is native:
                 a GPU, or a CPU with AVX512-BF16/AMX; elsewhere chat_rl computes in fp32, see compute_dtype)
   *_static      the same, decoding with the static step (bucketed shapes, run eagerly): tokens checked equal
                 to the eager config's
   *_graph       the static step replayed from CUDA graphs (CUDA only): tokens checked equal to the static
                 config's (same shapes, same kernels; on a GPU other shapes may round otherwise)
-  *_compiled    the same with torch.compile (nanochat/compile.py): the training forward, and the static decode step
+  *_compiled    the same with torch.compile (nanochat/model/compile.py): the training forward, and the static decode step
                 where the config has one; compile seconds and graphs compiled are columns of their own, and with
                 --repeat >= 2 the last step is the steady state (the first pays the compiles)
 Each runs twice: as is ("full": a random-init model almost never ends a row, so rows run to the cap) and with
@@ -54,25 +54,26 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from nanochat.agreement import greedy_agreement
+from nanochat.engine.agreement import greedy_agreement
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_memory_budget_flag, add_model_generation_flag,
                           add_train_rows_flag, check_train_rows, run_main, train_rows)
 from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_init, cpu_bf16_kind,
                              cpu_has_native_bf16, cpu_name, dtype_name, synchronize, get_base_dir, get_dist_info, grad_norm,
                              print0, require)
-from nanochat.compile import CompileClock, compile_plan, generated_kernels, maybe_compiled
-from nanochat.decode_weights import matmul_modules
-from nanochat.decode_batch import static_step
-from nanochat.engine import STATIC_STEP_DYNAMIC, Engine
-from nanochat.kv_cache import cache_geometry
-from nanochat.flops import matmul_flops_per_token, rollout_flops, train_flops
-from nanochat.gpt import GPT, build_fresh_model
-from nanochat.memory_budget import resolve_memory_budget
-from nanochat.op_count import count_decode_step_ops
-from nanochat.optim import scale_initial_lr
-from nanochat.rl import accumulate_policy_gradient, chunk_logprobs, make_question_batch
-from nanochat.rollout import Sampling, question_seed, sample_questions
-from nanochat.sampling import mix32
+from nanochat.model.compile import CompileClock, compile_plan, generated_kernels, maybe_compiled
+from nanochat.engine.decode_weights import matmul_modules
+from nanochat.engine.decode_batch import static_step
+from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine
+from nanochat.engine.kv_cache import cache_geometry
+from nanochat.model.flops import matmul_flops_per_token, rollout_flops, train_flops
+from nanochat.model.gpt import GPT, build_fresh_model
+from nanochat.engine.memory_budget import resolve_memory_budget
+from nanochat.engine.op_count import count_decode_step_ops
+from nanochat.optim.optimizers import scale_initial_lr
+from nanochat.rl.advantages import make_question_batch
+from nanochat.rl.policy_gradient import accumulate_policy_gradient, chunk_logprobs
+from nanochat.rl.rollout import Sampling, question_seed, sample_questions
+from nanochat.model.sampling import mix32
 from nanochat.tokenizer import Tokenizer
 from tasks.gsm8k import GSM8K
 from tasks.registry import make_task
@@ -85,7 +86,7 @@ class BenchConfig:
     dtype: torch.dtype   # compute dtype (bf16 = autocast; weights stay fp32)
     lean: bool           # skip work that cannot change the gradient: prompts' KV stored once in decoding, each
                          # prompt computed once in training, zero-advantage rows not trained (chat_rl's way)
-    decode: str = "eager"  # the engine's decode mode (nanochat.engine.decode_mode); tokens are the same in each
+    decode: str = "eager"  # the engine's decode mode (nanochat.engine.engine.decode_mode); tokens are the same in each
     compiled: bool = False  # torch.compile the training forward and (static, graph) the decode step
 
 
@@ -346,7 +347,7 @@ def build_bench_model(args, device):
     """(model in eval mode, tokenizer, description dict). A random-init model gets a tokenizer trained on
     GSM8K train text (see bench_tokenizer)."""
     if args.source:
-        from nanochat.checkpoint_manager import load_model
+        from nanochat.checkpoints.loading import load_model
         model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step,
                                             generation=args.model_generation)
         return model, tokenizer, {"source": args.source, "model_tag": args.model_tag, "step": meta.get("step")}
@@ -434,7 +435,7 @@ def baseline_rollouts(engine, task, indices, args):
 
 
 def batched_rollouts(engine, task, indices, args):
-    """chat_rl's rollouts (nanochat.rollout: one generate_many call for all questions), with the same outputs as
+    """chat_rl's rollouts (nanochat.rl.rollout: one generate_many call for all questions), with the same outputs as
     baseline_rollouts."""
     sampling = Sampling(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         top_k=args.top_k)
@@ -501,7 +502,7 @@ def rl_step(model, engine, optimizers, task, indices, config, args, device):
 
 def decode_op_counts(model, config, work, args):
     """aten ops and kernels of one static decode step at this run's largest shape (the rows it decoded at once,
-    max_new_tokens keys), counted on the meta device (the same on any machine; nanochat.op_count)."""
+    max_new_tokens keys), counted on the meta device (the same on any machine; nanochat.engine.op_count)."""
     with torch.device("meta"):
         twin = GPT(model.config, model.generation)
     count = count_decode_step_ops(twin, max(work["max_batch_rows"], 1), args.max_new_tokens, share_prompts=config.lean,
@@ -715,7 +716,7 @@ def format_no_signal_table(rows):
 
 
 def bf16_agreement(model, tokenizer, prompts, max_tokens, device):
-    """How far bf16 rollouts follow fp32 ones under greedy decoding, on the same prompts (nanochat/agreement.py's
+    """How far bf16 rollouts follow fp32 ones under greedy decoding, on the same prompts (nanochat/engine/agreement.py's
     greedy_agreement: bf16 rounding should only flip near-ties). Both decodes run through the engine (the bf16 one
     under autocast, with a bf16 KV cache)."""
     engine = Engine(model, tokenizer)

@@ -24,12 +24,12 @@ import os
 import sys
 from collections import namedtuple
 
-from nanochat.checkpoint_manager import load_model
+from nanochat.checkpoints.loading import load_model
 from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_flag, run_main
 from nanochat.common import UserError, autocast_context, compute_cleanup, compute_dtype, compute_init, get_dist_info, requested_dtype
-from nanochat.engine import Engine
-from nanochat.rows import SpecialIds
-from nanochat.gpt import ROTARY_OVERSIZE
+from nanochat.engine.engine import Engine
+from nanochat.engine.rows import SpecialIds
+from nanochat.model.gpt import ROTARY_OVERSIZE
 
 BANNER = ("NanoChat interactive mode\n" + "-" * 50 + "\n"
           "Type 'quit' or 'exit' (or Ctrl-D) to end the conversation\n"

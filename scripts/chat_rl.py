@@ -31,30 +31,32 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanochat.checkpoint_manager import (CHECKPOINT_DIRS, CheckpointError, find_checkpoint, list_steps, list_tags,
-                                         load_meta, load_model, make_checkpoint_dir, new_run_id, save_checkpoint,
-                                         update_meta)
-from nanochat.checkpoint_pruning import prune_checkpoints, remove_extra_shards
+from nanochat.checkpoints.errors import CheckpointError
+from nanochat.checkpoints.layout import CHECKPOINT_DIRS
+from nanochat.checkpoints.loading import find_checkpoint, load_model
+from nanochat.checkpoints.store import (list_steps, list_tags, load_meta, make_checkpoint_dir, new_run_id,
+                                        save_checkpoint, update_meta)
+from nanochat.checkpoints.pruning import prune_checkpoints, remove_extra_shards
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
                           add_model_generation_flag, add_optimizer_flags, add_runtime_flags, add_train_rows_flag,
                           check_decode_flag, check_optimizer_flags, check_train_rows, resolve_compile_flag, run_main,
                           train_rows)
-from nanochat.compile import CPU_DECODE_MIN_STEPS, CompileClock, maybe_compiled, run_decode_mode
+from nanochat.model.compile import CPU_DECODE_MIN_STEPS, CompileClock, maybe_compiled, run_decode_mode
 from nanochat.common import (GracefulStop, UserError, autocast_context, collective_device, compute_cleanup,
                              compute_dtype, compute_init, dtype_name, format_duration, get_base_dir, get_dist_info, print0,
                              remaining_seconds, require, requested_dtype, wait_for_all_ranks)
-from nanochat.cuda_graphs import DECODE_DESCRIPTIONS
-from nanochat.engine import Engine
-from nanochat.memory_budget import FIXED_GB, resolve_memory_budget
-from nanochat.evaluation import evaluate_pass_at_k
-from nanochat.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
-from nanochat.optim import LR_SCHEDULES, guarded_step, lr_multiplier, scale_initial_lr
-from nanochat.optimizer_shards import optimizer_states_for_resume
-from nanochat.precision import MARGIN, PREFERENCE, fastest_rollout_dtype, fastest_training_dtype, rank0_choice
+from nanochat.engine.cuda_graphs import DECODE_DESCRIPTIONS
+from nanochat.engine.engine import Engine
+from nanochat.engine.memory_budget import FIXED_GB, resolve_memory_budget
+from nanochat.rl.evaluation import evaluate_pass_at_k
+from nanochat.rl.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
+from nanochat.optim.optimizers import LR_SCHEDULES, guarded_step, lr_multiplier, scale_initial_lr
+from nanochat.checkpoints.optimizer_shards import optimizer_states_for_resume
+from nanochat.model.precision import MARGIN, PREFERENCE, fastest_rollout_dtype, fastest_training_dtype, rank0_choice
 from nanochat.report import get_report, log_chat_rl
-from nanochat.rl import (LOSS_NORMS, ROLLOUT_CORRECTIONS, PolicyLoss, TrainStats, accumulate_policy_gradient, chunk_logprobs,
-                         step_counts)
-from nanochat.rollout import Sampling, longest_prompt, question_seed, sample_questions, step_question_indices
+from nanochat.rl.objective import LOSS_NORMS, ROLLOUT_CORRECTIONS, PolicyLoss, step_counts
+from nanochat.rl.policy_gradient import TrainStats, accumulate_policy_gradient, chunk_logprobs
+from nanochat.rl.rollout import Sampling, longest_prompt, question_seed, sample_questions, step_question_indices
 from nanochat.wandb_utils import init_wandb, log_samples_table
 from tasks.registry import make_task, resolve_task_class
 

@@ -19,7 +19,9 @@ import math
 import os
 import statistics
 
-from nanochat.checkpoint_manager import NoStepsError, find_last_step, meta_path
+from nanochat.checkpoints.errors import NoStepsError
+from nanochat.checkpoints.layout import meta_path
+from nanochat.checkpoints.store import find_last_step
 from nanochat.cli import ArgumentParser, add_debug_flag, run_main
 from nanochat.common import UserError
 from nanochat.files import atomic_write

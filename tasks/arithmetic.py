@@ -36,7 +36,7 @@ import hashlib
 import random
 import re
 
-from nanochat.calculator import format_result, use_calculator
+from nanochat.engine.calculator import format_result, use_calculator
 from nanochat.common import UserError
 from tasks.common import FinalAnswerTask
 

@@ -117,10 +117,10 @@ def fixture_param_groups(fixture, params):
 
 
 def replay_fixture(fixture, recipe, ortho_dtype, grad_fn=None):
-    """Build `recipe`'s optimizers (nanochat.optim.build_optimizers) over the fixture's groups and initial
+    """Build `recipe`'s optimizers (nanochat.optim.optimizers.build_optimizers) over the fixture's groups and initial
     parameters and take its 3 steps. grad_fn(step, name) -> the gradient to feed (default: the
     fixture's). Returns (final parameters by name, optimizers)."""
-    from nanochat.optim import build_optimizers
+    from nanochat.optim.optimizers import build_optimizers
 
     params = {name: torch.nn.Parameter(value.clone()) for name, value in fixture["initial_params"].items()}
     optimizers = build_optimizers(recipe, fixture_param_groups(fixture, params), ortho_dtype=ortho_dtype)
@@ -155,8 +155,8 @@ def golden_check(rank):
 
 
 def resume_check(rank):
-    from nanochat.adamw import DistAdamW
-    from nanochat.muon import DistMuon
+    from nanochat.optim.adamw import DistAdamW
+    from nanochat.optim.muon import DistMuon
 
     def grad_fn(kind, step, idx, shape):
         return make_grad(kind, step, rank, idx, shape)

@@ -25,7 +25,7 @@ import signal
 import stat
 import sys
 
-import nanochat.checkpoint_manager as checkpoint_manager
+import nanochat.checkpoints.store as checkpoint_manager
 from nanochat.cli import run_main
 from scripts import chat_rl
 

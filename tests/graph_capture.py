@@ -1,4 +1,4 @@
-"""A CPU stand-in for CUDA-graph capture, for GraphedStep (nanochat.cuda_graphs) on machines without a GPU.
+"""A CPU stand-in for CUDA-graph capture, for GraphedStep (nanochat.engine.cuda_graphs) on machines without a GPU.
 
 `capture_recorded_graph(step, pool)` has capture_cuda_graph's signature and semantics:
 - the capture records the step's ops without leaving any effect: the step runs once under a dispatch mode that
@@ -129,8 +129,8 @@ def use_recorded_graphs(monkeypatch):
     """From now on (in the test), engines made with decode="graph" run on the CPU, their steps replayed from
     recorded graphs. Returns the counts of captures and replays."""
     import nanochat.cli as cli
-    import nanochat.engine as engine
-    from nanochat.cuda_graphs import DecodePlan, GraphedStep, bucketed_shape
+    import nanochat.engine.engine as engine
+    from nanochat.engine.cuda_graphs import DecodePlan, GraphedStep, bucketed_shape
     counts = GraphCounts()
 
     def capture(step, pool):

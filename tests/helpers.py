@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import torch
 
-from nanochat.checkpoint_manager import save_checkpoint
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.checkpoints.store import save_checkpoint
+from nanochat.model.gpt import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -38,7 +38,7 @@ PYTHONPATH = os.pathsep.join([str(p) for p in [REPO, REPO / "tests"] + ([] if HA
 # 1.9e-6; the bound is 4 of those, so the CPU's kernel choice has room and a 1e-5 decode error fails.
 FP32_GAP_BOUND = 4 * 2.0 ** -19  # 7.6e-6
 
-# Near-ties: where two decodes of the same fp32 model choose different greedy tokens (nanochat/agreement.py measures
+# Near-ties: where two decodes of the same fp32 model choose different greedy tokens (nanochat/engine/agreement.py measures
 # the fp32 logit margin of the two choices at a row's first difference), the margin must be within what their
 # roundings can move a logit.
 # bf16 keeps 8 significant bits: a logit between 8 and 16 (the softcap is 15) is rounded to a multiple of 1/16,

@@ -15,7 +15,9 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from nanochat.rl import LOSS_NORMS, PolicyLoss, accumulate_policy_gradient, make_question_batch, step_counts
+from nanochat.rl.advantages import make_question_batch
+from nanochat.rl.objective import LOSS_NORMS, PolicyLoss, step_counts
+from nanochat.rl.policy_gradient import accumulate_policy_gradient
 from helpers import TableModel
 
 VOCAB, PAD, DEVICE_BATCH_SIZE, MAX_NEW_TOKENS, STEP = 32, 0, 2, 6, 0.5

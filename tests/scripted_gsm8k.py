@@ -74,8 +74,8 @@ def scripted_rows(tokenizer, question):
 def install(monkeypatch=None):
     """Wrap chat_rl's Engine.generate_many (with `monkeypatch` when given, else for good). Returns the list
     each call appends to: (questions, completions per question) of one generate_many call."""
-    from nanochat.engine import Engine
-    from nanochat.rows import Completion
+    from nanochat.engine.engine import Engine
+    from nanochat.engine.rows import Completion
     questions = fixture_questions()
     real = Engine.generate_many
     calls = []

@@ -10,7 +10,7 @@ from statistics import mean
 
 import pytest
 
-from nanochat.calculator import format_result, use_calculator
+from nanochat.engine.calculator import format_result, use_calculator
 from nanochat.common import UserError
 from tasks.arithmetic import LEVELS, Arithmetic, number_to_words, split_of_question
 from tasks.registry import resolve_task_class

@@ -1,11 +1,11 @@
-"""nanochat/attention.py's kernels: the explicit attention a CPU runs in bf16 against PyTorch's fused one, and
+"""nanochat/model/attention.py's kernels: the explicit attention a CPU runs in bf16 against PyTorch's fused one, and
 fp32_scores under autocast."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat.attention import EXPLICIT_MAX_KEYS, attend, explicit_attention, fp32_scores, window_mask
+from nanochat.model.attention import EXPLICIT_MAX_KEYS, attend, explicit_attention, fp32_scores, window_mask
 
 BF16_UNIT = 2.0 ** -8  # bf16's unit roundoff (8 significand bits): one rounding moves a value by at most this, relative
 

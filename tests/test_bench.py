@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from nanochat.common import UserError
-from nanochat.engine import Engine
-from nanochat.kv_cache import KVCache, forward_cached
+from nanochat.engine.engine import Engine
+from nanochat.engine.kv_cache import KVCache, forward_cached
 from scripts import bench_rl
 from helpers import BF16_MIN_AGREEMENT, BF16_NEAR_TIE, FP32_GAP_BOUND, random_model, tiny_config
 
@@ -226,7 +226,7 @@ def test_bf16_greedy_rollouts_follow_fp32_on_a_trained_model(one_step_sft, monke
     agreement 0.996, the 4 differences at fp32 margins 0.0003-0.072. (With the earlier 140-step fixture: 59 of 64
     identical, 5 differences at margins 0.0005-0.018, when only 6.7% of all fp32 greedy decisions had a top-2
     margin under 0.125.) 256 questions, so that some rows differ and the property has something to check."""
-    from nanochat.checkpoint_manager import load_model
+    from nanochat.checkpoints.loading import load_model
     from rl_toy_task import OneStepArithmetic
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(one_step_sft))
     model, tokenizer, _ = load_model("sft", torch.device("cpu"), phase="eval")

@@ -1,4 +1,4 @@
-"""The RolloutCache interface (nanochat/kv_cache.py) as the decode batch uses it, held against a full forward: every
+"""The RolloutCache interface (nanochat/engine/kv_cache.py) as the decode batch uses it, held against a full forward: every
 cache kind, at a prefill, at decode steps of rows at different positions, after a row retires (the last row moved
 into its place, its own row freed) and with a free row inside a static step, gives each row in use the logits of
 the model run on that row's whole sequence. Float64, so the comparison is exact up to summation order."""
@@ -6,9 +6,9 @@ the model run on that row's whole sequence. Float64, so the comparison is exact 
 import pytest
 import torch
 
-from nanochat.attention import run_cached
-from nanochat.kv_cache import KVCache, forward_cached
-from nanochat.shared_prompt_cache import SharedPromptKVCache
+from nanochat.model.attention import run_cached
+from nanochat.engine.kv_cache import KVCache, forward_cached
+from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from helpers import random_model, tiny_config
 
 TOL = dict(atol=1e-10, rtol=0)

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import nanochat.calculator
-from nanochat.calculator import MAX_EXPRESSION_CHARS, MAX_STRING_CHARS, evaluate, format_result, use_calculator
+import nanochat.engine.calculator
+from nanochat.engine.calculator import MAX_EXPRESSION_CHARS, MAX_STRING_CHARS, evaluate, format_result, use_calculator
 
 
 @pytest.mark.parametrize("expr, expected", [
@@ -123,7 +123,7 @@ def test_the_time_limit_refuses_from_a_worker_thread(monkeypatch):
     machine's speed: `1+2+3+4` visits 8 nodes (Expression, 3 BinOps, 4 Constants) after the read that sets
     the deadline, so it needs a limit of 8 seconds and is refused with 7."""
     ticks = iter(range(10 ** 6))
-    monkeypatch.setattr(nanochat.calculator, "time", SimpleNamespace(monotonic=lambda: float(next(ticks))))
+    monkeypatch.setattr(nanochat.engine.calculator, "time", SimpleNamespace(monotonic=lambda: float(next(ticks))))
     assert in_worker_thread(lambda: use_calculator("1+2+3+4", timeout=8), join_timeout=60) == 10
     assert in_worker_thread(lambda: use_calculator("1+2+3+4", timeout=7), join_timeout=60) is None
     assert in_worker_thread(lambda: use_calculator("'ab'.upper().count('A')", timeout=0), join_timeout=60) is None

@@ -23,8 +23,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanochat.calculator import format_result, use_calculator
-from nanochat.engine import Engine
+from nanochat.engine.calculator import format_result, use_calculator
+from nanochat.engine.engine import Engine
 from helpers import REPO
 
 SEED = 1234
@@ -359,7 +359,7 @@ import json, resource, sys, time, warnings
 corpus_path, progress_path, out_path, limit = sys.argv[1:5]
 events, active = [], [False]
 sys.addaudithook(lambda event, args: events.append([event, repr(args)[:200]]) if active[0] else None)
-from nanochat.calculator import use_calculator
+from nanochat.engine.calculator import use_calculator
 with open(corpus_path, encoding="utf-8") as f:
     corpus = json.load(f)
 progress = open(progress_path, "w")

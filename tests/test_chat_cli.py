@@ -12,9 +12,10 @@ import sys
 import pytest
 import torch
 
-from nanochat.checkpoint_manager import load_model, save_checkpoint
+from nanochat.checkpoints.loading import load_model
+from nanochat.checkpoints.store import save_checkpoint
 from nanochat.cli import run_main
-from nanochat.engine import Engine
+from nanochat.engine.engine import Engine
 from scripts import chat_cli
 from helpers import ScriptedModel
 from helpers import REPO, make_sft_checkpoint

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.checkpoint_manager import load_model
+from nanochat.checkpoints.loading import load_model
 from nanochat.cli import run_main
-from nanochat.rollout import step_question_indices
+from nanochat.rl.rollout import step_question_indices
 from scripts import chat_rl
 from helpers import FP32_GAP_BOUND, PYTHONPATH, REPO, TINY_RL_FLAGS
 
@@ -331,8 +331,8 @@ def test_corrections_that_bind_reach_the_loss(sft, base_dir, monkeypatch):
     same in every run, and the loss is linear in the weights: with L_none, L_mask (odd rows dropped, so only
     the even rows' part) the token-tis loss is L_mask + 2 (L_none - L_mask). The corrected fraction is the odd
     rows' share of the trained tokens."""
-    import nanochat.rollout
-    real = nanochat.rollout.make_question_batch
+    import nanochat.rl.rollout
+    real = nanochat.rl.rollout.make_question_batch
     odd_tokens = []
 
     def odd_rows_sampled_elsewhere(*args, **kwargs):
@@ -341,7 +341,7 @@ def test_corrections_that_bind_reach_the_loss(sft, base_dir, monkeypatch):
         trained = (batch.advantages != 0) & (torch.arange(batch.targets.size(0)) % 2 == 1)
         odd_tokens.append(int((batch.targets[trained] >= 0).sum()))
         return batch
-    monkeypatch.setattr(nanochat.rollout, "make_question_batch", odd_rows_sampled_elsewhere)
+    monkeypatch.setattr(nanochat.rl.rollout, "make_question_batch", odd_rows_sampled_elsewhere)
     step0 = {}
     for correction in ("none", "sequence-mask", "token-tis"):
         odd_tokens.clear()
@@ -363,7 +363,7 @@ def test_out_of_memory_while_allocating_the_rollout_cache_halves_the_rows(sft, b
     """On a GPU the usual out-of-memory is the KV cache's allocation, before any row decodes: the retry still
     knows how many rows were tried (the cache's), halves them until the cache fits, and the step samples what a
     run with that many rows samples (rows do not change what is sampled)."""
-    from nanochat.shared_prompt_cache import SharedPromptKVCache
+    from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
     flags = TINY_RL_FLAGS + ["--num-steps=1", "--num-samples=8", "--device-batch-size=8"]
     chat_rl.main(flags + ["--max-rows=8"])
     reference = capsys.readouterr().out
@@ -390,9 +390,9 @@ def test_a_run_captures_its_decode_graphs_in_its_first_step_only(sft, base_dir, 
     holds at that length), so its graphs, all captured when it is made, serve every later step: on GSM8K's
     prompts of varying lengths, with a budget that caps the rows below the step's 16, only step 0 captures. The
     count is in the step line and the history."""
-    from nanochat.engine import Engine
-    from nanochat.kv_cache import cache_geometry
-    from nanochat.rollout import longest_prompt
+    from nanochat.engine.engine import Engine
+    from nanochat.engine.kv_cache import cache_geometry
+    from nanochat.rl.rollout import longest_prompt
     from tasks.gsm8k import GSM8K
     longest = longest_prompt(tiny_tokenizer, GSM8K(split="train"), GSM8K(split="test"))
     lengths = {len(tiny_tokenizer.render_for_completion(GSM8K(split="train")[i])) for i in range(12)}

@@ -15,7 +15,7 @@ from gloo_ranks import run_ranks
 from helpers import PYTHONPATH, TINY_RL_FLAGS, assert_same_weights, weights
 from nanochat.cli import AUTO_TRAIN_ROWS, run_main, train_rows
 from nanochat.common import UserError
-from nanochat.engine import Engine
+from nanochat.engine.engine import Engine
 from scripts import chat_rl
 
 GSM8K_FLAGS = [f for f in TINY_RL_FLAGS if not f.startswith("--task")]  # the default task: the GSM8K fixture

@@ -4,7 +4,8 @@ which script to run; --debug, declared once, shows the traceback instead."""
 import pytest
 
 from nanochat import cli
-from nanochat.checkpoint_manager import find_checkpoint, load_checkpoint
+from nanochat.checkpoints.loading import find_checkpoint
+from nanochat.checkpoints.store import load_checkpoint
 from nanochat.common import UserError, compute_init, requested_dtype
 from nanochat.tokenizer import get_tokenizer
 from nanochat.wandb_utils import WandbStartError

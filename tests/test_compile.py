@@ -14,7 +14,7 @@ Compiling is slow on a CPU (a cold Inductor cache: ~10 s a decode graph, ~50 s a
 backward): Inductor compiles where its code is what is checked (smear's decode step and training pass, the trained
 model's fp32 and bf16 decode steps, chat_sft's forward); elsewhere (the other generations, the scripts' wiring) the
 function is traced whole by Dynamo and run as traced (INDUCTOR_GENERATIONS says why). The compiled functions are
-the process's (nanochat.compile.compiled), so the tests share their graphs (head computes smear's forward and
+the process's (nanochat.model.compile.compiled), so the tests share their graphs (head computes smear's forward and
 compiles nothing anew), each test keeps to one or a few shapes, and the fp32 greedy rollouts serve three tests."""
 
 import contextlib
@@ -27,21 +27,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanochat import compile as nc_compile
-from nanochat.agreement import greedy_agreement
-from nanochat.checkpoint_manager import build_model, load_model
+from nanochat.model import compile as nc_compile
+from nanochat.engine.agreement import greedy_agreement
+from nanochat.checkpoints.loading import build_model, load_model
 from nanochat.cli import error_line
-from nanochat.compile import (CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, RECOMPILE_LIMIT, SFT_CPU_MIN_STEPS, CompiledFunction,
+from nanochat.model.compile import (CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, RECOMPILE_LIMIT, SFT_CPU_MIN_STEPS, CompiledFunction,
                               CompileFailed, CompilePlan, compile_plan, compile_totals, compiled, generated_kernels,
                               resolve_compile, run_decode_mode)
-from nanochat.decode_batch import DecodeBatch, RolloutStats, static_step
-from nanochat.cuda_graphs import bucket_shapes, decode_plan
-from nanochat.decode_weights import DecodeWeights
-from nanochat.engine import STATIC_STEP_DYNAMIC, BatchShape, Engine, make_batch
-from nanochat.gpt import GPT
-from nanochat.op_count import count_decode_step_ops
-from nanochat.rl import chunk_logprobs, pass_denominators
-from nanochat.shared_prompt_cache import SharedPromptKVCache
+from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, static_step
+from nanochat.engine.cuda_graphs import bucket_shapes, decode_plan
+from nanochat.engine.decode_weights import DecodeWeights
+from nanochat.engine.engine import STATIC_STEP_DYNAMIC, BatchShape, Engine, make_batch
+from nanochat.model.gpt import GPT
+from nanochat.engine.op_count import count_decode_step_ops
+from nanochat.rl.objective import pass_denominators
+from nanochat.rl.policy_gradient import chunk_logprobs
+from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from helpers import (BF16_MIN_AGREEMENT, BF16_NEAR_TIE, FP32_GAP_BOUND, FP32_NEAR_TIE, HAS_CUDA, generation_reference,
                      install_generation, prompt_of, random_model, tiny_config)
 from test_generations import FIXTURE_NAMES
@@ -137,7 +138,7 @@ def arithmetic(one_step_sft):
 
 
 def agreement_of(arithmetic, prompts, reference, other):
-    """nanochat/agreement.py's greedy_agreement of two engines' greedy rollouts (generate_many's lists)."""
+    """nanochat/engine/agreement.py's greedy_agreement of two engines' greedy rollouts (generate_many's lists)."""
     ends = [arithmetic.tokenizer.encode_special(t) for t in ("<|assistant_end|>", "<|bos|>")]
     return greedy_agreement(arithmetic.model, prompts, [c.tokens for c, in reference], [c.tokens for c, in other], ends)
 
@@ -293,7 +294,7 @@ def test_the_step_compiled_is_the_one_proven_on_the_meta_device(share_prompts, t
     if share_prompts:
         cache = SharedPromptKVCache.for_model(model, 6, 2, 16, 40, rows_per_slot=4, static=True)
     else:
-        from nanochat.kv_cache import KVCache
+        from nanochat.engine.kv_cache import KVCache
         cache = KVCache.for_model(model, 6, 56)
     batch = DecodeBatch(model, cache, 1.0, 50, RolloutStats())
     recorder = GraphRecorder()
@@ -487,7 +488,7 @@ def test_chat_rls_auto_decode_is_the_static_step_on_a_cpu_where_that_step_is_com
     """--decode=auto is graph on CUDA and, on a CPU, the eager exact-shape step, except where the run compiles the
     static step (--compile=auto from CPU_DECODE_MIN_STEPS steps, --compile=on always): compiled, the static step is
     the faster there. A mode the user gave is kept."""
-    from nanochat.cuda_graphs import decode_mode
+    from nanochat.engine.cuda_graphs import decode_mode
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
 
     def mode(flag, compile_mode, device, steps):
@@ -511,7 +512,7 @@ def test_the_golden_trace_compiled(sft, base_dir, monkeypatch, capsys):
     same kind of difference as another CPU's kernels. The compile's cost is in the step line and the history of step
     0 only (the forward is dynamic in the rows' lengths: no step after the first compiles), and out of the ETA: the
     step seconds it extrapolates are each step's rollout and training seconds less that step's compiling."""
-    from nanochat.checkpoint_manager import load_checkpoint
+    from nanochat.checkpoints.store import load_checkpoint
     from scripts import chat_rl
     from helpers import TINY_RL_FLAGS
     from test_golden_trace import STEPS, TRACED, check_against_golden, teacher_forced
@@ -545,7 +546,7 @@ def test_the_cache_write_compiled_with_dynamic_shapes_is_eagers():
     what is read back after the write equal eager's at several
     (rows, keys) shapes from one graph. (Inductor in torch 2.13 got this wrong when the operator mutated a view of
     the storage instead: every shape here differed.)"""
-    from nanochat.kv_cache import write_rows
+    from nanochat.engine.kv_cache import write_rows
 
     def write_then_read(cache, rows, positions, values, keys, heads_first):
         write_rows(cache, 1, rows, positions, values, heads_first)
@@ -684,12 +685,12 @@ def test_compile_on_where_compiling_fails_is_one_line_and_exit_2(script, sft, ba
 @pytest.mark.slow
 def test_compiled_bf16_training_attention_traces_whole_and_matches_eager():
     """The compiled training forward (chunk_logprobs, compiled with dynamic shapes) traces a CPU's explicit bf16
-    attention (nanochat/attention.py) in one graph, autocast turned off inside fp32_scores included, and its output
+    attention (nanochat/model/attention.py) in one graph, autocast turned off inside fp32_scores included, and its output
     and gradients are eager's, at sequence lengths on both sides of EXPLICIT_MAX_KEYS from one compile (eagerly the
     longer one takes the fused kernel; compiled, a limit would be a guard and a new graph mid-run). aot_eager traces
     forward and backward as Inductor would, without generating kernels (seconds, not minutes)."""
     from torch._dynamo.testing import CompileCounterWithBackend
-    from nanochat.attention import EXPLICIT_MAX_KEYS, attend, explicit_attention
+    from nanochat.model.attention import EXPLICIT_MAX_KEYS, attend, explicit_attention
 
     def forward(q, k, v):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -724,7 +725,7 @@ def test_chat_rl_decodes_with_the_static_step_where_it_compiles_it(dtype, rollou
     it, whatever this one is."""
     from scripts import chat_rl
     from helpers import TINY_RL_FLAGS
-    from nanochat import engine as nc_engine
+    from nanochat.engine import engine as nc_engine
     asked = []
 
     def recording(fn, on, dynamic, required=False):
@@ -774,7 +775,7 @@ def test_a_long_cpu_runs_auto_decode_is_static_only_where_compiling_works(compil
 
 AGREE_ON_COMPILING = """
 import sys, warnings, torch, torch.distributed as dist
-from nanochat import compile as nc_compile
+from nanochat.model import compile as nc_compile
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 nc_compile.check_compiler = lambda device: None if rank == 0 else "Compiler: cc is not found"  # rank 1 cannot compile

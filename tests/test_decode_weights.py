@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanochat.checkpoint_manager import build_model
-from nanochat.decode_weights import DecodeWeights, matmul_modules
-from nanochat.engine import Engine
-from nanochat.kv_cache import KVCache, forward_cached
-from nanochat.generations import GENERATIONS
+from nanochat.checkpoints.loading import build_model
+from nanochat.engine.decode_weights import DecodeWeights, matmul_modules
+from nanochat.engine.engine import Engine
+from nanochat.engine.kv_cache import KVCache, forward_cached
+from nanochat.model.generations import GENERATIONS
 from helpers import install_generation, prompt_of, random_model, tiny_config
 
 

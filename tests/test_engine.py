@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from nanochat.engine import Engine
-from nanochat.rows import Row, SpecialIds
+from nanochat.engine.engine import Engine
+from nanochat.engine.rows import Row, SpecialIds
 from helpers import ScriptedModel, prompt_of, random_model, tiny_config
 
 
@@ -177,7 +177,7 @@ def test_shared_prompt_cache_gives_the_tokens_of_per_row_copies(tiny_tokenizer, 
     the same greedy tokens, and the same sampled tokens from the same per-row seeds, with rows recycled
     mid-run (max_rows below the row count), prompts longer than the short window, and the completion
     storage growing (from 4 positions) while rows decode."""
-    from nanochat.shared_prompt_cache import SharedPromptKVCache
+    from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
     monkeypatch.setattr(SharedPromptKVCache, "INITIAL_SUFFIX_CAPACITY", 4)
     config = tiny_config(sequence_len=64, vocab_size=tiny_tokenizer.get_vocab_size(), window_pattern="SL")
     model = random_model(config, generation=generation)
@@ -231,7 +231,7 @@ def test_row_runs_the_tool_state_machine(tiny_tokenizer):
 def test_the_kv_cache_takes_the_models_compute_dtype_not_its_stored_embeddings():
     """Issue 35: a nanochat CUDA checkpoint stores its embeddings in bf16; a cache for an fp32 model (fp32 matmul
     weights) is fp32 whatever the first parameter's dtype, and the smear state keeps the embeddings' dtype."""
-    from nanochat.kv_cache import KVCache, cache_geometry
+    from nanochat.engine.kv_cache import KVCache, cache_geometry
     model = random_model(tiny_config(n_layer=2), generation="smear")
     model.transformer.wte.to(torch.bfloat16)
     geometry = cache_geometry(model)

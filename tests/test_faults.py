@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from nanochat import report
-from nanochat.checkpoint_manager import list_steps, load_model
-from nanochat.optimizer_shards import load_shard_for_resume
+from nanochat.checkpoints.loading import load_model
+from nanochat.checkpoints.store import list_steps
+from nanochat.checkpoints.optimizer_shards import load_shard_for_resume
 from nanochat.cli import run_main
 from scripts import chat_rl
 from gloo_ranks import start_ranks as launch_ranks

@@ -43,7 +43,7 @@ def test_checkpoint_writes_sweep_temp_files_that_killed_runs_left(tmp_path):
     """A killed save leaves a hidden .<name>.tmp-<pid>; the next write of that checkpoint file removes it
     (one process at a time writes it), update_meta included. Other files' temps and plain atomic writes,
     where another live process may be writing, are left alone."""
-    from nanochat.checkpoint_manager import save_checkpoint, update_meta
+    from nanochat.checkpoints.store import save_checkpoint, update_meta
     save_checkpoint(str(tmp_path), 1, {"w": 1}, None, {"step": 1})
     stale = [tmp_path / ".meta_000001.json.tmp-999999", tmp_path / ".model_000001.pt.tmp-999998"]
     other = tmp_path / ".report.md.tmp-999997"

@@ -1,7 +1,7 @@
 """The FLOP model behind the benchmark's MFU, against counts worked out by hand."""
 
 from helpers import random_model, tiny_config
-from nanochat import flops
+from nanochat.model import flops
 
 
 def tiny_gpt(n_layer=1, window_pattern="L"):

@@ -11,13 +11,14 @@ import json
 import pytest
 import torch
 
-from nanochat.checkpoint_manager import build_model, save_checkpoint
+from nanochat.checkpoints.loading import build_model
+from nanochat.checkpoints.store import save_checkpoint
 from nanochat.cli import run_main
 from nanochat.common import UserError
-from nanochat.engine import Engine
-from nanochat.kv_cache import KVCache, forward_cached
-from nanochat.generations import GENERATIONS, summarize_keys
-from nanochat.gpt import GPT, GPTConfig, UNLIMITED_WINDOW, layer_windows
+from nanochat.engine.engine import Engine
+from nanochat.engine.kv_cache import KVCache, forward_cached
+from nanochat.model.generations import GENERATIONS, summarize_keys
+from nanochat.model.gpt import GPT, GPTConfig, UNLIMITED_WINDOW, layer_windows
 from helpers import generation_reference, install_generation, random_model, tiny_config
 
 FIXTURE_NAMES = ["oct2025", "jan2026", "ve", "ve_late", "mar9", "smear", "head"]

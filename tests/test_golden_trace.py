@@ -24,8 +24,8 @@ import random
 import pytest
 
 from helpers import FIXTURES, TINY_RL_FLAGS
-from nanochat.checkpoint_manager import load_checkpoint
-from nanochat.rows import Completion
+from nanochat.checkpoints.store import load_checkpoint
+from nanochat.engine.rows import Completion
 from scripts import chat_rl
 
 GOLDEN = FIXTURES / "golden_trace.json"

@@ -25,10 +25,10 @@ import math
 import pytest
 import torch
 
-from nanochat.checkpoint_manager import load_model
+from nanochat.checkpoints.loading import load_model
 from nanochat.cli import run_main
-from nanochat.engine import Engine
-from nanochat.evaluation import sample_outcomes
+from nanochat.engine.engine import Engine
+from nanochat.rl.evaluation import sample_outcomes
 from scripts import chat_rl
 from rl_toy_task import OneStepArithmetic
 

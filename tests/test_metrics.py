@@ -7,9 +7,9 @@ import statistics
 
 import pytest
 
-from nanochat.rows import Completion
-from nanochat.metrics import REDUCTIONS, drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
-from nanochat.rl import TrainStats
+from nanochat.engine.rows import Completion
+from nanochat.rl.metrics import REDUCTIONS, drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
+from nanochat.rl.policy_gradient import TrainStats
 from gloo_ranks import run_ranks
 
 
@@ -72,7 +72,7 @@ def test_rollout_metrics_rejects_mismatched_inputs():
 
 
 def test_a_step_that_trained_nothing_has_no_entropy():
-    """Regression: a step with no trained token logged entropy NaN (nanochat.rl's mean over no tokens)."""
+    """Regression: a step with no trained token logged entropy NaN (nanochat.rl.policy_gradient's mean over no tokens)."""
     trained = TrainStats(objective=0.5, entropy=1.25, rows_trained=2, rows_total=4, tokens=7)
     idle = TrainStats(objective=0.0, entropy=float("nan"), rows_trained=0, rows_total=4, tokens=0)
     assert drop_unmeasured(objective_metrics(trained, trained))["entropy"] == 1.25
@@ -95,15 +95,15 @@ RANK_DATA = [
     {"rewards": [[0.0, 0.0], [1.0, 0.0], [0.5, 0.5]], "prompts": [9, 12, 15],
      "completions": [[[3, True, 1, 1], [4, True, 0, 0]], [[5, True, 2, 0], [30, False, 0, 0]],
                      [[6, True, 1, 1], [2, True, 0, 0]]],
-     "trained": [[0, float("nan")], [0, float("nan")]]},  # trains nothing: nanochat.rl's entropy is NaN then
+     "trained": [[0, float("nan")], [0, float("nan")]]},  # trains nothing: nanochat.rl.policy_gradient's entropy is NaN then
 ]
 
 WORKER = """
 import json, sys
 import torch.distributed as dist
-from nanochat.rows import Completion
-from nanochat.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
-from nanochat.rl import TrainStats
+from nanochat.engine.rows import Completion
+from nanochat.rl.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
+from nanochat.rl.policy_gradient import TrainStats
 data, out = json.loads(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo")
 completions = [[Completion(list(range(n)), [1] * n, ended, calls, ok) for n, ended, calls, ok in q]

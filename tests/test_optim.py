@@ -1,4 +1,4 @@
-"""Tests for the optimizers (nanochat/muon.py, adamw.py, muon_adamw.py, optim.py): Polar Express's
+"""Tests for the optimizers (nanochat/optim/muon.py, adamw.py, muon_adamw.py, optim.py): Polar Express's
 spectrum, Muon against an independent step-by-step implementation and hand-computed steps, cautious
 weight decay, both recipes against the steps nanochat's own code took (tests/fixtures/optimizer),
 state_dict resume, and the distributed optimizers on 2 gloo processes against the single-process ones."""
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.adamw import DistAdamW
-from nanochat.muon import POLAR_EXPRESS_COEFFS, DistMuon, Muon, orthogonalize
-from nanochat.muon_adamw import MuonAdamW
-from nanochat.optim import build_optimizers, lr_multiplier
+from nanochat.optim.adamw import DistAdamW
+from nanochat.optim.muon import POLAR_EXPRESS_COEFFS, DistMuon, Muon, orthogonalize
+from nanochat.optim.muon_adamw import MuonAdamW
+from nanochat.optim.optimizers import build_optimizers, lr_multiplier
 from gloo_ranks import run_ranks
 
 
@@ -265,7 +265,7 @@ def test_gpt_setup_optimizers_builds_nanochats_groups_and_steps(name):
     """GPT.setup_optimizers(recipe) on the fixture's model (jan2026 for 2026-01, smear = nanochat's head for
     2026-07) makes the groups nanochat's setup made (parameters, lr, betas, eps, weight decay, Muon
     settings), and its optimizers, fed nanochat's gradients, end where nanochat's ended."""
-    from nanochat.gpt import GPT, GPTConfig
+    from nanochat.model.gpt import GPT, GPTConfig
     fixture = W.load_fixture(name)
     recipe, ortho_dtype = W.FIXTURES[name]
     model = GPT(GPTConfig(**fixture["config"]), "jan2026" if recipe == "2026-01" else "smear")
@@ -448,7 +448,7 @@ def test_distributed_two_gloo_ranks_match_single_process(two_ranks):
 
 
 def test_scale_initial_lr_starts_every_group_at_the_fraction():
-    from nanochat.optim import scale_initial_lr
+    from nanochat.optim.optimizers import scale_initial_lr
     params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
     optimizers = [torch.optim.SGD([{"params": [params[0]], "lr": 0.2}, {"params": [params[1]], "lr": 0.004}])]
     assert scale_initial_lr(optimizers, 0.05) is optimizers

@@ -1,4 +1,4 @@
-"""pass@k (nanochat/evaluation.py) against values worked out by hand: the unbiased estimator for several n, c
+"""pass@k (nanochat/rl/evaluation.py) against values worked out by hand: the unbiased estimator for several n, c
 and k, and the aggregation over questions and over 2 gloo ranks, both definitions ("any" and "unbiased")."""
 
 import json
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from gloo_ranks import run_ranks
-from nanochat.evaluation import aggregate_pass_at_k, unbiased_pass_at_k
+from nanochat.rl.evaluation import aggregate_pass_at_k, unbiased_pass_at_k
 
 # (n, c, k, 1 - C(n-c, k) / C(n, k) worked out)
 UNBIASED = [
@@ -81,7 +81,7 @@ RANK_WORKER = """
 import json, sys
 import torch.distributed as dist
 from types import SimpleNamespace
-from nanochat.evaluation import aggregate_pass_at_k
+from nanochat.rl.evaluation import aggregate_pass_at_k
 dist.init_process_group("gloo")
 results = []
 for shares in json.loads(sys.argv[1]):

@@ -1,4 +1,4 @@
-"""nanochat.precision: the timed choice between fp32 and bf16 (scripted clocks, so no test depends on this
+"""nanochat.model.precision: the timed choice between fp32 and bf16 (scripted clocks, so no test depends on this
 machine's speed), the two workloads it times (a run's rollout, shortened; a training micro-batch), and every rank taking rank 0's choice. The CPU kinds'
 detection and its $NANOCHAT_CPU_BF16 override are in test_common.py."""
 
@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from nanochat import precision
+from nanochat.model import precision
 from gloo_ranks import run_ranks
 from helpers import prompt_of, random_model, tiny_config
 
@@ -91,7 +91,7 @@ def test_rollout_measurement_runs_the_engines_rollout_in_each_dtype():
 def test_rollout_measurement_with_a_real_engine_leaves_the_run_as_it_was(tiny_tokenizer):
     """On a real Engine the timed rollouts run in both dtypes and leave nothing behind that the run would see: the
     global random stream (the engine's rows draw from their own seeded streams) and the model's weights."""
-    from nanochat.engine import Engine
+    from nanochat.engine.engine import Engine
     model = random_model(tiny_config(sequence_len=64, vocab_size=tiny_tokenizer.get_vocab_size()))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     prompt = prompt_of(tiny_tokenizer, "How many apples?")
@@ -122,7 +122,7 @@ def test_training_measurement_leaves_the_model_as_it_was(tiny_model):
 
 RANK0_CHOICE = """
 import torch, torch.distributed as dist
-from nanochat.precision import rank0_choice
+from nanochat.model.precision import rank0_choice
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 def choose():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanochat.cli import run_main
-from nanochat.rl import TrainStats
+from nanochat.rl.policy_gradient import TrainStats
 from scripts import chat_rl
 from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS, assert_same_weights, weights
 

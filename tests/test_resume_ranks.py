@@ -15,7 +15,7 @@ import torch
 from gloo_ranks import run_ranks
 from helpers import PYTHONPATH, TINY_RL_FLAGS, assert_same_weights, random_model, tiny_config, weights
 from nanochat.cli import run_main
-from nanochat.optimizer_shards import gather_optimizer_states, split_optimizer_states
+from nanochat.checkpoints.optimizer_shards import gather_optimizer_states, split_optimizer_states
 from scripts import chat_rl
 
 # 16 questions, 4 a step: --num-steps=4 is one epoch. Every reward is written down (see RecordedParityTask).

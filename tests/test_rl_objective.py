@@ -6,8 +6,9 @@ from contextlib import nullcontext
 import torch
 
 from helpers import TableModel
-from nanochat.rl import (accumulate_policy_gradient, advantages_from_rewards, make_question_batch, pass_objective,
-                         token_logprobs_and_entropy)
+from nanochat.rl.advantages import advantages_from_rewards, make_question_batch
+from nanochat.rl.objective import pass_objective, token_logprobs_and_entropy
+from nanochat.rl.policy_gradient import accumulate_policy_gradient
 
 PAD = 99
 

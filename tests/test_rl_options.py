@@ -14,9 +14,10 @@ import torch
 
 from gloo_ranks import run_ranks
 from nanochat.cli import run_main
-from nanochat.rl import (PolicyLoss, _row_hidden_states, _trained_rows, accumulate_policy_gradient, advantages_from_rewards,
-                         clipped_surrogate, k3_kl, make_question_batch, pass_denominators, step_counts,
-                         token_logprobs_and_entropy)
+from nanochat.rl.advantages import advantages_from_rewards, make_question_batch
+from nanochat.rl.objective import (PolicyLoss, clipped_surrogate, k3_kl, pass_denominators, step_counts,
+                                   token_logprobs_and_entropy)
+from nanochat.rl.policy_gradient import _row_hidden_states, _trained_rows, accumulate_policy_gradient
 from rl_options_worker import CASES, questions, run_case
 from scripts import chat_rl, compare_runs, rl_variants
 from helpers import TableModel

@@ -1,12 +1,12 @@
-"""Every algorithm option of nanochat/rl.py against an independent reference: the objective of a small step
-written out from the formulas (torch.log_softmax and arithmetic on the raw token lists; no nanochat.rl helper),
+"""Every algorithm option of nanochat/rl/objective.py against an independent reference: the objective of a small step
+written out from the formulas (torch.log_softmax and arithmetic on the raw token lists; no nanochat.rl.objective helper),
 compared with accumulate_policy_gradient's TrainStats.objective and the gradient it accumulates.
 
 The model is helpers.TableModel, whose logits for the next token are a table row picked by the current token,
 so a sampled token's log-probability is log_softmax(table[previous token])[token]. The reference runs in float64
 on a copy of the table; the code under test in float32.
 
-The formulas (module docstring of nanochat/rl.py, and the papers it cites). Per question q with rewards r,
+The formulas (module docstring of nanochat/rl/objective.py, and the papers it cites). Per question q with rewards r,
 row i, sampled token t (mask 1) of row i, and D_i the row's denominator:
     A_i         = r_i - mean(r_q)                         (GRPO's advantage std: / (population std + 1e-4))
     objective   = sum_i sum_t A_i * logp_it / D_i
@@ -32,7 +32,9 @@ import pytest
 import torch
 
 from helpers import TableModel
-from nanochat.rl import PolicyLoss, accumulate_policy_gradient, make_question_batch
+from nanochat.rl.advantages import make_question_batch
+from nanochat.rl.objective import PolicyLoss
+from nanochat.rl.policy_gradient import accumulate_policy_gradient
 
 VOCAB, PAD, DEVICE_BATCH_SIZE, MAX_NEW_TOKENS = 8, 0, 2, 5
 # (prompt, [(completion tokens, masks (0 = forced by the tool), reward, truncated at MAX_NEW_TOKENS)])

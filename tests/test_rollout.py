@@ -4,8 +4,8 @@ checked against the engine and the task called directly."""
 import torch
 
 from helpers import SFT_CONFIG, random_model, tiny_config
-from nanochat.engine import Engine
-from nanochat.rollout import Sampling, question_seed, sample_questions, step_question_indices
+from nanochat.engine.engine import Engine
+from nanochat.rl.rollout import Sampling, question_seed, sample_questions, step_question_indices
 from rl_toy_task import ParityTask
 
 

@@ -14,13 +14,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanochat.checkpoint_manager import build_model
-from nanochat.decode_batch import DecodeBatch
-from nanochat.engine import Engine
-from nanochat.shared_prompt_cache import SharedPromptKVCache
-from nanochat.metrics import objective_metrics
-from nanochat.rl import PolicyLoss, accumulate_policy_gradient, make_question_batch
-from nanochat.sampling import row_seeds, sample_with_logprobs
+from nanochat.checkpoints.loading import build_model
+from nanochat.engine.decode_batch import DecodeBatch
+from nanochat.engine.engine import Engine
+from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
+from nanochat.rl.metrics import objective_metrics
+from nanochat.rl.advantages import make_question_batch
+from nanochat.rl.objective import PolicyLoss
+from nanochat.rl.policy_gradient import accumulate_policy_gradient
+from nanochat.model.sampling import row_seeds, sample_with_logprobs
 from helpers import FP32_GAP_BOUND, BigramModel, TableModel, install_generation, prompt_of
 
 GENERATIONS = ["oct2025", "jan2026", "ve", "ve_late", "mar9", "smear"]

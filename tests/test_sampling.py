@@ -2,7 +2,7 @@
 
 import torch
 
-from nanochat.sampling import row_seed, row_uniforms, sample_next_token
+from nanochat.model.sampling import row_seed, row_uniforms, sample_next_token
 
 
 def test_greedy_is_argmax_whatever_the_seed():

@@ -12,15 +12,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanochat.checkpoint_manager import build_model
-from nanochat.cuda_graphs import (KEY_BUCKET, ROW_BUCKETS, DecodePlan, GraphedStep, bucket_shapes, bucketed_shape,
+from nanochat.checkpoints.loading import build_model
+from nanochat.engine.cuda_graphs import (KEY_BUCKET, ROW_BUCKETS, DecodePlan, GraphedStep, bucket_shapes, bucketed_shape,
                                   capture_cuda_graph, decode_mode, decode_plan, exact_shape)
-from nanochat.decode_batch import DecodeBatch, RolloutStats
-from nanochat.engine import KEEP_BATCHES, Engine
-from nanochat.gpt import GPT
-from nanochat.kv_cache import KVCache
-from nanochat.op_count import CountOps, OpCount, count_decode_step_ops
-from nanochat.shared_prompt_cache import SharedPromptKVCache
+from nanochat.engine.decode_batch import DecodeBatch, RolloutStats
+from nanochat.engine.engine import KEEP_BATCHES, Engine
+from nanochat.model.gpt import GPT
+from nanochat.engine.kv_cache import KVCache
+from nanochat.engine.op_count import CountOps, OpCount, count_decode_step_ops
+from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from helpers import HAS_CUDA, BigramModel, ScriptedModel, install_generation, prompt_of, random_model, tiny_config
 from graph_capture import capture_recorded_graph
 
@@ -159,7 +159,7 @@ def test_the_stand_in_catches_what_a_capture_breaks(tiny_tokenizer, cpu_graphs, 
     tensor instead of its buffer (the graph keeps reading the buffer it captured), or a cache that grows after
     a capture (the graph writes the old storage), is right when run eagerly and samples other tokens when
     replayed."""
-    from nanochat import decode_batch
+    from nanochat.engine import decode_batch
     model = ending_model(tiny_tokenizer)
     prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
     right = rollouts(Engine(model, tiny_tokenizer, decode="static"), prompts, **ENDING_KWARGS)

@@ -4,7 +4,7 @@ generation from its files.
 
 nanochat changed its GPT several times between October 2025 and July 2026 without recording a version in
 its checkpoints. A checkpoint only computes what it was trained to compute under the code that wrote it, so
-the model here is built from a `Generation`: a set of switches, one per thing that changed. `nanochat.gpt`
+the model here is built from a `Generation`: a set of switches, one per thing that changed. `nanochat.model.gpt`
 reads the switches; nothing else about the model differs between generations.
 
     name      nanochat commits (dates)                 what changed (from the previous row)

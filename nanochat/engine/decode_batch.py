@@ -3,7 +3,7 @@ The rows decoded together: admission into free rows of one KV cache, the static 
 
 Flow of one token: the batch's `next_input` (B,) -> the model over a CacheStep of the cache -> logits -> the
 sampler (each row its own random stream) -> `sampled` (B, 3) -> one read by the host -> each Row's `feed` (the
-calculator's protocol, nanochat/rows.py) -> the token it emits becomes its next input.
+calculator's protocol, nanochat/engine/rows.py) -> the token it emits becomes its next input.
 """
 
 from collections import deque
@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.attention import run_cached
-from nanochat.cuda_graphs import bucket_shapes, exact_shape
-from nanochat.decode_weights import DecodeWeights
-from nanochat.kv_cache import KVCache, forward_cached
-from nanochat.sampling import row_seeds, sample_with_logprobs
+from nanochat.model.attention import run_cached
+from nanochat.engine.cuda_graphs import bucket_shapes, exact_shape
+from nanochat.engine.decode_weights import DecodeWeights
+from nanochat.engine.kv_cache import KVCache, forward_cached
+from nanochat.model.sampling import row_seeds, sample_with_logprobs
 
 
 @dataclass
@@ -116,7 +116,7 @@ class DecodeBatch:
         # bound method kept): a batch in a reference cycle would hold its KV cache until the next garbage collection
         self.graphs = graphs() if graphs else None
         self.pool = PromptPool(cache.prompt_slots) if cache.holds_prompts() else None
-        # runs static_step(batch, rows, keys): itself, or compiled (nanochat/compile.py); a function, not a bound
+        # runs static_step(batch, rows, keys): itself, or compiled (nanochat/model/compile.py); a function, not a bound
         # method, for the same reason
         self.step = step or static_step
 

@@ -2,7 +2,7 @@
 The decode step's shapes and its CUDA graphs: which (rows, keys) shape a step runs (exact, or a bucket that a few
 graphs cover), how a shape's step is warmed up, captured and replayed, and the decode modes built from them.
 
-Capture is kept apart from the step, as gpt-fast keeps it: the step (nanochat/decode_batch.py) reads and writes
+Capture is kept apart from the step, as gpt-fast keeps it: the step (nanochat/engine/decode_batch.py) reads and writes
 only tensors of fixed address and does not know it is replayed.
 """
 

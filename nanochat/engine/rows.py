@@ -7,7 +7,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanochat.calculator import format_result, use_calculator
+from nanochat.engine.calculator import format_result, use_calculator
 
 
 @dataclass

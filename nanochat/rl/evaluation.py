@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import rank_and_world, rank_share, reduction_dtype
-from nanochat.rollout import Sampling, sample_questions
+from nanochat.rl.rollout import Sampling, sample_questions
 
 
 @dataclass

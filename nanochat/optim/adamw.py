@@ -9,14 +9,14 @@ What differs is where it runs:
   - smaller or non-divisible parameters (per-layer scalars, an odd vocab) are not worth the bookkeeping:
     their gradient is all-reduced (averaged, in place in .grad) and every rank updates the whole tensor.
 Without a process group it is plain AdamW. state_dict() holds this rank's shard of the state; load it
-back with the same world size. Works on NCCL and gloo (see nanochat/muon.py for the collectives).
+back with the same world size. Works on NCCL and gloo (see nanochat/optim/muon.py for the collectives).
 The per-parameter pieces (`launch_adamw_reduce`, `adamw_shard_step_`) also serve MuonAdamW.
 """
 
 import torch
 
 from nanochat.common import rank_and_world
-from nanochat.muon import all_gather, all_reduce_sum, reduce_scatter_sum
+from nanochat.optim.muon import all_gather, all_reduce_sum, reduce_scatter_sum
 
 MIN_SHARD_NUMEL = 1024  # below this, a reduce-scatter + all-gather pair costs more than it saves
 

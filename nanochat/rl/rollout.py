@@ -12,7 +12,7 @@ rows share the work.
 from dataclasses import dataclass
 
 from nanochat.common import progress_bar
-from nanochat.rl import QuestionBatch, make_question_batch
+from nanochat.rl.advantages import QuestionBatch, make_question_batch
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class QuestionRollout:
     completions: list     # (R,) engine Completion: tokens, masks (1 sampled / 0 tool output), ended, tool stats
     texts: list           # (R,) the decoded completions
     rewards: list         # (R,) float: the task's reward (or grade) of each completion
-    batch: QuestionBatch  # the training tensors: inputs, targets, advantages, truncated (see nanochat.rl)
+    batch: QuestionBatch  # the training tensors: inputs, targets, advantages, truncated (see nanochat.rl.objective)
 
     @property
     def prompt_length(self):
@@ -76,7 +76,7 @@ def longest_prompt(tokenizer, *tasks):
 def sample_questions(engine, task, indices, seeds, sampling, score=None, scale_by_std=False, label="rollouts"):
     """Sample sampling.num_samples completions of each task question in `indices` (all in one batched engine
     call, question i seeded with seeds[i]) and score them with score(conversation, text) (default
-    task.reward). scale_by_std: GRPO's advantages (see nanochat.rl.advantages_from_rewards).
+    task.reward). scale_by_std: GRPO's advantages (see nanochat.rl.advantages.advantages_from_rewards).
     Returns [QuestionRollout], in the order of `indices`."""
     tokenizer = engine.tokenizer
     score = score or task.reward

@@ -7,7 +7,7 @@ The optimizers of a nanochat recipe, built from one list of param-group specs.
 
 The specs are the same for both recipes: which parameters go to AdamW and which to Muon, with the
 hyperparameters of each group (see `build_optimizers`). Which lr and betas each kind of parameter gets
-in each recipe is nanochat/param_groups.py's business; the fixtures in tests/fixtures/optimizer
+in each recipe is nanochat/optim/param_groups.py's business; the fixtures in tests/fixtures/optimizer
 record nanochat's choices, and tests/test_optim.py replays them against nanochat's own steps.
 
 Also the schedule every stage shares (init_lr_frac, then nanochat's linear decay to 0, or chat_rl's
@@ -19,10 +19,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.adamw import DistAdamW
+from nanochat.optim.adamw import DistAdamW
 from nanochat.common import grad_norm
-from nanochat.muon import DistMuon, Muon
-from nanochat.muon_adamw import MuonAdamW, split_param_groups
+from nanochat.optim.muon import DistMuon, Muon
+from nanochat.optim.muon_adamw import MuonAdamW, split_param_groups
 
 RECIPES = ("2026-01", "2026-07")
 

@@ -19,8 +19,8 @@ Keys of a metrics dict (all floats):
   captures                   decode shapes the step's rollouts captured into CUDA graphs (static decode: shapes a
                              new batch would capture); 0 once a run's batch is kept (the most of any rank)
   compiles, compile_s        graphs torch.compile made during the step (decode step and training forward) and the
-                             seconds of the calls that made them (nanochat/compile.py; the most of any rank)
-The objective's diagnostics (`objective_metrics`, from nanochat.rl.TrainStats), when they apply:
+                             seconds of the calls that made them (nanochat/model/compile.py; the most of any rank)
+The objective's diagnostics (`objective_metrics`, from nanochat.rl.policy_gradient.TrainStats), when they apply:
   loss                       minus the on-policy objective (the step's, averaged over ranks like the gradients)
   trained_tokens             sampled tokens of the trained rows (their weight)
   entropy                    mean policy entropy over those tokens; absent where no token was trained (see MEASURED_OVER)
@@ -81,11 +81,11 @@ def rollout_metrics(rewards_per_question, completions_per_question, max_new_toke
     """Summarize one rank's rollouts of one step.
 
     rewards_per_question: [question][sample] float rewards.
-    completions_per_question: [question][sample] `nanochat.engine.Completion` (same shape as the rewards).
+    completions_per_question: [question][sample] `nanochat.engine.engine.Completion` (same shape as the rewards).
     max_new_tokens: the length cap the rollouts were sampled with; a completion longer than it means the
         arguments do not belong together, and is refused.
     prompt_lengths: [question] prompt tokens; nanochat's sequence length counts them with the completion.
-    rows_trained: how many of these samples the training step ran (see nanochat.rl.TrainStats).
+    rows_trained: how many of these samples the training step ran (see nanochat.rl.policy_gradient.TrainStats).
     Returns a dict with the keys listed in this module's docstring.
 
     tool_success_fraction is 0.0 when no sample called the tool: a rate of successes should not read as
@@ -140,7 +140,7 @@ def rollout_metrics(rewards_per_question, completions_per_question, max_new_toke
 
 
 def objective_metrics(first, last):
-    """The objective's diagnostics from one step's TrainStats (nanochat.rl): the first epoch's loss (minus the objective;
+    """The objective's diagnostics from one step's TrainStats (nanochat.rl.objective): the first epoch's loss (minus the objective;
     the ranks' mean is the step's, as the optimizers average gradients), its trained tokens, its sampler-trainer
     gap and its mean KL to the reference (with --kl-coef), the last PPO epoch's clipped fraction and KL from the
     old policy (measured in its forward, after the earlier epochs' updates). The gap's keys are there on every
@@ -176,7 +176,7 @@ def reduce_metrics(metrics, device="cpu"):
     unknown = sorted(k for k in metrics if k not in REDUCTIONS)
     if unknown:
         raise ValueError(f"reduce_metrics does not know how to combine {unknown}; add them to "
-                         f"nanochat.metrics.REDUCTIONS, or reduce them yourself (e.g. common.all_reduce_mean)")
+                         f"nanochat.rl.metrics.REDUCTIONS, or reduce them yourself (e.g. common.all_reduce_mean)")
     keys = [k for k in REDUCTIONS if k in metrics]  # a fixed order, the same on every rank
     for k in keys:
         kind, weight = REDUCTIONS[k]

@@ -3,7 +3,7 @@ Attention, for training and for the KV caches, and the one contract between the 
 and values for it.
 
 Windows. A layer with window w lets a query at position p see key j iff j <= p and p - j <= w: w tokens of
-left context plus itself (nanochat/gpt.py says which layer has which window).
+left context plus itself (nanochat/model/gpt.py says which layer has which window).
 
 The contract. The model computes each layer's queries, keys and values and hands them to an attention context:
 
@@ -15,7 +15,7 @@ The contract. The model computes each layer's queries, keys and values and hands
 The model never asks how keys are stored, and never calls back into what schedules it. Contexts:
 - `SequenceAttention`: a plain sequence at positions 0..T-1 (training, nanochat's forward);
 - `SharedPrefixAttention`: training rows that all start with one prompt (its keys recorded once);
-- a KV cache's `CacheStep` (nanochat/kv_cache.py, nanochat/shared_prompt_cache.py): one forward of T new
+- a KV cache's `CacheStep` (nanochat/engine/kv_cache.py, nanochat/engine/shared_prompt_cache.py): one forward of T new
   tokens per row over what each row of the cache holds. A CacheStep also carries what a cached forward needs
   besides attention: `positions` (B, T), the new tokens' absolute positions (rotary reads them: they are an
   explicit input of the forward, as gpt-fast's input_pos), and the smear state of the generations that mix

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanochat.decode_batch import DecodeBatch, RolloutStats
-from nanochat.kv_cache import KVCache
-from nanochat.shared_prompt_cache import SharedPromptKVCache
+from nanochat.engine.decode_batch import DecodeBatch, RolloutStats
+from nanochat.engine.kv_cache import KVCache
+from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 
 
 @dataclass

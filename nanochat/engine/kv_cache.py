@@ -1,8 +1,8 @@
 """
 The KV cache every row of which holds its own copy of its keys and values (nanochat's), and the interface a
-rollout's cache offers the decode batch (`RolloutCache`), which nanochat/shared_prompt_cache.py implements too.
+rollout's cache offers the decode batch (`RolloutCache`), which nanochat/engine/shared_prompt_cache.py implements too.
 
-A cache is data: tensors, and the steps (nanochat/attention.py's CacheStep) that read and write them during
+A cache is data: tensors, and the steps (nanochat/model/attention.py's CacheStep) that read and write them during
 one forward. It never calls the model; the caller builds a step, runs the model on it and advances the cache.
 """
 
@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional, Protocol
 import torch
 import torch.nn as nn
 
-from nanochat.attention import CacheStep, Visibility, attend, run_cached, sequence_mask, window_mask
+from nanochat.model.attention import CacheStep, Visibility, attend, run_cached, sequence_mask, window_mask
 
 
 def write_rows(store, layer, rows, positions, values, heads_first=False):
@@ -33,7 +33,7 @@ def _index_put_rows(store, layer, rows, positions, values, heads_first=False):
 
 
 # write_rows as an operator of its own, for torch.compile: it declares what it mutates (the schema's "Tensor(a!)").
-# Compiled (nanochat/compile.py), a plain index_put into a view of a graph input is functionalized into a write of the
+# Compiled (nanochat/model/compile.py), a plain index_put into a view of a graph input is functionalized into a write of the
 # whole cache, copied per layer and step (measured on a CPU, d4 at 256 rows: the compiled decode step 8x slower than
 # eager), while an operator that mutates its argument is written in place by Inductor (vLLM writes its KV cache
 # through such an operator for the same reason). It takes the whole storage and the layer, not the layer's view: with
@@ -83,7 +83,7 @@ def cache_geometry(model):
 
 
 class RolloutCache(Protocol):
-    """What the decode batch (nanochat/decode_batch.py) asks of its cache: B rows, each a slot of one sample in
+    """What the decode batch (nanochat/engine/decode_batch.py) asks of its cache: B rows, each a slot of one sample in
     flight, written by the model through decode steps and moved or freed by the batch. Positions: a row's
     keys 0.. in its own storage stand at absolute positions offset.. (offset: what admit_rows returned, the
     prompt's length when the cache keeps the prompt elsewhere, else 0)."""
@@ -237,7 +237,7 @@ class KVCache:
 
 
 class KVCacheStep:
-    """A forward of T tokens per row over a KVCache (the CacheStep of nanochat/attention.py): each layer stores
+    """A forward of T tokens per row over a KVCache (the CacheStep of nanochat/model/attention.py): each layer stores
     its new keys/values at the rows' positions and attends to the rows' cached keys 0..keys-1 (the masks hide
     what a row does not have). A chunk of several tokens smears inside itself only."""
 

@@ -4,7 +4,7 @@ nanochat 92d63d4): Muon for the 2D matrices of the transformer blocks, AdamW for
 param group saying which (kind='muon' | 'adamw') and carrying its own hyperparameters, including
 per-group AdamW betas and weight decay.
 
-The Muon step differs from the 2026-01 one (nanochat/muon.py) in two places, marked * below:
+The Muon step differs from the 2026-01 one (nanochat/optim/muon.py) in two places, marked * below:
   1. momentum:        buf = lerp(buf, G, 1 - momentum); g = lerp(G, buf, momentum)   (always Nesterov)
   2.*MuonEq:          scale every row of g to the RMS row norm ||g||_F / sqrt(rows), so the spectrum
                       entering the iteration is better conditioned (arXiv:2603.28254)
@@ -12,7 +12,7 @@ The Muon step differs from the 2026-01 one (nanochat/muon.py) in two places, mar
   4.*Muon+:           O = O * sqrt(min(rows, cols)) / ||O||_F, the norm of an exactly semi-orthogonal
                       matrix, which corrects for an under-converged iteration (arXiv:2602.21545)
   5. NorMuon, shape-scaled lr, cautious weight decay: as in 2026-01.
-The AdamW step is torch.optim.AdamW's (nanochat/adamw.py). Precision: the orthogonalization (2.-3.) runs
+The AdamW step is torch.optim.AdamW's (nanochat/optim/adamw.py). Precision: the orthogonalization (2.-3.) runs
 in `ortho_dtype`; momentum, the NorMuon statistic and everything after 3. stay in the weights' dtype.
 
 The same class serves one process and torch.distributed (no DDP wrapper; it averages the gradients
@@ -24,9 +24,9 @@ world size. A parameter with no gradient contributes zeros and is still stepped.
 
 import torch
 
-from nanochat.adamw import adamw_shard_step_, launch_adamw_reduce
+from nanochat.optim.adamw import adamw_shard_step_, launch_adamw_reduce
 from nanochat.common import rank_and_world
-from nanochat.muon import (cautious_step_, copy_gathered_matrices, init_muon_state,
+from nanochat.optim.muon import (cautious_step_, copy_gathered_matrices, init_muon_state,
                            launch_matrix_gather, launch_matrix_grad_reduce, normalize_variance_, orthogonalize,
                            owned_matrices, shape_lr_scale)
 

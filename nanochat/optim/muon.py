@@ -1,7 +1,7 @@
 """
 Muon: momentum + orthogonalized updates for the 2D weight matrices of the transformer blocks, as
 nanochat had it in January 2026 (the "2026-01" recipe, nanochat 7312ec9). The 2026-07 variant, fused
-with AdamW into one optimizer, is in nanochat/muon_adamw.py and reuses the pieces below.
+with AdamW into one optimizer, is in nanochat/optim/muon_adamw.py and reuses the pieces below.
 
 One step for a matrix parameter W (rows x cols) with gradient G:
   1. momentum:        buf = lerp(buf, G, 1 - momentum); g = lerp(G, buf, momentum) (Nesterov) or buf
@@ -233,8 +233,8 @@ class Muon(torch.optim.Optimizer):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Collectives shared by the distributed optimizers (DistMuon here, DistAdamW in nanochat/adamw.py,
-# MuonAdamW in nanochat/muon_adamw.py). One code path for NCCL and gloo: every call is async_op=True
+# Collectives shared by the distributed optimizers (DistMuon here, DistAdamW in nanochat/optim/adamw.py,
+# MuonAdamW in nanochat/optim/muon_adamw.py). One code path for NCCL and gloo: every call is async_op=True
 # and the caller waits on work.wait(). Work.get_future() is avoided because gloo's reduce-scatter work
 # does not implement it ("Work::getFuture not implemented"). Gradients are summed then divided by the
 # world size because ReduceOp.AVG is NCCL-only on older torch versions.

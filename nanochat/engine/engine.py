@@ -2,15 +2,15 @@
 The batched rollout engine: the API the scripts use (nanochat's generate / generate_batch, and generate_many for
 rollouts), built from rooms of its own:
 
-- nanochat/rows.py: one sample in flight (Row, Completion) and the calculator tool's protocol;
-- nanochat/decode_batch.py: the rows decoded together (admit, the static step, retire) and the prompt pool;
-- nanochat/kv_cache.py, nanochat/shared_prompt_cache.py: the caches behind one interface (RolloutCache);
-- nanochat/attention.py: the contract between the model and a cache (CacheStep);
-- nanochat/cuda_graphs.py: the step's shapes, its CUDA graphs and the decode modes;
-- nanochat/decode_weights.py: bf16/fp16 copies of the matmul weights, made once per rollout.
+- nanochat/engine/rows.py: one sample in flight (Row, Completion) and the calculator tool's protocol;
+- nanochat/engine/decode_batch.py: the rows decoded together (admit, the static step, retire) and the prompt pool;
+- nanochat/engine/kv_cache.py, nanochat/engine/shared_prompt_cache.py: the caches behind one interface (RolloutCache);
+- nanochat/model/attention.py: the contract between the model and a cache (CacheStep);
+- nanochat/engine/cuda_graphs.py: the step's shapes, its CUDA graphs and the decode modes;
+- nanochat/engine/decode_weights.py: bf16/fp16 copies of the matmul weights, made once per rollout.
 
 The engine knows nothing about text beyond the special-token ids it needs for the tool state machine:
-token ids in, token ids and masks out. Sampling (per-row random streams) is nanochat/sampling.py.
+token ids in, token ids and masks out. Sampling (per-row random streams) is nanochat/model/sampling.py.
 """
 
 import math
@@ -19,13 +19,13 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from nanochat.compile import compile_plan, maybe_compiled
-from nanochat.cuda_graphs import PROMPT_BUCKET, decode_mode, decode_plan
-from nanochat.decode_batch import DecodeBatch, RolloutStats, static_step
-from nanochat.decode_weights import DecodeWeights
-from nanochat.kv_cache import KVCache, cache_geometry
-from nanochat.rows import Row, SpecialIds
-from nanochat.shared_prompt_cache import SharedPromptKVCache
+from nanochat.model.compile import compile_plan, maybe_compiled
+from nanochat.engine.cuda_graphs import PROMPT_BUCKET, decode_mode, decode_plan
+from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, static_step
+from nanochat.engine.decode_weights import DecodeWeights
+from nanochat.engine.kv_cache import KVCache, cache_geometry
+from nanochat.engine.rows import Row, SpecialIds
+from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 
 # the static decode step compiles with dynamic shapes: one graph serves every bucketed shape (see Engine)
 STATIC_STEP_DYNAMIC = True
@@ -95,7 +95,7 @@ class Engine:
     (SharedPromptKVCache: more rows fit, fewer bytes read per token); without, each row holds a copy, as
     nanochat does. Row r of a prompt with seed s samples with its own stream row_seed(s, r), so its output
     does not depend on the batch it shares. Under bf16/fp16 autocast the forwards use the matmul weights cast once
-    per rollout (DecodeWeights). compile (nanochat/compile.py's modes; default off): whether the static decode step
+    per rollout (DecodeWeights). compile (nanochat/model/compile.py's modes; default off): whether the static decode step
     runs compiled (static and graph decode modes only; in graph mode the engine's CUDA graphs capture the compiled
     step). It is compiled with dynamic shapes: one graph (and a few specializations) serves every bucketed shape,
     where one graph per shape compiled a static batch's 100+ shapes at ~15 s each (measured on a CPU: a d4 batch of

@@ -2,7 +2,7 @@
 The optimizer state of a chat_rl checkpoint: one shard per rank (`optim_<step>_rank<r>.pt`), checked on `--resume`
 and, when the run continues on another number of ranks, gathered and re-split for the new one.
 
-What a rank holds depends on the world size W that wrote it (see nanochat/adamw.py and nanochat/muon.py):
+What a rank holds depends on the world size W that wrote it (see nanochat/optim/adamw.py and nanochat/optim/muon.py):
   - AdamW: a parameter of >= 1024 elements whose dim 0 divides by W keeps the moments of its rows
     [r * rows/W, (r+1) * rows/W) on rank r; any other parameter keeps its whole moments on every rank (the same
     values: its gradient was all-reduced);
@@ -20,10 +20,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from nanochat.adamw import is_sharded
-from nanochat.checkpoint_manager import CheckpointError, first_failure, optim_path, torch_load_checked
+from nanochat.optim.adamw import is_sharded
+from nanochat.checkpoints.errors import CheckpointError
+from nanochat.checkpoints.layout import optim_path
+from nanochat.checkpoints.store import first_failure, torch_load_checked
 from nanochat.common import UserError, get_rank
-from nanochat.muon import Muon
+from nanochat.optim.muon import Muon
 
 
 class ShardError(CheckpointError):
@@ -146,7 +148,7 @@ def _slots(optimizer, saved_groups):
 
 
 def _muon_owner(position, group_size, world_size):
-    """The rank whose Muon state holds matrix `position` of a same-shaped group (nanochat.muon.owned_matrices)."""
+    """The rank whose Muon state holds matrix `position` of a same-shaped group (nanochat.optim.muon.owned_matrices)."""
     return position // -(-group_size // world_size)
 
 

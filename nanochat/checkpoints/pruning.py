@@ -3,7 +3,7 @@ Removing a run's checkpoint files that are no longer wanted: the steps beyond `-
 re-saved step that a run of more ranks left (a run resumed on fewer ranks saves a step again with fewer shards).
 
 Every rank removes only the files it writes (rank 0 the model and meta, rank r its own shard); the shards of
-ranks this run does not have are rank 0's to remove. See nanochat/checkpoint_manager.py for the layout.
+ranks this run does not have are rank 0's to remove. See nanochat/checkpoints/store.py for the layout.
 """
 
 import os
@@ -11,7 +11,8 @@ import re
 
 import torch.distributed as dist
 
-from nanochat.checkpoint_manager import list_steps, optim_path
+from nanochat.checkpoints.layout import optim_path
+from nanochat.checkpoints.store import list_steps
 from nanochat.common import get_rank
 from nanochat.files import fsync_dir, remove_if_exists
 

@@ -1,13 +1,13 @@
 """
 torch.compile for a run's two hot paths, and what compiling them costs.
 
-- The static decode step (nanochat/decode_batch.py's `static_step`): fullgraph, dynamic shapes, so three graphs at
+- The static decode step (nanochat/engine/decode_batch.py's `static_step`): fullgraph, dynamic shapes, so three graphs at
   most (all, some and one of the batch's rows) serve every bucketed (rows, keys) shape: one graph per shape compiled a static
-  batch's 100+ shapes at ~15 s each. On CUDA the engine's own graphs (nanochat/cuda_graphs.py's GraphedStep)
+  batch's 100+ shapes at ~15 s each. On CUDA the engine's own graphs (nanochat/engine/cuda_graphs.py's GraphedStep)
   capture the compiled step: it is compiled in Inductor's default mode, without Inductor's cudagraphs, so that one
   owner captures and replays (the engine's graphs already hold every bucket in one pool, warmed up on a side
   stream; "reduce-overhead" would capture a second time inside them).
-- The training pass's forward (nanochat/rl.py's `chunk_logprobs`: hidden states, logits at the sampled
+- The training pass's forward (nanochat/rl/objective.py's `chunk_logprobs`: hidden states, logits at the sampled
   positions, log-probabilities and entropy), for the policy-gradient pass, the PPO epochs and the reference
   model alike: dynamic shapes (rows, lengths, prompt lengths vary from chunk to chunk), so a run compiles it a
   bounded number of times (a few graphs: with or without a shared prompt, grad on or off), not once per length.

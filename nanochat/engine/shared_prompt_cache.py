@@ -1,5 +1,5 @@
 """
-The KV cache of batched decoding when rows share prompts (a RolloutCache, see nanochat/kv_cache.py): each
+The KV cache of batched decoding when rows share prompts (a RolloutCache, see nanochat/engine/kv_cache.py): each
 prompt's keys and values are stored once, in a prompt slot of a pool, and each row stores only its completion.
 """
 
@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from nanochat.attention import Visibility, fp32_scores
-from nanochat.kv_cache import cache_geometry, write_rows
+from nanochat.model.attention import Visibility, fp32_scores
+from nanochat.engine.kv_cache import cache_geometry, write_rows
 
 
 class SharedPromptKVCache:
@@ -165,7 +165,7 @@ class SharedPromptKVCache:
 
 class SharedPromptStep:
     """One single-token decode step over a SharedPromptKVCache (see there; the CacheStep of
-    nanochat/attention.py). Each row's query attends to its prompt's keys and to its completion's first
+    nanochat/model/attention.py). Each row's query attends to its prompt's keys and to its completion's first
     `suffix_keys` keys (this step's included)."""
 
     def __init__(self, cache, suffix_keys):

@@ -1,0 +1,21 @@
+"""
+The batched rollout engine: prompts in, sampled completions out, with the calculator tool run in between.
+
+One rollout, top-down through the modules:
+    engine.py               Engine: nanochat's generate / generate_batch, and generate_many for rollouts
+    memory_budget.py        how much memory the rollout's KV caches may take, decided once per run
+    decode_batch.py         the rows decoded together: admission, the static decode step, retirement
+    kv_cache.py             the cache each row keeps its own keys and values in, and the RolloutCache contract
+    shared_prompt_cache.py  the cache where rows share their prompt's keys and values
+    decode_weights.py       the matmul weights in the autocast dtype, made once per rollout
+    cuda_graphs.py          the step's shapes, and its CUDA graphs (captured once, replayed)
+    rows.py                 one sample in flight, and the calculator tool's protocol
+    calculator.py           the calculator itself
+    agreement.py, op_count.py   diagnostics: where two decodes part, and the kernels a step launches
+
+`from nanochat.engine import Engine` is nanochat's import path.
+"""
+
+from nanochat.engine.engine import Engine
+
+__all__ = ["Engine"]

@@ -1,0 +1,186 @@
+"""
+The policy-gradient objective: per-token terms, their denominators, and the options around them.
+
+nanochat's objective, per question with N samples split into P = N / device_batch_size passes:
+    adv_i     = r_i - mean(r)                                  (no std division, no KL, no clipping)
+    pg_pass   = sum_{rows, t in pass} logp_t * adv_row  /  (valid_targets_in_pass * P * examples_per_rank)
+    loss      = -sum over the rank's questions and passes of pg_pass
+Gradients are then averaged over ranks by the optimizers, so the objective is a mean over the step's questions.
+
+Algorithm options (PolicyLoss; each default is nanochat's). For sampled token t of row i, with A_i its advantage
+and D_i its row's denominator, the objective (maximised) is sum_t A_i * logp_t / D_i, where D_i is, by loss_norm:
+    pass      valid tokens of i's pass * P * examples_per_rank                      (nanochat, above)
+    token     valid tokens of the step on all ranks / W                             (DAPO: one token-level mean)
+    sequence  valid tokens of i * sequences of the step on all ranks / W            (GRPO: mean of sequence means)
+    constant  rows of i's question * max_new_tokens * questions on all ranks / W    (Dr. GRPO)
+W is the number of ranks: the optimizers average gradients over ranks, so a rank divides by 1/W of the step's count.
+  advantage std   A_i = (r_i - mean(r)) / (std(r) + 1e-4), population std        (GRPO, DeepSeekMath)
+  mask truncated  rows cut at max_new_tokens have no target and count in no denominator (DAPO overlong filtering)
+  PPO epochs      epoch 1 is the on-policy term above; epochs 2.. use old logp_t from epoch 1's forward and
+                  min(rho*A, clip(rho, 1 - clip_low, 1 + clip_high)*A) / D_i with rho = exp(logp - old logp)  (PPO, DAPO)
+  KL penalty      - kl_coef * k3_t / D_i, k3 = exp(ref - logp) - (ref - logp) - 1, ref = the frozen starting model
+  rollout correction (for the sampler-trainer gap; s_t = the sampler's log-probability of the token under the model
+                  at T=1 over the whole vocabulary, recorded by the engine, and w_t = exp(logp_t - s_t) detached):
+                    token-tis      each token's term times min(w_t, cap)                   (truncated importance sampling)
+                    sequence-mask  a row's terms dropped when prod_t w_t leaves [1/cap, cap]
+Whatever the options, the first epoch measures the gap on the trained tokens: mean and max |logp_t - s_t| and the
+k3 estimate of KL(sampler || trainer), mean of exp(d) - d - 1 with d = logp_t - s_t.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def pass_objective(logp, targets, advantages, num_passes, examples_per_rank, num_valid=None):
+    """nanochat's per-pass policy-gradient objective (to be maximised).
+
+    logp: (B, T) log-probabilities of the targets (any value where targets == -1; it is masked here).
+    targets: (B, T) with -1 on positions that carry no gradient. advantages: (B,).
+    Returns sum(logp * adv over valid positions) / (num_valid * num_passes * examples_per_rank), where
+    num_valid defaults to the valid positions in these rows; pass the whole pass's count when the rows are
+    a chunk of a pass (so chunking a pass to save memory leaves the objective unchanged).
+    A pass with no valid target (every row empty) contributes 0.
+    """
+    valid = targets >= 0
+    if num_valid is None:
+        num_valid = valid.sum()
+    num_valid = max(int(num_valid), 1)
+    weighted = torch.where(valid, logp * advantages[:, None].to(logp.dtype), torch.zeros_like(logp))
+    return weighted.sum() / (num_valid * num_passes * examples_per_rank)
+
+
+def token_logprobs_and_entropy(logits, targets):
+    """From one forward's logits, the log-probability of each target and the policy's entropy.
+
+    logits: (..., V) float; targets: (...) with -1 for positions without a target.
+    Returns logp (...) (0 where target == -1) and the mean entropy over valid positions (a detached
+    scalar; the entropy is a diagnostic only, so it needs no second forward and no gradient).
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
+    valid = targets >= 0
+    logp = logprobs.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1) * valid
+    with torch.no_grad():
+        entropy = -(logprobs.exp() * logprobs).sum(-1)  # (B, T)
+        mean_entropy = (entropy * valid).sum() / valid.sum().clamp(min=1)
+    return logp, mean_entropy
+
+
+LOSS_NORMS = ("pass", "token", "sequence", "constant")
+ROLLOUT_CORRECTIONS = ("none", "token-tis", "sequence-mask")
+
+
+@dataclass
+class PolicyLoss:
+    """How the objective is formed (the formulas are in the module docstring). Every default is nanochat's."""
+    loss_norm: str = "pass"       # pass | token | sequence | constant: what each token's term is divided by
+    max_new_tokens: int = 0       # the rollouts' length cap; the `constant` denominator uses it
+    mask_truncated: bool = False  # rows cut at max_new_tokens carry no gradient and count in no denominator
+    clip_low: float = 0.2         # PPO epochs after the first clip the ratio to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2
+    kl_coef: float = 0.0          # weight of the k3 KL penalty to the reference model (0: no penalty)
+    rollout_correction: str = "none"  # none | token-tis | sequence-mask (see the module docstring)
+    correction_cap: float = 2.0       # token-tis: the weight's cap; sequence-mask: the ratio's band [1/cap, cap]
+
+    def __post_init__(self):
+        if self.loss_norm not in LOSS_NORMS:
+            raise ValueError(f"loss_norm must be one of {', '.join(LOSS_NORMS)}, got {self.loss_norm!r}")
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"rollout_correction must be one of {', '.join(ROLLOUT_CORRECTIONS)}, "
+                             f"got {self.rollout_correction!r}")
+        if not self.correction_cap > 1:
+            raise ValueError(f"correction_cap must be > 1, got {self.correction_cap}")
+        if self.loss_norm == "constant" and self.max_new_tokens < 1:
+            raise ValueError("loss_norm='constant' divides by max_new_tokens; pass the rollouts' length cap (>= 1)")
+
+
+@dataclass
+class StepCounts:
+    """The step's totals over every rank, for the token, sequence and constant denominators (see step_counts)."""
+    tokens: int       # sampled tokens of the rows that count
+    sequences: int    # rows that count and hold at least one sampled token
+    questions: int    # questions with at least one row that counts
+    world_size: int   # ranks the optimizers average the gradients over
+
+
+def counted_rows(batch, mask_truncated):
+    """(R,) bool: the rows that take part in the objective: all of them, or with mask_truncated the ones
+    that ended by themselves."""
+    if not mask_truncated or batch.truncated is None:
+        return torch.ones(batch.targets.size(0), dtype=torch.bool)
+    return ~batch.truncated
+
+
+def trainable_targets(batch, mask_truncated):
+    """batch.targets (R, T), with every target of a truncated row set to -1 under mask_truncated (overlong
+    filtering): such a row carries no gradient and counts in no denominator."""
+    if not mask_truncated or batch.truncated is None or not bool(batch.truncated.any()):
+        return batch.targets
+    return batch.targets.masked_fill(batch.truncated[:, None], -1)
+
+
+def step_counts(batches, mask_truncated, device):
+    """StepCounts of this rank's batches summed over all ranks: one all_reduce under a process group, so every
+    rank must call it at the same point (once per step, not inside a retry). device: a tensor device the
+    process group can reduce (the rank's CUDA device under NCCL)."""
+    local = [0, 0, 0]
+    for batch in batches:
+        valid = trainable_targets(batch, mask_truncated) >= 0  # (R, T)
+        local[0] += int(valid.sum())
+        local[1] += int(valid.any(1).sum())
+        local[2] += int(counted_rows(batch, mask_truncated).any())
+    totals = torch.tensor(local, dtype=torch.long, device=device)
+    world_size = 1
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+        world_size = dist.get_world_size()
+    tokens, sequences, questions = totals.tolist()
+    return StepCounts(tokens=tokens, sequences=sequences, questions=questions, world_size=world_size)
+
+
+def pass_denominators(targets, device_batch_size, examples_per_rank):
+    """nanochat's row denominators (R,) long: valid targets of the row's pass * passes * examples_per_rank."""
+    R = targets.size(0)
+    num_passes = R // device_batch_size
+    valid_per_pass = (targets >= 0).reshape(num_passes, -1).sum(1).clamp(min=1)  # (P,)
+    return valid_per_pass.repeat_interleave(device_batch_size) * (num_passes * examples_per_rank)
+
+
+def row_denominators(targets, loss_norm, device_batch_size, examples_per_rank, counts=None, rows_counted=None,
+                     max_new_tokens=0):
+    """(R,) the denominator D of each row of one question: each of the row's sampled tokens adds
+    A * logp / D to the objective. targets: (R, T) with -1 where there is no target (truncated rows already
+    masked); counts: the step's StepCounts (all but `pass`); rows_counted: the question's rows that count
+    (`constant`). Step-level counts are divided by the world size because the optimizers average the
+    ranks' gradients: sum over ranks of (rank's sum / (count / W)) / W = (sum over all ranks) / count."""
+    if loss_norm == "pass":
+        return pass_denominators(targets, device_batch_size, examples_per_rank)
+    R = targets.size(0)
+    per_rank = lambda total: max(total, 1) / counts.world_size
+    if loss_norm == "token":       # DAPO: one mean over every sampled token of the step
+        return torch.full((R,), per_rank(counts.tokens), dtype=torch.float64)
+    if loss_norm == "sequence":    # each sequence's token mean, then the mean over the step's sequences
+        return (targets >= 0).sum(1).clamp(min=1).double() * per_rank(counts.sequences)
+    if loss_norm == "constant":    # Dr. GRPO: question sum / (samples * max_new_tokens), mean over questions
+        return torch.full((R,), max(int(rows_counted), 1) * max_new_tokens * per_rank(counts.questions), dtype=torch.float64)
+    raise ValueError(f"loss_norm must be one of {', '.join(LOSS_NORMS)}, got {loss_norm!r}")
+
+
+def clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high):
+    """PPO's clipped surrogate per sampled token (to be maximised), all (N,):
+    min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A) with rho = exp(logp - old_logp).
+    Returns (surrogate, rho, clipped); clipped marks the tokens where the clipped term is the smaller one,
+    so their gradient is 0 (A > 0 with rho > 1 + clip_high, A < 0 with rho < 1 - clip_low)."""
+    ratio = torch.exp(logp - old_logp)
+    pg_obj1 = ratio * advantages
+    pg_obj2 = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
+    return torch.minimum(pg_obj1, pg_obj2), ratio, pg_obj2 < pg_obj1
+
+
+def k3_kl(logp, ref_logp):
+    """Per-token k3 estimate of KL(policy || reference) from tokens the policy sampled (Schulman's k3, the
+    penalty of DeepSeekMath's GRPO): exp(ref - logp) - (ref - logp) - 1, >= 0, and 0 with a zero gradient
+    where the two log-probabilities are equal. logp, ref_logp: (N,)."""
+    log_ratio = ref_logp - logp
+    return torch.exp(log_ratio) - log_ratio - 1
