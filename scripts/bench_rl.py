@@ -36,8 +36,8 @@ Launch (one process; the benchmark has no multi-GPU mode):
 
 import argparse
 import cProfile
-import dataclasses
 import ctypes
+import dataclasses
 import gc
 import hashlib
 import io
@@ -54,26 +54,26 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from nanochat.engine.agreement import greedy_agreement
-from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_memory_budget_flag, add_model_generation_flag,
-                          add_train_rows_flag, check_train_rows, run_main, train_rows)
+from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_memory_budget_flag,
+                          add_model_generation_flag, add_train_rows_flag, check_train_rows, run_main, train_rows)
 from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_init, cpu_bf16_kind,
-                             cpu_has_native_bf16, cpu_name, dtype_name, synchronize, get_base_dir, get_dist_info, grad_norm,
-                             print0, require)
-from nanochat.model.compile import CompileClock, compile_plan, generated_kernels, maybe_compiled
-from nanochat.engine.decode_weights import matmul_modules
+                             cpu_has_native_bf16, cpu_name, dtype_name, get_base_dir, get_dist_info, grad_norm, print0,
+                             require, synchronize)
+from nanochat.engine.agreement import greedy_agreement
 from nanochat.engine.decode_batch import static_step
+from nanochat.engine.decode_weights import matmul_modules
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine
 from nanochat.engine.kv_cache import cache_geometry
-from nanochat.model.flops import matmul_flops_per_token, rollout_flops, train_flops
-from nanochat.model.gpt import GPT, build_fresh_model
 from nanochat.engine.memory_budget import resolve_memory_budget
 from nanochat.engine.op_count import count_decode_step_ops
+from nanochat.model.compile import CompileClock, compile_plan, generated_kernels, maybe_compiled
+from nanochat.model.flops import matmul_flops_per_token, rollout_flops, train_flops
+from nanochat.model.gpt import GPT, build_fresh_model
+from nanochat.model.sampling import mix32
 from nanochat.optim.optimizers import scale_initial_lr
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.policy_gradient import accumulate_policy_gradient, chunk_logprobs
 from nanochat.rl.rollout import Sampling, question_seed, sample_questions
-from nanochat.model.sampling import mix32
 from nanochat.tokenizer import Tokenizer
 from tasks.gsm8k import GSM8K
 from tasks.registry import make_task

@@ -26,7 +26,8 @@ from collections import namedtuple
 
 from nanochat.checkpoints.loading import load_model
 from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_flag, run_main
-from nanochat.common import UserError, autocast_context, compute_cleanup, compute_dtype, compute_init, get_dist_info, requested_dtype
+from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_dtype, compute_init, get_dist_info,
+                             requested_dtype)
 from nanochat.engine.engine import Engine
 from nanochat.engine.rows import SpecialIds
 from nanochat.model.gpt import ROTARY_OVERSIZE

@@ -25,7 +25,8 @@ import urllib.request
 import numpy as np
 
 from nanochat.common import UserError, get_base_dir
-from tasks.common import FinalAnswerTask, extract_answer  # noqa: F401  (nanochat's tasks/gsm8k.py defines it: user code imports it from here)
+from tasks.common import (  # noqa: F401  (nanochat's tasks/gsm8k.py defines it: user code imports it from here)
+    FinalAnswerTask, extract_answer)
 
 SUBSETS = ("main", "socratic")
 SPLITS = ("train", "test")

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from helpers import PYTHONPATH, REPO, make_sft_checkpoint
 
 from nanochat.cli import ArgumentParser, run_main
 from nanochat.tokenizer import Tokenizer
-from helpers import PYTHONPATH, REPO, make_sft_checkpoint
 
 TOKENIZER_VOCAB = 400
 SFT_DIR = Path("chatsft_checkpoints") / "d2"

@@ -20,7 +20,6 @@ import tempfile
 
 import pytest
 import torch
-
 from graph_capture import use_recorded_graphs
 from helpers import FIXTURES, HAS_CUDA, PRETEND_CUDA_DIR, make_sft_checkpoint
 
@@ -145,6 +144,7 @@ def one_step_sft(tmp_path_factory):
     here but 0.77 on an Intel AVX512 CPU, where the learning test's precondition failed."""
     import contextlib
     import io
+
     from nanochat.cli import run_main
     from nanochat.tokenizer import Tokenizer
     from scripts import chat_sft

@@ -11,7 +11,6 @@ import sys
 from datetime import timedelta
 
 import torch.distributed as dist
-
 from helpers import REPO
 
 

@@ -14,11 +14,11 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from helpers import TableModel
 
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.objective import LOSS_NORMS, PolicyLoss, step_counts
 from nanochat.rl.policy_gradient import accumulate_policy_gradient
-from helpers import TableModel
 
 VOCAB, PAD, DEVICE_BATCH_SIZE, MAX_NEW_TOKENS, STEP = 32, 0, 2, 6, 0.5
 # every normalization, plain and with truncated rows masked plus the KL penalty

@@ -9,12 +9,12 @@ import sys
 from statistics import mean
 
 import pytest
+from helpers import REPO
 
-from nanochat.engine.calculator import format_result, use_calculator
 from nanochat.common import UserError
+from nanochat.engine.calculator import format_result, use_calculator
 from tasks.arithmetic import LEVELS, Arithmetic, number_to_words, split_of_question
 from tasks.registry import resolve_task_class
-from helpers import REPO
 
 DIFFICULTIES = sorted(LEVELS)
 ALLOWED = set("0123456789*+-/.() ")

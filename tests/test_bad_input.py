@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from bad_input_table import CASES, TINY_FLAGS, build_base_dir, full_disk_save, run_case
 
 from nanochat.cli import run_main
 from nanochat.common import UserError
 from scripts import chat_rl
-from bad_input_table import CASES, TINY_FLAGS, build_base_dir, full_disk_save, run_case
 
 # what each case's line must say: the problem and the fix (substrings)
 EXPECTED = {

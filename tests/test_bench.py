@@ -5,12 +5,12 @@ import math
 
 import pytest
 import torch
+from helpers import BF16_MIN_AGREEMENT, BF16_NEAR_TIE, FP32_GAP_BOUND, random_model, tiny_config
 
 from nanochat.common import UserError
 from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import KVCache, forward_cached
 from scripts import bench_rl
-from helpers import BF16_MIN_AGREEMENT, BF16_NEAR_TIE, FP32_GAP_BOUND, random_model, tiny_config
 
 TINY_FLAGS = ["--device-type=cpu", "--depth=1", "--vocab-size=400", "--num-questions=2", "--num-samples=4",
               "--device-batch-size=2", "--max-new-tokens=8", "--early-stop-mean=3", "--peak-matmul-size=256"]
@@ -226,8 +226,9 @@ def test_bf16_greedy_rollouts_follow_fp32_on_a_trained_model(one_step_sft, monke
     agreement 0.996, the 4 differences at fp32 margins 0.0003-0.072. (With the earlier 140-step fixture: 59 of 64
     identical, 5 differences at margins 0.0005-0.018, when only 6.7% of all fp32 greedy decisions had a top-2
     margin under 0.125.) 256 questions, so that some rows differ and the property has something to check."""
-    from nanochat.checkpoints.loading import load_model
     from rl_toy_task import OneStepArithmetic
+
+    from nanochat.checkpoints.loading import load_model
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(one_step_sft))
     model, tokenizer, _ = load_model("sft", torch.device("cpu"), phase="eval")
     task = OneStepArithmetic(split="test")

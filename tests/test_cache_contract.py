@@ -5,11 +5,11 @@ the model run on that row's whole sequence. Float64, so the comparison is exact 
 
 import pytest
 import torch
+from helpers import random_model, tiny_config
 
-from nanochat.model.attention import run_cached
 from nanochat.engine.kv_cache import KVCache, forward_cached
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
-from helpers import random_model, tiny_config
+from nanochat.model.attention import run_cached
 
 TOL = dict(atol=1e-10, rtol=0)
 KINDS = ["copy", "shared", "shared-static"]

@@ -22,10 +22,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import REPO
 
 from nanochat.engine.calculator import format_result, use_calculator
 from nanochat.engine.engine import Engine
-from helpers import REPO
 
 SEED = 1234
 MIN_CORPUS = 1000

@@ -5,20 +5,19 @@ chat_cli's own printer or message helpers."""
 
 import io
 import os
-from dataclasses import asdict
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
+from helpers import REPO, ScriptedModel, make_sft_checkpoint
 
 from nanochat.checkpoints.loading import load_model
 from nanochat.checkpoints.store import save_checkpoint
 from nanochat.cli import run_main
 from nanochat.engine.engine import Engine
 from scripts import chat_cli
-from helpers import ScriptedModel
-from helpers import REPO, make_sft_checkpoint
 
 FLAGS = ["--device-type=cpu", "--dtype=float32", "--max-new-tokens=24"]
 

@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import FP32_GAP_BOUND, PYTHONPATH, REPO, TINY_RL_FLAGS
 
 from nanochat.checkpoints.loading import load_model
 from nanochat.cli import run_main
+from nanochat.rl import plan as rl_plan
+from nanochat.rl import progress as rl_progress
+from nanochat.rl import run as rl_run
 from nanochat.rl.rollout import step_question_indices
 from scripts import chat_rl
-from helpers import FP32_GAP_BOUND, PYTHONPATH, REPO, TINY_RL_FLAGS
 
 
 def test_two_steps_write_a_loadable_rl_checkpoint_with_new_weights(sft, base_dir, capsys):
@@ -171,9 +174,9 @@ def test_logged_lengths_count_the_prompt_like_nanochat(sft, base_dir, tiny_token
 
 
 def test_eval_steps_for_the_eta():
-    assert [s for s in range(11) if chat_rl.is_eval_step(s, 10, 4)] == [0, 4, 8, 10]
-    assert [s for s in range(11) if chat_rl.is_eval_step(s, 10, -1)] == []
-    assert [s for s in range(9) if chat_rl.is_eval_step(s, 8, 4)] == [0, 4, 8]
+    assert [s for s in range(11) if rl_progress.is_eval_step(s, 10, 4)] == [0, 4, 8, 10]
+    assert [s for s in range(11) if rl_progress.is_eval_step(s, 10, -1)] == []
+    assert [s for s in range(9) if rl_progress.is_eval_step(s, 8, 4)] == [0, 4, 8]
 
 
 @pytest.mark.slow
@@ -216,8 +219,8 @@ def measurements(monkeypatch):
             state["calls"].append((phase, args[-1]))
             return state["answers"][phase]
         return measure
-    monkeypatch.setattr(chat_rl, "fastest_training_dtype", fake("training"))
-    monkeypatch.setattr(chat_rl, "fastest_rollout_dtype", fake("rollouts"))
+    monkeypatch.setattr(rl_plan, "fastest_training_dtype", fake("training"))
+    monkeypatch.setattr(rl_plan, "fastest_rollout_dtype", fake("rollouts"))
     return state
 
 
@@ -401,7 +404,7 @@ def test_a_run_captures_its_decode_graphs_in_its_first_step_only(sft, base_dir, 
     per_token = cache_geometry(sft).bytes_per_token(torch.float32)
     budget_gb = per_token * (prompt_cap + 6 * (max_new + 2 * prompt_cap / 4)) / 2 ** 30  # about 6 of 16 rows
     engines = []
-    monkeypatch.setattr(chat_rl, "Engine", lambda *args, **kwargs: engines.append(Engine(*args, **kwargs)) or engines[-1])
+    monkeypatch.setattr(rl_run, "Engine", lambda *args, **kwargs: engines.append(Engine(*args, **kwargs)) or engines[-1])
     chat_rl.main(["--device-type=cpu", "--dtype=float32", "--num-steps=5", "--examples-per-step=4", "--num-samples=4",
                   "--device-batch-size=2", f"--max-new-tokens={max_new}", "--eval-every=-1", "--decode=graph",
                   f"--memory-budget-gb={budget_gb}", "--save-every=-1"])

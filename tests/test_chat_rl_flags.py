@@ -10,12 +10,13 @@ import math
 
 import pytest
 import torch
-
 from gloo_ranks import run_ranks
 from helpers import PYTHONPATH, TINY_RL_FLAGS, assert_same_weights, weights
+
 from nanochat.cli import AUTO_TRAIN_ROWS, run_main, train_rows
 from nanochat.common import UserError
 from nanochat.engine.engine import Engine
+from nanochat.rl import run as rl_run
 from scripts import chat_rl
 
 GSM8K_FLAGS = [f for f in TINY_RL_FLAGS if not f.startswith("--task")]  # the default task: the GSM8K fixture
@@ -158,12 +159,12 @@ def test_train_rows_changes_the_forwards_not_the_weights(sft, base_dir, monkeypa
     """auto (here a question's 4 rows) trains each question in one forward instead of two of --train-rows=2 (as
     --device-batch-size=2, nanochat's passes): the forwards see 4 rows, and the weights after 2 steps are the 2-row
     run's within fp32 rounding (each row keeps its 2-row pass's denominator)."""
-    real, rows_seen = chat_rl.accumulate_policy_gradient, []
+    real, rows_seen = rl_run.accumulate_policy_gradient, []
 
     def accumulate(model, batches, *args, micro_batch_rows=None, **kwargs):
         rows_seen.append(micro_batch_rows)
         return real(model, batches, *args, micro_batch_rows=micro_batch_rows, **kwargs)
-    monkeypatch.setattr(chat_rl, "accumulate_policy_gradient", accumulate)
+    monkeypatch.setattr(rl_run, "accumulate_policy_gradient", accumulate)
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--train-rows=2"])
     default = weights(rl_dir(base_dir) / "model_000001.pt")
     assert rows_seen == [2, 2]

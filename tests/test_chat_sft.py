@@ -10,21 +10,21 @@ import re
 
 import pytest
 import torch
-
-from nanochat.checkpoints.loading import load_model
-from nanochat.cli import run_main
-from nanochat.sft import (accumulate_gradient, collate_rows, count_targets, loss_sums, make_micro_batches,
-                          mixture_order, rank_positions, render_rows)
-from nanochat.engine.engine import Engine
-from nanochat.rl.evaluation import sample_outcomes
-from nanochat.optim.optimizers import lr_multiplier
-from nanochat.rl.stop_rule import BandNotReachedError, JumpedOverBandError, PassBand, held_out_indices, measure_pass1
-from scripts import chat_sft
-from scripts.chat_sft import build_fresh_model, main, train_step
-from tasks.arithmetic import Arithmetic
 from gloo_ranks import run_ranks
 from helpers import PYTHONPATH, random_model, tiny_config
 from rl_toy_task import ParityTask, ScriptedParity
+
+from nanochat.checkpoints.loading import load_model
+from nanochat.cli import run_main
+from nanochat.engine.engine import Engine
+from nanochat.optim.optimizers import lr_multiplier
+from nanochat.rl.evaluation import sample_outcomes
+from nanochat.rl.stop_rule import BandNotReachedError, JumpedOverBandError, PassBand, held_out_indices, measure_pass1
+from nanochat.sft import (accumulate_gradient, collate_rows, count_targets, loss_sums, make_micro_batches,
+                          mixture_order, rank_positions, render_rows)
+from scripts import chat_sft
+from scripts.chat_sft import build_fresh_model, main, train_step
+from tasks.arithmetic import Arithmetic
 
 
 @pytest.fixture(autouse=True)

@@ -8,16 +8,16 @@ from dataclasses import asdict
 
 import pytest
 import torch
+from helpers import random_model, tiny_config  # every parameter random: a loader that dropped one would show
 
 from nanochat.checkpoints.errors import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
                                          UnknownStepError, UnknownTagError)
 from nanochat.checkpoints.loading import build_model, load_model
-from nanochat.checkpoints.store import find_largest_model, find_last_step, list_steps, load_checkpoint, save_checkpoint
-from nanochat.checkpoints.pruning import prune_checkpoints, remove_extra_shards
 from nanochat.checkpoints.optimizer_shards import ShardError, check_shard
+from nanochat.checkpoints.pruning import prune_checkpoints, remove_extra_shards
+from nanochat.checkpoints.store import find_largest_model, find_last_step, list_steps, load_checkpoint, save_checkpoint
 from nanochat.common import UserError
 from nanochat.model.gpt import GPT
-from helpers import random_model, tiny_config  # every parameter random: a loader that dropped one would show
 
 # `base_dir` (a fresh $NANOCHAT_BASE_DIR holding the tokenizer) and `tiny_tokenizer` come from conftest.py
 

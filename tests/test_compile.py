@@ -26,28 +26,31 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from nanochat.model import compile as nc_compile
-from nanochat.engine.agreement import greedy_agreement
-from nanochat.checkpoints.loading import build_model, load_model
-from nanochat.cli import error_line
-from nanochat.model.compile import (CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, RECOMPILE_LIMIT, SFT_CPU_MIN_STEPS, CompiledFunction,
-                              CompileFailed, CompilePlan, compile_plan, compile_totals, compiled, generated_kernels,
-                              resolve_compile, run_decode_mode)
-from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, static_step
-from nanochat.engine.cuda_graphs import bucket_shapes, decode_plan
-from nanochat.engine.decode_weights import DecodeWeights
-from nanochat.engine.engine import STATIC_STEP_DYNAMIC, BatchShape, Engine, make_batch
-from nanochat.model.gpt import GPT
-from nanochat.engine.op_count import count_decode_step_ops
-from nanochat.rl.objective import pass_denominators
-from nanochat.rl.policy_gradient import chunk_logprobs
-from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from helpers import (BF16_MIN_AGREEMENT, BF16_NEAR_TIE, FP32_GAP_BOUND, FP32_NEAR_TIE, HAS_CUDA, generation_reference,
                      install_generation, prompt_of, random_model, tiny_config)
 from test_generations import FIXTURE_NAMES
 from test_rl_sharing import gradients, question, term_sizes
 from test_static_decode import ENDING_KWARGS, ENDING_PROMPTS, DeviceOnly, ending_model, logprobs, rollouts
+
+from nanochat.checkpoints.loading import build_model, load_model
+from nanochat.cli import error_line
+from nanochat.engine.agreement import greedy_agreement
+from nanochat.engine.cuda_graphs import bucket_shapes, decode_plan
+from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, static_step
+from nanochat.engine.decode_weights import DecodeWeights
+from nanochat.engine.engine import STATIC_STEP_DYNAMIC, BatchShape, Engine, make_batch
+from nanochat.engine.op_count import count_decode_step_ops
+from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
+from nanochat.model import compile as nc_compile
+from nanochat.model.compile import (CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, RECOMPILE_LIMIT, SFT_CPU_MIN_STEPS,
+                                    CompiledFunction, CompileFailed, CompilePlan, compile_plan, compile_totals,
+                                    compiled, generated_kernels, resolve_compile, run_decode_mode)
+from nanochat.model.gpt import GPT
+from nanochat.rl import plan as rl_plan
+from nanochat.rl import progress as rl_progress
+from nanochat.rl import run as rl_run
+from nanochat.rl.objective import pass_denominators
+from nanochat.rl.policy_gradient import chunk_logprobs
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -512,18 +515,20 @@ def test_the_golden_trace_compiled(sft, base_dir, monkeypatch, capsys):
     same kind of difference as another CPU's kernels. The compile's cost is in the step line and the history of step
     0 only (the forward is dynamic in the rows' lengths: no step after the first compiles), and out of the ETA: the
     step seconds it extrapolates are each step's rollout and training seconds less that step's compiling."""
-    from nanochat.checkpoints.store import load_checkpoint
-    from scripts import chat_rl
     from helpers import TINY_RL_FLAGS
     from test_golden_trace import STEPS, TRACED, check_against_golden, teacher_forced
+
+    from nanochat.checkpoints.store import load_checkpoint
+    from scripts import chat_rl
+
     # chat_rl's wiring is what this asks (the compile line, the compiles in the history, the ETA): the forward is
     # traced whole by Dynamo and run as traced (see INDUCTOR_GENERATIONS). Inductor's code for this generation's
     # forward is chat_sft's compiled test's, and for chunk_logprobs' head (log-probabilities, entropy) smear's.
     compiled_for("traced only", chunk_logprobs, True, monkeypatch)
-    monkeypatch.setattr(chat_rl.Engine, "generate_many", teacher_forced)
+    monkeypatch.setattr(Engine, "generate_many", teacher_forced)
     eta_inputs = []  # the step seconds each step line's ETA extrapolated from
-    real_remaining = chat_rl.remaining_seconds
-    monkeypatch.setattr(chat_rl, "remaining_seconds",
+    real_remaining = rl_progress.remaining_seconds
+    monkeypatch.setattr(rl_progress, "remaining_seconds",
                         lambda step_seconds, *rest: eta_inputs.append(list(step_seconds)) or real_remaining(step_seconds, *rest))
     chat_rl.main(TINY_RL_FLAGS + [f"--num-steps={STEPS}", "--save-every=-1", "--overwrite", "--compile=on"])
     out = capsys.readouterr().out
@@ -575,8 +580,8 @@ SFT_FLAGS = ["--source=sft", "--model-tag=d2", "--tasks=arithmetic", "--arithmet
 
 def sft_losses(monkeypatch, flags):
     """chat_sft's per-step losses (as train_step returned them, unrounded) and trained-on token counts."""
-    from scripts import chat_sft
     from nanochat.sft import count_targets
+    from scripts import chat_sft
     losses, tokens = [], []
 
     def recording(model, optimizers, micro_batches, *args):
@@ -690,6 +695,7 @@ def test_compiled_bf16_training_attention_traces_whole_and_matches_eager():
     longer one takes the fused kernel; compiled, a limit would be a guard and a new graph mid-run). aot_eager traces
     forward and backward as Inductor would, without generating kernels (seconds, not minutes)."""
     from torch._dynamo.testing import CompileCounterWithBackend
+
     from nanochat.model.attention import EXPLICIT_MAX_KEYS, attend, explicit_attention
 
     def forward(q, k, v):
@@ -723,16 +729,17 @@ def test_chat_rl_decodes_with_the_static_step_where_it_compiles_it(dtype, rollou
     twice; a --rollout-dtype given is kept); in fp32 with the eager step, uncompiled. The compiling itself is stubbed (what is checked is the choice
     and what the engine runs; the compiled step's tokens are checked above). bf16 as an AVX512-BF16 CPU would run
     it, whatever this one is."""
-    from scripts import chat_rl
     from helpers import TINY_RL_FLAGS
+
     from nanochat.engine import engine as nc_engine
+    from scripts import chat_rl
     asked = []
 
     def recording(fn, on, dynamic, required=False):
         asked.append((fn.__name__, on))
         return fn
     monkeypatch.setattr(nc_engine, "maybe_compiled", recording)
-    monkeypatch.setattr(chat_rl, "maybe_compiled", recording)
+    monkeypatch.setattr(rl_run, "maybe_compiled", recording)
     monkeypatch.setenv("NANOCHAT_CPU_BF16", "avx512-bf16")
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1", "--save-every=-1", "--overwrite", "--compile=on", f"--dtype={dtype}",
                                   f"--rollout-dtype={rollout_dtype}"])
@@ -765,7 +772,7 @@ def test_a_long_cpu_runs_auto_decode_is_static_only_where_compiling_works(compil
     args = SimpleNamespace(decode="auto", compile="auto", dtype="bfloat16")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = chat_rl.resolve_decode_and_compile(args, torch.device("cpu"), 467)
+        plan = rl_plan.resolve_decode_and_compile(args, torch.device("cpu"), 467)
     if compiler == "works":
         assert plan[:2] == (True, True) and (args.decode, args.compile) == ("static", "auto") and not caught
     else:

@@ -11,12 +11,12 @@ import sys
 
 import pytest
 import torch
+from helpers import HAS_CUDA, PYTHONPATH, REPO, TINY_RL_FLAGS, random_model, tiny_config
 
 from nanochat.checkpoints.loading import load_model
 from nanochat.common import to_device
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.policy_gradient import accumulate_policy_gradient
-from helpers import HAS_CUDA, PYTHONPATH, REPO, TINY_RL_FLAGS, random_model, tiny_config
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 

@@ -9,6 +9,7 @@ step uses the new weights; fp32 rollouts make no copies; the training path keeps
 
 import pytest
 import torch
+from helpers import install_generation, prompt_of, random_model, tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanochat.checkpoints.loading import build_model
@@ -16,7 +17,6 @@ from nanochat.engine.decode_weights import DecodeWeights, matmul_modules
 from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import KVCache, forward_cached
 from nanochat.model.generations import GENERATIONS
-from helpers import install_generation, prompt_of, random_model, tiny_config
 
 
 def bf16():

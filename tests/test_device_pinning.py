@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
+from helpers import PYTHONPATH, REPO
 
 from nanochat.common import autodetect_device_type
-from helpers import PYTHONPATH, REPO
 
 # what a child says: CUDA visible to it, and to a multiprocessing child it spawns
 PROBE = """import multiprocessing, torch

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from helpers import ScriptedModel, prompt_of, random_model, tiny_config
 
 from nanochat.engine.engine import Engine
 from nanochat.engine.rows import Row, SpecialIds
-from helpers import ScriptedModel, prompt_of, random_model, tiny_config
 
 
 @pytest.fixture(scope="module")

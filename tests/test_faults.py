@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import start_ranks as launch_ranks
+from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS, assert_same_weights, make_sft_checkpoint, weights
 
 from nanochat import report
 from nanochat.checkpoints.loading import load_model
-from nanochat.checkpoints.store import list_steps
 from nanochat.checkpoints.optimizer_shards import load_shard_for_resume
+from nanochat.checkpoints.store import list_steps
 from nanochat.cli import run_main
 from scripts import chat_rl
-from gloo_ranks import start_ranks as launch_ranks
-from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS, assert_same_weights, make_sft_checkpoint, weights
 
 FAULT_RUN = str(REPO / "tests" / "fault_run.py")
 STEPS = ["--num-steps=4", "--save-every=1"]  # saves steps 1, 2, 3; the faults hit step 2's save

@@ -1,6 +1,7 @@
 """The FLOP model behind the benchmark's MFU, against counts worked out by hand."""
 
 from helpers import random_model, tiny_config
+
 from nanochat.model import flops
 
 

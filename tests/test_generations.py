@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from helpers import generation_reference, install_generation, random_model, tiny_config
 
 from nanochat.checkpoints.loading import build_model
 from nanochat.checkpoints.store import save_checkpoint
@@ -18,8 +19,7 @@ from nanochat.common import UserError
 from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import KVCache, forward_cached
 from nanochat.model.generations import GENERATIONS, summarize_keys
-from nanochat.model.gpt import GPT, GPTConfig, UNLIMITED_WINDOW, layer_windows
-from helpers import generation_reference, install_generation, random_model, tiny_config
+from nanochat.model.gpt import GPT, UNLIMITED_WINDOW, GPTConfig, layer_windows
 
 FIXTURE_NAMES = ["oct2025", "jan2026", "ve", "ve_late", "mar9", "smear", "head"]
 DETECTED_AS = {"head": "smear"}  # the files of the two cannot be told apart, and their forwards are identical

@@ -22,9 +22,10 @@ import os
 import random
 
 import pytest
-
 from helpers import FIXTURES, TINY_RL_FLAGS
+
 from nanochat.checkpoints.store import load_checkpoint
+from nanochat.engine import Engine
 from nanochat.engine.rows import Completion
 from scripts import chat_rl
 
@@ -52,7 +53,7 @@ def teacher_forced(self, prompts, num_samples=1, max_tokens=None, seeds=None, pr
 
 
 def test_chat_rl_matches_the_golden_trace(sft, base_dir, monkeypatch):
-    monkeypatch.setattr(chat_rl.Engine, "generate_many", teacher_forced)
+    monkeypatch.setattr(Engine, "generate_many", teacher_forced)
     chat_rl.main(TINY_RL_FLAGS + [f"--num-steps={STEPS}", "--save-every=-1", "--overwrite"])
     directory = base_dir / "chatrl_checkpoints" / "d2"
     _, _, meta = load_checkpoint(str(directory), STEPS - 1, "cpu")

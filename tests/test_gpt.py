@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import TINY_CONFIG, random_model, tiny_config
 
-from nanochat.optim.adamw import DistAdamW
 from nanochat.common import UserError
 from nanochat.engine.kv_cache import KVCache, forward_cached
-from nanochat.model.sampling import row_seed, sample_next_token
 from nanochat.model.gpt import GPT
+from nanochat.model.sampling import row_seed, sample_next_token
+from nanochat.optim.adamw import DistAdamW
 from nanochat.optim.muon import DistMuon, Muon
-from helpers import TINY_CONFIG, random_model, tiny_config
 
 VOCAB = TINY_CONFIG["vocab_size"]  # 300, padded to 320
 

@@ -8,8 +8,8 @@ through a symlink to that python, could not either."""
 import os
 import subprocess
 import sys
-import pytest
 
+import pytest
 from helpers import REPO
 
 GPU_VENV = REPO / "tests" / "gpu_venv.sh"

@@ -9,11 +9,11 @@ model's own sample, decoded by the real engine with the calculator."""
 import json
 
 import pytest
-
+import scripted_gsm8k
 from gloo_ranks import run_ranks
+
 from scripts import chat_rl
 from tasks.gsm8k import GSM8K
-import scripted_gsm8k
 
 # nanochat's defaults scaled down (16 questions x 16 samples, 8 rows a pass, 256 tokens); no --task: gsm8k
 FLAGS = ["--device-type=cpu", "--dtype=float32", "--num-steps=2", "--examples-per-step=4", "--num-samples=4",

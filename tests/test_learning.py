@@ -24,13 +24,13 @@ import math
 
 import pytest
 import torch
+from rl_toy_task import OneStepArithmetic
 
 from nanochat.checkpoints.loading import load_model
 from nanochat.cli import run_main
 from nanochat.engine.engine import Engine
 from nanochat.rl.evaluation import sample_outcomes
 from scripts import chat_rl
-from rl_toy_task import OneStepArithmetic
 
 TASK = "rl_toy_task:OneStepArithmetic"
 EVAL_QUESTIONS, EVAL_SAMPLES, MAX_NEW_TOKENS = 256, 8, 64

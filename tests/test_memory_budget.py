@@ -7,12 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanochat.engine import memory_budget
-from nanochat.common import UserError
-from nanochat.engine.engine import Engine
-from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.cli import error_line
+from nanochat.common import UserError
+from nanochat.engine import memory_budget
+from nanochat.engine.engine import Engine
 from nanochat.engine.memory_budget import GiB, parse_budget, plan_budget, resolve_memory_budget
+from nanochat.model.gpt import GPT, GPTConfig
 
 
 def test_the_budget_and_the_rows_it_holds_are_as_computed_by_hand(tiny_tokenizer):

@@ -6,11 +6,11 @@ import math
 import statistics
 
 import pytest
+from gloo_ranks import run_ranks
 
 from nanochat.engine.rows import Completion
 from nanochat.rl.metrics import REDUCTIONS, drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
 from nanochat.rl.policy_gradient import TrainStats
-from gloo_ranks import run_ranks
 
 
 def comp(n_tokens, ended=True, calls=0, successes=0):

@@ -6,9 +6,9 @@ import shutil
 import socket
 import subprocess
 import sys
+
 import pytest
 import torch
-
 from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS
 
 

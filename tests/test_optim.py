@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import run_ranks
 
 from nanochat.optim.adamw import DistAdamW
 from nanochat.optim.muon import POLAR_EXPRESS_COEFFS, DistMuon, Muon, orthogonalize
 from nanochat.optim.muon_adamw import MuonAdamW
 from nanochat.optim.optimizers import build_optimizers, lr_multiplier
-from gloo_ranks import run_ranks
 
 
 def _load_worker():

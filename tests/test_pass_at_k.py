@@ -6,8 +6,8 @@ from fractions import Fraction as F
 from types import SimpleNamespace
 
 import pytest
-
 from gloo_ranks import run_ranks
+
 from nanochat.rl.evaluation import aggregate_pass_at_k, unbiased_pass_at_k
 
 # (n, c, k, 1 - C(n-c, k) / C(n, k) worked out)

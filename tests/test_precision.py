@@ -6,10 +6,10 @@ import time
 
 import pytest
 import torch
-
-from nanochat.model import precision
 from gloo_ranks import run_ranks
 from helpers import prompt_of, random_model, tiny_config
+
+from nanochat.model import precision
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from nanochat.report import (PNG_SIGNATURE, DummyReport, Report, get_report, log_chat_rl, markdown_table, trailing_mean,
-                             slugify)
+from nanochat.report import (PNG_SIGNATURE, DummyReport, Report, get_report, log_chat_rl, markdown_table, slugify,
+                             trailing_mean)
 
 # the run's device for the header: a CPU run asks CUDA nothing (under conftest's pretend CUDA it would fail)
 CPU = torch.device("cpu")

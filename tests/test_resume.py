@@ -9,11 +9,14 @@ import time
 
 import pytest
 import torch
+from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS, assert_same_weights, weights
 
 from nanochat.cli import run_main
+from nanochat.common import UserError
+from nanochat.engine import Engine
+from nanochat.rl import run as rl_run
 from nanochat.rl.policy_gradient import TrainStats
 from scripts import chat_rl
-from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS, assert_same_weights, weights
 
 
 def rl_dir(base_dir):
@@ -71,8 +74,8 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_has_loaded(sft, base_dir,
     before = sorted(os.listdir(rl_dir(base_dir)))
 
     def failing_reference(*args, **kwargs):
-        raise chat_rl.UserError("simulated: the reference model does not fit")
-    monkeypatch.setattr(chat_rl, "load_reference", failing_reference)
+        raise UserError("simulated: the reference model does not fit")
+    monkeypatch.setattr(rl_run, "load_reference", failing_reference)
     with pytest.raises(SystemExit):
         run_main(chat_rl.main, TINY_RL_FLAGS + ["--num-steps=2", "--overwrite", "--kl-coef=0.1"])
     assert "simulated" in capsys.readouterr().err
@@ -88,7 +91,7 @@ def test_non_finite_steps_are_skipped_then_abort(sft, base_dir, monkeypatch, cap
             p.grad = torch.full_like(p, float("nan"))
         return TrainStats(objective=float("nan"), entropy=0.0, rows_trained=0, rows_total=0)
 
-    monkeypatch.setattr(chat_rl, "accumulate_policy_gradient", nan_gradient)
+    monkeypatch.setattr(rl_run, "accumulate_policy_gradient", nan_gradient)
     with pytest.raises(SystemExit) as e:
         run_main(chat_rl.main, TINY_RL_FLAGS + ["--num-steps=5", "--max-bad-steps=2"])
     captured = capsys.readouterr()
@@ -102,7 +105,7 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(sft, base_dir,
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1"])
     reference = weights(rl_dir(base_dir) / "model_000001.pt")
 
-    real_generate, real_accumulate = chat_rl.Engine.generate_many, chat_rl.accumulate_policy_gradient
+    real_generate, real_accumulate = Engine.generate_many, rl_run.accumulate_policy_gradient
     raised = {"rollout": 0, "train": 0}
 
     def generate_many(self, *args, **kwargs):
@@ -118,8 +121,8 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(sft, base_dir,
             raise torch.OutOfMemoryError("simulated")
         return real_accumulate(*args, micro_batch_rows=micro_batch_rows, **kwargs)
 
-    monkeypatch.setattr(chat_rl.Engine, "generate_many", generate_many)
-    monkeypatch.setattr(chat_rl, "accumulate_policy_gradient", accumulate)
+    monkeypatch.setattr(Engine, "generate_many", generate_many)
+    monkeypatch.setattr(rl_run, "accumulate_policy_gradient", accumulate)
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--overwrite"])
     out = capsys.readouterr().out
     assert "out of memory during rollouts: retrying with --max-rows=4" in out
@@ -144,7 +147,7 @@ def test_out_of_memory_in_a_rollout_first_gives_back_the_batches_kept_from_other
                              "--eval-examples=4"]
     chat_rl.main(flags)
     reference = weights(rl_dir(base_dir) / "model_000001.pt")
-    real_sample, kept_when_raised = chat_rl.sample_questions, []
+    real_sample, kept_when_raised = rl_run.sample_questions, []
 
     def sample_questions(engine, *args, **kwargs):
         if not kept_when_raised:
@@ -152,7 +155,7 @@ def test_out_of_memory_in_a_rollout_first_gives_back_the_batches_kept_from_other
             raise torch.OutOfMemoryError("simulated")
         return real_sample(engine, *args, **kwargs)
 
-    monkeypatch.setattr(chat_rl, "sample_questions", sample_questions)
+    monkeypatch.setattr(rl_run, "sample_questions", sample_questions)
     chat_rl.main(flags + ["--overwrite"])
     out = capsys.readouterr().out
     assert kept_when_raised == [1]  # step 0's eval batch
@@ -170,8 +173,8 @@ def test_out_of_memory_in_training_first_gives_back_the_evals_batch_then_the_ste
                              "--eval-examples=4"]
     chat_rl.main(flags)
     reference = weights(rl_dir(base_dir) / "model_000001.pt")
-    real_accumulate, kept_when_raised = chat_rl.accumulate_policy_gradient, []
-    engines, real_init = [], chat_rl.Engine.__init__
+    real_accumulate, kept_when_raised = rl_run.accumulate_policy_gradient, []
+    engines, real_init = [], Engine.__init__
 
     def init(self, *args, **kwargs):
         engines.append(self)
@@ -183,8 +186,8 @@ def test_out_of_memory_in_training_first_gives_back_the_evals_batch_then_the_ste
             raise torch.OutOfMemoryError("simulated")
         return real_accumulate(*args, **kwargs)
 
-    monkeypatch.setattr(chat_rl, "accumulate_policy_gradient", accumulate)
-    monkeypatch.setattr(chat_rl.Engine, "__init__", init)
+    monkeypatch.setattr(rl_run, "accumulate_policy_gradient", accumulate)
+    monkeypatch.setattr(Engine, "__init__", init)
     chat_rl.main(flags + ["--overwrite"])
     out = capsys.readouterr().out
     assert kept_when_raised == [[2, 4]]  # the eval's (--device-batch-size samples), then the step's (--num-samples)
@@ -203,7 +206,7 @@ def test_out_of_memory_in_training_first_releases_the_kept_rollout_batch(sft, ba
     flags = TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--decode=static"]
     chat_rl.main(flags)
     reference = weights(rl_dir(base_dir) / "model_000001.pt")
-    real_accumulate, real_release = chat_rl.accumulate_policy_gradient, chat_rl.Engine.release
+    real_accumulate, real_release = rl_run.accumulate_policy_gradient, Engine.release
     released, kept_at_training = [], []
     engines = []
 
@@ -217,15 +220,15 @@ def test_out_of_memory_in_training_first_releases_the_kept_rollout_batch(sft, ba
         released.append(self.kept_batch is not None)
         return real_release(self, **kwargs)
 
-    real_init = chat_rl.Engine.__init__
+    real_init = Engine.__init__
 
     def init(self, *args, **kwargs):
         engines.append(self)
         real_init(self, *args, **kwargs)
 
-    monkeypatch.setattr(chat_rl, "accumulate_policy_gradient", accumulate)
-    monkeypatch.setattr(chat_rl.Engine, "release", release)
-    monkeypatch.setattr(chat_rl.Engine, "__init__", init)
+    monkeypatch.setattr(rl_run, "accumulate_policy_gradient", accumulate)
+    monkeypatch.setattr(Engine, "release", release)
+    monkeypatch.setattr(Engine, "__init__", init)
     chat_rl.main(flags + ["--overwrite"])
     out = capsys.readouterr().out
     assert released == [True] and kept_at_training == [True, False, False]  # step 0: failed, retried; step 1

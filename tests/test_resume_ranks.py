@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gloo_ranks import run_ranks
 from helpers import PYTHONPATH, TINY_RL_FLAGS, assert_same_weights, random_model, tiny_config, weights
-from nanochat.cli import run_main
+
 from nanochat.checkpoints.optimizer_shards import gather_optimizer_states, split_optimizer_states
+from nanochat.cli import run_main
+from nanochat.rl import progress as rl_progress
+from nanochat.rl import run as rl_run
 from scripts import chat_rl
 
 # 16 questions, 4 a step: --num-steps=4 is one epoch. Every reward is written down (see RecordedParityTask).
@@ -103,14 +105,14 @@ def test_two_rank_run_resumes_on_two_ranks_bitwise_and_on_one_rank(sft, base_dir
     assert [questions(question_log, r) for r in (0, 1)] == [[8, 10, 12, 14], [9, 11, 13, 15]]
 
     drop_steps(directory, 2, 3)
-    real_restore, loaded = chat_rl.restore_optimizers, []
+    real_restore, loaded = rl_run.restore_optimizers, []
 
     def restore(resume, optimizers, *args):
         saved = real_restore(resume, optimizers, *args)
         state = copy.deepcopy([opt.state_dict() for opt in optimizers])
         loaded.append((gather_optimizer_states([state], optimizers), gather_optimizer_states(saved_shards, optimizers)))
         return saved
-    monkeypatch.setattr(chat_rl, "restore_optimizers", restore)
+    monkeypatch.setattr(rl_run, "restore_optimizers", restore)
     capsys.readouterr()
     chat_rl.main(["--resume=d2:1", "--device-type=cpu"])
     assert "--resume: the optimizer state of 2 ranks re-split for 1" in capsys.readouterr().out
@@ -204,8 +206,8 @@ def test_re_split_states_gather_back_to_the_saved_one_bit_for_bit(recipe):
 def test_no_signal_settings_are_named_and_a_normal_run_has_none():
     """Each setting that makes every advantage 0 has its own line; nanochat's defaults have none."""
     args = chat_rl.parse_args([])
-    assert chat_rl.no_signal_settings(args) == []
-    lines = chat_rl.no_signal_settings(chat_rl.parse_args(["--temperature=0", "--top-k=1", "--num-samples=1"]))
+    assert rl_progress.no_signal_settings(args) == []
+    lines = rl_progress.no_signal_settings(chat_rl.parse_args(["--temperature=0", "--top-k=1", "--num-samples=1"]))
     assert [line.split(":")[1].strip() for line in lines] == ["--temperature=0 samples greedily", "--top-k=1 always "
                                                               "takes the most likely token", "--num-samples=1"]
 

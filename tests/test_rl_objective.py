@@ -4,8 +4,8 @@ import math
 from contextlib import nullcontext
 
 import torch
-
 from helpers import TableModel
+
 from nanochat.rl.advantages import advantages_from_rewards, make_question_batch
 from nanochat.rl.objective import pass_objective, token_logprobs_and_entropy
 from nanochat.rl.policy_gradient import accumulate_policy_gradient

@@ -11,17 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gloo_ranks import run_ranks
+from helpers import TINY_RL_FLAGS, TableModel, random_model, tiny_config
+from rl_options_worker import CASES, questions, run_case
+
 from nanochat.cli import run_main
 from nanochat.rl.advantages import advantages_from_rewards, make_question_batch
 from nanochat.rl.objective import (PolicyLoss, clipped_surrogate, k3_kl, pass_denominators, step_counts,
                                    token_logprobs_and_entropy)
 from nanochat.rl.policy_gradient import _row_hidden_states, _trained_rows, accumulate_policy_gradient
-from rl_options_worker import CASES, questions, run_case
 from scripts import chat_rl, compare_runs, rl_variants
-from helpers import TableModel
-from helpers import TINY_RL_FLAGS, random_model, tiny_config
 
 LN2, LN8 = math.log(2), math.log(8)
 

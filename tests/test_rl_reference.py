@@ -30,8 +30,8 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-
 from helpers import TableModel
+
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.objective import PolicyLoss
 from nanochat.rl.policy_gradient import accumulate_policy_gradient

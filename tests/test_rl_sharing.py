@@ -7,12 +7,12 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from helpers import generation_reference, install_generation
 
 from nanochat.checkpoints.loading import build_model
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.objective import pass_denominators
 from nanochat.rl.policy_gradient import accumulate_policy_gradient
-from helpers import generation_reference, install_generation
 
 PAD = 511
 

@@ -2,11 +2,11 @@
 checked against the engine and the task called directly."""
 
 import torch
-
 from helpers import SFT_CONFIG, random_model, tiny_config
+from rl_toy_task import ParityTask
+
 from nanochat.engine.engine import Engine
 from nanochat.rl.rollout import Sampling, question_seed, sample_questions, step_question_indices
-from rl_toy_task import ParityTask
 
 
 def test_rank_strided_data_covers_each_question_once_per_epoch():

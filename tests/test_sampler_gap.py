@@ -13,17 +13,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import FP32_GAP_BOUND, BigramModel, TableModel, install_generation, prompt_of
 
 from nanochat.checkpoints.loading import build_model
 from nanochat.engine.decode_batch import DecodeBatch
 from nanochat.engine.engine import Engine
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
-from nanochat.rl.metrics import objective_metrics
+from nanochat.model.sampling import row_seeds, sample_with_logprobs
 from nanochat.rl.advantages import make_question_batch
+from nanochat.rl.metrics import objective_metrics
 from nanochat.rl.objective import PolicyLoss
 from nanochat.rl.policy_gradient import accumulate_policy_gradient
-from nanochat.model.sampling import row_seeds, sample_with_logprobs
-from helpers import FP32_GAP_BOUND, BigramModel, TableModel, install_generation, prompt_of
 
 GENERATIONS = ["oct2025", "jan2026", "ve", "ve_late", "mar9", "smear"]
 NOTHING = torch.autocast("cpu", enabled=False)

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import REPO
 
 # a band every model is in: the bootstrap SFT stops at its first check (step 2 of at most 3)

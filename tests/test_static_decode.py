@@ -10,19 +10,19 @@ import weakref
 
 import pytest
 import torch
+from graph_capture import capture_recorded_graph
+from helpers import HAS_CUDA, BigramModel, ScriptedModel, install_generation, prompt_of, random_model, tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanochat.checkpoints.loading import build_model
-from nanochat.engine.cuda_graphs import (KEY_BUCKET, ROW_BUCKETS, DecodePlan, GraphedStep, bucket_shapes, bucketed_shape,
-                                  capture_cuda_graph, decode_mode, decode_plan, exact_shape)
+from nanochat.engine.cuda_graphs import (KEY_BUCKET, ROW_BUCKETS, DecodePlan, GraphedStep, bucket_shapes,
+                                         bucketed_shape, capture_cuda_graph, decode_mode, decode_plan, exact_shape)
 from nanochat.engine.decode_batch import DecodeBatch, RolloutStats
 from nanochat.engine.engine import KEEP_BATCHES, Engine
-from nanochat.model.gpt import GPT
 from nanochat.engine.kv_cache import KVCache
 from nanochat.engine.op_count import CountOps, OpCount, count_decode_step_ops
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
-from helpers import HAS_CUDA, BigramModel, ScriptedModel, install_generation, prompt_of, random_model, tiny_config
-from graph_capture import capture_recorded_graph
+from nanochat.model.gpt import GPT
 
 GENERATIONS = ["oct2025", "jan2026", "ve", "ve_late", "mar9", "smear"]
 

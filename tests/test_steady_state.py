@@ -6,8 +6,8 @@ import gc
 
 import pytest
 import torch
-
 from helpers import TINY_RL_FLAGS
+
 from scripts import chat_rl
 
 

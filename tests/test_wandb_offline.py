@@ -10,10 +10,10 @@ import subprocess
 import sys
 
 import pytest
+from helpers import PYTHONPATH, REPO
 
 from nanochat.common import DummyWandb
 from nanochat.wandb_utils import init_wandb, log_samples_table
-from helpers import PYTHONPATH, REPO
 
 OFFLINE_RUN = """
 import json, sys

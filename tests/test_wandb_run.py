@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS
 
 BLOCK, HEADER = 32768, 7

@@ -20,11 +20,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from nanochat.optim.adamw import is_sharded
 from nanochat.checkpoints.errors import CheckpointError
 from nanochat.checkpoints.layout import optim_path
 from nanochat.checkpoints.store import first_failure, torch_load_checked
 from nanochat.common import UserError, get_rank
+from nanochat.optim.adamw import is_sharded
 from nanochat.optim.muon import Muon
 
 

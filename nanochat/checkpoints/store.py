@@ -36,11 +36,10 @@ import torch
 import torch.distributed as dist
 
 from nanochat.checkpoints.errors import (CorruptCheckpointError, MissingMetaError, NoStepsError, RankLostError,
-                                       UnknownStepError)
+                                         UnknownStepError)
 from nanochat.checkpoints.layout import MODEL_FILE_RE, TAG_RE, meta_path, model_path, optim_path
 from nanochat.common import UserError, get_rank
 from nanochat.files import atomic_write, fsync_dir, remove_if_exists, stage, temp_path
-
 
 # -----------------------------------------------------------------------------
 # saving

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.model.attention import run_cached
 from nanochat.engine.cuda_graphs import bucket_shapes, exact_shape
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.kv_cache import KVCache, forward_cached
+from nanochat.model.attention import run_cached
 from nanochat.model.sampling import row_seeds, sample_with_logprobs
 
 

@@ -18,8 +18,9 @@ def write_rows(store, layer, rows, positions, values, heads_first=False):
     """cache[rows, positions] = values, in place, where cache is store[layer] ((B, T_max, Hkv, D)), or with
     heads_first store[layer] transposed from (B, Hkv, T_max, D): how a cache step writes this step's keys and
     values. rows, positions: broadcastable index tensors; values: their shape + (Hkv, D). Traced by torch.compile,
-    through the operator store_rows (see there); eagerly, the index_put itself, without the operator's dispatch (when
-    it was a custom_op, ~0.16 ms a call, 0.15 s of a 2.9 s rollout: the speedrun's d4 model, 256 rows, a 2-core CPU)."""
+    through the operator store_rows (see there); eagerly, the index_put itself, without the operator's dispatch
+    (called for every layer at every step, that dispatch was a noticeable share of a small model's eager rollout on
+    a CPU; docs/performance.md)."""
     if torch.compiler.is_compiling():
         store_rows(store, layer, rows, positions, values, heads_first)
     else:
@@ -33,15 +34,15 @@ def _index_put_rows(store, layer, rows, positions, values, heads_first=False):
 
 
 # write_rows as an operator of its own, for torch.compile: it declares what it mutates (the schema's "Tensor(a!)").
-# Compiled (nanochat/model/compile.py), a plain index_put into a view of a graph input is functionalized into a write of the
-# whole cache, copied per layer and step (measured on a CPU, d4 at 256 rows: the compiled decode step 8x slower than
-# eager), while an operator that mutates its argument is written in place by Inductor (vLLM writes its KV cache
-# through such an operator for the same reason). It takes the whole storage and the layer, not the layer's view: with
-# dynamic shapes (the compiled static step serves every bucket from one graph) Inductor (torch 2.13) computed wrong
-# results when a custom operator mutated a view of a graph input (measured: another greedy token after 7 steps;
-# tests/test_compile.py holds a minimal case). Defined through torch.library.Library, not the custom_op decorator,
-# whose Python wrapper (argument defaults, autograd redispatch) cost ~25 us a call: 8 calls a step, as vLLM registers
-# its own operators directly for the same reason.
+# Compiled (nanochat/model/compile.py), a plain index_put into a view of a graph input is functionalized into a write
+# of the whole cache, copied per layer and step (the compiled decode step was then several times slower than the eager
+# one; docs/performance.md), while an operator that mutates its argument is written in place by Inductor (vLLM writes
+# its KV cache through such an operator for the same reason). It takes the whole storage and the layer, not the
+# layer's view: with dynamic shapes (the compiled static step serves every bucket from one graph) Inductor (torch
+# 2.13) computed wrong results when a custom operator mutated a view of a graph input (greedy decoding took another
+# token within a few steps; tests/test_compile.py holds a minimal case). Defined through torch.library.Library, not
+# the custom_op decorator, whose Python wrapper (argument defaults, autograd redispatch) adds its cost to every call,
+# two per layer and step; vLLM registers its own operators directly for the same reason.
 _OPERATORS = torch.library.Library("nanochat", "FRAGMENT")  # a fragment: another module may define in the namespace
 _OPERATORS.define("store_rows(Tensor(a!) store, int layer, Tensor rows, Tensor positions, Tensor values, "
                   "bool heads_first=False) -> ()")

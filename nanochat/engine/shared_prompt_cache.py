@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from nanochat.model.attention import Visibility, fp32_scores
 from nanochat.engine.kv_cache import cache_geometry, write_rows
+from nanochat.model.attention import Visibility, fp32_scores
 
 
 class SharedPromptKVCache:
@@ -40,8 +40,8 @@ class SharedPromptKVCache:
         # static: for decode steps over a fixed number of rows (free ones included) that may be captured: every
         # position is allocated now, so the storage never moves, and free rows get a spare sample column. And one
         # position more, never read: a step's keys then never span the whole storage, and the compiled step's
-        # slices of it are never the whole of it (Dynamo compiled the steps whose keys did as graphs of their own:
-        # measured on a 256-row x 256-token batch's 128 shapes, 6 graphs without the spare position, 3 with it)
+        # slices of it are never the whole of it (Dynamo compiled the steps whose keys did as graphs of their own,
+        # twice as many graphs for a static batch's shapes; docs/performance.md)
         self.static = static
         capacity = suffix_cap + 1 if static else min(suffix_cap, self.INITIAL_SUFFIX_CAPACITY)
         self.k = torch.zeros(num_layers, batch_size, num_heads, capacity, head_dim, device=device, dtype=dtype)

@@ -31,11 +31,10 @@ from typing import Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-
 # explicit_attention's reach in keys, eagerly: it reads and writes (T, keys) scores and probabilities where the
-# fused kernel streams them, so long sequences lose (compiled, Inductor fuses them). Measured eagerly (speedrun's d4
-# model, bf16, a 2-core AMD EPYC, forward + backward of a training batch): 4 x 128 tokens 184 ms against the fused
-# kernel's 274; 32 x 128 even (1887 / 1874); 4 x 512 slower (1168 / 970)
+# fused kernel streams them, so long sequences lose (compiled, Inductor fuses them). Eagerly, on a CPU with native
+# bf16 (forward + backward of a training batch), it beats the fused kernel on rows of 128 tokens and is slower on
+# rows of 512: this limit lies between
 EXPLICIT_MAX_KEYS = 256
 
 
@@ -44,8 +43,8 @@ def attend(q, k, v, mask):
     mask: None = causal over T == Tk, else bool broadcastable to (B, H, T, Tk), True = visible.
     Returns (B, H, T, D). Several bf16 queries per row on a CPU (training, prefill) go through explicit_attention
     (see there), eagerly over at most EXPLICIT_MAX_KEYS keys, compiled over any number: a length limit there would
-    be a guard, and the first longer row (a completion run to 256 tokens after its prompt) a new graph mid-run
-    (measured: 59 s of compiling at step 9 of a d4 run). Everything else, a decode step's single query included,
+    be a guard, and the first longer row (a completion run to 256 tokens after its prompt) a new graph compiled
+    mid-run, the run waiting on it. Everything else, a decode step's single query included,
     goes through PyTorch's fused kernel."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(1) > 1 and (
             torch.compiler.is_compiling() or k.size(1) <= EXPLICIT_MAX_KEYS):
@@ -61,12 +60,11 @@ def explicit_attention(q, k, v, mask):
     """attend() written out: fp32 scores (fp32_scores), fp32 softmax, probabilities rounded to v's dtype for the
     weighted sum, as a fused kernel computes in bf16. Same arguments and result as attend().
     Why on a CPU in bf16, for several queries a row: PyTorch's fused CPU kernel is slow there at training's shapes,
-    its backward above all; measured on a 2-core AMD EPYC (AVX512-BF16, torch 2.13) on the speedrun's d4 model (16
-    rows of ~60 tokens over a ~50-token shared prompt): the compiled training pass of a chat_rl step 2.15 s with the
-    fused kernel, 1.59 s with this (Inductor fuses the mask and softmax around two matmuls). Not for one query a row
-    (a decode step): there the fused kernel was 2.5x faster (256 rows over 70 keys: 7.5 ms against 19 ms, most of
-    it upcasting the keys). It keeps the (B, H, T, Tk) probabilities for the backward where the fused kernel keeps
-    O(T) per row: 16 MB a layer for 4 rows x 4 heads x 512 x 512, fine at the model sizes CPUs train."""
+    its backward above all: written out, a chat_rl step's compiled training pass is markedly faster on a CPU with
+    native bf16 (Inductor fuses the mask and softmax around two matmuls; docs/performance.md). Not for one query a row
+    (a decode step): there the fused kernel is faster, this one spending most of its time upcasting the keys. It keeps
+    the (B, H, T, Tk) probabilities for the backward where the fused kernel keeps O(T) per row: 16 MB a layer for 4
+    rows x 4 heads x 512 x 512, fine at the model sizes CPUs train."""
     B, T, H, D = q.shape
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H(kv), T(k), D)
     if not (k.shape[1] == H):  # grouped-query attention: each kv head serves H // Hkv query heads
@@ -94,8 +92,8 @@ def fp32_scores(q, k_t):
     """q @ k_t (..., T, D) @ (..., D, Tk) with at least float32 results whatever the inputs' dtype, as a fused attention
     kernel keeps its scores: rounding them to bf16 would widen the sampler-trainer gap for nothing. On CUDA the
     matmul writes fp32 itself (bmm's out_dtype); elsewhere the inputs are upcast (exactly) first. Both are fp32
-    accumulations of the same products. Autocast is off inside: on a CPU it casts a matmul's fp32 inputs back to
-    bf16 and returns bf16 scores (it did here until Nov 2026)."""
+    accumulations of the same products. Autocast is off inside: on a CPU it would cast a matmul's fp32 inputs back
+    to bf16 and return bf16 scores."""
     if torch.amp.is_autocast_available(q.device.type) and torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):
             return _fp32_product(q, k_t)

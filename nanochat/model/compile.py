@@ -1,12 +1,12 @@
 """
 torch.compile for a run's two hot paths, and what compiling them costs.
 
-- The static decode step (nanochat/engine/decode_batch.py's `static_step`): fullgraph, dynamic shapes, so three graphs at
-  most (all, some and one of the batch's rows) serve every bucketed (rows, keys) shape: one graph per shape compiled a static
-  batch's 100+ shapes at ~15 s each. On CUDA the engine's own graphs (nanochat/engine/cuda_graphs.py's GraphedStep)
-  capture the compiled step: it is compiled in Inductor's default mode, without Inductor's cudagraphs, so that one
-  owner captures and replays (the engine's graphs already hold every bucket in one pool, warmed up on a side
-  stream; "reduce-overhead" would capture a second time inside them).
+- The static decode step (nanochat/engine/decode_batch.py's `static_step`): fullgraph, dynamic shapes, so three
+  graphs at most (all, some and one of the batch's rows) serve every bucketed (rows, keys) shape, where one graph per
+  shape would compile each of a static batch's 100+ shapes on its own. On CUDA the engine's own graphs
+  (nanochat/engine/cuda_graphs.py's GraphedStep) capture the compiled step: it is compiled in Inductor's default mode,
+  without Inductor's cudagraphs, so that one owner captures and replays (the engine's graphs already hold every bucket
+  in one pool, warmed up on a side stream; "reduce-overhead" would capture a second time inside them).
 - The training pass's forward (nanochat/rl/objective.py's `chunk_logprobs`: hidden states, logits at the sampled
   positions, log-probabilities and entropy), for the policy-gradient pass, the PPO epochs and the reference
   model alike: dynamic shapes (rows, lengths, prompt lengths vary from chunk to chunk), so a run compiles it a
@@ -106,8 +106,8 @@ class _CountingInductor:
         from torch._inductor.compile_fx import compile_fx
         before = metrics.generated_kernel_count  # a graph from Inductor's disk cache counts its kernels too
         number, t0 = self.owner.compiles + 1, time.perf_counter()
-        # said before and after: a compile may take minutes (on the first H100 run the d20 decode step had not
-        # finished in two), and a run that goes quiet for that long must say why
+        # said before and after: a compile may take minutes (a large model's decode step on a GPU does), and a run
+        # that goes quiet for that long must say why
         if self.owner.announce:
             again = " again (Dynamo traced it anew)" if self.announced == number else ""
             why = recompile_reason() if number > 1 and not again else None
@@ -241,38 +241,35 @@ class CompilePlan(NamedTuple):
         return f"compile: {', '.join(parts) or 'nothing to compile'} ({self.why}; --compile to choose)"
 
 
-# a CPU run of chat_rl compiles its training forward from this many steps on (--compile=auto): measured on a 2-core
-# Xeon, d4 random model, 16 questions x 16 samples x 256 tokens, every row trained: the compiled forward saves ~4.6 s
-# of an 18 s training phase per step, after ~60 s of compiling (a cold Inductor cache): even at a quarter of that
-# saving per step (smaller models, fewer trained rows) a run of this length pays for its compile
+# a CPU run of chat_rl compiles its training forward from this many steps on (--compile=auto): on a 2-core CPU
+# (a d4 model, every row of 16 questions x 16 samples trained) the compiled forward saves about a quarter of a step's
+# training phase, after a minute or so of compiling with a cold Inductor cache: even at a quarter of that saving per
+# step (smaller models, fewer trained rows) a run of this length pays for its compile
 CPU_MIN_STEPS = 50
-# chat_sft's forward and loss pay later: its steps are short. Measured on the same Xeon, speedrun's CPU bootstrap
-# (d4 from scratch, vocab 2048, arithmetic, 32 conversations a step, fp32): 542 -> 484 ms a step with micro-batches
-# of 4 rows (the default), 517 -> 407 ms with 32; compiling took 28-30 s with a cold Inductor cache (7 s warm). This
-# many steps save ~29 s and ~55 s: about a cold compile
+# chat_sft's forward and loss pay later: its steps are short, and compiling saves a tenth to a fifth of each, so it
+# takes about this many steps to make up a cold compile (docs/performance.md)
 SFT_CPU_MIN_STEPS = 500
 # a CPU run of chat_rl compiles its static decode step from this many steps on (--compile=auto; with --decode=auto
-# it then decodes with that step, see run_decode_mode). Measured on a 2-core AMD EPYC (AVX512-BF16), the speedrun's d4
-# SFT model on arithmetic, nanochat's defaults, bf16 rollouts, medians of 10 steps run side by side: 3.00 s a step
-# against 3.81 and 3.55 with the eager exact-shape step, and 3.05 against 3.32 earlier that day: 0.27-0.8 s saved a
-# step; the decode step compiles 5 graphs at step 0 and 1 (all rows, some, one; the eval's batch), ~105 s in all with
-# a cold Inductor cache, 28-38 s warm. Cold, that pays back from 130 to 390 steps across the measured savings; warm,
-# from under 150. 300 keeps the default GSM8K run (467 steps) and leaves short trial runs uncompiled
+# it then decodes with that step, see run_decode_mode). On a 2-core CPU with native bf16 (a d4 SFT model on
+# arithmetic, bf16 rollouts) the compiled step saves a fraction of a second a step over the eager exact-shape step,
+# and its graphs (all rows, some, one; the eval's batch) compile in under two minutes with a cold Inductor cache,
+# well under one warm: a cold compile pays back within a few hundred steps, a warm one within 150
+# (docs/performance.md). 300 keeps the default GSM8K run (467 steps) and leaves short trial runs uncompiled
 CPU_DECODE_MIN_STEPS = 300
 
 
 def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min_steps=CPU_MIN_STEPS):
     """The CompilePlan of --compile=`mode` on `device` for a run of `num_steps` steps (None: long) that decodes in
     mode `decode` (cuda_graphs.decode_mode's answer; None: it samples nothing) and, if `trains`, runs a training
-    forward. auto: on CUDA nothing, until measured to pay there (the first H100 runs, torch 2.11: the d20 static
-    decode step had not finished compiling after two minutes, nor a 2-layer model's test in 80 s, while the
-    uncompiled step replayed from CUDA graphs was measured at 11 ms per 256-row step; `tests/gpu_check.sh compiled`
-    measures it); on a CPU the training forward for a run of at least `cpu_min_steps` steps, from which it was
-    measured to pay for its compile there (CPU_MIN_STEPS for chat_rl, SFT_CPU_MIN_STEPS for chat_sft), and the
-    static decode step (--decode=static; chat_rl's --decode=auto becomes it, see run_decode_mode) for a training
-    run of at least CPU_DECODE_MIN_STEPS steps (not for chat_eval's or the SFT checks' sampling alone: not measured
-    to pay there); elsewhere (MPS) nothing: not measured. on: both where they apply (the decode step only in static
-    and graph modes: the eager step's exact shapes would compile at every new shape)."""
+    forward. auto: on CUDA nothing, until measured to pay there (on the first H100 runs the d20 static decode step
+    took minutes to compile, against an uncompiled step replayed from CUDA graphs in milliseconds;
+    docs/performance.md; `tests/gpu_check.sh compiled` measures it); on a CPU the training forward for a run of at
+    least `cpu_min_steps` steps, from which it was measured to pay for its compile there (CPU_MIN_STEPS for chat_rl,
+    SFT_CPU_MIN_STEPS for chat_sft), and the static decode step (--decode=static; chat_rl's --decode=auto becomes it,
+    see run_decode_mode) for a training run of at least CPU_DECODE_MIN_STEPS steps (not for chat_eval's or the SFT
+    checks' sampling alone: not measured to pay there); elsewhere (MPS) nothing: not measured. on: both where they
+    apply (the decode step only in static and graph modes: the eager step's exact shapes would compile at every new
+    shape)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
 
@@ -310,7 +307,7 @@ def run_decode_mode(decode_flag, decode, compile_mode, device, num_steps, dtype=
     where --compile=`compile_mode` compiles the static step for such a run (compile_plan: auto from
     CPU_DECODE_MIN_STEPS steps, on always) and it trains in bf16 (`dtype`, its rollouts then too): compiled in bf16,
     the static step is the faster one there, uncompiled the exact-shape eager step is; in fp32 the compiled step's
-    gain was measured too small to pay for its compile (on the EPYC, a rollout 1.65-1.98 s against 1.73-2.34 s)."""
+    gain is too small to pay for its compile (docs/performance.md)."""
     if (decode_flag == "auto" and device.type == "cpu" and dtype == "bfloat16"
             and compile_plan(compile_mode, device, "static", num_steps).decode):
         return "static"

@@ -1,8 +1,8 @@
 """
-FLOP counts of training and rollouts, for MFU. Training follows GPT.estimate_flops (6 per matmul weight;
-attention 12 * n_head * head_dim * keys per layer with every query seeing all T keys of its row, the PaLM
-convention) but with the real row length T instead of sequence_len. Rollouts count forward FLOPs (a third of
-that) with the keys each query really sees.
+FLOP counts of training and rollouts, for MFU. Training: 6 per matmul weight; attention 12 * n_head * head_dim *
+keys per layer with every query seeing all T keys of its row (the PaLM convention), with the real row length T
+(GPT.estimate_flops is this at sequence_len). Rollouts count forward FLOPs (a third of that) with the keys each
+query really sees.
 """
 
 
@@ -21,10 +21,22 @@ def _sum_min(w, a, b):
     return total + w * (b - max(below, a - 1))
 
 
+def lookup_params(model):
+    """A GPT's parameters that are read by lookup or as scalars, not multiplied as matrices."""
+    params = [model.transformer.wte.weight]
+    if model.generation.value_embeds:
+        params += [e.weight for e in model.value_embeds.values()]
+    params += [getattr(model, name) for name in ("resid_lambdas", "x0_lambdas", "smear_lambda", "backout_lambda")
+               if hasattr(model, name)]
+    if model.generation.smear:
+        params.append(model.smear_gate.weight)  # a 24-wide gate: nanochat counts it with the scalars
+    return params
+
+
 def matmul_flops_per_token(model):
-    """6 x the weights used in matmuls: GPT.estimate_flops without its attention term."""
-    return model.estimate_flops() - 3 * _attention_unit(model) * sum(min(w, model.config.sequence_len)
-                                                                     for w in model.window_sizes)
+    """6 x the weights used in matmuls (2 forward, 4 backward): every weight but the lookup_params; lm_head counts
+    with its padded rows."""
+    return 6 * (model.num_params() - sum(p.numel() for p in lookup_params(model)))
 
 
 def train_flops_per_token(model, T):
@@ -42,6 +54,7 @@ def rollout_flops(model, prompt_len, num_prefills, row_steps):
     see prompt_len + 1 .. prompt_len + steps - 1 keys."""
     per_token, unit = matmul_flops_per_token(model) // 3, _attention_unit(model)
     prefill = prompt_len * per_token + unit * sum(_sum_min(w, 1, prompt_len) for w in model.window_sizes)
-    decode = sum((s - 1) * per_token + unit * sum(_sum_min(w, prompt_len + 1, prompt_len + s - 1) for w in model.window_sizes)
+    decode = sum((s - 1) * per_token
+                 + unit * sum(_sum_min(w, prompt_len + 1, prompt_len + s - 1) for w in model.window_sizes)
                  for s in row_steps)
     return num_prefills * prefill + decode

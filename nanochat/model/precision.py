@@ -3,8 +3,8 @@ The dtypes a run computes in where that is a measured choice.
 
 On a GPU bf16 autocast is simply faster. On a CPU it depends on the chip and on the work: without AVX512-BF16
 or AMX, bf16 matmuls take a slow path (never chosen; see common.compute_dtype); with AVX512-BF16 but no AMX,
-a d4 model's training step was ~1.7x slower in bf16 than in fp32 on one such Xeon (with PyTorch's fused bf16
-attention; written out since, ~1.3x faster than fp32 on an AVX512-BF16 EPYC) while a large decode batch may gain;
+a small model's training step can be slower in bf16 than in fp32 (it was with PyTorch's fused bf16 attention;
+written out since, it is faster than fp32 on an AVX512-BF16 CPU) while a large decode batch may gain;
 with AMX bf16 usually wins. So a run that may use bf16 on a CPU or MPS times one step of its own work each way at its
 start, and keeps fp32 (nanochat's CPU numerics) unless bf16 is clearly faster. The choice is made on rank 0
 and every rank takes it, so that all ranks compute alike.
@@ -57,9 +57,9 @@ def random_tokens(model, rows, length):
 def fastest_rollout_dtype(engine, prompts, num_samples, candidates, max_tokens=16, repeats=2, margin=MARGIN):
     """The dtype (of `candidates`, see fastest_dtype) in which `engine` samples `num_samples` completions of up to
     `max_tokens` tokens for each of `prompts` (token lists) fastest: the run's own rollout (its cache, its rows,
-    its sampler), shortened. Measured so because the answer depends on all three: on a 2-core AVX512-BF16 EPYC a
-    copy-cache decode step of 16 rows was 1.14x faster in bf16 and one of 256 rows 0.82x, while the shared-prompt
-    cache's steps over 256 rows (what chat_rl's rollouts run) were ~1.3x faster in bf16 (the speedrun's d4 model)."""
+    its sampler), shortened. Measured so because the answer depends on all three: on an AVX512-BF16 CPU a
+    copy-cache decode step of a few rows can be faster in bf16 and one of hundreds of rows slower, while the
+    shared-prompt cache's steps over hundreds of rows (what chat_rl's rollouts run) are faster in bf16."""
     def make_step(dtype):
         return lambda: engine.generate_many(prompts, num_samples=num_samples, max_tokens=max_tokens, top_k=50, seed=0)
 

@@ -19,8 +19,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.optim.adamw import DistAdamW
 from nanochat.common import grad_norm
+from nanochat.optim.adamw import DistAdamW
 from nanochat.optim.muon import DistMuon, Muon
 from nanochat.optim.muon_adamw import MuonAdamW, split_param_groups
 

@@ -1,0 +1,110 @@
+"""
+Every "auto" of a chat_rl run, resolved once at its start and printed with why: the dtype training computes in
+(--dtype), the dtype rollouts decode in (--rollout-dtype), the decode mode (--decode), what is compiled
+(--compile), the rows per training forward (--train-rows) and the KV caches' memory budget (--memory-budget-gb).
+
+Each resolved value is written into the run's config, which its checkpoints record: a resumed run computes as
+it started. Decisions that are measured (a dtype on a CPU) are measured on rank 0 and taken by every rank.
+"""
+
+import torch
+
+from nanochat.cli import check_decode_flag, resolve_compile_flag
+from nanochat.common import compute_dtype, dtype_name, print0
+from nanochat.engine.cuda_graphs import DECODE_DESCRIPTIONS
+from nanochat.engine.engine import Engine
+from nanochat.engine.memory_budget import FIXED_GB, resolve_memory_budget
+from nanochat.model.compile import run_decode_mode
+from nanochat.model.precision import MARGIN, PREFERENCE, fastest_rollout_dtype, fastest_training_dtype, rank0_choice
+
+
+def phase_dtype(phase, device, requested, measure):
+    """The dtype name one phase (phase: "training" or "rollouts") runs in, for `requested` (auto, float32 or
+    bfloat16: --dtype or --rollout-dtype). float32 when asked, or where bf16 is not native (a note says so);
+    bf16 when asked, or for auto on CUDA; for auto on a CPU or MPS with native bf16, the faster of the two by
+    measure(candidates): fp32 unless bf16 wins by the margin (measured on rank 0; every rank takes its choice)."""
+    what, flag = {"training": ("training computes", "--dtype"), "rollouts": ("rollouts decode", "--rollout-dtype")}[phase]
+    dtype = compute_dtype(device, requested, what)  # float32 when asked or where bf16 is not native, else bf16
+    if dtype == torch.float32 or requested == "bfloat16" or device.type == "cuda":
+        return dtype_name(dtype)
+    name = dtype_name(rank0_choice(lambda: measure(list(PREFERENCE)), list(PREFERENCE)))
+    print0(f"{what} in {name}: bfloat16 measured {'at least' if name == 'bfloat16' else 'less than'} {MARGIN}x as fast "
+           f"as float32 on this {device.type} ({flag} to choose)")
+    return name
+
+
+def resolve_training_dtype(config, model, tokenizer, train_task, device, rows):
+    """Set config.dtype to what training runs in, timed on one micro-batch of the run's own shape (`rows` rows of
+    the first question's prompt plus --max-new-tokens). Returns the dtype that was asked for."""
+    requested = config.dtype
+    length = len(tokenizer.render_for_completion(train_task[0])) + config.max_new_tokens
+    config.dtype = phase_dtype("training", device, requested, lambda candidates: fastest_training_dtype(
+        model, rows, length, candidates))
+    return requested
+
+
+def resolve_rollout_dtype(config, model, tokenizer, train_task, device, world_size, requested, compiled_decode=False):
+    """Set config.rollout_dtype to what rollouts run in, after resolve_training_dtype (requested: the --dtype asked
+    for). auto is float32 with a float32 --dtype; with a compiled decode step (compiled_decode), training's dtype:
+    timing it would compile it twice, and compiled, its matmuls are most of its time, as in training; else timed on
+    its own on the run's rollout shortened (its first questions x --num-samples, 16 tokens, an uncompiled engine in
+    the run's decode mode; see fastest_rollout_dtype): the eager step's many small operations gain less from bf16,
+    and decoding and training gain from bf16 on different CPUs."""
+    if compiled_decode and config.rollout_dtype == "auto":
+        config.rollout_dtype = config.dtype
+        print0(f"rollouts decode in {config.dtype}: as training, with the compiled decode step (--rollout-dtype to choose)")
+        return
+    rollout_request = "float32" if config.rollout_dtype == "auto" and requested == "float32" else config.rollout_dtype
+
+    def measure_rollouts(candidates):
+        questions = max(1, min(len(train_task), config.examples_per_step // world_size))  # a rank's step
+        prompts = [tokenizer.render_for_completion(train_task[i]) for i in range(questions)]
+        budget = config.memory_budget_gb if isinstance(config.memory_budget_gb, (int, float)) else FIXED_GB  # off CUDA
+        engine = Engine(model, tokenizer, max_rows=config.max_rows or None, memory_budget_gb=budget,
+                        decode=config.decode, compile="off")
+        return fastest_rollout_dtype(engine, prompts, config.num_samples, candidates)
+    config.rollout_dtype = phase_dtype("rollouts", device, rollout_request, measure_rollouts)
+
+
+def resolve_decode_and_compile(config, device, num_steps):
+    """The decode mode and the CompilePlan of a run of num_steps steps in all (printed with why), config.decode and
+    config.compile set to them: compile.run_decode_mode's mode (--decode=auto on a CPU is the static step where it is
+    compiled and the run trains in bf16), compile.compile_plan's plan for it. Decided on the run's whole length, not
+    the steps left, so that a resumed run decodes as it started (--decode and --compile are not restored by
+    --resume; the compiled step may sample another token at a near-tie). Every rank takes the same plan
+    (compile.resolve_compile); where it compiles nothing, the mode is the one --decode gives uncompiled. A decode
+    step that fails to compile later, at its first call, warns once and runs uncompiled (the same tokens)."""
+    uncompiled = check_decode_flag(config.decode, device)
+    decode = run_decode_mode(config.decode, uncompiled, config.compile, device, num_steps, config.dtype)
+    compiling = resolve_compile_flag(config, device, decode, num_steps)
+    config.decode = decode if compiling.decode else uncompiled
+    return compiling
+
+
+def resolve_compute_plan(config, model, tokenizer, train_task, device, world_size, num_steps, rows):
+    """The dtypes, the decode mode and what is compiled, in the order each depends on the last: training's dtype
+    (the compiled decode step follows it), then the decode mode and compiling, then the rollouts' dtype.
+    Returns the CompilePlan."""
+    requested = resolve_training_dtype(config, model, tokenizer, train_task, device, rows)
+    compiling = resolve_decode_and_compile(config, device, num_steps)
+    resolve_rollout_dtype(config, model, tokenizer, train_task, device, world_size, requested,
+                          compiled_decode=bool(compiling.decode))
+    return compiling
+
+
+def resolve_memory(config, model, device, optimizers, rows):
+    """config.memory_budget_gb in GiB: the KV caches' budget once the model and optimizer state are in memory."""
+    config.memory_budget_gb, budget_line = resolve_memory_budget(
+        config.memory_budget_gb, model, device, optimizers, rows=rows,
+        completion_tokens=config.max_new_tokens, prompt_tokens=model.config.sequence_len,
+        rollout_dtype=getattr(torch, config.rollout_dtype))
+    print0(budget_line or f"KV cache budget: {config.memory_budget_gb:g} GiB (--memory-budget-gb)")
+
+
+def describe_engine(engine, compiling, config, rows):
+    """The plan's lines about rollouts and training passes, once the engine is built."""
+    how = DECODE_DESCRIPTIONS[engine.decode]
+    how = "bucketed static shapes, compiled" if compiling.decode and engine.decode == "static" else how
+    print0(f"rollouts: {engine.decode} decode step ({how}; --decode to choose)")
+    print0(f"training: {rows} rows of a question per forward "
+           f"({'--train-rows' if config.train_rows else 'auto'}; the same gradient for any count)")

@@ -1,0 +1,94 @@
+"""
+What a run says as it goes: each step's record (its metrics over all ranks, logged to wandb and kept for the
+report) and log line, with the ETA, and the warnings of a run that has nothing to learn from.
+"""
+
+from nanochat.common import format_duration, print0, remaining_seconds
+from nanochat.rl.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
+
+
+def is_eval_step(step, num_steps, eval_every):
+    """pass@k is evaluated every eval_every steps from step 0, and after the last update (step num_steps)."""
+    return eval_every > 0 and (step % eval_every == 0 or step == num_steps)
+
+
+def step_record(run, step, rollouts, result, t_rollout, t_train):
+    """The step's metrics over all ranks, as logged to wandb and kept in the run's history."""
+    compiled = run.compile_clock.lap()  # graphs compiled and their calls' seconds, since the last record
+    metrics = drop_unmeasured(reduce_metrics(
+        {**rollout_metrics([r.rewards for r in rollouts], [r.completions for r in rollouts], run.config.max_new_tokens,
+                           prompt_lengths=[r.prompt_length for r in rollouts], rows_trained=result.first.rows_trained),
+         **objective_metrics(result.first, result.last), "captures": float(run.engine.last_stats.captures),
+         "compiles": float(compiled[0]), "compile_s": compiled[1]},
+        run.reduce_device))
+    num_tokens = metrics["completion_len_mean"] * metrics["num_samples"]  # generated this step, all ranks
+    return {"step": step, **metrics, "reward": metrics["reward_mean"], "sequence_length": metrics["seq_len_mean"],
+            "completion_length": metrics["completion_len_mean"], "lrm": result.lrm, "grad_norm": result.grad_norm,
+            "time/rollout": t_rollout, "time/train": t_train, "rollout_tokens_per_s": num_tokens / max(t_rollout, 1e-9)}
+
+
+def format_step_line(run, m, elapsed):
+    """The step's log line (m: its step_record): nanochat's first fields, then what a reader needs to trust it."""
+    step, num_steps = m["step"], run.num_steps
+    eta_train, eta_eval = remaining_seconds(
+        run.step_seconds, num_steps - step - 1, run.eval_seconds,
+        sum(is_eval_step(s, num_steps, run.config.eval_every) for s in range(step + 1, num_steps + 1)))
+    return (f"Step {step}/{num_steps} | Average reward: {m['reward_mean']:.4f} | "
+            f"Average sequence length: {m['seq_len_mean']:.2f} | Average completion length: {m['completion_len_mean']:.2f} | "
+            f"reward std {m['reward_std']:.3f} | no-signal {m['zero_std_fraction']:.2f} | "
+            f"len {m['completion_len_min']:.0f}-{m['completion_len_max']:.0f} cut {m['truncated_fraction']:.2f} | "
+            f"tool {m['tool_calls_per_sample']:.2f}/ok {m['tool_success_fraction']:.2f} | "
+            f"trained {m['rows_trained']:.0f}/{m['num_samples']:.0f} rows | "
+            + (f"entropy {m['entropy']:.3f} | " if "entropy" in m else "")  # none where no row was trained
+            + f"gnorm {m['grad_norm']:.3f} | lrm {m['lrm']:.3f} | "
+            + (f"clip {m['clip_fraction']:.3f} kl_old {m['approx_kl']:.2e} | " if "clip_fraction" in m else "")
+            + (f"kl_ref {m['kl_ref']:.2e} | " if "kl_ref" in m else "")
+            + (f"sampler gap {m['sampler_gap_mean']:.1e}/{m['sampler_gap_max']:.1e} k3 {m['sampler_k3']:.1e}"
+               + (f" corrected {m['corrected_fraction']:.3f}" if run.config.rollout_correction != "none" else "") + " | "
+               if m.get("sampler_tokens") else "")
+            + f"rollout {m['time/rollout']:.1f}s captures {m['captures']:.0f} train {m['time/train']:.1f}s "
+              f"{m['rollout_tokens_per_s']:.0f} tok/s | "
+            + (f"compiled {m['compiles']:.0f} graphs in {m['compile_s']:.1f}s | " if m.get("compiles") else "")
+            + f"elapsed {format_duration(elapsed)} eta {format_duration(eta_train)}"
+            + (f" + eval {format_duration(eta_eval)}" if eta_eval else ""))
+
+
+def sample_table(run, rollout):
+    """(question, completion, reward) rows of one question's samples, for wandb."""
+    question = run.train_task[rollout.index]["messages"][0]["content"]
+    return [(question, text, reward) for text, reward in zip(rollout.texts, rollout.rewards)]
+
+
+def no_signal_settings(cfg):
+    """A warning line for each setting under which every advantage is 0, so that no step trains anything."""
+    same = "every sample of a question is the same completion, so every advantage is 0 and the run trains nothing"
+    lines = []
+    if cfg.temperature == 0:
+        lines.append(f"warning: --temperature=0 samples greedily: {same}; sample with --temperature=1.0 (nanochat's)")
+    if cfg.top_k == 1:
+        lines.append(f"warning: --top-k=1 always takes the most likely token: {same}; use --top-k=50 (nanochat's) or 0")
+    if cfg.num_samples == 1:
+        lines.append("warning: --num-samples=1: a question's one sample is its own mean reward, so every advantage is 0 "
+                     "and the run trains nothing; sample several completions per question (nanochat: --num-samples=16)")
+    return lines
+
+
+def count_no_signal_step(run, record):
+    """Track consecutive steps that trained no row (every advantage 0 on every rank); every --no-signal-steps of
+    them in a row, one warning naming the likely cause. The run goes on: a later step may find a signal."""
+    if record["rows_trained"] > 0 or run.config.no_signal_steps == 0:
+        run.steps_without_signal.clear()
+        return
+    streak = run.steps_without_signal
+    streak.append(record)
+    if len(streak) % run.config.no_signal_steps:
+        return
+    rewards = [r["reward_mean"] for r in streak[-run.config.no_signal_steps:]]
+    if max(rewards) == 0:
+        cause = ("no sample earned any reward: the task is too hard for this model (start from a stronger checkpoint, "
+                 "or an easier --task)")
+    else:
+        cause = (f"every question's samples earned the same reward (mean {sum(rewards) / len(rewards):.3f}): the samples "
+                 f"are too alike (raise --temperature or --top-k, or --num-samples) or the task's reward does not vary")
+    print0(f"warning: no row was trained in {len(streak)} consecutive step{'s' * (len(streak) > 1)} (steps "
+           f"{streak[0]['step']}-{streak[-1]['step']}): {cause}")

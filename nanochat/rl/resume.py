@@ -1,0 +1,140 @@
+"""
+Where a run starts: a new run from a --source checkpoint (its output directory refused if another run holds it,
+unless --overwrite), or --resume of a saved RL step, with the run's own settings and optimizer state put back so
+that the continuation is the run it was, on any number of ranks that divides its --examples-per-step.
+"""
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+from nanochat.checkpoints.errors import CheckpointError
+from nanochat.checkpoints.layout import CHECKPOINT_DIRS
+from nanochat.checkpoints.loading import find_checkpoint, load_model
+from nanochat.checkpoints.optimizer_shards import optimizer_states_for_resume
+from nanochat.checkpoints.store import list_steps, list_tags, load_meta, make_checkpoint_dir
+from nanochat.common import UserError, get_base_dir, print0, require
+from nanochat.rl.config import largest_divisor_at_most, resolve_output_tag
+
+# flags that do not define the run: --resume keeps them as given (the rest it restores from the checkpoint)
+RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows", "memory_budget_gb", "max_bad_steps",
+                 "output_tag", "decode", "compile", "keep_last", "no_signal_steps",  # a resumed run writes to its own directory
+                 "train_rows")  # the same gradient for any value: the machine's memory decides
+
+
+def resolve_resume(spec):
+    """--resume value -> (tag, step) of the RL checkpoint to continue from."""
+    rl_root = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"])
+    tag, _, step = spec.partition(":") if spec != "latest" else ("", "", "")
+    if not tag:
+        tags = list_tags(rl_root) if os.path.isdir(rl_root) else []
+        if not tags:
+            raise UserError(f"--resume: no RL run in {rl_root}; start one without --resume")
+        tag = max(tags, key=lambda t: os.path.getmtime(os.path.join(rl_root, t)))
+    directory = os.path.join(rl_root, tag)
+    if not os.path.isdir(directory):
+        raise UserError(f"--resume: no RL run {tag!r} in {rl_root}; available: {', '.join(list_tags(rl_root)) or 'none'}")
+    if step and not step.isdigit():
+        raise UserError(f"--resume={spec}: the step after ':' must be a number")
+    steps = list_steps(directory)  # checked here: the loader's own error would point at --model-step
+    if not steps:
+        raise UserError(f"--resume: the RL run {tag!r} in {rl_root} has no saved step; start a new run with --overwrite")
+    if step and int(step) not in steps:
+        raise UserError(f"--resume={spec}: run {tag!r} has no step {int(step)}; saved steps: "
+                        f"{', '.join(map(str, steps))} (e.g. --resume={tag}:{steps[-1]})")
+    return tag, int(step) if step else steps[-1]
+
+
+def resume_hint(tag, step, steps):
+    """What to do about a checkpoint of run `tag` that cannot be resumed at `step` (steps: the saved ones)."""
+    others = [s for s in steps if s != step]
+    if not others:
+        return "no other step of this run is saved: start a new run with --overwrite"
+    return (f"resume another saved step (--resume={tag}:{others[-1]}; saved: {', '.join(map(str, others))}) "
+            f"or start a new run with --overwrite")
+
+
+@dataclass
+class Resume:
+    """The saved step --resume continues."""
+    tag: str
+    step: int
+    checkpoint_dir: str
+    meta: dict    # the step's meta json as saved
+
+    @contextlib.contextmanager
+    def errors(self):
+        """A checkpoint that cannot be read: one line naming --resume's fix (the loader's would name --model-step,
+        which --resume does not read)."""
+        try:
+            yield
+        except CheckpointError as e:
+            raise UserError(f"--resume: {e}; {resume_hint(self.tag, self.step, list_steps(self.checkpoint_dir))}") from e
+
+
+def restore_settings(config, world_size):
+    """--resume, from the step's meta alone, before any process group or model: the run's saved settings put back
+    into the config (only RUNTIME_FLAGS stay as given), so the continuation is the run it was, and checked against
+    this run's number of ranks, which may differ from the run's (the optimizer state is then re-split, see
+    restore_optimizers). Returns (the restored RLConfig, the Resume)."""
+    tag, step = resolve_resume(config.resume)
+    checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], tag)
+    resume = Resume(tag=tag, step=step, checkpoint_dir=checkpoint_dir, meta={})
+    with resume.errors():
+        resume.meta = load_meta(checkpoint_dir, step)
+    saved = {k: v for k, v in resume.meta.get("user_config", {}).items() if k not in RUNTIME_FLAGS}
+    changed = sorted(k for k, v in saved.items() if getattr(config, k, v) != v)
+    if changed:
+        print0(f"--resume: using the run's saved settings for {', '.join(changed)}")
+    per_step = saved.get("examples_per_step", config.examples_per_step)
+    require(per_step % world_size == 0,
+            f"--resume: run {tag} takes {per_step} questions a step (its --examples-per-step), which {world_size} ranks "
+            f"cannot share evenly; resume it on a number of ranks that divides {per_step} (e.g. torchrun "
+            f"--nproc_per_node={largest_divisor_at_most(per_step, world_size)})")
+    config = config.restored(saved)
+    config.output_tag = tag
+    return config, resume
+
+
+def restore_optimizers(resume, optimizers, meta, rank, world_size, device):
+    """Load the optimizer state of the resumed step into `optimizers`: every rank's shard checked (present, readable,
+    of this step, rank and run) before any is used, and when the step was saved by another number of ranks, all of
+    them gathered and re-split for this one. A fault is one line on every rank and nothing is written. Returns the
+    number of ranks that saved the step."""
+    with resume.errors():
+        states, saved = optimizer_states_for_resume(resume.checkpoint_dir, resume.step, device, meta, optimizers,
+                                                    rank, world_size)
+    for opt, state in zip(optimizers, states):
+        opt.load_state_dict(state)  # also restores each group's initial_lr and lr
+    if saved != world_size:
+        print0(f"--resume: the optimizer state of {saved} rank{'s' * (saved != 1)} re-split for {world_size}")
+    return saved
+
+
+def start_new_run(config, device):
+    """The --source checkpoint a new run starts from. Sets config.output_tag. Returns (model, tokenizer, meta)."""
+    _, source_tag, source_step = find_checkpoint(config.source, config.model_tag, config.model_step)
+    # from an RL run the tag is known (and the source run refused) before loading; else it may need the depth
+    output_tag = resolve_output_tag(config, source_tag, depth=None) if config.source == "rl" else None
+    model, tokenizer, meta = load_model(config.source, device, phase="eval", model_tag=source_tag, step=source_step,
+                                        generation=config.model_generation)
+    config.output_tag = output_tag or resolve_output_tag(config, source_tag, model.config.n_layer)
+    meta["start_checkpoint"] = {"source": config.source, "model_tag": source_tag, "step": source_step}
+    print0(f"Starting a new RL run from {config.source} {source_tag} step {source_step}; writing to {config.output_tag}")
+    return model, tokenizer, meta
+
+
+def prepare_output_dir(checkpoint_dir, overwrite, master):
+    """Refuse to silently mix a new run into an old run's directory; --overwrite clears the old run first
+    (so the loader's 'last step' cannot pick one of its checkpoints)."""
+    old = [f for f in (os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else [])
+           if f.startswith(("model_", "meta_", "optim_"))]
+    make_checkpoint_dir(checkpoint_dir)  # fail now, not after an hour of training, if it cannot be written
+    if not old:
+        return
+    if not overwrite:
+        raise UserError(f"{checkpoint_dir} already holds an RL run ({len(old)} files); continue it with --resume, "
+                        f"replace it with --overwrite, or choose another --model-tag")
+    if master:
+        for f in old:
+            os.remove(os.path.join(checkpoint_dir, f))

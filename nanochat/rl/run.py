@@ -1,0 +1,295 @@
+"""
+One RL run's state and its step, as chat_rl's loop calls them: setup_run builds the run (model, optimizers,
+engine, tasks) from the config; sample_rollouts and train_on_rollouts are a step's two halves (bench_rl times
+the same two); save writes a step for --resume. Out of memory, a step retries with fewer rows at a time, which
+gives the same tokens and the same gradient.
+"""
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from nanochat.checkpoints.layout import CHECKPOINT_DIRS
+from nanochat.checkpoints.loading import load_model
+from nanochat.checkpoints.pruning import prune_checkpoints, remove_extra_shards
+from nanochat.checkpoints.store import new_run_id, save_checkpoint
+from nanochat.cli import train_rows
+from nanochat.common import UserError, autocast_context, collective_device, get_base_dir, print0, require
+from nanochat.engine.engine import Engine
+from nanochat.model.compile import CompileClock, maybe_compiled
+from nanochat.optim.optimizers import guarded_step, lr_multiplier, scale_initial_lr
+from nanochat.rl.config import RLConfig
+from nanochat.rl.objective import PolicyLoss, step_counts
+from nanochat.rl.plan import describe_engine, resolve_compute_plan, resolve_memory
+from nanochat.rl.policy_gradient import TrainStats, accumulate_policy_gradient, chunk_logprobs
+from nanochat.rl.resume import prepare_output_dir, restore_optimizers, start_new_run
+from nanochat.rl.rollout import Sampling, longest_prompt, question_seed, sample_questions, step_question_indices
+from tasks.registry import make_task
+
+
+@dataclass
+class RLRun:
+    """What a run carries from step to step. `config` is the effective configuration: the flags after
+    --resume restored the run's own and the output tag and dtypes were resolved; every checkpoint records it."""
+    config: RLConfig
+    model: torch.nn.Module
+    engine: Engine
+    optimizers: list
+    policy_loss: PolicyLoss
+    reference: torch.nn.Module             # --kl-coef's frozen starting model, or None
+    train_task: object
+    val_task: object
+    num_steps: int
+    start_step: int
+    start_checkpoint: dict                 # {source, model_tag, step} the run started from
+    checkpoint_dir: str
+    rank: int
+    world_size: int
+    device: torch.device
+    run_id: str                            # recorded in every checkpoint's meta and shards (checked on --resume)
+    segments: list                         # [{start_step, world_size}] of the run's start and each --resume
+    history: list                          # per-step metrics, for the report
+    eval_history: list                     # (step, pass@k dict)
+    last_saved: int = None
+    micro_rows: int = 0                    # rows per training forward; halved on out-of-memory
+    consecutive_bad: int = 0
+    steps_without_signal: list = field(default_factory=list)  # records of the current streak of steps that trained no row
+    forward: object = chunk_logprobs       # the training pass's chunk forward: compiled or not (--compile)
+    compile_clock: CompileClock = field(default_factory=CompileClock)  # what each step compiled
+    step_seconds: list = field(default_factory=list)   # this process's timings, for the ETA, compiling left out
+    eval_seconds: list = field(default_factory=list)
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def examples_per_rank(self):
+        return self.config.examples_per_step // self.world_size
+
+    @property
+    def reduce_device(self):
+        return collective_device(self.device)
+
+    def autocast(self, rollouts=False):
+        return autocast_context(self.device, getattr(torch, self.config.rollout_dtype if rollouts else self.config.dtype))
+
+
+def load_reference(start, device, generation):
+    """The frozen model of --kl-coef's penalty: the checkpoint the run started from (start: its source, tag and
+    step, as recorded in the run's meta), so a resumed run is penalized towards the same model."""
+    if start is None:
+        raise UserError("--kl-coef > 0 needs the checkpoint the run started from, and this run's meta does not record "
+                        "it (written before --kl-coef existed); resume it with its own flags or start a new run")
+    reference, _, _ = load_model(start["source"], device, phase="eval", model_tag=start["model_tag"], step=start["step"],
+                                 generation=generation)
+    reference.requires_grad_(False)
+    return reference
+
+
+def run_length(config, train_task):
+    """The run's number of steps: --num-steps, or the epochs over the train split."""
+    num_steps = (config.num_steps if config.num_steps > 0
+                 else (len(train_task) // config.examples_per_step) * config.num_epochs)
+    if num_steps < 1:
+        raise UserError(f"the {config.task} train split has {len(train_task)} questions, fewer than --examples-per-step "
+                        f"({config.examples_per_step}); lower --examples-per-step or pass --num-steps")
+    require(config.warmup_steps < num_steps, f"--warmup-steps ({config.warmup_steps}) must be fewer than the run's "
+                                             f"{num_steps} steps")
+    print0(f"Calculated number of steps: {num_steps}")
+    return num_steps
+
+
+def setup_run(config, resume, rank, world_size, device):
+    """Load the model (a new run, or `resume`: restore_settings' Resume), resolve the plan (nanochat/rl/plan.py),
+    and build the optimizers, the engine and the tasks: an RLRun at its first step."""
+    start_step = 0
+    if resume:
+        with resume.errors():
+            model, tokenizer, meta = load_model("rl", device, phase="eval", model_tag=resume.tag, step=resume.step)
+        start_step = resume.step + 1
+        print0(f"Resuming RL run {resume.tag} after step {resume.step}")
+    else:
+        model, tokenizer, meta = start_new_run(config, device)
+    if config.keep_last is None:  # not given: a resumed run keeps its own disk policy, a new run every checkpoint
+        config.keep_last = (meta.get("user_config", {}).get("keep_last") if config.resume else None) or 0
+    start = meta.get("start_checkpoint")
+    train_task, val_task = make_task(config.task, "train"), make_task(config.task, "test")
+    rows = train_rows(config)  # per training forward
+    num_steps = run_length(config, train_task)
+    compiling = resolve_compute_plan(config, model, tokenizer, train_task, device, world_size, num_steps, rows)
+    checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], config.output_tag)
+    # Muon orthogonalizes in the run's compute dtype: bf16 where it is native (nanochat's numerics), fp32 otherwise
+    optimizers = scale_initial_lr(model.setup_optimizers(
+        unembedding_lr=config.unembedding_lr, embedding_lr=config.embedding_lr, matrix_lr=config.matrix_lr,
+        weight_decay=config.weight_decay, recipe=config.recipe, ortho_dtype=getattr(torch, config.dtype)),
+        config.init_lr_frac)
+    segments = [{"start_step": 0, "world_size": world_size}]  # the world size of each part of the run
+    if resume:
+        saved = restore_optimizers(resume, optimizers, meta, rank, world_size, device)
+        segments = meta.get("segments") or [{"start_step": 0, "world_size": saved}]
+        segments = segments + [{"start_step": start_step, "world_size": world_size}]
+    reference = load_reference(start, device, config.model_generation) if config.kl_coef > 0 else None
+    resolve_memory(config, model, device, optimizers, rows)
+    engine = Engine(model, tokenizer, max_rows=config.max_rows or None, memory_budget_gb=config.memory_budget_gb,
+                    decode=config.decode, compile=config.compile if compiling.decode else "off")
+    describe_engine(engine, compiling, config, rows)
+    if engine.decode != "eager":  # one static batch for the run, its graphs captured once: sized for every prompt
+        engine.reserve_prompt_length(longest_prompt(tokenizer, train_task, val_task))
+        print0(f"rollouts: static batch sized for prompts of up to {engine.prompt_floor} tokens (the task's longest)")
+    if not config.resume:  # last: --overwrite clears the old run only once everything else has loaded
+        prepare_output_dir(checkpoint_dir, config.overwrite, rank == 0)
+    return RLRun(
+        config=config, model=model, optimizers=optimizers, engine=engine,
+        policy_loss=PolicyLoss(loss_norm=config.loss_norm, max_new_tokens=config.max_new_tokens,
+                               mask_truncated=config.mask_truncated, clip_low=config.clip_low,
+                               clip_high=config.clip_high, kl_coef=config.kl_coef,
+                               rollout_correction=config.rollout_correction,
+                               correction_cap=config.rollout_correction_cap),
+        reference=reference,
+        train_task=train_task, val_task=val_task, num_steps=num_steps, start_step=start_step, start_checkpoint=start,
+        checkpoint_dir=checkpoint_dir, rank=rank, world_size=world_size, device=device,
+        run_id=(meta.get("run_id") if config.resume else None) or new_run_id(),  # a new run (from any source): a new id
+        segments=segments,
+        history=list(meta.get("history", [])) if config.resume else [],
+        eval_history=[tuple(e) for e in meta.get("eval_history", [])] if config.resume else [],
+        last_saved=start_step - 1 if config.resume else None, micro_rows=rows,
+        forward=maybe_compiled(chunk_logprobs, compiling.train, dynamic=True, required=config.compile == "on"))
+
+
+def with_fewer_rows_on_oom(attempt, rows, message, rows_in_use=None, free_memory=None):
+    """attempt(rows), retried on out-of-memory with half the rows the failed attempt used (rows_in_use(), by
+    default rows) until one row fails too; message is formatted with the new rows and printed. First, if given,
+    free_memory() may give back memory held for later and return what to print: then the same rows are tried
+    again. The result does not depend on the rows (per-row sampling streams; gradients summed in chunks).
+    Returns (result, rows)."""
+    while True:
+        try:
+            return attempt(rows), rows
+        except torch.OutOfMemoryError:
+            freed = free_memory() if free_memory else None
+            if freed:
+                print0(freed)
+                continue
+            used = (rows_in_use() if rows_in_use else rows) or 1
+            if used <= 1:
+                raise
+            rows = used // 2
+            print0(message.format(rows=rows))
+
+
+def give_back_rollout_memory(engine):
+    """After an out-of-memory in training: first the batches the engine keeps from other rollouts (an eval's) go,
+    the step's own staying; at the next, the engine's batch and weight copies kept for the next rollout go, and
+    later rollouts keep none (rebuilding them each rollout costs less than running short of memory each step).
+    What to print, or None if it held nothing."""
+    dropped = engine.drop_kept_batches(keep_latest=True)
+    if dropped:
+        return (f"out of memory during training: gave back the {dropped} decode batch(es) the rollout engine keeps "
+                "from other rollouts (an eval's); retrying")
+    if engine.release(keep_from_now_on=False):
+        return ("out of memory during training: gave back the KV cache, decode graphs and weights the rollout engine "
+                "keeps between rollouts (it keeps none from now on); retrying")
+    return None
+
+
+def sample_rollouts(run, step):
+    """This rank's questions of `step`, sampled and rewarded (with fewer rows at a time after an out-of-memory)."""
+    cfg = run.config
+    indices = step_question_indices(step, run.examples_per_rank, run.rank, run.world_size, len(run.train_task))
+    sampling = Sampling(num_samples=cfg.num_samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                        top_k=cfg.top_k)
+
+    def attempt(max_rows):
+        run.engine.max_rows = max_rows
+        with run.autocast(rollouts=True):
+            return sample_questions(run.engine, run.train_task, indices, [question_seed(step, i) for i in indices],
+                                    sampling, scale_by_std=cfg.advantage_std, label=f"step {step} rollouts")
+
+    def give_back_kept_batches():  # an eval's batch kept beside the steps' (Engine._new_batch), or theirs beside it
+        dropped = run.engine.drop_kept_batches()
+        return (f"out of memory during rollouts: gave back the {dropped} decode batch(es) kept from other rollouts; "
+                "retrying") if dropped else None
+    run.model.eval()
+    rollouts, _ = with_fewer_rows_on_oom(attempt, run.engine.max_rows, "out of memory during rollouts: retrying with "
+                                         "--max-rows={rows}", rows_in_use=lambda: max(run.engine.last_stats.rows_allocated,
+                                                                                 run.engine.last_stats.max_batch_rows),
+                                         free_memory=give_back_kept_batches)
+    return rollouts
+
+
+@dataclass
+class TrainResult:
+    """What one step's training did on this rank."""
+    first: TrainStats       # the on-policy epoch: entropy, trained rows, the sampled tokens' log-probabilities
+    last: TrainStats        # the last epoch run: PPO's clipped fraction and KL from the old policy
+    grad_norm: float        # the on-policy gradient's norm, as nanochat logs it
+    last_grad_norm: float   # the last epoch's
+    lrm: float
+    stepped: bool           # every epoch's optimizer step was taken (finite loss and gradient on all ranks)
+
+
+def train_on_rollouts(run, rollouts, step):
+    """--ppo-epochs optimizer steps on these rollouts (nanochat: 1). The first epoch is on-policy and records
+    the sampled tokens' log-probabilities; later epochs clip the ratio to them. A non-finite epoch ends the step."""
+    cfg = run.config
+    batches = [r.batch for r in rollouts]
+    lrm = lr_multiplier(step, run.num_steps, cfg.lr_schedule, cfg.warmup_steps, cfg.final_lr_frac)
+    counts = step_counts(batches, cfg.mask_truncated, run.reduce_device) if cfg.loss_norm != "pass" else None
+    run.model.train()
+    first = None
+    for _ in range(cfg.ppo_epochs):
+        def attempt(rows):
+            run.model.zero_grad(set_to_none=True)  # what a failed attempt accumulated
+            return accumulate_policy_gradient(run.model, batches, cfg.device_batch_size, run.examples_per_rank, run.device,
+                                              run.autocast(), micro_batch_rows=rows, loss=run.policy_loss, counts=counts,
+                                              reference=run.reference, first_epoch=first, forward=run.forward)
+        last, run.micro_rows = with_fewer_rows_on_oom(attempt, run.micro_rows, "out of memory during training: "
+                                                      "retrying with {rows} rows per forward pass",
+                                                      free_memory=lambda: give_back_rollout_memory(run.engine))
+        last_gnorm, stepped = guarded_step(run.model, run.optimizers, lrm, last.objective, run.reduce_device)
+        if first is None:
+            first, gnorm = last, last_gnorm
+        if not stepped:
+            break
+    return TrainResult(first=first, last=last, grad_norm=gnorm, last_grad_norm=last_gnorm, lrm=lrm, stepped=stepped)
+
+
+def count_bad_step(run, step, result):
+    """Track consecutive steps whose update was skipped (non-finite); too many in a row end the run."""
+    if result.stepped:
+        run.consecutive_bad = 0
+        return
+    run.consecutive_bad += 1
+    print0(f"warning: step {step} has a non-finite loss or gradient (objective {result.last.objective}, grad norm "
+           f"{result.last_grad_norm}); skipping the optimizer step ({run.consecutive_bad}/{run.config.max_bad_steps})")
+    if run.consecutive_bad >= run.config.max_bad_steps:
+        where = f"step {run.last_saved} in {run.checkpoint_dir}" if run.last_saved is not None else "none saved yet"
+        raise UserError(f"{run.consecutive_bad} consecutive steps had a non-finite loss or gradient; stopping "
+                        f"(last good checkpoint: {where}); lower the learning rates or use --dtype=float32")
+
+
+def meta_data(run, step):
+    return {"step": step, "model_config": run.model.meta_model_config(), "generation": run.model.generation.name,
+            "user_config": vars(run.config), "start_checkpoint": run.start_checkpoint, "history": run.history,
+            "eval_history": run.eval_history, "run_id": run.run_id, "world_size": run.world_size,
+            "segments": run.segments}
+
+
+def save(run, step):
+    """The model (rank 0) and every rank's optimizer shard, for --resume; the step appears (model_N.pt) only once
+    every rank's shard is in place. Then --keep-last removes this run's older steps."""
+    shard = {"optimizers": [opt.state_dict() for opt in run.optimizers], "world_size": run.world_size,
+             "rank": run.rank, "step": step, "run_id": run.run_id}
+    save_checkpoint(run.checkpoint_dir, step, run.model.state_dict() if run.master else None, shard,
+                    meta_data(run, step), all_ranks=True)
+    if run.master:  # a run resumed on fewer ranks saving a step that more ranks saved before
+        remove_extra_shards(run.checkpoint_dir, step, run.world_size)
+    run.last_saved = step
+    print0(f"Saved checkpoint to {run.checkpoint_dir} (step {step})")
+    if run.config.keep_last > 0:  # only this run's directory: the start checkpoint is another's (resolve_output_tag)
+        removed = prune_checkpoints(run.checkpoint_dir, step, run.config.keep_last)
+        if removed:
+            print0(f"--keep-last={run.config.keep_last}: removed step{'s' * (len(removed) > 1)} "
+                   f"{', '.join(map(str, removed))}")
