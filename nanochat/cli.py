@@ -20,7 +20,7 @@ from nanochat.engine.cuda_graphs import DECODE_MODES, decode_mode
 from nanochat.engine.memory_budget import AUTO, FIXED_GB, FRACTION, NoMemoryForRolloutsError, parse_budget
 from nanochat.model.compile import (COMPILE_MODES, CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, SFT_CPU_MIN_STEPS,
                                     CompileFailed, resolve_compile)
-from nanochat.rl.stop_rule import BandNotReachedError, JumpedOverBandError
+from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
 from nanochat.tokenizer import TokenizerError
 from nanochat.wandb_utils import WandbStartError
 from tasks.gsm8k import GSM8KUnavailableError

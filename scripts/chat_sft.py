@@ -16,7 +16,7 @@ Algorithm:
      are skipped;
   6. every --eval-every steps, the loss on the test splits' trained-on tokens;
   7. with --stop-at-pass1=LO:HI, every --stop-check-every steps the sampled pass@1 (T=1) on the last
-     --stop-check-questions train questions of the first task (left out of training; see nanochat/rl/stop_rule.py),
+     --stop-check-questions train questions of the first task (left out of training; see nanochat/stop_rule.py),
      and the run stops at the first check in [LO, HI] (the lr schedule stays the one over the step cap);
   8. at the end the model goes to $NANOCHAT_BASE_DIR/chatsft_checkpoints/<tag>/model_<step>.pt (+ meta), where
      chat_rl's `--source=sft` finds it.
@@ -49,9 +49,9 @@ from nanochat.engine.engine import Engine
 from nanochat.model.compile import SFT_CPU_MIN_STEPS, CompileClock, maybe_compiled
 from nanochat.model.gpt import HEAD_DIM, build_fresh_model
 from nanochat.optim.optimizers import guarded_step, lr_multiplier, scale_initial_lr
-from nanochat.rl.stop_rule import MissedBandError, PassBand, held_out_indices, measure_pass1, parse_band
 from nanochat.sft import (accumulate_gradient, count_targets, loss_sums, make_micro_batches, mixture_order,
                           rank_positions, summed_cross_entropy)
+from nanochat.stop_rule import MissedBandError, PassBand, held_out_indices, measure_pass1, parse_band
 from nanochat.tokenizer import get_tokenizer
 from nanochat.wandb_utils import init_wandb
 from tasks.registry import make_task, resolve_task_class
@@ -105,7 +105,7 @@ def parse_args(argv):
                    help="val loss period in steps, also before the first and after the last step (-1 = never)")
     p.add_argument("--eval-examples", type=int, default=400, help="test conversations used for the val loss")
     p.add_argument("--output-tag", type=str, default=None, help="checkpoint subdirectory to write (default d<n_layer>)")
-    # stop on held-out accuracy (nanochat/rl/stop_rule.py)
+    # stop on held-out accuracy (nanochat/stop_rule.py)
     p.add_argument("--stop-at-pass1", type=str, default="",
                    help="LO:HI, e.g. 0.25:0.5: stop at the first check whose held-out sampled pass@1 is in [LO, HI]; "
                         "the run fails if it reaches the step cap below LO or jumps past HI (empty = train to the cap)")

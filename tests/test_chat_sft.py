@@ -1,6 +1,6 @@
 """SFT: the batch builder, the step's loss normalization, the example order, the non-finite guard, flag
 validation, a tiny run from scratch whose checkpoint chat_rl's loader picks up, 2 gloo ranks vs 1 process, and
-the stop on held-out pass@1 (--stop-at-pass1, nanochat/rl/stop_rule.py)."""
+the stop on held-out pass@1 (--stop-at-pass1, nanochat/stop_rule.py)."""
 
 import contextlib
 import io
@@ -19,9 +19,9 @@ from nanochat.cli import run_main
 from nanochat.engine.engine import Engine
 from nanochat.optim.optimizers import lr_multiplier
 from nanochat.rl.evaluation import sample_outcomes
-from nanochat.rl.stop_rule import BandNotReachedError, JumpedOverBandError, PassBand, held_out_indices, measure_pass1
 from nanochat.sft import (accumulate_gradient, collate_rows, count_targets, loss_sums, make_micro_batches,
                           mixture_order, rank_positions, render_rows)
+from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError, PassBand, held_out_indices, measure_pass1
 from scripts import chat_sft
 from scripts.chat_sft import build_fresh_model, main, train_step
 from tasks.arithmetic import Arithmetic

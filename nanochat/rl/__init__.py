@@ -1,13 +1,20 @@
 """
-Reinforcement learning on a task's questions, as nanochat's chat_rl does it; the data path of one step, top-down:
+Reinforcement learning on a task's questions, as nanochat's chat_rl does it.
 
+The run, in the order scripts/chat_rl.py uses it:
+    config.py           RLConfig: the flags as one dataclass, checked on construction
+    resume.py           where a run starts: a new run from --source, or --resume of a saved step
+    plan.py             every "auto" resolved once and printed: dtypes, decode mode, compile, memory budget
+    run.py              RLRun and setup_run; a step's two halves (sample_rollouts, train_on_rollouts); save
+    progress.py         each step's record and log line, and the warnings of a run with nothing to learn
+
+The data path of one step, top-down:
     rollout.py          questions -> prompts -> the engine's samples -> rewards, one record per question
     advantages.py       one question's samples -> (inputs, targets) rows and each row's advantage
     objective.py        the policy-gradient objective: per-token terms and their denominators (and its options)
     policy_gradient.py  the training pass: rows through the model in chunks, the objective backpropagated
     metrics.py          what a step's rollouts and training looked like, combined across ranks
     evaluation.py       pass@k on the test split
-    stop_rule.py        stopping on held-out accuracy instead of a step count
 
 What used to be `nanochat.rl` (one module) is re-exported here.
 """
