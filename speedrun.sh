@@ -60,11 +60,7 @@ python -c "import torch; print(f'torch {torch.__version__}, device {\"$DEVICE\"}
 
 # -----------------------------------------------------------------------------
 stage "2/5 GSM8K"
-if [ -n "${NANOCHAT_GSM8K_DIR:-}" ]; then
-    python -m scripts.prepare_gsm8k --from "$NANOCHAT_GSM8K_DIR"
-else
-    python -m scripts.prepare_gsm8k
-fi
+python -m scripts.prepare_gsm8k  # from $NANOCHAT_GSM8K_DIR when set, else the hub
 
 # -----------------------------------------------------------------------------
 stage "3/5 SFT checkpoint"

@@ -19,13 +19,17 @@ from nanochat.common import UserError, get_base_dir
 from nanochat.files import atomic_write
 from tasks.gsm8k import HUB_NAME, SPLITS, hub_offline, hub_reachable, read_jsonl_rows, split_filename
 
+# without the hub: the same fix, whether this script was run by hand or by speedrun.sh
+OFFLINE_FIX = ("point NANOCHAT_GSM8K_DIR (or --from) at a directory holding GSM8K's train.jsonl and test.jsonl, "
+               "copied from a machine with the hub (e.g. NANOCHAT_GSM8K_DIR=DIR bash speedrun.sh)")
 HUB_SIZES = {("main", "train"): 7473, ("main", "test"): 1319, ("socratic", "train"): 7473, ("socratic", "test"): 1319}
 
 
 def parse_args(argv):
     p = ArgumentParser(description="Copy or download GSM8K into $NANOCHAT_BASE_DIR/data/gsm8k")
-    p.add_argument("--from", dest="source", type=str, default=None,
-                   help="directory holding train.jsonl and test.jsonl to copy; omitted = download from the hub")
+    p.add_argument("--from", dest="source", type=str, default=os.environ.get("NANOCHAT_GSM8K_DIR") or None,
+                   help="directory holding train.jsonl and test.jsonl to copy (default: $NANOCHAT_GSM8K_DIR, as "
+                        "speedrun.sh and the GSM8K task read it); neither = download from the hub")
     p.add_argument("--subset", type=str, default="main", choices=["main", "socratic"],
                    help="GSM8K subset; socratic goes to a socratic/ subdirectory")
     p.add_argument("--output-dir", type=str, default=None,
@@ -51,11 +55,11 @@ def main(argv=None):
     else:
         import datasets
         if not hub_offline() and not hub_reachable():
-            raise UserError(f"cannot reach the Hugging Face hub to download {HUB_NAME}; copy the jsonl files from elsewhere with --from DIR")
+            raise UserError(f"cannot reach the Hugging Face hub to download {HUB_NAME}; {OFFLINE_FIX}")
         try:
             tables = {split: datasets.load_dataset(HUB_NAME, args.subset, split=split) for split in SPLITS}
         except (OSError, datasets.exceptions.DatasetsError) as e:
-            raise UserError(f"cannot download {HUB_NAME} ({e}); copy the jsonl files from elsewhere with --from DIR") from e
+            raise UserError(f"cannot download {HUB_NAME} ({e}); {OFFLINE_FIX}") from e
         counts = {split: len(table) for split, table in tables.items()}
 
     for split in SPLITS:

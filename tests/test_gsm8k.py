@@ -152,6 +152,24 @@ def test_env_dir_and_base_dir_are_found(base_dir, gsm8k_dir, monkeypatch, capsys
     assert [task[i] for i in range(8)] == [reference[i] for i in range(8)]
 
 
+def test_prepare_reads_the_speedrun_variable_and_names_it_without_the_hub(base_dir, gsm8k_dir, monkeypatch, capsys):
+    """prepare_gsm8k copies from $NANOCHAT_GSM8K_DIR when --from is not given (speedrun.sh calls it so); without
+    either and without the hub, its one line names the variable a speedrun user sets, beside --from."""
+    prepare_gsm8k.main([])  # conftest's gsm8k_dir is $NANOCHAT_GSM8K_DIR
+    dest = base_dir / "data" / "gsm8k"
+    assert (dest / "test.jsonl").read_bytes() == (gsm8k_dir / "test.jsonl").read_bytes()
+    assert f"test: 8 examples -> {dest / 'test.jsonl'}" in capsys.readouterr().out
+    monkeypatch.delenv("NANOCHAT_GSM8K_DIR")
+    monkeypatch.setattr(prepare_gsm8k, "hub_offline", lambda: False)
+    monkeypatch.setattr(prepare_gsm8k, "hub_reachable", lambda: False)
+    with pytest.raises(UserError) as e:
+        prepare_gsm8k.main(["--output-dir", str(base_dir / "elsewhere")])
+    assert str(e.value) == ("cannot reach the Hugging Face hub to download openai/gsm8k; point NANOCHAT_GSM8K_DIR (or "
+                            "--from) at a directory holding GSM8K's train.jsonl and test.jsonl, copied from a machine "
+                            "with the hub (e.g. NANOCHAT_GSM8K_DIR=DIR bash speedrun.sh)")
+    assert not (base_dir / "elsewhere").exists()
+
+
 def test_no_data_offline_is_a_helpful_user_error(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     monkeypatch.delenv("NANOCHAT_GSM8K_DIR", raising=False)
