@@ -89,10 +89,8 @@ def add_memory_budget_flag(parser):
                              f"at the start), elsewhere {FIXED_GB:g}")
 
 
-# rows per training forward under --train-rows=0 (auto), on every device: measured on an H100 (d20, random weights,
-# 256 rows of 256 sampled tokens, every row trained, bench_rl): 16 rows a forward trained them in 2.7 s, 8 (nanochat's
-# --device-batch-size) in 3.9-4.8 s; on a 2-core AMD EPYC (the speedrun's d4 model, its real chat_rl steps, bf16,
-# compiled): 1.6-1.9 s against 1.8-2.0 s (see the README)
+# rows per training forward under --train-rows=0 (auto), on every device: twice nanochat's --device-batch-size gives
+# larger, fuller matmuls for the same rows, and trained them faster on a GPU and on a CPU (docs/performance.md)
 AUTO_TRAIN_ROWS = 16
 
 
@@ -115,7 +113,7 @@ def check_train_rows(args):
 def train_rows(args):
     """Rows of one question per training forward: --train-rows, else (0, auto) AUTO_TRAIN_ROWS (--device-batch-size
     if larger); never more than a question has (nanochat.rl.policy_gradient.accumulate_policy_gradient's forwards hold one
-    question's rows). The same on every device: 16 was measured faster on an H100 and on a CPU."""
+    question's rows). The same on every device (see AUTO_TRAIN_ROWS)."""
     check_train_rows(args)
     return min(args.train_rows or max(args.device_batch_size, AUTO_TRAIN_ROWS), args.num_samples)
 

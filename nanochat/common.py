@@ -138,8 +138,8 @@ CPU_BF16_ENV = "NANOCHAT_CPU_BF16"
 
 def cpu_bf16_kind():
     """How this CPU multiplies bf16: "amx" (AMX tiles), "avx512-bf16" (AVX512-BF16 dot products, no AMX) or
-    "none". Without either, PyTorch's CPU bf16 matmul takes a slow path: measured on an AVX2-only AMD EPYC,
-    0.001 TFLOP/s against 0.18 in fp32. $NANOCHAT_CPU_BF16 replaces the probe with one of those values, so
+    "none". Without either, PyTorch's CPU bf16 matmul takes a slow path, two orders of magnitude slower than fp32
+    (docs/performance.md). $NANOCHAT_CPU_BF16 replaces the probe with one of those values, so
     that one machine can run the branches every other CPU kind takes (bf16 then runs, slowly, where the
     chip has no native support: meant for tests on tiny models)."""
     override = os.environ.get(CPU_BF16_ENV, "")
