@@ -36,8 +36,8 @@ import hashlib
 import random
 import re
 
-from nanochat.engine.calculator import format_result, use_calculator
 from nanochat.common import UserError
+from nanochat.engine.calculator import format_result, use_calculator
 from tasks.common import FinalAnswerTask
 
 SPLITS = ("train", "test")
@@ -113,7 +113,8 @@ class _Rejected(Exception):
 
 class _Problem:
     """Builds one problem: question sentences (each with the person it is about, for pronouns) and the
-    reference solution's calculator steps, in solution order."""
+    reference solution's calculator steps, in solution order. render_question turns the sentences into the
+    question's text."""
 
     def __init__(self, rng, level):
         self.rng, self.level = rng, level
@@ -158,8 +159,9 @@ class _Problem:
             a = self.draw(10, 99)
             self.value = a
             words = f"{self.num(a)} {o}"
-            self.say(self.main, self.rng.choice(["{S} has %s.", "{S} starts with %s.", "{S} owns %s."]) % words,
-                     tag="start", late_text=self.rng.choice(["{S} had %s at first.", "at the start, {S} had %s."]) % words)
+            text = self.rng.choice(["{S} has %s.", "{S} starts with %s.", "{S} owns %s."]) % words
+            late_text = self.rng.choice(["{S} had %s at first.", "at the start, {S} had %s."]) % words
+            self.say(self.main, text, tag="start", late_text=late_text)
         elif kind == "groups":
             n, m = self.draw(2, 12), self.draw(2, 25)
             self.say(self.main, self.rng.choice([
@@ -225,7 +227,8 @@ class _Problem:
         o, c, v, who = self.objects, self.containers, self.value, self.focus[0]
         if kind is None:
             last_lost = bool(self.steps) and "-" in self.steps[-1][1]
-            ending = self.rng.choice(["have left", "have now"] if last_lost else ["have now", "have in all", "end up with"])
+            endings = ["have left", "have now"] if last_lost else ["have now", "have in all", "end up with"]
+            ending = self.rng.choice(endings)
             return f"How many {o} does {who} {ending}?"
         if kind == "total":
             d = self.draw(2, min(99, MAX_VALUE - v))
@@ -252,53 +255,8 @@ class _Problem:
             return f"How many dollars does {who} get?"
         raise ValueError(kind)
 
-    # -- text --------------------------------------------------------------------------------------------
-
-    def distractors(self, count):
-        """`count` different sentences with irrelevant numbers (different, so that none contradicts another)."""
-        o, x = self.objects, self.extra
-        kinds = [(x, "{S} is %s years old."),
-                 (self.main, "{S} also has %s " + self.rng.choice([ob for ob, _ in OBJECTS if ob != o]) + "."),
-                 (x, "{S} has %s " + self.rng.choice([ob for ob, _ in OBJECTS if ob != o]) + "."),
-                 (x, "{S} has %s " + o + "."),
-                 (None, "the shop is %s minutes away."),
-                 (self.main, "{S} is in a class of %s kids.")]
-        return [{"subject": subject, "text": text % self.num(self.draw(2, 99)), "tag": "distractor"}
-                for subject, text in self.rng.sample(kinds, count)]
-
-    def arrange(self, question):
-        """Question text: a late-stated start moves after the events it precedes, distractors go anywhere,
-        and the question sometimes comes first."""
-        sentences = list(self.sentences)
-        events = 1
-        while events < len(sentences) and sentences[events]["tag"] == "event":
-            events += 1
-        if sentences[0]["late_text"] and events > 1 and self.rng.random() < self.level["reorder_p"]:
-            sentences = sentences[1:events] + [dict(sentences[0], text=sentences[0]["late_text"])] + sentences[events:]
-        lo, hi = self.level["distractors"]
-        for extra in self.distractors(self.rng.randint(lo, hi)):
-            # "Mia also has ..." only after Mia has appeared
-            first = next(i + 1 for i, s in enumerate(sentences) if s["subject"] == self.main) if "also" in extra["text"] else 0
-            sentences.insert(self.rng.randint(first, len(sentences)), extra)
-        rendered, previous = [], None
-        names = {name for name, _ in NAMES}
-        for s in sentences:
-            subject = s["subject"]
-            if subject is None:
-                name = ""
-            elif subject == previous and self.rng.random() < 0.6:
-                name = subject[1]
-            else:
-                name = subject[0]
-            text = s["text"].replace("{S}", name)
-            rendered.append(text[0].upper() + text[1:])
-            # a pronoun next could mean either person when a sentence names two
-            previous = subject if len(set(re.findall(r"[A-Z][a-z]+", text)) & names) <= 1 else None
-        if self.rng.random() < self.level["reorder_p"] / 2:
-            return " ".join([question] + rendered)
-        return " ".join(rendered + [question])
-
     def solution_parts(self):
+        """The reference answer in GSM8K's parsed form: text, python, python_output per step, then "#### N"."""
         parts, text = [], ""
         for lead, expr, output, tail in self.steps:
             parts.append({"type": "text", "text": text + lead})
@@ -307,6 +265,56 @@ class _Problem:
             text = tail
         parts.append({"type": "text", "text": f"{text}#### {self.value}"})
         return parts
+
+
+def _distractors(problem, count):
+    """`count` different sentences with irrelevant numbers (different, so that none contradicts another)."""
+    o, x = problem.objects, problem.extra
+    kinds = [(x, "{S} is %s years old."),
+             (problem.main, "{S} also has %s " + problem.rng.choice([ob for ob, _ in OBJECTS if ob != o]) + "."),
+             (x, "{S} has %s " + problem.rng.choice([ob for ob, _ in OBJECTS if ob != o]) + "."),
+             (x, "{S} has %s " + o + "."),
+             (None, "the shop is %s minutes away."),
+             (problem.main, "{S} is in a class of %s kids.")]
+    return [{"subject": subject, "text": text % problem.num(problem.draw(2, 99)), "tag": "distractor"}
+            for subject, text in problem.rng.sample(kinds, count)]
+
+
+def render_question(problem, question):
+    """The question text of a _Problem whose moves are made, ending (or, sometimes, starting) with `question`: a
+    late-stated start moves after the events it precedes, distractors go anywhere, and a sentence about the person
+    the previous one named sometimes says "she"/"he"."""
+    level, rng = problem.level, problem.rng
+    sentences = list(problem.sentences)
+    events = 1
+    while events < len(sentences) and sentences[events]["tag"] == "event":
+        events += 1
+    if sentences[0]["late_text"] and events > 1 and rng.random() < level["reorder_p"]:
+        sentences = sentences[1:events] + [dict(sentences[0], text=sentences[0]["late_text"])] + sentences[events:]
+    lo, hi = level["distractors"]
+    for extra in _distractors(problem, rng.randint(lo, hi)):
+        # "Mia also has ..." only after Mia has appeared
+        first = 0
+        if "also" in extra["text"]:
+            first = next(i + 1 for i, s in enumerate(sentences) if s["subject"] == problem.main)
+        sentences.insert(rng.randint(first, len(sentences)), extra)
+    rendered, previous = [], None
+    names = {name for name, _ in NAMES}
+    for s in sentences:
+        subject = s["subject"]
+        if subject is None:
+            name = ""
+        elif subject == previous and rng.random() < 0.6:
+            name = subject[1]
+        else:
+            name = subject[0]
+        text = s["text"].replace("{S}", name)
+        rendered.append(text[0].upper() + text[1:])
+        # a pronoun next could mean either person when a sentence names two
+        previous = subject if len(set(re.findall(r"[A-Z][a-z]+", text)) & names) <= 1 else None
+    if rng.random() < level["reorder_p"] / 2:
+        return " ".join([question] + rendered)
+    return " ".join(rendered + [question])
 
 
 def _plan(rng, level):
@@ -345,7 +353,7 @@ def generate(rng, difficulty):
             question = problem.final(final)
         except _Rejected:
             continue
-        return problem.arrange(question), problem.solution_parts()
+        return render_question(problem, question), problem.solution_parts()
     raise RuntimeError(f"could not draw an arithmetic problem at difficulty {difficulty} in {MAX_DRAWS} tries")
 
 
@@ -359,7 +367,8 @@ class Arithmetic(FinalAnswerTask):
         if difficulty not in LEVELS:
             raise UserError(f"arithmetic difficulty must be one of {', '.join(map(str, LEVELS))}, got {difficulty!r}")
         if size is not None and (not isinstance(size, int) or size < 1):
-            raise UserError(f"arithmetic size must be a positive integer (or None for {DEFAULT_SIZES[split]}), got {size!r}")
+            raise UserError(f"arithmetic size must be a positive integer (or None for {DEFAULT_SIZES[split]}), "
+                            f"got {size!r}")
         self.split, self.difficulty, self.seed = split, difficulty, seed
         self.size = DEFAULT_SIZES[split] if size is None else size
 

@@ -15,21 +15,26 @@ token ids in, token ids and masks out. Sampling (per-row random streams) is nano
 
 import math
 from collections import deque
+from functools import partial
 from typing import NamedTuple, Optional
 
 import torch
 
-from nanochat.model.compile import compile_plan, maybe_compiled
 from nanochat.engine.cuda_graphs import PROMPT_BUCKET, decode_mode, decode_plan
 from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, static_step
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.kv_cache import KVCache, cache_geometry
 from nanochat.engine.rows import Row, SpecialIds
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
+from nanochat.model.compile import compile_plan, maybe_compiled
 
-# the static decode step compiles with dynamic shapes: one graph serves every bucketed shape (see Engine)
+# The static decode step compiles with dynamic shapes: one graph (and a few specializations) serves every bucketed
+# shape. Compiled once per shape instead, each of a static batch's 100+ shapes would cost a compile of its own
+# (seconds each on a CPU), most of them in the run's first rollout.
 STATIC_STEP_DYNAMIC = True
-# static batches kept between rollouts at most (chat_rl's training shape and its eval's; see Engine._new_batch)
+# Static batches kept between rollouts at most, within the budget together (see Engine._new_batch): chat_rl's evals
+# sample another shape than its steps, and with one batch kept each eval would replace the training batch and the
+# next step make it again, its CUDA graphs captured anew each way, every eval.
 KEEP_BATCHES = 2
 
 
@@ -85,6 +90,81 @@ def make_batch(model, shape, plan, stats, weights, step):
     return batch
 
 
+def rows_in_budget(bytes_per_token, budget_bytes, prompt_len, max_tokens, num_samples, share_prompts, at_least):
+    """How many rows' KV cache fit in `budget_bytes` (and at least `at_least`): prompt + completion per row, or with
+    shared prompts a completion per row plus the prompt pool (about 2 prompts per num_samples rows, see
+    prompt_slots)."""
+    budget_tokens = max(0.0, budget_bytes / bytes_per_token)
+    if not share_prompts:
+        return max(at_least, int(budget_tokens // (prompt_len + max_tokens)))
+    return max(at_least, int((budget_tokens - prompt_len) // (max_tokens + 2 * prompt_len / num_samples)))
+
+
+def serves(kept, shape, limit, samples):
+    """Whether the KeptBatch `kept` serves a rollout of `shape` (what the rollout's batch would be made for, given
+    the kept batch's rows) with `samples` rows to sample and at most `limit` rows at once (None: no limit). Its rows
+    must be those the rollout asks for: every sample (or `limit`, when given), or, for a batch made with what the
+    budget left, still fewer than every sample."""
+    rows = kept.shape.rows
+    if kept.shape != shape:
+        return False
+    return rows == min(limit, samples) if limit else rows == samples or (kept.budget_bound and rows < samples)
+
+
+def take_kept_batch(kept, shape_of, limit, samples):
+    """The first of the KeptBatch-es `kept` that serves the rollout (see serves; `shape_of(rows)` is the shape the
+    rollout's batch would have with that many rows), taken out of `kept` (it is in use until the rollout ends, and
+    kept again then), or None."""
+    for i, candidate in enumerate(kept):
+        if serves(candidate, shape_of(candidate.shape.rows), limit, samples):
+            return kept.pop(i)
+    return None
+
+
+def rows_beside_kept(kept, budget_bytes, limit, samples, rows_for_budget):
+    """The rows of a new batch beside the KeptBatch-es `kept`, dropping from `kept` (oldest first) those whose
+    room it needs: with at most KEEP_BATCHES kept at once, the rows the budget less the kept batches holds
+    (`limit`, when given, if it fits there), once that is at least half of what the whole budget would hold.
+    `rows_for_budget(bytes, at_least=1)` is how many rows that many bytes hold. In chat_rl the first eval, before
+    any step, takes the whole budget; step 0's batch displaces it, and the next eval's batch, made beside the
+    step's, serves every eval after: two eval batches and one step batch a run."""
+    del kept[:max(0, len(kept) - (KEEP_BATCHES - 1))]  # room for this one among those kept
+    whole = min(limit or rows_for_budget(budget_bytes), samples)
+    while True:
+        room = rows_for_budget(budget_bytes - sum(k.nbytes for k in kept), at_least=0)
+        rows = max(1, min(limit or room, samples))
+        if not kept or (rows <= room and 2 * rows >= whole):  # room 0: nothing fits beside them
+            return rows
+        del kept[0]  # the oldest; its memory is free before the new cache is allocated
+
+
+def admit_rows(batch, pending, waiting, prompts, seeds, num_samples, new_row):
+    """Fill the batch's free rows: first with the samples of `pending` (a PrefilledPrompt whose samples are not all
+    admitted yet, or None), then with those of the prompts it prefills from the deque `waiting` (of indices into
+    `prompts` and `seeds`), while its prompt pool has a free slot. `new_row(request, sample)` makes a sample's Row.
+    Returns (the events of the rows admitted, the prompt whose samples are not all admitted yet, or None)."""
+    events = []
+    while batch.free_rows > 0 and (pending is not None or waiting):
+        if pending is None:
+            if not batch.can_take_prompt():
+                break  # every pool slot holds a prompt whose rows still run: wait for one to finish
+            request = waiting.popleft()
+            pending = batch.prefill(request, prompts[request], seeds[request], num_samples)
+        events += batch.admit(pending, [new_row(pending.request, s) for s in pending.next_samples(batch.free_rows)])
+        pending = None if pending.fully_admitted else pending
+    return events, pending
+
+
+def check_rollout_arguments(prompts, num_samples, temperature):
+    """A ValueError naming what is wrong with a rollout's arguments, before anything is allocated for it."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (render_for_completion starts with <|bos|>)")
+
+
 class Engine:
     """KV-cached sampling with the calculator tool.
 
@@ -95,11 +175,9 @@ class Engine:
     (SharedPromptKVCache: more rows fit, fewer bytes read per token); without, each row holds a copy, as
     nanochat does. Row r of a prompt with seed s samples with its own stream row_seed(s, r), so its output
     does not depend on the batch it shares. Under bf16/fp16 autocast the forwards use the matmul weights cast once
-    per rollout (DecodeWeights). compile (nanochat/model/compile.py's modes; default off): whether the static decode step
-    runs compiled (static and graph decode modes only; in graph mode the engine's CUDA graphs capture the compiled
-    step). It is compiled with dynamic shapes: one graph (and a few specializations) serves every bucketed shape,
-    where one graph per shape compiled a static batch's 100+ shapes at ~15 s each (measured on a CPU: a d4 batch of
-    256 rows x 256 new tokens has 128 shapes; 23 compiled in the first step took 406 s).
+    per rollout (DecodeWeights). compile (nanochat/model/compile.py's modes; default off): whether the static decode
+    step runs compiled (static and graph decode modes only; in graph mode the engine's CUDA graphs capture the
+    compiled step), with dynamic shapes (STATIC_STEP_DYNAMIC).
     """
 
     def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True, decode="auto",
@@ -187,37 +265,23 @@ class Engine:
 
     def rows_for_budget(self, prompt_len, max_tokens, dtype, num_samples=1, budget_bytes=None, at_least=1):
         """How many rows' KV cache fit in the memory budget (or in budget_bytes), and at least `at_least` (1: a
-        rollout runs with one row whatever the budget; 0: what truly fits): prompt + completion per row, or
-        with shared prompts a completion per row plus the prompt pool (about 2 prompts per num_samples rows, see
-        prompt_slots). The budget is the KV caches': bf16 decode weights (DecodeWeights) come on top."""
-        per_token = cache_geometry(self.model).bytes_per_token(dtype)
+        rollout runs with one row whatever the budget; 0: what truly fits), see rows_in_budget. The budget is the
+        KV caches': bf16 decode weights (DecodeWeights) come on top."""
         budget_bytes = self.memory_budget_gb * (1 << 30) if budget_bytes is None else budget_bytes
-        budget_tokens = max(0.0, budget_bytes / per_token)
-        if not self.share_prompts:
-            return max(at_least, int(budget_tokens // (prompt_len + max_tokens)))
-        return max(at_least, int((budget_tokens - prompt_len) // (max_tokens + 2 * prompt_len / num_samples)))
+        return rows_in_budget(cache_geometry(self.model).bytes_per_token(dtype), budget_bytes, prompt_len, max_tokens,
+                              num_samples, self.share_prompts, at_least)
 
     def _new_batch(self, num_prompts, longest, num_samples, max_tokens, temperature, top_k, max_rows):
         """An empty DecodeBatch: max_rows rows (else the engine's, else what the memory budget holds beside the
-        batches kept, see below), at most one per sample of every prompt, with a cache for prompts of up to
-        `longest` tokens.
+        batches kept, see rows_beside_kept), at most one per sample of every prompt, with a cache for prompts of up
+        to `longest` tokens.
 
         A static batch (static and graph modes) has a shape fixed for the run: its prompts' capacity is the longest
         prompt seen or reserved (prompt_floor) rounded up to PROMPT_BUCKET positions, never less, and its rows are
         what the budget holds at that capacity. It is kept after a rollout that ran to its end and serves the next
-        one of the same shape, so its cache and its CUDA graphs (all captured when it is made) are made once per
-        run, not once per rollout. Up to KEEP_BATCHES shapes are kept at once, within the budget together: chat_rl's
-        evals sample another shape than its steps, and with one batch kept each eval replaced the training batch
-        and the next step made it again (on an H100, ~15 s of captures each way, every eval).
-
-        A kept batch serves a rollout whose shape it has but for its rows, when those are the rows the rollout
-        asks for: every sample (or max_rows, when given), or, for a batch made with what the budget left, still
-        fewer than every sample. A new batch gets the rows the budget less the kept batches holds (max_rows, when
-        given, if they fit there), when that is at least half of what the whole budget would hold, else the
-        oldest kept batches go first. In chat_rl the first eval, before any step, takes the whole budget; step 0's
-        batch displaces it, and the next eval's batch, made beside the step's, serves every eval after: two
-        eval batches and one step batch a run. Returns (the batch, its KeptBatch to keep once the rollout ends;
-        None: not to be kept)."""
+        one of the same shape (see serves), so its cache and its CUDA graphs (all captured when it is made) are made
+        once per run, not once per rollout; up to KEEP_BATCHES shapes are kept at once. Returns (the batch, its
+        KeptBatch to keep once the rollout ends; None: not to be kept)."""
         dtype = autocast_dtype(self.model.get_device()) or cache_geometry(self.model).dtype
         plan = decode_plan(self.decode)
         if plan.static:
@@ -229,29 +293,14 @@ class Engine:
             return BatchShape(rows, prompt_slots(rows, num_samples, num_prompts) if self.share_prompts else None,
                               longest, max_tokens, num_samples, dtype, temperature, top_k)
 
-        def serves(kept):
-            rows = kept.shape.rows
-            if kept.shape != shape_of(rows):
-                return False
-            return rows == min(limit, samples) if limit else rows == samples or (kept.budget_bound and rows < samples)
-
         self.kept = [k for k in self.kept if k.shape.prompt_cap >= longest]  # made for shorter prompts: never again
-        for i, kept in enumerate(self.kept):
-            if serves(kept):
-                del self.kept[i]  # in use until the rollout ends (kept again then)
-                self.last_stats = RolloutStats(rows_allocated=kept.shape.rows)
-                kept.batch.begin_rollout(self.last_stats)
-                return kept.batch, kept
-        del self.kept[:max(0, len(self.kept) - (KEEP_BATCHES - 1))]  # room for this one among those kept
-        budget = self.memory_budget_gb * (1 << 30)
-        whole = min(limit or self.rows_for_budget(longest, max_tokens, dtype, num_samples), samples)
-        while True:
-            room = self.rows_for_budget(longest, max_tokens, dtype, num_samples, budget - sum(k.nbytes for k in self.kept),
-                                        at_least=0)
-            rows = max(1, min(limit or room, samples))
-            if not self.kept or (rows <= room and 2 * rows >= whole):  # room 0: nothing fits beside them
-                break
-            del self.kept[0]  # the oldest; its memory is free before the new cache is allocated
+        kept = take_kept_batch(self.kept, shape_of, limit, samples)
+        if kept is not None:
+            self.last_stats = RolloutStats(rows_allocated=kept.shape.rows)
+            kept.batch.begin_rollout(self.last_stats)
+            return kept.batch, kept
+        rows = rows_beside_kept(self.kept, self.memory_budget_gb * (1 << 30), limit, samples,
+                                partial(self.rows_for_budget, longest, max_tokens, dtype, num_samples))
         shape = shape_of(rows)
         self.last_stats = RolloutStats(rows_allocated=rows)
         batch = make_batch(self.model, shape, plan, self.last_stats, self.weights, self.step)
@@ -262,30 +311,19 @@ class Engine:
     def _rollout(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows=None):
         """The decode loop every API adapts. Yields, per step, the events [(row, token, mask)] of the rows
         that emitted a token; a row whose `finished` is set has just left the batch (it does so once)."""
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token (render_for_completion starts with <|bos|>)")
+        check_rollout_arguments(prompts, num_samples, temperature)
         longest = max(len(p) for p in prompts)
         if max_tokens is None:
             max_tokens = max(1, self.model.config.sequence_len - longest)
-        self.weights.refresh(autocast_dtype(self.model.get_device()))  # the trainer has changed the weights since the last rollout
+        # the trainer has changed the weights since the last rollout
+        self.weights.refresh(autocast_dtype(self.model.get_device()))
         batch, keep = self._new_batch(len(prompts), longest, num_samples, max_tokens, temperature, top_k, max_rows)
         waiting, pending = deque(range(len(prompts))), None  # prompts not prefilled yet; the one being admitted
+        new_row = partial(Row, max_tokens=max_tokens, special=self.special, tokenizer=self.tokenizer)
         while batch.in_flight or waiting or pending is not None:
             events = batch.decode_step()
-            while batch.free_rows > 0 and (pending is not None or waiting):
-                if pending is None:
-                    if not batch.can_take_prompt():
-                        break  # every pool slot holds a prompt whose rows still run: wait for one to finish
-                    request = waiting.popleft()
-                    pending = batch.prefill(request, prompts[request], seeds[request], num_samples)
-                rows = [Row(pending.request, s, max_tokens, self.special, self.tokenizer)
-                        for s in pending.next_samples(batch.free_rows)]
-                events += batch.admit(pending, rows)
-                pending = None if pending.fully_admitted else pending
+            admitted, pending = admit_rows(batch, pending, waiting, prompts, seeds, num_samples, new_row)
+            events += admitted
             if events:
                 yield events
         if not self.keeps_between_rollouts:

@@ -30,13 +30,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat.model.attention import SequenceAttention, SharedPrefixAttention
 from nanochat.common import UserError
+from nanochat.model.attention import SequenceAttention, SharedPrefixAttention
+from nanochat.model.flops import train_flops_per_token
 from nanochat.model.generations import (DEFAULT_GENERATION, SMEAR_GATE_CHANNELS, get_generation, has_value_embedding,
-                                  model_config_fields)
+                                        model_config_fields)
+from nanochat.model.sampling import row_seeds, sample_next_token
 from nanochat.optim.optimizers import build_optimizers
 from nanochat.optim.param_groups import recipe_param_groups
-from nanochat.model.sampling import row_seeds, sample_next_token
 
 VOCAB_PAD = 64          # wte and lm_head rows are padded up to a multiple of this (matmul-friendly shapes)
 ROTARY_OVERSIZE = 10    # rotary tables cover 10 * sequence_len positions, so rollouts may outgrow training length
@@ -114,12 +115,30 @@ def rotary_tables(num_positions, head_dim, base=10000, bf16_rounded=True, device
     return cos, sin
 
 
+def check_fits_rotary(length, rotary_len):
+    """A ValueError when a sequence of `length` tokens has positions past the rotary tables' `rotary_len`."""
+    if length > rotary_len:
+        raise ValueError(f"sequence of {length} tokens is longer than the rotary tables ({rotary_len} positions)")
+
+
 def apply_rotary(x, cos, sin):
     """x: (B, T, H, D); cos, sin: broadcastable to (B, T, 1, D/2). Rotates channel i with channel i + D/2."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # computes in x's precision
     d = x.size(-1) // 2
     x1, x2 = x[..., :d], x[..., d:]
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+def smear(x, smear_gate, smear_lambda, previous=None):
+    """x: (B, T, C) normed embeddings -> each position t >= 1 plus gate_t * x[t - 1], gate_t =
+    smear_lambda * sigmoid(smear_gate(x_t[:24])); position 0 likewise with `previous` when given (the
+    token before it, e.g. from a KV cache), else left alone."""
+    def gate(e):
+        return smear_lambda * torch.sigmoid(smear_gate(e[..., :SMEAR_GATE_CHANNELS]))
+    first = x[:, :1] if previous is None else x[:, :1] + gate(x[:, :1]) * previous
+    if x.size(1) == 1:
+        return first
+    return torch.cat([first, x[:, 1:] + gate(x[:, 1:]) * x[:, :-1]], dim=1)
 
 
 class CausalSelfAttention(nn.Module):
@@ -225,30 +244,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """Initialization for training from scratch (the generation's nanochat init, as far as this project
-        trains from scratch); also (re)computes the rotary tables on the model's device."""
-        gen = self.generation
-        torch.nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=1.0)
-        torch.nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
-        s = math.sqrt(3) / math.sqrt(self.config.n_embd)  # uniform with std 1/sqrt(n_embd)
-        for block in self.transformer.h:
-            for linear in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
-                torch.nn.init.uniform_(linear.weight, -s, s)
-            torch.nn.init.zeros_(block.attn.c_proj.weight)
-            torch.nn.init.zeros_(block.mlp.c_proj.weight)
-            if block.attn.ve_gate is not None:
-                torch.nn.init.zeros_(block.attn.ve_gate.weight)  # gate starts at scale * 1/2
-        if gen.lambdas:
-            self.resid_lambdas.fill_(1.0)
-            self.x0_lambdas.fill_(0.0)
-        if gen.value_embeds:
-            for embedding in self.value_embeds.values():
-                torch.nn.init.uniform_(embedding.weight, -s, s)
-        if gen.smear:
-            torch.nn.init.uniform_(self.smear_gate.weight, 0.0, 0.02)
-            self.smear_lambda.fill_(0.0)
-        if gen.backout:
-            self.backout_lambda.fill_(0.2)
+        """Initialization for training from scratch (init_parameters); also (re)computes the rotary tables on the
+        model's device."""
+        init_parameters(self)
         self.cos, self.sin = self._rotary_tables(self.get_device())
 
     def get_device(self):
@@ -257,17 +255,6 @@ class GPT(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 
-    def _lookup_params(self):
-        """Parameters that are read by lookup or as scalars, not multiplied as matrices."""
-        params = [self.transformer.wte.weight]
-        if self.generation.value_embeds:
-            params += [e.weight for e in self.value_embeds.values()]
-        params += [getattr(self, name) for name in ("resid_lambdas", "x0_lambdas", "smear_lambda", "backout_lambda")
-                   if hasattr(self, name)]
-        if self.generation.smear:
-            params.append(self.smear_gate.weight)  # a 24-wide gate: nanochat counts it with the scalars
-        return params
-
     def estimate_flops(self):
         """FLOPs per token of a forward + backward pass at sequence_len.
 
@@ -275,13 +262,9 @@ class GPT(nn.Module):
         the per-layer scalars and the smear gate; lm_head counts with its padded rows. Attention scores and
         the weighted sum of values: 12 * n_head * head_dim * keys per layer, with keys = min(window,
         sequence_len), ignoring that causality halves the average (the PaLM convention nanochat reports
-        MFU with).
+        MFU with). The arithmetic is nanochat/model/flops.py's, which counts other row lengths too.
         """
-        cfg = self.config
-        excluded = sum(p.numel() for p in self._lookup_params())
-        head_dim = cfg.n_embd // cfg.n_head
-        attention = sum(12 * cfg.n_head * head_dim * min(w, cfg.sequence_len) for w in self.window_sizes)
-        return 6 * (self.num_params() - excluded) + attention
+        return train_flops_per_token(self, self.config.sequence_len)
 
     def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,
                          adam_betas=(0.8, 0.95), scalar_lr=0.5, recipe="2026-01", ortho_dtype=None):
@@ -316,8 +299,7 @@ class GPT(nn.Module):
         """idx: (B, T) int64 -> (B, T, n_embd): the normalized output of the last block (see forward)."""
         B, T = idx.shape
         if cache_step is None:
-            if T > self.rotary_len:
-                raise ValueError(f"sequence of {T} tokens is longer than the rotary tables ({self.rotary_len} positions)")
+            check_fits_rotary(T, self.rotary_len)
             return self._trunk(idx, self._rope(torch.arange(T, device=idx.device)), SequenceAttention(T, idx.device))
         if cache_step.positions.size(0) != B:
             raise ValueError(f"idx has {B} rows but the KV cache step has {cache_step.positions.size(0)}")
@@ -333,8 +315,7 @@ class GPT(nn.Module):
         hidden_states on each row's whole sequence, but the prefix goes through the model once (in training
         its gradient collects every row's contribution)."""
         P, S = prefix.size(1), rows.size(1)
-        if P + S > self.rotary_len:
-            raise ValueError(f"sequence of {P + S} tokens is longer than the rotary tables ({self.rotary_len} positions)")
+        check_fits_rotary(P + S, self.rotary_len)
         device = prefix.device
         context = SharedPrefixAttention(P, S, device)
         prefix_hidden = self._trunk(prefix, self._rope(torch.arange(P, device=device)), context)
@@ -354,7 +335,7 @@ class GPT(nn.Module):
         the normed embedding (B or 1, 1, C) of the token before idx[:, 0], which smear mixes into it."""
         x = norm(self.transformer.wte(idx))
         if self.generation.smear:
-            x = self._smear(x, smear_previous)
+            x = smear(x, self.smear_gate, self.smear_lambda, smear_previous)
         x0 = x
         backout_layer = self.config.n_layer // 2 if self.generation.backout else None
         for i, block in enumerate(self.transformer.h):
@@ -367,17 +348,6 @@ class GPT(nn.Module):
         if backout_layer is not None:
             x = x - self.backout_lambda * x_backout
         return norm(x)
-
-    def _smear(self, x, previous=None):
-        """x: (B, T, C) normed embeddings -> each position t >= 1 plus gate_t * x[t - 1], gate_t =
-        smear_lambda * sigmoid(smear_gate(x_t[:24])); position 0 likewise with `previous` when given (the
-        token before it, e.g. from a KV cache), else left alone."""
-        def gate(e):
-            return self.smear_lambda * torch.sigmoid(self.smear_gate(e[..., :SMEAR_GATE_CHANNELS]))
-        first = x[:, :1] if previous is None else x[:, :1] + gate(x[:, :1]) * previous
-        if x.size(1) == 1:
-            return first
-        return torch.cat([first, x[:, 1:] + gate(x[:, 1:]) * x[:, :-1]], dim=1)
 
     @torch.no_grad()
     def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):
@@ -396,6 +366,35 @@ class GPT(nn.Module):
             yield int(token.item())
 
 
+@torch.no_grad()
+def init_parameters(model):
+    """The generation's nanochat init of a GPT's parameters, as far as this project trains from scratch: wte
+    N(0, 1), lm_head N(0, 0.001), the blocks' input matrices and the value embeddings U(-s, s) with std
+    1/sqrt(n_embd), output projections and value-embedding gates zero, the scalars at their starting values."""
+    gen = model.generation
+    torch.nn.init.normal_(model.transformer.wte.weight, mean=0.0, std=1.0)
+    torch.nn.init.normal_(model.lm_head.weight, mean=0.0, std=0.001)
+    s = math.sqrt(3) / math.sqrt(model.config.n_embd)  # uniform with std 1/sqrt(n_embd)
+    for block in model.transformer.h:
+        for linear in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+            torch.nn.init.uniform_(linear.weight, -s, s)
+        torch.nn.init.zeros_(block.attn.c_proj.weight)
+        torch.nn.init.zeros_(block.mlp.c_proj.weight)
+        if block.attn.ve_gate is not None:
+            torch.nn.init.zeros_(block.attn.ve_gate.weight)  # gate starts at scale * 1/2
+    if gen.lambdas:
+        model.resid_lambdas.fill_(1.0)
+        model.x0_lambdas.fill_(0.0)
+    if gen.value_embeds:
+        for embedding in model.value_embeds.values():
+            torch.nn.init.uniform_(embedding.weight, -s, s)
+    if gen.smear:
+        torch.nn.init.uniform_(model.smear_gate.weight, 0.0, 0.02)
+        model.smear_lambda.fill_(0.0)
+    if gen.backout:
+        model.backout_lambda.fill_(0.2)
+
+
 HEAD_DIM = 64  # fresh models: n_embd = 64 * depth (nanochat's aspect ratio), so depth heads of 64
 
 
@@ -406,6 +405,7 @@ def build_fresh_model(depth, sequence_len, vocab_size, device, window_pattern="L
     config = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
                        n_kv_head=n_head, n_embd=n_embd, window_pattern=window_pattern)
     with device:
-        model = GPT(config)  # allocated on the target device directly (a meta-device build costs a torch._dynamo import)
+        # allocated on the target device directly (a meta-device build costs a torch._dynamo import)
+        model = GPT(config)
     model.init_weights()
     return model
