@@ -38,7 +38,8 @@ from nanochat.rl.metrics import reduce_metrics
 from nanochat.rl.progress import (count_no_signal_step, format_step_line, is_eval_step, no_signal_settings,
                                   sample_table, step_record)
 from nanochat.rl.resume import restore_settings
-from nanochat.rl.run import count_bad_step, meta_data, sample_rollouts, save, setup_run, train_on_rollouts
+from nanochat.rl.run import (count_bad_step, meta_data, sample_rollouts, save, saves_settled_on_error, setup_run,
+                             train_on_rollouts)
 from nanochat.wandb_utils import init_wandb, log_samples_table
 
 
@@ -176,51 +177,59 @@ def main(argv):
 
 
 def train(run, stop):
-    """nanochat's loop: eval, rollouts, policy gradient and optimizer step, log, checkpoint; then the report."""
+    """nanochat's loop: eval, rollouts, policy gradient and optimizer step, log, checkpoint; then the report.
+    A checkpoint is written by a thread while the next step's rollouts run, and committed before that step's
+    first collective (nanochat/checkpoints/background.py)."""
     cfg, num_steps = run.config, run.num_steps
     wandb_run = init_wandb(cfg.run, "nanochat-rl", vars(cfg))
     for line in no_signal_settings(cfg):
         print0(line)
     run_start = time.time()
-    for step in range(run.start_step, num_steps + 1):
-        last_step = step == num_steps
-        # ---- eval: pass@k on the test split (also after the last update)
-        if is_eval_step(step, num_steps, cfg.eval_every):
-            wandb_run.log(evaluate(run, step))
-            if last_step and run.last_saved == step - 1 and run.master:  # the final eval is of the last saved model
-                update_meta(run.checkpoint_dir, step - 1, meta_data(run, step - 1))
-        if last_step:
-            break
+    with saves_settled_on_error(run):
+        for step in range(run.start_step, num_steps + 1):
+            last_step = step == num_steps
+            # ---- eval: pass@k on the test split (also after the last update)
+            if is_eval_step(step, num_steps, cfg.eval_every):
+                run.saver.finish()  # the last checkpoint in place first: the eval's collectives, its meta's update
+                wandb_run.log(evaluate(run, step))
+                if last_step and run.last_saved == step - 1 and run.master:  # the final eval is of the last saved model
+                    update_meta(run.checkpoint_dir, step - 1, meta_data(run, step - 1))
+            if last_step:
+                break
 
-        # ---- rollouts: sample and reward this rank's questions
-        t0 = time.time()
-        rollouts = sample_rollouts(run, step)
-        t_rollout = time.time() - t0
+            # ---- rollouts: sample and reward this rank's questions (the last checkpoint is written meanwhile)
+            t0 = time.time()
+            rollouts = sample_rollouts(run, step)
+            t_rollout = time.time() - t0
 
-        # ---- policy gradient and optimizer step
-        t0 = time.time()
-        result = train_on_rollouts(run, rollouts, step)
-        count_bad_step(run, step, result)
-        t_train = time.time() - t0
+            # ---- policy gradient and optimizer step
+            t0 = time.time()
+            run.saver.finish()  # the last checkpoint committed on every rank before the step's first collective
+            result = train_on_rollouts(run, rollouts, step)
+            count_bad_step(run, step, result)
+            t_train = time.time() - t0
 
-        # ---- log
-        record = step_record(run, step, rollouts, result, t_rollout, t_train)
-        run.step_seconds.append(max(t_rollout + t_train - record["compile_s"], 0.0))  # the ETA: compiling is one-off
-        print0(format_step_line(run, record, time.time() - run_start))
-        count_no_signal_step(run, record)
-        run.history.append(record)
-        wandb_run.log(record)
-        if cfg.eval_every > 0 and step % cfg.eval_every == 0:  # a few completions to read, from rank 0's first question
-            log_samples_table(wandb_run, sample_table(run, rollouts[0]), step=step)
+            # ---- log
+            record = step_record(run, step, rollouts, result, t_rollout, t_train)
+            run.step_seconds.append(max(t_rollout + t_train - record["compile_s"], 0.0))  # the ETA: compiling is one-off
+            print0(format_step_line(run, record, time.time() - run_start))
+            count_no_signal_step(run, record)
+            run.history.append(record)
+            wandb_run.log(record)
+            if cfg.eval_every > 0 and step % cfg.eval_every == 0:  # a few completions to read, from rank 0's first question
+                log_samples_table(wandb_run, sample_table(run, rollouts[0]), step=step)
 
-        # ---- checkpoint (model on rank 0; optimizer shards on every rank, for resume)
-        stopping = stop.requested(run.reduce_device)
-        if (cfg.save_every > 0 and step > 0 and step % cfg.save_every == 0) or step == num_steps - 1 or stopping:
-            save(run, step)
-        if stopping:
-            wandb_run.finish()
-            print0(f"Stopped after step {step} on request. Resume with: python -m scripts.chat_rl --resume={cfg.output_tag}:{step}")
-            sys.exit(128 + (stop.signum or signal.SIGTERM))
+            # ---- checkpoint (model on rank 0; optimizer shards on every rank, for resume)
+            stopping = stop.requested(run.reduce_device)
+            if (cfg.save_every > 0 and step > 0 and step % cfg.save_every == 0) or step == num_steps - 1 or stopping:
+                save(run, step)
+            if stopping:
+                run.saver.finish()
+                wandb_run.finish()
+                print0(f"Stopped after step {step} on request. Resume with: python -m scripts.chat_rl "
+                       f"--resume={cfg.output_tag}:{step}")
+                sys.exit(128 + (stop.signum or signal.SIGTERM))
+        run.saver.finish()  # the last step's checkpoint, when no final eval committed it
 
     report = get_report()
     log_chat_rl(report, vars(cfg), run.history, run.eval_history)

@@ -1,4 +1,5 @@
-"""scripts/bench_rl: the report it writes, the early-stop wrapper, the FLOP accounting and the memory probe."""
+"""scripts/bench_rl: the report it writes, the step it times (chat_rl's), the early-stop wrapper and the FLOP accounting;
+nanochat/machine.py: the machine probes it reads (peak memory, matmul peak, bandwidth)."""
 
 import json
 import math
@@ -7,12 +8,14 @@ import pytest
 import torch
 from helpers import BF16_MIN_AGREEMENT, BF16_NEAR_TIE, FP32_GAP_BOUND, random_model, tiny_config
 
+from nanochat import machine
 from nanochat.common import UserError
+from nanochat.engine.agreement import greedy_agreement
 from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import KVCache, forward_cached
 from scripts import bench_rl
 
-TINY_FLAGS = ["--device-type=cpu", "--depth=1", "--vocab-size=400", "--num-questions=2", "--num-samples=4",
+TINY_FLAGS = ["--device-type=cpu", "--depth=1", "--vocab-size=400", "--examples-per-step=2", "--num-samples=4",
               "--device-batch-size=2", "--max-new-tokens=8", "--early-stop-mean=3", "--peak-matmul-size=256"]
 METRICS = ["rollout_seconds", "train_seconds", "optimizer_seconds", "step_seconds", "rollout_tokens",
            "rollout_tokens_per_s", "rollout_flops", "rollout_flops_per_s", "rollout_mfu", "train_tokens",
@@ -112,12 +115,23 @@ def test_lean_configs_skip_rows_and_read_fewer_kv_bytes(base_dir, tmp_path):
     assert table[0]["all_rows_rows_trained"] == table[1]["all_rows_rows_trained"] == 16
 
 
-def test_config_subset_without_baseline_has_no_ratios(base_dir, tmp_path):
+def test_config_subset_without_baseline_has_no_ratios(base_dir, tmp_path, monkeypatch):
+    """The step timed is chat_rl's train_on_rollouts on a run of chat_rl's flags (here its objective, --loss-norm):
+    once in the warm-up, without optimizers, then once measured, with them."""
+    runs = []
+
+    def train_on_rollouts(run, rollouts, step):
+        runs.append((run.policy_loss.loss_norm, len(run.optimizers), step))
+        return chat_rl_step(run, rollouts, step)
+    chat_rl_step = bench_rl.train_on_rollouts
+    monkeypatch.setattr(bench_rl, "train_on_rollouts", train_on_rollouts)
     output = tmp_path / "bench.json"
-    bench_rl.main(TINY_FLAGS + ["--configs=batched_fp32", "--early-stop-mean=0", f"--output={output}"])
-    results = json.loads(output.read_text())["results"]
-    assert list(results) == ["batched_fp32"]
-    assert "step_speedup_x" not in results["batched_fp32"]
+    bench_rl.main(TINY_FLAGS + ["--configs=batched_fp32", "--early-stop-mean=0", "--loss-norm=token", f"--output={output}"])
+    report = json.loads(output.read_text())
+    assert list(report["results"]) == ["batched_fp32"]
+    assert "step_speedup_x" not in report["results"]["batched_fp32"]
+    assert runs == [("token", 0, bench_rl.BENCH_STEP), ("token", 2, bench_rl.BENCH_STEP)]  # AdamW and Muon
+    assert report["settings"]["rl"]["loss_norm"] == "token" and report["settings"]["rl"]["examples_per_step"] == 2
 
 
 @pytest.mark.parametrize("kind", ["none", "avx512-bf16", "amx"])
@@ -141,6 +155,8 @@ def test_default_configs_measure_bf16_only_where_it_is_native(kind, monkeypatch,
     (["--num-samples=6", "--device-batch-size=4"], "multiple of --device-batch-size"),
     (["--early-stop-mean=0.5"], "--early-stop-mean"),
     (["--model-tag=d4"], "--source"),
+    (["--dtype=float32"], "per configuration"),  # chat_rl's flag, but each config sets it
+    (["--no-such-flag"], "unrecognized"),
 ])
 def test_bad_flags_are_user_errors(flags, message):
     with pytest.raises(UserError, match=message):
@@ -205,7 +221,7 @@ def test_row_steps_count_the_terminal_token_only_before_the_cap():
 
 
 def test_peak_memory_is_reset_between_measurements():
-    memory = bench_rl.PeakMemory(torch.device("cpu"))
+    memory = machine.PeakMemory(torch.device("cpu"))
     assert memory.method.startswith("peak RSS")  # Linux: resettable
     start = memory.reset()
     block = torch.ones(64 * 2 ** 20, dtype=torch.uint8)  # 64 MB, every page touched
@@ -214,6 +230,18 @@ def test_peak_memory_is_reset_between_measurements():
     del block
     memory.reset()
     assert memory.peak_mb() < high - 40
+
+
+def test_machine_probes_measure_this_machine():
+    cpu = torch.device("cpu")
+    assert machine.memory_bandwidth(cpu, megabytes=8, reps=2) > 1e8  # bytes/s: any machine copies 100 MB/s
+    assert machine.matmul_peak_flops(cpu, torch.float32, 64, reps=2, warmup=1) > 1e6
+    info = machine.machine_info(cpu)
+    assert info["torch"] == torch.__version__ and info["device"] == "cpu" and info["gpu"] is None
+    load = machine.load_average()
+    assert load is None or (len(load) == 3 and all(x >= 0 for x in load))
+    t0 = machine.device_time(cpu)
+    assert machine.device_time(cpu) >= t0
 
 
 @pytest.mark.slow
@@ -233,7 +261,12 @@ def test_bf16_greedy_rollouts_follow_fp32_on_a_trained_model(one_step_sft, monke
     model, tokenizer, _ = load_model("sft", torch.device("cpu"), phase="eval")
     task = OneStepArithmetic(split="test")
     prompts = [tokenizer.render_for_completion(task[i]) for i in range(256)]
-    agreement = bench_rl.bf16_agreement(model, tokenizer, prompts, 64, torch.device("cpu"))
+    engine = Engine(model, tokenizer)  # both greedy decodes through the engine, the bf16 one with a bf16 KV cache
+    fp32 = engine.generate_many(prompts, num_samples=1, max_tokens=64, temperature=0.0)
+    with torch.amp.autocast(device_type="cpu", dtype=torch.bfloat16):
+        bf16 = engine.generate_many(prompts, num_samples=1, max_tokens=64, temperature=0.0)
+    ends = [tokenizer.encode_special(t) for t in ("<|assistant_end|>", "<|bos|>")]
+    agreement = greedy_agreement(model, prompts, [a.tokens for a, in fp32], [b.tokens for b, in bf16], ends)
     assert agreement["rows"] == 256 and agreement["tokens"] > 256 * 10
     margins = agreement["fp32_margins_at_differences"]
     assert len(margins) == agreement["rows"] - agreement["identical_rows"]

@@ -31,6 +31,7 @@ import json
 import os
 import pickle
 import uuid
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -76,66 +77,109 @@ def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data,
     checkpoint of this or any other step is left as it was. Errors that are bugs (unpicklable or
     non-json data) are cleaned up the same way but re-raised unchanged (on the other ranks of an all_ranks save:
     a UserError naming the rank).
+
+    The two phases are also callable apart (nanochat/checkpoints/background.py writes in a thread): stage_save
+    writes the temp files and touches nothing shared; commit_save, on the main thread, makes them the step.
     """
+    commit_save(stage_save(checkpoint_dir, step, model_data, optimizer_data, meta_data, rank, all_ranks))
+
+
+@dataclass
+class StagedSave:
+    """One step's files as stage_save left them: written to temp files (`staged`, in rename order), or `error`."""
+    checkpoint_dir: str
+    step: int
+    together: bool          # every rank of the process group commits it together
+    shard: list             # this rank's shard's final path (or none)
+    rank0_files: list       # rank 0's meta and model final paths, in rename order (other ranks: none)
+    staged: list = field(default_factory=list)  # temp paths not yet renamed
+    error: BaseException = None
+    current: str = None     # the final path being written or renamed when something failed
+
+
+def encode_meta(meta_data):
+    """The meta json's bytes; a value json cannot hold is a TypeError (a bug), raised before anything is written."""
+    return json.dumps(meta_data, indent=2).encode("utf-8")
+
+
+def stage_save(checkpoint_dir, step, model_data, optimizer_data, meta_data, rank=None, all_ranks=False):
+    """The first phase of save_checkpoint: this rank's files written whole to temp files (flushed, fsynced) beside
+    their final names. File I/O only, no collective and no rename: safe on a writer thread. A failure is kept in
+    the StagedSave's `error` for commit_save (which removes the temp files); meta_data may be encode_meta's bytes."""
     rank = get_rank() if rank is None else rank
     if rank == 0 and model_data is None:
         raise ValueError("rank 0 must pass model_data (the model's state_dict) to save_checkpoint")
-    together = all_ranks and dist.is_initialized()
-    # (final path, write function): this rank's shard, then rank 0's meta and model (renamed in that order)
-    shard = [(optim_path(checkpoint_dir, step, rank), lambda f: torch.save(optimizer_data, f))]
-    shard = shard if optimizer_data is not None else []
-    rank0_files = []
-    if rank == 0:
-        rank0_files = [(meta_path(checkpoint_dir, step), lambda f: f.write(meta_bytes)),
-                       (model_path(checkpoint_dir, step), lambda f: torch.save(model_data, f))]
-
-    staged = []  # temp paths not yet renamed
-    current = None
+    save = StagedSave(checkpoint_dir, step, all_ranks and dist.is_initialized(),
+                      shard=[optim_path(checkpoint_dir, step, rank)] if optimizer_data is not None else [],
+                      rank0_files=[meta_path(checkpoint_dir, step), model_path(checkpoint_dir, step)] if rank == 0 else [])
+    writers = {}
     try:
-        error = None
         try:
-            # serialize the meta before touching the disk: a non-json value is a bug and must not leave files behind
-            meta_bytes = json.dumps(meta_data, indent=2).encode("utf-8") if rank == 0 else None
+            if rank == 0:  # serialized before touching the disk: a non-json value is a bug and must leave no files
+                meta_bytes = meta_data if isinstance(meta_data, bytes) else encode_meta(meta_data)
+                writers[save.rank0_files[0]] = lambda f: f.write(meta_bytes)
+                writers[save.rank0_files[1]] = lambda f: torch.save(model_data, f)
+            if save.shard:
+                writers[save.shard[0]] = lambda f: torch.save(optimizer_data, f)
             make_checkpoint_dir(checkpoint_dir)
-            for path, write_fn in shard + rank0_files:
-                current = path
-                staged.append(temp_path(path))
-                stage(path, write_fn, sweep_stale=True)  # temp files of killed runs: one process writes each file
+            for path in save.shard + save.rank0_files:
+                save.current = path
+                save.staged.append(temp_path(path))
+                stage(path, writers[path], sweep_stale=True)  # temp files of killed runs: one process writes each file
         except Exception as e:
-            error = e
+            save.error = e
+    except BaseException:  # an interrupt: nothing of the step may stay behind
+        remove_staged(save)
+        raise
+    return save
+
+
+def commit_save(save):
+    """The second phase of save_checkpoint, on the main thread: with all_ranks, every rank learns whether every rank
+    staged its files; then this rank's shard is renamed into place, then (once every shard is) rank 0's meta and
+    model. Any failure removes this rank's temp files and raises (see save_checkpoint)."""
+    checkpoint_dir, step, together = save.checkpoint_dir, save.step, save.together
+    try:
         if together:  # every rank learns whether every rank has staged its files, before any rename
             with _peers(checkpoint_dir, step):
-                failed_rank, message = first_failure(error and _failure_message(error, checkpoint_dir, current))
-            if error is None and failed_rank is not None:
+                failed_rank, message = first_failure(save.error and _failure_message(save.error, checkpoint_dir,
+                                                                                     save.current))
+            if save.error is None and failed_rank is not None:
                 raise UserError(f"rank {failed_rank}: {message}")
-        if error is not None:
-            raise error
-        for path, _ in shard:
-            current = path
-            os.replace(staged[0], path)
-            staged.pop(0)  # only once renamed: a failed rename leaves the temp file for the cleanup below
+        if save.error is not None:
+            raise save.error
+        for path in save.shard:
+            save.current = path
+            os.replace(save.staged[0], path)
+            save.staged.pop(0)  # only once renamed: a failed rename leaves the temp file for the cleanup below
         if together:
             fsync_dir(checkpoint_dir)
             with _peers(checkpoint_dir, step):
                 dist.barrier()  # every rank's shard is in place: the step may become visible
-        for path, _ in rank0_files:
-            current = path
-            os.replace(staged[0], path)
-            staged.pop(0)
+        for path in save.rank0_files:
+            save.current = path
+            os.replace(save.staged[0], path)
+            save.staged.pop(0)
         fsync_dir(checkpoint_dir)
         if together:
             with _peers(checkpoint_dir, step):
                 dist.barrier()  # complete on every rank before any returns to prune, or to exit (torchrun then
                                 # stops the other ranks, which could be rank 0 in the middle of its renames)
     except BaseException as e:
-        for tmp in staged:
-            try:
-                remove_if_exists(tmp)
-            except OSError:
-                pass  # the original error is the one worth reporting; a leftover hidden temp file is harmless
+        remove_staged(save)
         if isinstance(e, OSError):
-            raise _write_error(checkpoint_dir, os.path.basename(current or checkpoint_dir), e) from e
+            raise _write_error(checkpoint_dir, os.path.basename(save.current or checkpoint_dir), e) from e
         raise
+
+
+def remove_staged(save):
+    """Remove the temp files a StagedSave has not renamed (best effort)."""
+    for tmp in save.staged:
+        try:
+            remove_if_exists(tmp)
+        except OSError:
+            pass  # the original error is the one worth reporting; a leftover hidden temp file is harmless
+    save.staged.clear()
 
 
 @contextlib.contextmanager
@@ -180,7 +224,7 @@ def new_run_id():
 def update_meta(checkpoint_dir, step, meta_data):
     """Replace the meta json of a saved step (rank 0 only), atomically: e.g. to add the eval that ran after the
     step's model was saved. Disk errors raise UserError, as in save_checkpoint."""
-    meta_bytes = json.dumps(meta_data, indent=2).encode("utf-8")
+    meta_bytes = encode_meta(meta_data)
     path = meta_path(checkpoint_dir, step)
     try:
         atomic_write(path, meta_bytes, sweep_stale=True)

@@ -5,15 +5,17 @@ the same two); save writes a step for --resume. Out of memory, a step retries wi
 gives the same tokens and the same gradient.
 """
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 
 import torch
 
+from nanochat.checkpoints.background import BackgroundSaver
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS
 from nanochat.checkpoints.loading import load_model
 from nanochat.checkpoints.pruning import prune_checkpoints, remove_extra_shards
-from nanochat.checkpoints.store import new_run_id, save_checkpoint
+from nanochat.checkpoints.store import new_run_id
 from nanochat.cli import train_rows
 from nanochat.common import UserError, autocast_context, collective_device, get_base_dir, print0, require
 from nanochat.engine.engine import Engine
@@ -56,7 +58,9 @@ class RLRun:
     consecutive_bad: int = 0
     steps_without_signal: list = field(default_factory=list)  # records of the current streak of steps that trained no row
     forward: object = chunk_logprobs       # the training pass's chunk forward: compiled or not (--compile)
+    lean: bool = True  # train only rows with an advantage, each prompt once a forward (False: nanochat's way)
     compile_clock: CompileClock = field(default_factory=CompileClock)  # what each step compiled
+    saver: BackgroundSaver = field(default_factory=BackgroundSaver)    # the checkpoint being written, if any
     step_seconds: list = field(default_factory=list)   # this process's timings, for the ETA, compiling left out
     eval_seconds: list = field(default_factory=list)
 
@@ -101,6 +105,23 @@ def run_length(config, train_task):
     return num_steps
 
 
+def make_optimizers(config, model):
+    """The run's optimizers at step 0, each group at --init-lr-frac of its lr (its `initial_lr`). Muon
+    orthogonalizes in the run's compute dtype: bf16 where it is native (nanochat's numerics), fp32 otherwise."""
+    return scale_initial_lr(model.setup_optimizers(
+        unembedding_lr=config.unembedding_lr, embedding_lr=config.embedding_lr, matrix_lr=config.matrix_lr,
+        weight_decay=config.weight_decay, recipe=config.recipe, ortho_dtype=getattr(torch, config.dtype)),
+        config.init_lr_frac)
+
+
+def policy_loss_of(config):
+    """The objective the run's algorithm flags choose (each default is nanochat's)."""
+    return PolicyLoss(loss_norm=config.loss_norm, max_new_tokens=config.max_new_tokens,
+                      mask_truncated=config.mask_truncated, clip_low=config.clip_low, clip_high=config.clip_high,
+                      kl_coef=config.kl_coef, rollout_correction=config.rollout_correction,
+                      correction_cap=config.rollout_correction_cap)
+
+
 def setup_run(config, resume, rank, world_size, device):
     """Load the model (a new run, or `resume`: restore_settings' Resume), resolve the plan (nanochat/rl/plan.py),
     and build the optimizers, the engine and the tasks: an RLRun at its first step."""
@@ -120,11 +141,7 @@ def setup_run(config, resume, rank, world_size, device):
     num_steps = run_length(config, train_task)
     compiling = resolve_compute_plan(config, model, tokenizer, train_task, device, world_size, num_steps, rows)
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], config.output_tag)
-    # Muon orthogonalizes in the run's compute dtype: bf16 where it is native (nanochat's numerics), fp32 otherwise
-    optimizers = scale_initial_lr(model.setup_optimizers(
-        unembedding_lr=config.unembedding_lr, embedding_lr=config.embedding_lr, matrix_lr=config.matrix_lr,
-        weight_decay=config.weight_decay, recipe=config.recipe, ortho_dtype=getattr(torch, config.dtype)),
-        config.init_lr_frac)
+    optimizers = make_optimizers(config, model)
     segments = [{"start_step": 0, "world_size": world_size}]  # the world size of each part of the run
     if resume:
         saved = restore_optimizers(resume, optimizers, meta, rank, world_size, device)
@@ -142,11 +159,7 @@ def setup_run(config, resume, rank, world_size, device):
         prepare_output_dir(checkpoint_dir, config.overwrite, rank == 0)
     return RLRun(
         config=config, model=model, optimizers=optimizers, engine=engine,
-        policy_loss=PolicyLoss(loss_norm=config.loss_norm, max_new_tokens=config.max_new_tokens,
-                               mask_truncated=config.mask_truncated, clip_low=config.clip_low,
-                               clip_high=config.clip_high, kl_coef=config.kl_coef,
-                               rollout_correction=config.rollout_correction,
-                               correction_cap=config.rollout_correction_cap),
+        policy_loss=policy_loss_of(config),
         reference=reference,
         train_task=train_task, val_task=val_task, num_steps=num_steps, start_step=start_step, start_checkpoint=start,
         checkpoint_dir=checkpoint_dir, rank=rank, world_size=world_size, device=device,
@@ -244,7 +257,8 @@ def train_on_rollouts(run, rollouts, step):
             run.model.zero_grad(set_to_none=True)  # what a failed attempt accumulated
             return accumulate_policy_gradient(run.model, batches, cfg.device_batch_size, run.examples_per_rank, run.device,
                                               run.autocast(), micro_batch_rows=rows, loss=run.policy_loss, counts=counts,
-                                              reference=run.reference, first_epoch=first, forward=run.forward)
+                                              reference=run.reference, first_epoch=first, forward=run.forward,
+                                              share_prompt=run.lean, skip_zero_advantage=run.lean)
         last, run.micro_rows = with_fewer_rows_on_oom(attempt, run.micro_rows, "out of memory during training: "
                                                       "retrying with {rows} rows per forward pass",
                                                       free_memory=lambda: give_back_rollout_memory(run.engine))
@@ -278,12 +292,17 @@ def meta_data(run, step):
 
 
 def save(run, step):
-    """The model (rank 0) and every rank's optimizer shard, for --resume; the step appears (model_N.pt) only once
-    every rank's shard is in place. Then --keep-last removes this run's older steps."""
+    """Begin saving the step for --resume: the model (rank 0) and every rank's optimizer shard, copied to host
+    memory now and written by a thread; run.saver.finish() commits it (the step appears, model_N.pt, only once every
+    rank's shard is in place), after which --keep-last removes this run's older steps."""
     shard = {"optimizers": [opt.state_dict() for opt in run.optimizers], "world_size": run.world_size,
              "rank": run.rank, "step": step, "run_id": run.run_id}
-    save_checkpoint(run.checkpoint_dir, step, run.model.state_dict() if run.master else None, shard,
-                    meta_data(run, step), all_ranks=True)
+    run.saver.start(run.checkpoint_dir, step, run.model.state_dict() if run.master else None, shard,
+                    meta_data(run, step), rank=run.rank, all_ranks=True, after_commit=lambda: saved(run, step))
+
+
+def saved(run, step):
+    """What follows a step's commit: shards of ranks the run no longer has removed, the line, --keep-last."""
     if run.master:  # a run resumed on fewer ranks saving a step that more ranks saved before
         remove_extra_shards(run.checkpoint_dir, step, run.world_size)
     run.last_saved = step
@@ -293,3 +312,19 @@ def save(run, step):
         if removed:
             print0(f"--keep-last={run.config.keep_last}: removed step{'s' * (len(removed) > 1)} "
                    f"{', '.join(map(str, removed))}")
+
+
+@contextlib.contextmanager
+def saves_settled_on_error(run):
+    """Around the training loop: a run that stops on an error still gets the checkpoint its thread was writing,
+    committed, when it runs alone; with other ranks, which may never reach a commit, the save is abandoned (its
+    temp files removed: the step before it stays the latest complete one)."""
+    try:
+        yield
+    except BaseException:
+        if run.world_size == 1:
+            with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
+                run.saver.finish()
+        else:
+            run.saver.abandon()
+        raise

@@ -1,0 +1,118 @@
+"""Saves written by a thread (nanochat/checkpoints/background.py): the files a synchronous save writes, of the
+tensors as they were when the save began; nothing of the step visible until the commit; a failed write raised at
+the commit with its temp files gone and the previous step untouched; an abandoned save leaves no trace."""
+
+import errno
+import os
+import threading
+
+import pytest
+import torch
+
+from nanochat.checkpoints import store
+from nanochat.checkpoints.background import BackgroundSaver, host_copy
+from nanochat.checkpoints.store import list_steps, load_checkpoint, save_checkpoint
+from nanochat.common import UserError
+
+
+def state(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g, dtype=torch.float64),
+            "n": torch.tensor(7)}
+
+
+def optimizer_shard(seed):
+    g = torch.Generator().manual_seed(seed + 100)
+    return {"optimizers": [{"state": {0: {"momentum_buffer": torch.randn(4, 3, generator=g)}},
+                            "param_groups": [{"lr": 0.02, "params": [0]}]}], "rank": 0, "step": seed}
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_host_copy_is_fixed_at_the_call_and_reuses_fitting_buffers():
+    data = {"model": state(0), "shards": [optimizer_shard(0)], "note": "x"}
+    copied, buffers = host_copy(data)
+    assert same(copied, data) and len(buffers) == 4
+    data["model"]["w"].add_(1.0)  # training goes on changing the originals
+    assert not torch.equal(copied["model"]["w"], data["model"]["w"])
+    again, reused = host_copy(data, buffers)
+    assert same(again, data)
+    assert [t.data_ptr() for t in reused] == [t.data_ptr() for t in buffers]  # written over, not allocated
+    other = {"model": {**state(0), "w": torch.zeros(5, 3)}, "shards": [optimizer_shard(0)], "note": "x"}
+    _, mixed = host_copy(other, buffers)
+    assert mixed[0].data_ptr() != buffers[0].data_ptr() and mixed[1].data_ptr() == buffers[1].data_ptr()
+
+
+def test_the_files_are_a_synchronous_saves_of_the_tensors_when_the_save_began(tmp_path):
+    sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
+    model, shard, meta = state(1), optimizer_shard(1), {"step": 3, "history": [{"reward": 0.5}]}
+    save_checkpoint(str(sync_dir), 3, model, shard, meta)
+    saver, committed = BackgroundSaver(), []
+    saver.start(str(async_dir), 3, model, shard, meta, after_commit=lambda: committed.append(list_steps(async_dir)))
+    model["w"].mul_(-1)  # after the snapshot: not in the files
+    meta["history"].append({"reward": 1.0})
+    saver.finish()
+    assert committed == [[3]] and not saver.pending
+    assert sorted(os.listdir(sync_dir)) == sorted(os.listdir(async_dir))
+    for got, want in zip(load_checkpoint(str(async_dir), 3, "cpu", load_optimizer=True, rank=0),
+                         load_checkpoint(str(sync_dir), 3, "cpu", load_optimizer=True, rank=0)):
+        assert same(got, want)
+
+
+def test_nothing_of_the_step_is_visible_until_the_commit(tmp_path, monkeypatch):
+    release, real_stage = threading.Event(), store.stage
+
+    def held_stage(path, write_fn, sweep_stale=False):
+        release.wait(timeout=30)
+        return real_stage(path, write_fn, sweep_stale)
+    save_checkpoint(str(tmp_path), 1, state(1), optimizer_shard(1), {"step": 1})
+    monkeypatch.setattr(store, "stage", held_stage)
+    saver = BackgroundSaver()
+    saver.start(str(tmp_path), 2, state(2), optimizer_shard(2), {"step": 2})
+    assert saver.pending and list_steps(tmp_path) == [1]
+    release.set()
+    saver._thread.join()
+    assert list_steps(tmp_path) == [1]  # written, not yet committed: only hidden temp files
+    assert any(name.startswith(".model_000002.pt.tmp-") for name in os.listdir(tmp_path))
+    saver.finish()
+    assert list_steps(tmp_path) == [1, 2] and not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def test_a_failed_write_is_raised_at_the_commit_and_leaves_the_previous_step(tmp_path, monkeypatch):
+    save_checkpoint(str(tmp_path), 1, state(1), optimizer_shard(1), {"step": 1})
+    before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+    real_stage = store.stage
+
+    def full_disk(path, write_fn, sweep_stale=False):
+        if os.path.basename(path) == "model_000002.pt":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real_stage(path, write_fn, sweep_stale)
+    monkeypatch.setattr(store, "stage", full_disk)
+    saver = BackgroundSaver()
+    saver.start(str(tmp_path), 2, state(2), optimizer_shard(2), {"step": 2}, after_commit=pytest.fail)
+    with pytest.raises(UserError, match=r"could not write checkpoint model_000002.pt .*No space left on device"):
+        saver.finish()
+    assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == before
+    assert not saver.pending
+
+
+def test_an_abandoned_save_leaves_no_trace_and_the_next_save_commits_the_last_one_first(tmp_path):
+    saver = BackgroundSaver()
+    saver.start(str(tmp_path), 1, state(1), optimizer_shard(1), {"step": 1})
+    saver.abandon()
+    assert os.listdir(tmp_path) == [] and not saver.pending
+    order = []
+    saver.start(str(tmp_path), 2, state(2), optimizer_shard(2), {"step": 2}, after_commit=lambda: order.append(2))
+    saver.start(str(tmp_path), 3, state(3), optimizer_shard(3), {"step": 3}, after_commit=lambda: order.append(3))
+    assert order == [2] and list_steps(tmp_path) == [2]
+    saver.finish()
+    assert order == [2, 3] and list_steps(tmp_path) == [2, 3]
+    assert same(load_checkpoint(str(tmp_path), 3, "cpu")[0], state(3))
