@@ -15,11 +15,11 @@ import traceback
 
 from nanochat.checkpoints.errors import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
                                          RankLostError, UnknownStepError, UnknownTagError)
-from nanochat.common import SettingError, UserError, cleanup_after_error, get_rank, print0, require
-from nanochat.engine.cuda_graphs import DECODE_MODES, decode_mode
+from nanochat.common import SettingError, UserError, cleanup_after_error, get_rank
+from nanochat.engine.cuda_graphs import DECODE_MODES
 from nanochat.engine.memory_budget import AUTO, FIXED_GB, FRACTION, NoMemoryForRolloutsError, parse_budget
-from nanochat.model.compile import (COMPILE_MODES, CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, SFT_CPU_MIN_STEPS,
-                                    CompileFailed, resolve_compile)
+from nanochat.model.compile import COMPILE_MODES, CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, SFT_CPU_MIN_STEPS, CompileFailed
+from nanochat.rl.plan import AUTO_TRAIN_ROWS
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
 from nanochat.tokenizer import TokenizerError
 from nanochat.wandb_utils import WandbStartError
@@ -69,17 +69,6 @@ def add_decode_flag(parser, auto_note=""):
                              "shapes), static (bucketed shapes, eagerly), graph (bucketed shapes replayed from CUDA graphs)")
 
 
-def check_decode_flag(decode, device):
-    """--decode against the device compute_init chose, before anything is built (a model load can take minutes):
-    graph replays CUDA graphs, so it needs CUDA (cuda_graphs.decode_mode's rule). Returns the mode that runs."""
-    try:
-        return decode_mode(decode, device)
-    except ValueError:
-        raise SettingError("decode", f"is {decode}, which replays CUDA graphs, and this run is on {device.type} (torch "
-                                     f"sees no CUDA device, or --device-type chose another); use --decode=static (the "
-                                     f"same step, run eagerly) or --decode=auto") from None
-
-
 def add_memory_budget_flag(parser):
     """--memory-budget-gb: the KV cache the rollout batches in memory at once may use; resolve it with
     nanochat.engine.memory_budget.resolve_memory_budget before building the Engine, which takes GiB."""
@@ -87,11 +76,6 @@ def add_memory_budget_flag(parser):
                         help=f"KV-cache memory (GiB) the rollout batches in memory at once (a step's, an eval's kept beside it) may use together; auto (the default): on CUDA {FRACTION:g} of "
                              f"the memory free after the model, optimizer state and a training-peak reserve (stated "
                              f"at the start), elsewhere {FIXED_GB:g}")
-
-
-# rows per training forward under --train-rows=0 (auto), on every device: twice nanochat's --device-batch-size gives
-# larger, fuller matmuls for the same rows, and trained them faster on a GPU and on a CPU (docs/performance.md)
-AUTO_TRAIN_ROWS = 16
 
 
 def add_train_rows_flag(parser):
@@ -102,20 +86,6 @@ def add_train_rows_flag(parser):
                              "--num-samples count). The gradient is the same for any value: each row keeps the "
                              "denominator of its --device-batch-size pass. More rows make larger matmuls (on a GPU, "
                              "fewer and fuller kernels) and need more memory; halved on out-of-memory")
-
-
-def check_train_rows(args):
-    """A negative --train-rows is a one-line error."""
-    if args.train_rows < 0:
-        raise UserError(f"--train-rows must be >= 0 (0 = auto), got {args.train_rows}")
-
-
-def train_rows(args):
-    """Rows of one question per training forward: --train-rows, else (0, auto) AUTO_TRAIN_ROWS (--device-batch-size
-    if larger); never more than a question has (nanochat.rl.policy_gradient.accumulate_policy_gradient's forwards hold one
-    question's rows). The same on every device (see AUTO_TRAIN_ROWS)."""
-    check_train_rows(args)
-    return min(args.train_rows or max(args.device_batch_size, AUTO_TRAIN_ROWS), args.num_samples)
 
 
 def add_compile_flag(parser):
@@ -129,16 +99,6 @@ def add_compile_flag(parser):
                              f"error where compiling is unavailable), off")
 
 
-def resolve_compile_flag(args, device, *plan_args, **plan_kwargs):
-    """--compile for this run (compile.resolve_compile with compile_plan's arguments), printed with why. args.compile
-    becomes off where the plan compiles nothing (torch.compile unavailable under auto, or nothing that pays here), so
-    that the config records what runs and an engine given it compiles nothing. Returns the CompilePlan."""
-    plan = resolve_compile(args.compile, device, *plan_args, **plan_kwargs)
-    args.compile = args.compile if plan.compiles else "off"
-    print0(plan.describe())
-    return plan
-
-
 def add_optimizer_flags(parser):
     """The learning-rate flags chat_rl and chat_sft share (nanochat's defaults; --init-lr-frac differs)."""
     parser.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW lr for the token embedding")
@@ -148,12 +108,6 @@ def add_optimizer_flags(parser):
     parser.add_argument("--recipe", type=str, default="2026-01", choices=("2026-01", "2026-07"),
                         help="optimizer recipe: 2026-01 (nanochat of January 2026: AdamW + Muon) or 2026-07 "
                              "(nanochat of July 2026: MuonAdamW with per-group betas and weight decay)")
-
-
-def check_optimizer_flags(args):
-    """Refuse a negative value of the flags add_optimizer_flags declares."""
-    for name in ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay"):
-        require(getattr(args, name) >= 0, f"{flag_name(name)} must be >= 0, got {getattr(args, name)}")
 
 
 def add_model_generation_flag(parser):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from nanochat.cli import ArgumentParser, flag_name, run_main, train_rows
+from nanochat.cli import ArgumentParser, flag_name, run_main
 from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_init, cpu_has_native_bf16,
                              dtype_name, get_base_dir, get_dist_info, print0, require)
 from nanochat.engine.decode_batch import static_step
@@ -35,7 +35,7 @@ from nanochat.model.gpt import GPT, build_fresh_model
 from nanochat.model.sampling import mix32
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.config import RLConfig
-from nanochat.rl.plan import resolve_memory
+from nanochat.rl.plan import resolve_memory, train_rows
 from nanochat.rl.policy_gradient import accumulate_policy_gradient, chunk_logprobs
 from nanochat.rl.rollout import QuestionRollout, step_question_indices
 from nanochat.rl.run import RLRun, make_optimizers, policy_loss_of, sample_rollouts, train_on_rollouts

@@ -28,8 +28,9 @@ import time
 from nanochat.checkpoints.store import update_meta
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
                           add_model_generation_flag, add_optimizer_flags, add_runtime_flags, add_train_rows_flag,
-                          check_decode_flag, run_main)
+                          run_main)
 from nanochat.common import GracefulStop, compute_cleanup, compute_init, get_dist_info, print0, wait_for_all_ranks
+from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.model.compile import CPU_DECODE_MIN_STEPS
 from nanochat.report import get_report, log_chat_rl
 from nanochat.rl.config import RLConfig

@@ -128,7 +128,7 @@ class GraphCounts:
 def use_recorded_graphs(monkeypatch):
     """From now on (in the test), engines made with decode="graph" run on the CPU, their steps replayed from
     recorded graphs. Returns the counts of captures and replays."""
-    import nanochat.cli as cli
+    import nanochat.engine.cuda_graphs as cuda_graphs
     import nanochat.engine.engine as engine
     from nanochat.engine.cuda_graphs import DecodePlan, GraphedStep, bucketed_shape
     counts = GraphCounts()
@@ -146,7 +146,7 @@ def use_recorded_graphs(monkeypatch):
     graphed = partial(GraphedStep, capture=capture, warm_up=lambda step: step())  # no streams on a CPU
     graph_anywhere = lambda mode, device: mode if mode == "graph" else real_mode(mode, device)  # noqa: E731
     monkeypatch.setattr(engine, "decode_mode", graph_anywhere)
-    monkeypatch.setattr(cli, "decode_mode", graph_anywhere)  # the scripts' check of --decode before building
+    monkeypatch.setattr(cuda_graphs, "decode_mode", graph_anywhere)  # check_decode_flag, before anything is built
     monkeypatch.setattr(engine, "decode_plan", lambda mode: DecodePlan(bucketed_shape, graphed, True)
                         if mode == "graph" else real_plan(mode))
     return counts

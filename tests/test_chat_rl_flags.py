@@ -13,10 +13,11 @@ import torch
 from gloo_ranks import run_ranks
 from helpers import PYTHONPATH, TINY_RL_FLAGS, assert_same_weights, weights
 
-from nanochat.cli import AUTO_TRAIN_ROWS, run_main, train_rows
+from nanochat.cli import run_main
 from nanochat.common import UserError
 from nanochat.engine.engine import Engine
 from nanochat.rl import run as rl_run
+from nanochat.rl.plan import AUTO_TRAIN_ROWS, train_rows
 from scripts import chat_rl
 
 GSM8K_FLAGS = [f for f in TINY_RL_FLAGS if not f.startswith("--task")]  # the default task: the GSM8K fixture

@@ -10,6 +10,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from nanochat.common import SettingError
+
 
 def exact_shape(rows, keys, max_rows, max_keys):
     """The eager step's shape: exactly the rows in use and the keys they need (no work on free slots)."""
@@ -152,3 +154,14 @@ def decode_plan(mode):
     if mode == "eager":
         return DecodePlan(exact_shape, None, False)
     return DecodePlan(bucketed_shape, GraphedStep if mode == "graph" else None, True)
+
+
+def check_decode_flag(decode, device):
+    """--decode against the device compute_init chose, before anything is built (a model load can take minutes):
+    graph replays CUDA graphs, so it needs CUDA (cuda_graphs.decode_mode's rule). Returns the mode that runs."""
+    try:
+        return decode_mode(decode, device)
+    except ValueError:
+        raise SettingError("decode", f"is {decode}, which replays CUDA graphs, and this run is on {device.type} (torch "
+                                     f"sees no CUDA device, or --device-type chose another); use --decode=static (the "
+                                     f"same step, run eagerly) or --decode=auto") from None

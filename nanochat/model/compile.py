@@ -357,3 +357,13 @@ def resolve_compile(mode, device, *plan_args, **plan_kwargs):
 
 def _probe(x):
     return x * 2 + 1
+
+
+def resolve_compile_flag(args, device, *plan_args, **plan_kwargs):
+    """--compile for this run (compile.resolve_compile with compile_plan's arguments), printed with why. args.compile
+    becomes off where the plan compiles nothing (torch.compile unavailable under auto, or nothing that pays here), so
+    that the config records what runs and an engine given it compiles nothing. Returns the CompilePlan."""
+    plan = resolve_compile(args.compile, device, *plan_args, **plan_kwargs)
+    args.compile = args.compile if plan.compiles else "off"
+    print0(plan.describe())
+    return plan

@@ -19,7 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.common import grad_norm
+from nanochat.common import SettingError, grad_norm
 from nanochat.optim.adamw import DistAdamW
 from nanochat.optim.muon import DistMuon, Muon
 from nanochat.optim.muon_adamw import MuonAdamW, split_param_groups
@@ -130,3 +130,11 @@ def guarded_step(model, optimizers, lrm, loss, device="cpu"):
             opt.step()
     model.zero_grad(set_to_none=True)
     return gnorm, stepped
+
+
+def check_optimizer_flags(args):
+    """Refuse a negative learning rate or weight decay (settings of the flags nanochat.cli.add_optimizer_flags
+    declares; a SettingError, which the command line shows under the flag's name)."""
+    for name in ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay"):
+        if getattr(args, name) < 0:
+            raise SettingError(name, f"must be >= 0, got {getattr(args, name)}")

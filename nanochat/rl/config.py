@@ -13,10 +13,10 @@ import os
 from dataclasses import dataclass
 
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS
-from nanochat.cli import check_optimizer_flags, check_train_rows
 from nanochat.common import UserError, requested_dtype, require
-from nanochat.optim.optimizers import LR_SCHEDULES
+from nanochat.optim.optimizers import LR_SCHEDULES, check_optimizer_flags
 from nanochat.rl.objective import LOSS_NORMS, ROLLOUT_CORRECTIONS
+from nanochat.rl.plan import check_train_rows
 from tasks.registry import resolve_task_class
 
 

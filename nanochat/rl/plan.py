@@ -9,13 +9,30 @@ it started. Decisions that are measured (a dtype on a CPU) are measured on rank 
 
 import torch
 
-from nanochat.cli import check_decode_flag, resolve_compile_flag
-from nanochat.common import compute_dtype, dtype_name, print0
-from nanochat.engine.cuda_graphs import DECODE_DESCRIPTIONS
+from nanochat.common import UserError, compute_dtype, dtype_name, print0
+from nanochat.engine.cuda_graphs import DECODE_DESCRIPTIONS, check_decode_flag
 from nanochat.engine.engine import Engine
 from nanochat.engine.memory_budget import FIXED_GB, resolve_memory_budget
-from nanochat.model.compile import run_decode_mode
+from nanochat.model.compile import resolve_compile_flag, run_decode_mode
 from nanochat.model.precision import MARGIN, PREFERENCE, fastest_rollout_dtype, fastest_training_dtype, rank0_choice
+
+# rows per training forward under --train-rows=0 (auto), on every device: twice nanochat's --device-batch-size gives
+# larger, fuller matmuls for the same rows, and trained them faster on a GPU and on a CPU (docs/performance.md)
+AUTO_TRAIN_ROWS = 16
+
+
+def check_train_rows(args):
+    """A negative --train-rows is a one-line error."""
+    if args.train_rows < 0:
+        raise UserError(f"--train-rows must be >= 0 (0 = auto), got {args.train_rows}")
+
+
+def train_rows(args):
+    """Rows of one question per training forward: --train-rows, else (0, auto) AUTO_TRAIN_ROWS (--device-batch-size
+    if larger); never more than a question has (nanochat.rl.policy_gradient.accumulate_policy_gradient's forwards hold one
+    question's rows). The same on every device (see AUTO_TRAIN_ROWS)."""
+    check_train_rows(args)
+    return min(args.train_rows or max(args.device_batch_size, AUTO_TRAIN_ROWS), args.num_samples)
 
 
 def phase_dtype(phase, device, requested, measure):

@@ -16,14 +16,13 @@ from nanochat.checkpoints.layout import CHECKPOINT_DIRS
 from nanochat.checkpoints.loading import load_model
 from nanochat.checkpoints.pruning import prune_checkpoints, remove_extra_shards
 from nanochat.checkpoints.store import new_run_id
-from nanochat.cli import train_rows
 from nanochat.common import UserError, autocast_context, collective_device, get_base_dir, print0, require
 from nanochat.engine.engine import Engine
 from nanochat.model.compile import CompileClock, maybe_compiled
 from nanochat.optim.optimizers import guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.rl.config import RLConfig
 from nanochat.rl.objective import PolicyLoss, step_counts
-from nanochat.rl.plan import describe_engine, resolve_compute_plan, resolve_memory
+from nanochat.rl.plan import describe_engine, resolve_compute_plan, resolve_memory, train_rows
 from nanochat.rl.policy_gradient import TrainStats, accumulate_policy_gradient, chunk_logprobs
 from nanochat.rl.resume import prepare_output_dir, restore_optimizers, start_new_run
 from nanochat.rl.rollout import Sampling, longest_prompt, question_seed, sample_questions, step_question_indices
