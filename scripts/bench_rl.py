@@ -28,6 +28,7 @@ from nanochat.engine.decode_weights import matmul_modules
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine
 from nanochat.engine.kv_cache import cache_geometry
 from nanochat.engine.op_count import count_decode_step_ops
+from nanochat.files import atomic_write
 from nanochat.machine import PeakMemory, device_time, load_average, measure_machine
 from nanochat.model.compile import compile_plan, generated_kernels, maybe_compiled
 from nanochat.model.flops import matmul_flops_per_token, rollout_flops, train_flops
@@ -399,7 +400,12 @@ def run(args, configs, device):
     initial_state, memory = {k: v.detach().clone() for k, v in model.state_dict().items()}, PeakMemory(device)
     # the KV budget once, for every config (bf16's decode weights reserved: the larger case), as chat_rl sizes its run
     resolve_memory(rl, model, device, make_optimizers(rl, model), train_rows(rl))
-    results = {}
+    results, skipping = {}, None
+    report = lambda: {"machine": {**info, "load_average_after": load_average()}, "model": model_info,  # noqa: E731
+                      "settings": {**vars(args), "rl": {**vars(rl), **PER_CONFIG}}, "peak_flops": peaks,
+                      "memory_bandwidth": bandwidth, "memory_method": memory.method,
+                      "results": {n: {k: v for k, v in r.items() if k != "batches"} for n, r in results.items()},
+                      "no_signal_training": skipping, "complete": len(results) == len(configs) * len(variants)}
     end = tokenizer.encode_special("<|assistant_end|>")
     variants = [("", model)] + ([("+early", EarlyStopModel(model, end, args.early_stop_mean))] if args.early_stop_mean else [])
     for suffix, rollout_model in variants:
@@ -410,12 +416,12 @@ def run(args, configs, device):
             compiled = f", compiled {r['compiles_each']} graphs (warm-up, steps)" if any(r["compiles_each"]) else ""
             print0(f"step {r['step_seconds']:.1f}s (rollout {r['rollout_seconds']:.1f}s, train {r['train_seconds']:.1f}s, "
                    f"optimizer {r['optimizer_seconds']:.1f}s{compiled})")
+            atomic_write(args.output, json.dumps(report(), indent=2))  # a time limit keeps what finished
     mark_identical_tokens(results, configs)
     batches = {name: r.pop("batches") for name, r in results.items()}
     add_ratios(results)
     model.load_state_dict(initial_state)
     fractions = [float(f) for f in args.no_signal_fractions.split(",") if f.strip()]
-    skipping = None
     if fractions and "batched_fp32" in batches:
         skipping = no_signal_table(model, batches["batched_fp32"], fractions, rl, device)
     untrained = dict.fromkeys(("train_tokens_per_s", "train_tokens_per_s_x", "train_mfu"))  # no speed: no row trained
@@ -426,12 +432,7 @@ def run(args, configs, device):
             ("rows trained", "skip_rows_trained", "d"), ("train s (skip)", "skip_seconds", ".2f"),
             ("x of first", lambda r: r["skip_seconds"] / skipping[0]["skip_seconds"], ".2f"),
             ("train s (all rows)", "all_rows_seconds", ".2f")], first="no-signal"))
-    report = {"machine": {**info, "load_average_after": load_average()},
-              "settings": {**vars(args), "rl": {**vars(rl), **PER_CONFIG}}, "model": model_info, "peak_flops": peaks,
-              "memory_bandwidth": bandwidth, "memory_method": memory.method,
-              "results": results, "no_signal_training": skipping}
-    with open(args.output, "w") as f:
-        json.dump(report, f, indent=2)
+    atomic_write(args.output, json.dumps(report(), indent=2))
     print0(f"\nwrote {args.output} (memory: {memory.method})")
     if args.profile:  # where a rollout's time goes, by torch op
         model.load_state_dict(initial_state)
@@ -442,7 +443,7 @@ def run(args, configs, device):
             step_rollouts(profile_run, config)
         print0(f"\ntorch.profiler, rollout of {config.name} (self time per op):\n"
                + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
-    return report
+    return report()
 
 
 if __name__ == "__main__":

@@ -6,17 +6,21 @@
 #   bash tests/gpu_check.sh [checks|compiled|suite|speedrun|env] [OUT_DIR]   # on the GPU machine (carry gpu_carry)
 #   bash tests/gpu_check.sh checks,compiled [OUT_DIR]   # several stages in one call (560 s, shared by weight)
 #
-# checks (the default):
-# 1. the GPU tests (tests/test_cuda.py: NCCL under torchrun, bf16 vs fp32 step, a real out-of-memory, chat_sft
-#    and chat_eval on CUDA, checkpoints across devices; CUDA-graph replay equal to the static step it captures),
-#    with the static decode and sampler-gap tests beside them (at most 240 s; the runs of chat_rl, chat_sft and chat_eval
-#    pass --compile=off: compiling in each subprocess kept the first H100 run past 200 s before its first test ended);
-# 2. the d20 rollout benchmark (nanochat's January-2026 d20 shapes, random weights, GSM8K prompts, 16
-#    questions x 16 samples x 256 tokens, a random model's rows run to the cap, the KV budget --memory-budget-gb=auto):
-#    eager bf16 decoding, the static step run eagerly and the same step replayed from CUDA graphs, 2 consecutive
-#    steps each (first and last rollout time), tokens checked equal (graph against static: the same shapes), decode
-#    ms per step against the memory-bandwidth bound, and training of a full batch (advantages forced to +-1 so a
-#    random model trains); what is left of the 8 minutes.
+# checks (the default), one call of at most 8 minutes in five parts, each under a timeout, each adding one JSON line
+# to OUT_DIR/parts.jsonl as it ends (part, exit, seconds, limit, log), so that a call stopped at its limit keeps
+# what finished:
+# 1. setup (below);
+# 2. the CUDA tests (`-m cuda`: NCCL under torchrun, bf16 vs fp32 step, a real out-of-memory, chat_sft and chat_eval
+#    on CUDA, checkpoints across devices, CUDA-graph replay equal to the static step it captures, the compiled step in
+#    graphs against itself without them; their runs of the scripts pass --compile=off);
+# 3. the d20 bench (nanochat's January-2026 d20 shapes, random weights, GSM8K prompts, 16 questions x 16 samples x
+#    256 tokens, rows to the cap, advantages forced to +-1 so the whole batch trains), the graph decode step, 3
+#    consecutive steps: chat_rl's own step (bench_d20.json, written after each config);
+# 4. the same with the static step compiled and captured (compiled_d20.json): compile seconds, decode ms per step,
+#    the compiled training pass, tokens compared with part 3's;
+# 5. the epoch estimate: scripts/bench_epoch.py times a d20 save both ways (written whole, and in the background)
+#    and prints `d20 epoch on this GPU ≈ N min` from part 3's step, its rollout rate for the evals and the save
+#    (epoch_d20.json).
 # compiled: --compile=on on CUDA (auto compiles nothing there until this stage measures that it pays): the compiled
 #    static step replayed from CUDA graphs against itself run without them (tests/test_compile.py's cuda test), then
 #    the same d20 bench with the static step compiled by Inductor and captured in the engine's graphs, beside the
@@ -50,6 +54,7 @@ for s in "${stages[@]}"; do
 done
 case "$out" in checks|compiled|suite|speedrun|env) echo "gpu_check: '$out' is a stage, not an output folder; name several stages with commas: $stage,$out" >&2; exit 2 ;; esac
 mkdir -p "$out"
+rm -f "$out/parts.jsonl"  # this call's parts only
 export PYTHONUNBUFFERED=1
 stage_start=$(date +%s)
 # the whole invocation's seconds, setup included: one stage under the 8 minutes it may take; several (one call of
@@ -136,6 +141,8 @@ timeout --kill-after=5 "$PROBE_SECONDS" "$python" -c "import torch; print('torch
     say "torch could not name the GPU within $PROBE_SECONDS s (exit $?; 124: it hung)"; exit 2; }
 timeout 30 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null | tee "$out/gpu.txt"
 say "setup took $(( $(date +%s) - stage_start )) s"
+printf '{"part": "setup", "exit": 0, "seconds": %d, "python": "%s"}\n' "$(( $(date +%s) - stage_start ))" "$python" \
+    >> "$out/parts.jsonl"
 
 # ---- the stage's steps, each under a timeout that keeps the stage inside STAGE_SECONDS
 step() {  # step NAME MAX_SECONDS LOG CMD...: runs CMD under a timeout (at most MAX_SECONDS, and what is left of the stage)
@@ -157,6 +164,8 @@ step() {  # step NAME MAX_SECONDS LOG CMD...: runs CMD under a timeout (at most 
     else
         say "$name: exit $rc in $took s" | tee -a "$log"
     fi
+    printf '{"part": "%s", "exit": %d, "seconds": %d, "limit": %d, "log": "%s"}\n' \
+        "$name" "$rc" "$took" "$cap" "$(basename "$log")" >> "$out/parts.jsonl"
     return "$rc"
 }
 
@@ -166,13 +175,17 @@ env)
     return 0
     ;;
 checks)
-    step "gpu tests" 240 "$out/gpu_tests.log" \
-        "$python" -m pytest -q -p no:cacheprovider -rs --durations=10 tests/test_cuda.py tests/test_static_decode.py tests/test_sampler_gap.py
+    step "cuda tests" 200 "$out/cuda_tests.log" "$python" -m pytest -q -p no:cacheprovider -rs --durations=10 -m cuda tests
     tests_rc=$?
-    step "d20 bench" 600 "$out/bench_d20.log" \
-        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16,batched_bf16_static,batched_bf16_graph \
-        --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/bench_d20.json"
+    step "d20 bench" 150 "$out/bench_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph \
+        --early-stop-mean=0 --no-signal-fractions= --repeat=3 --force-advantages --output="$out/bench_d20.json"
     bench_rc=$?
+    step "d20 compiled" 150 "$out/compiled_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_compiled \
+        --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/compiled_d20.json"
+    step "epoch estimate" 60 "$out/epoch_d20.log" \
+        "$python" -m scripts.bench_epoch --bench="$out/bench_d20.json" --device-type=cuda --output="$out/epoch_d20.json"
     say "checks: tests exit $tests_rc, bench exit $bench_rc, $(( $(date +%s) - stage_start )) s since the setup began"
     [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
     ;;

@@ -128,10 +128,30 @@ def test_config_subset_without_baseline_has_no_ratios(base_dir, tmp_path, monkey
     output = tmp_path / "bench.json"
     bench_rl.main(TINY_FLAGS + ["--configs=batched_fp32", "--early-stop-mean=0", "--loss-norm=token", f"--output={output}"])
     report = json.loads(output.read_text())
-    assert list(report["results"]) == ["batched_fp32"]
+    assert list(report["results"]) == ["batched_fp32"] and report["complete"] is True
     assert "step_speedup_x" not in report["results"]["batched_fp32"]
     assert runs == [("token", 0, bench_rl.BENCH_STEP), ("token", 2, bench_rl.BENCH_STEP)]  # AdamW and Muon
     assert report["settings"]["rl"]["loss_norm"] == "token" and report["settings"]["rl"]["examples_per_step"] == 2
+
+
+def test_the_json_is_written_after_every_config(base_dir, tmp_path, monkeypatch):
+    """A bench stopped by a time limit keeps what finished: after each config the JSON holds the configs measured so
+    far, marked incomplete; here the second config fails, and the first's numbers are on disk."""
+    real_measure, seen = bench_rl.measure, []
+
+    def measure(*args):
+        if seen:
+            raise KeyboardInterrupt  # the time limit
+        seen.append(1)
+        return real_measure(*args)
+    monkeypatch.setattr(bench_rl, "measure", measure)
+    output = tmp_path / "bench.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench_rl.main(TINY_FLAGS + ["--configs=batched_fp32,batched_fp32_static", "--early-stop-mean=0",
+                                    f"--output={output}"])
+    report = json.loads(output.read_text())
+    assert list(report["results"]) == ["batched_fp32"] and report["complete"] is False
+    assert report["results"]["batched_fp32"]["step_seconds"] > 0 and "batches" not in report["results"]["batched_fp32"]
 
 
 @pytest.mark.parametrize("kind", ["none", "avx512-bf16", "amx"])

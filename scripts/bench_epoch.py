@@ -1,0 +1,135 @@
+"""
+What a whole chat_rl epoch costs on this machine, from measured rates: a step (bench_rl's JSON), an eval (the
+step's rollout rate over an eval's rows) and a save (timed here, on the model's own shapes), printed as one line:
+
+    d20 epoch on this GPU ≈ N min (467 steps x S s + 9 evals x E s + 8 saves x W s)
+
+The save is timed both ways side by side on the same state: written whole before training goes on (as chat_rl saved
+until the background writer) and with nanochat.checkpoints.background (what the step waits for: the host snapshot,
+and the commit once the next step's rollouts, --overlap-seconds, have run).
+
+    python -m scripts.bench_rl --preset=d20 --configs=batched_bf16_graph --output=bench.json   # the step
+    python -m scripts.bench_epoch --bench=bench.json --output=epoch.json                     # saves, the epoch
+"""
+
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from nanochat.checkpoints.background import BackgroundSaver
+from nanochat.checkpoints.store import save_checkpoint
+from nanochat.cli import ArgumentParser, add_debug_flag, run_main
+from nanochat.common import UserError, autodetect_device_type, print0, synchronize
+from nanochat.files import atomic_write
+from nanochat.model.gpt import build_fresh_model
+from nanochat.rl.progress import is_eval_step
+
+GSM8K_TRAIN = 7473  # questions: nanochat's epoch is 7473 // 16 = 467 steps
+
+
+def parse_args(argv):
+    p = ArgumentParser(description="Estimate a chat_rl epoch from a bench_rl step and timed saves")
+    p.add_argument("--bench", type=str, default=None, help="bench_rl's JSON; its last config's step (or --config)")
+    p.add_argument("--config", type=str, default=None, help="which of the bench's configs is the run's step")
+    p.add_argument("--depth", type=int, default=None, help="model depth for the saves (default: the bench's model)")
+    p.add_argument("--vocab-size", type=int, default=None, help="its vocabulary (default: the bench's)")
+    p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
+    p.add_argument("--steps", type=int, default=GSM8K_TRAIN // 16, help="steps of the epoch (nanochat: 467)")
+    p.add_argument("--eval-every", type=int, default=60, help="chat_rl's --eval-every")
+    p.add_argument("--save-every", type=int, default=60, help="chat_rl's --save-every")
+    p.add_argument("--eval-rows", type=int, default=400 * 8, help="rows of an eval (--eval-examples x device batch)")
+    p.add_argument("--overlap-seconds", type=float, default=None,
+                   help="work between a save's start and its commit (default: the bench's rollout seconds)")
+    p.add_argument("--output", type=str, default="bench_epoch.json", help="where to write the numbers as JSON")
+    add_debug_flag(p)
+    return p.parse_args(argv)
+
+
+def model_with_optimizer_state(depth, vocab_size, device):
+    """A random d<depth> model and its 2026-01 optimizers after one step: the tensors a chat_rl save writes."""
+    model = build_fresh_model(depth, 256, vocab_size, device)
+    optimizers = model.setup_optimizers(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,
+                                        recipe="2026-01")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    for opt in optimizers:
+        opt.step()  # creates every state tensor (momentum, moments)
+    return model, optimizers
+
+
+def time_saves(model, optimizers, directory, overlap_seconds, device):
+    """Seconds the training waits for one save: written whole, and in the background with overlap_seconds of the
+    next step's work between its start and its commit."""
+    shard = lambda: {"optimizers": [o.state_dict() for o in optimizers], "rank": 0, "world_size": 1}  # noqa: E731
+    meta = {"step": 1, "model_config": {"n_layer": model.config.n_layer}}
+    synchronize(device)
+    t0 = time.perf_counter()
+    save_checkpoint(os.path.join(directory, "sync"), 1, model.state_dict(), shard(), meta)
+    whole = time.perf_counter() - t0
+    saver = BackgroundSaver()
+    for step in (1, 2):  # the second reuses the first's host buffers, as every later save of a run does
+        t0 = time.perf_counter()
+        saver.start(os.path.join(directory, "background"), step, model.state_dict(), shard(), meta)
+        started = time.perf_counter() - t0
+        time.sleep(overlap_seconds)  # the next step's rollouts, which need no other rank
+        t0 = time.perf_counter()
+        saver.finish()
+        waited = time.perf_counter() - t0
+    size = sum(os.path.getsize(os.path.join(directory, "sync", f)) for f in os.listdir(os.path.join(directory, "sync")))
+    return {"bytes": size, "whole_seconds": whole, "snapshot_seconds": started, "commit_wait_seconds": waited,
+            "blocking_seconds": started + waited, "overlap_seconds": overlap_seconds}
+
+
+def epoch_estimate(step_seconds, eval_seconds, save_seconds, steps, eval_every, save_every):
+    """(minutes, evals, saves) of an epoch of `steps` steps at these rates, with chat_rl's eval and save schedule."""
+    evals = sum(is_eval_step(s, steps, eval_every) for s in range(steps + 1))
+    saves = sum(1 for s in range(steps) if (save_every > 0 and s > 0 and s % save_every == 0) or s == steps - 1)
+    return (steps * step_seconds + evals * eval_seconds + saves * save_seconds) / 60, evals, saves
+
+
+def main(argv):
+    args = parse_args(argv)
+    bench = {}
+    if args.bench:
+        try:
+            with open(args.bench) as f:
+                bench = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"--bench={args.bench}: cannot read it ({e}); write one with python -m scripts.bench_rl") from e
+    results = bench.get("results") or {}
+    name = args.config or (list(results)[-1] if results else None)
+    if args.bench and name not in results:
+        raise UserError(f"--config={name}: not in {args.bench}; it has {', '.join(results) or 'no result'}")
+    step = results.get(name, {})
+    depth = args.depth or bench.get("model", {}).get("n_layer") or 4
+    vocab = args.vocab_size or bench.get("model", {}).get("vocab_size") or 8192
+    device = torch.device(args.device_type or autodetect_device_type())
+    model, optimizers = model_with_optimizer_state(depth, vocab, device)
+    overlap = args.overlap_seconds if args.overlap_seconds is not None else step.get("rollout_seconds", 1.0)
+    # on the disk of --output, where a user points a run's results
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(args.output))) as directory:
+        saves = time_saves(model, optimizers, directory, overlap, device)
+    print0(f"save of d{depth} ({saves['bytes'] / 2 ** 30:.2f} GiB): {saves['whole_seconds']:.2f} s written whole, "
+           f"{saves['blocking_seconds']:.2f} s blocking in the background ({saves['snapshot_seconds']:.2f} s snapshot "
+           f"+ {saves['commit_wait_seconds']:.2f} s at the commit, after {overlap:.2f} s of rollouts): "
+           f"{saves['whole_seconds'] / max(saves['blocking_seconds'], 1e-9):.1f}x less waiting")
+    report = {"config": name, "depth": depth, "vocab_size": vocab, "device": device.type, "save": saves}
+    if step:
+        # an eval samples eval_rows rows at the step's rollout rate (an upper bound: a random model's rows run to the cap)
+        eval_seconds = step["rollout_seconds"] * args.eval_rows / max(step["rows"], 1)
+        minutes, evals, n_saves = epoch_estimate(step["step_seconds"], eval_seconds, saves["blocking_seconds"],
+                                                 args.steps, args.eval_every, args.save_every)
+        where = f"this {'GPU' if device.type == 'cuda' else device.type.upper()}"
+        print0(f"d{depth} epoch on {where} ≈ {minutes:.0f} min ({args.steps} steps x {step['step_seconds']:.2f} s + "
+               f"{evals} evals x {eval_seconds:.1f} s + {n_saves} saves x {saves['blocking_seconds']:.2f} s)")
+        report["epoch"] = {"minutes": minutes, "steps": args.steps, "step_seconds": step["step_seconds"],
+                           "evals": evals, "eval_seconds": eval_seconds, "saves": n_saves}
+    atomic_write(args.output, json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    run_main(main)
