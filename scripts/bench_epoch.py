@@ -6,7 +6,8 @@ step's rollout rate over an eval's rows) and a save (timed here, on the model's 
 
 The save is timed both ways side by side on the same state: written whole before training goes on (as chat_rl saved
 until the background writer) and with nanochat.checkpoints.background (what the step waits for: the host snapshot,
-and the commit once the next step's rollouts, --overlap-seconds, have run).
+and the commit once the next step's rollouts, --overlap-seconds, have run). The overlap is a sleep, so the writer
+has the machine to itself meanwhile: the background figure is a lower bound of what a run waits.
 
     python -m scripts.bench_rl --preset=d20 --configs=batched_bf16_graph --output=bench.json   # the step
     python -m scripts.bench_epoch --bench=bench.json --output=epoch.json                     # saves, the epoch
@@ -114,7 +115,7 @@ def main(argv):
         saves = time_saves(model, optimizers, directory, overlap, device)
     print0(f"save of d{depth} ({saves['bytes'] / 2 ** 30:.2f} GiB): {saves['whole_seconds']:.2f} s written whole, "
            f"{saves['blocking_seconds']:.2f} s blocking in the background ({saves['snapshot_seconds']:.2f} s snapshot "
-           f"+ {saves['commit_wait_seconds']:.2f} s at the commit, after {overlap:.2f} s of rollouts): "
+           f"+ {saves['commit_wait_seconds']:.2f} s at the commit, after {overlap:.2f} s idle, a lower bound): "
            f"{saves['whole_seconds'] / max(saves['blocking_seconds'], 1e-9):.1f}x less waiting")
     report = {"config": name, "depth": depth, "vocab_size": vocab, "device": device.type, "save": saves}
     if step:

@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 
 from nanochat.cli import ArgumentParser, flag_name, run_main
-from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_init, cpu_has_native_bf16,
-                             dtype_name, get_base_dir, get_dist_info, print0, require)
+from nanochat.common import (autocast_context, compute_cleanup, compute_init, cpu_has_native_bf16, dtype_name,
+                             get_base_dir, get_dist_info, print0, require)
 from nanochat.engine.decode_batch import static_step
 from nanochat.engine.decode_weights import matmul_modules
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine
@@ -38,7 +38,7 @@ from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.config import RLConfig
 from nanochat.rl.plan import resolve_memory, train_rows
 from nanochat.rl.policy_gradient import accumulate_policy_gradient, chunk_logprobs
-from nanochat.rl.rollout import QuestionRollout, step_question_indices
+from nanochat.rl.rollout import QuestionRollout, longest_prompt, step_question_indices
 from nanochat.rl.run import RLRun, make_optimizers, policy_loss_of, sample_rollouts, train_on_rollouts
 from nanochat.tokenizer import Tokenizer
 from scripts.chat_rl import parse_args as parse_chat_rl_args
@@ -222,6 +222,8 @@ def bench_run(model, rollout_model, tokenizer, task, config, rl, device, optimiz
     engine = Engine(rollout_model, tokenizer, max_rows=(rl.max_rows or None) if config.batched else None,
                     memory_budget_gb=rl.memory_budget_gb, share_prompts=config.lean, decode=config.decode,
                     compile="on" if config.compiled else "off")
+    if engine.decode != "eager":  # as chat_rl's: one static batch, sized for the task's longest prompt
+        engine.reserve_prompt_length(longest_prompt(tokenizer, task))
     return RLRun(config=rl, model=model, engine=engine, optimizers=make_optimizers(rl, model) if optimize else [],
                  policy_loss=policy_loss_of(rl), reference=copy.deepcopy(model).requires_grad_(False) if rl.kl_coef else None,
                  train_task=task, val_task=None, num_steps=BENCH_STEP + 1, start_step=BENCH_STEP, start_checkpoint=None,
@@ -374,14 +376,13 @@ def no_signal_table(model, batches, fractions, rl, device):
 def main(argv):
     args = parse_args(argv)
     configs = validate_args(args)
-    if get_dist_info()[3] > 1:
-        raise UserError("bench_rl measures one process; run it with python -m scripts.bench_rl, not torchrun")
+    require(get_dist_info()[3] == 1, "bench_rl measures one process; run it with python -m scripts.bench_rl, not torchrun")
     _, _, _, _, device = compute_init(args.rl.device_type)
     try:
-        graphs = [c.name for c in configs or () if c.decode == "graph"]
-        require(device.type == "cuda" or not graphs, f"--configs names {', '.join(graphs)}, which replays CUDA graphs, and "
-                f"this run is on {device.type} (torch sees no CUDA device, or --device-type chose another); measure the "
-                "same step eagerly with a *_static config")
+        graphs = ", ".join(c.name for c in configs or () if c.decode == "graph")
+        require(device.type == "cuda" or not graphs, f"--configs names {graphs}, which replays CUDA graphs, and this run "
+                f"is on {device.type} (torch sees no CUDA device, or --device-type chose another); measure the same step "
+                "eagerly with a *_static config")
         return run(args, configs or default_configs(device, args.rl.compile), device)
     finally:
         compute_cleanup()
@@ -421,8 +422,7 @@ def run(args, configs, device):
     batches = {name: r.pop("batches") for name, r in results.items()}
     add_ratios(results)
     model.load_state_dict(initial_state)
-    fractions = [float(f) for f in args.no_signal_fractions.split(",") if f.strip()]
-    if fractions and "batched_fp32" in batches:
+    if (fractions := [float(f) for f in args.no_signal_fractions.split(",") if f.strip()]) and "batched_fp32" in batches:
         skipping = no_signal_table(model, batches["batched_fp32"], fractions, rl, device)
     untrained = dict.fromkeys(("train_tokens_per_s", "train_tokens_per_s_x", "train_mfu"))  # no speed: no row trained
     shown = {name: r if r["rows_trained"] else {**r, **untrained} for name, r in results.items()}

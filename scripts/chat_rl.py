@@ -204,8 +204,8 @@ def train(run, stop):
             t_rollout = time.time() - t0
 
             # ---- policy gradient and optimizer step
-            t0 = time.time()
             run.saver.finish()  # the last checkpoint committed on every rank before the step's first collective
+            t0 = time.time()
             result = train_on_rollouts(run, rollouts, step)
             count_bad_step(run, step, result)
             t_train = time.time() - t0

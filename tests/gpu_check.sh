@@ -17,7 +17,7 @@
 #    256 tokens, rows to the cap, advantages forced to +-1 so the whole batch trains), the graph decode step, 3
 #    consecutive steps: chat_rl's own step (bench_d20.json, written after each config);
 # 4. the same with the static step compiled and captured (compiled_d20.json): compile seconds, decode ms per step,
-#    the compiled training pass, tokens compared with part 3's;
+#    the compiled training pass (tokens_digest in both JSONs, to compare with part 3's);
 # 5. the epoch estimate: scripts/bench_epoch.py times a d20 save both ways (written whole, and in the background)
 #    and prints `d20 epoch on this GPU ≈ N min` from part 3's step, its rollout rate for the evals and the save
 #    (epoch_d20.json).
@@ -199,7 +199,7 @@ compiled)
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph,batched_bf16_graph_compiled \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/compiled_d20.json"
     compiled_rc=$?
-    # with what time is left: nanochat's 8 rows per training forward against auto's 16 (cli.AUTO_TRAIN_ROWS)
+    # with what time is left: nanochat's 8 rows per training forward against auto's 16 (nanochat.rl.plan.AUTO_TRAIN_ROWS)
     step "d20 bench, 8 train rows" 300 "$out/train_rows_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --train-rows=8 \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/train_rows_d20.json"

@@ -46,6 +46,8 @@ def test_host_copy_is_fixed_at_the_call_and_reuses_fitting_buffers():
     again, reused = host_copy(data, buffers)
     assert same(again, data)
     assert [t.data_ptr() for t in reused] == [t.data_ptr() for t in buffers]  # written over, not allocated
+    module_state = torch.nn.Linear(3, 2).state_dict()  # an OrderedDict with the modules' versions, as torch.save writes
+    assert host_copy(module_state)[0]._metadata == module_state._metadata
     other = {"model": {**state(0), "w": torch.zeros(5, 3)}, "shards": [optimizer_shard(0)], "note": "x"}
     _, mixed = host_copy(other, buffers)
     assert mixed[0].data_ptr() != buffers[0].data_ptr() and mixed[1].data_ptr() == buffers[1].data_ptr()

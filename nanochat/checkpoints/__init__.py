@@ -5,6 +5,7 @@ Checkpoints on disk, in nanochat's layout and file formats.
     store.py             saving a step atomically on every rank, and reading files, steps and tags back
     loading.py           a checkpoint's model: GPT built from its files, older nanochat versions patched
     errors.py            what is missing or broken, as UserErrors carrying the facts
+    background.py        saves off the critical path: a host snapshot written by a thread, committed later
     optimizer_shards.py  chat_rl's per-rank optimizer state: checked on --resume, re-split for another rank count
     pruning.py           removing a run's older steps (--keep-last) and the shards a larger run left
 

@@ -17,7 +17,7 @@ import time
 import torch
 
 from nanochat.checkpoints.store import commit_save, remove_staged, stage_save
-from nanochat.common import get_rank
+from nanochat.common import get_rank, synchronize
 
 
 def host_copy(data, reuse=()):
@@ -43,13 +43,16 @@ def host_copy(data, reuse=()):
             host_tensors.append(host)
             return host
         if isinstance(value, dict):
-            return type(value)((k, copy(v)) for k, v in value.items())
+            copied = type(value)((k, copy(v)) for k, v in value.items())
+            if hasattr(value, "_metadata"):  # a state_dict's module versions, which torch.save writes too
+                copied._metadata = value._metadata
+            return copied
         if isinstance(value, (list, tuple)):
             return type(value)(copy(v) for v in value)
         return value
     result = copy(data)
     for device in devices:
-        torch.accelerator.synchronize(device)
+        synchronize(device)
     return result, host_tensors
 
 

@@ -108,8 +108,9 @@ class RLConfig:
             resolve_output_tag(self, self.model_tag, depth=None)  # refuses the run it reads
         self._check_batch()
         self._check_optimization()
-        self._check_algorithm()
         self._check_run()
+        self._check_algorithm()
+        require(not (self.resume and self.overwrite), "--resume continues a run and --overwrite replaces it; pass only one")
 
     def _check_batch(self):
         for name in ("device_batch_size", "examples_per_step", "num_samples", "max_new_tokens", "num_epochs",
@@ -158,7 +159,6 @@ class RLConfig:
         require(self.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {self.max_bad_steps}")
         require(self.no_signal_steps >= 0,
                 f"--no-signal-steps must be >= 0 (0 = never warn), got {self.no_signal_steps}")
-        require(not (self.resume and self.overwrite), "--resume continues a run and --overwrite replaces it; pass only one")
 
     def check_ranks(self, world_size):
         """A new run's questions of a step must split evenly over the ranks (a resumed run's are checked against its

@@ -315,15 +315,12 @@ def saved(run, step):
 
 @contextlib.contextmanager
 def saves_settled_on_error(run):
-    """Around the training loop: a run that stops on an error still gets the checkpoint its thread was writing,
-    committed, when it runs alone; with other ranks, which may never reach a commit, the save is abandoned (its
-    temp files removed: the step before it stays the latest complete one)."""
+    """Around the training loop: a run that stops on an error still commits the checkpoint its thread was writing.
+    A save is pending only between a step's end and the next step's training, a stretch without collectives (the
+    rollouts), so every rank reaches a commit: its own here, or the one before its next training pass."""
     try:
         yield
     except BaseException:
-        if run.world_size == 1:
-            with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
-                run.saver.finish()
-        else:
-            run.saver.abandon()
+        with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
+            run.saver.finish()
         raise
