@@ -124,6 +124,9 @@ def parse_args(argv):
     p.add_argument("--keep-last", type=int, default=None,
                    help="after each save, remove this run's older checkpoints beyond the last N (0 = keep all, as "
                         "nanochat; the default, except that --resume keeps the run's own value unless given)")
+    p.add_argument("--save-rollouts", action="store_true",
+                   help="append every sample (question, text, reward, advantage, length, tool calls) as a JSON line to "
+                        "chatrl_checkpoints/<tag>/rollouts_rank<r>.jsonl, one file per rank, each step's lines whole")
     # robustness
     p.add_argument("--resume", type=str, nargs="?", const="latest", default="",
                    help="continue an RL run: --resume (the latest), --resume=TAG (its last step) or --resume=TAG:STEP")
@@ -219,6 +222,8 @@ def train(run, stop):
             wandb_run.log(record)
             if cfg.eval_every > 0 and step % cfg.eval_every == 0:  # a few completions to read, from rank 0's first question
                 log_samples_table(wandb_run, sample_table(run, rollouts[0]), step=step)
+            if run.rollout_log:
+                run.rollout_log.append(step, rollouts)
 
             # ---- checkpoint (model on rank 0; optimizer shards on every rank, for resume)
             stopping = stop.requested(run.reduce_device)

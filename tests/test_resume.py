@@ -271,3 +271,30 @@ def test_sigterm_saves_and_resume_matches_uninterrupted_run(sft, base_dir, tmp_p
                           env={**env, "NANOCHAT_BASE_DIR": str(other)}, capture_output=True, text=True, timeout=300)
     assert full.returncode == 0, full.stderr[-2000:]
     assert_same_weights(weights(rl_dir(base_dir) / "model_000005.pt"), weights(rl_dir(other) / "model_000005.pt"))
+
+
+def test_saved_rollouts_are_every_sample_and_a_resume_rewrites_them_exactly(sft, base_dir):
+    """--save-rollouts: one JSON line per sample, each step's lines together, the advantage its reward minus the
+    question's mean; resumed from step 1 (after a crash cut a line of step 3 short), the run drops the lines of
+    later steps and writes them again: the file ends as the uninterrupted run's, byte for byte (CPU fp32 resumes
+    bitwise). A new run in the directory (--overwrite) starts the file afresh."""
+    import json
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=4", "--save-every=1", "--save-rollouts"])
+    path = rl_dir(base_dir) / "rollouts_rank0.jsonl"
+    uninterrupted = path.read_bytes()
+    lines = [json.loads(line) for line in uninterrupted.decode().splitlines()]
+    assert [line["step"] for line in lines] == [s for s in range(4) for _ in range(4 * 4)]  # 4 questions x 4 samples
+    for step in range(4):
+        for question in {line["question"] for line in lines if line["step"] == step}:
+            samples = [line for line in lines if (line["step"], line["question"]) == (step, question)]
+            assert [s["sample"] for s in samples] == [0, 1, 2, 3]
+            mean = sum(s["reward"] for s in samples) / 4
+            assert all(abs(s["advantage"] - (s["reward"] - mean)) < 1e-6 for s in samples)
+            assert all(0 < s["length"] <= 12 and isinstance(s["text"], str) for s in samples)
+    path.write_bytes(uninterrupted + b'{"step": 3, "quest')  # a crash in the middle of a step's write
+    for name in ("model_000002.pt", "model_000003.pt"):
+        os.remove(rl_dir(base_dir) / name)
+    chat_rl.main(["--resume=d2:1", "--device-type=cpu", "--save-rollouts"])
+    assert path.read_bytes() == uninterrupted
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1", "--save-rollouts", "--overwrite"])
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0] * 16

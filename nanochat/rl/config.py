@@ -75,6 +75,7 @@ class RLConfig:
     eval_examples: int
     save_every: int
     keep_last: int
+    save_rollouts: bool
     # robustness
     resume: str
     overwrite: bool

@@ -1,9 +1,15 @@
 """
 What a run says as it goes: each step's record (its metrics over all ranks, logged to wandb and kept for the
-report) and log line, with the ETA, and the warnings of a run that has nothing to learn from.
+report) and log line, with the ETA, the warnings of a run that has nothing to learn from, and (--save-rollouts)
+every sample it drew, as JSON lines beside its checkpoints.
 """
 
+import glob
+import json
+import os
+
 from nanochat.common import format_duration, print0, remaining_seconds
+from nanochat.files import atomic_write
 from nanochat.rl.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
 
 
@@ -92,3 +98,49 @@ def count_no_signal_step(run, record):
                  f"are too alike (raise --temperature or --top-k, or --num-samples) or the task's reward does not vary")
     print0(f"warning: no row was trained in {len(streak)} consecutive step{'s' * (len(streak) > 1)} (steps "
            f"{streak[0]['step']}-{streak[-1]['step']}): {cause}")
+
+
+ROLLOUTS_FILE = "rollouts_rank{rank}.jsonl"
+
+
+def rollout_lines(step, rollouts):
+    """This rank's samples of `step` (its QuestionRollouts), a JSON object per line."""
+    return "".join(json.dumps({"step": step, "question": r.index, "sample": j, "text": text, "reward": reward,
+                               "advantage": advantage, "length": len(c.tokens), "ended": c.ended,
+                               "tool_calls": c.tool_calls, "tool_successes": c.tool_successes}) + "\n"
+                   for r in rollouts
+                   for j, (c, text, reward, advantage) in enumerate(zip(r.completions, r.texts, r.rewards,
+                                                                         r.advantages.tolist())))
+
+
+def drop_rollouts_after(checkpoint_dir, step):
+    """On --resume of `step` (rank 0, before any step runs): the rollout files of the run keep only the lines of
+    steps up to it, which the continuation then extends; a line a crash cut short goes too."""
+    for path in glob.glob(os.path.join(glob.escape(checkpoint_dir), ROLLOUTS_FILE.format(rank="*"))):
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+        kept = []
+        for line in lines:
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line + b"\n")
+            except (ValueError, KeyError):
+                pass  # the cut end of a line a crash interrupted (or the empty string after the last newline)
+        atomic_write(path, b"".join(kept))
+
+
+class RolloutLog:
+    """--save-rollouts: this rank's samples appended to <checkpoint dir>/rollouts_rank<r>.jsonl (one file per rank:
+    no gather, and each rank's questions are its own). A step's lines go in one write, flushed and fsynced, so a
+    reader sees whole steps but for the one being written; a new run starts the file afresh."""
+
+    def __init__(self, checkpoint_dir, rank, resumed):
+        self.path = os.path.join(checkpoint_dir, ROLLOUTS_FILE.format(rank=rank))
+        if not resumed:
+            atomic_write(self.path, b"")
+
+    def append(self, step, rollouts):
+        with open(self.path, "ab") as f:
+            f.write(rollout_lines(step, rollouts).encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())

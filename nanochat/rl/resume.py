@@ -19,7 +19,8 @@ from nanochat.rl.config import largest_divisor_at_most, resolve_output_tag
 # flags that do not define the run: --resume keeps them as given (the rest it restores from the checkpoint)
 RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows", "memory_budget_gb", "max_bad_steps",
                  "output_tag", "decode", "compile", "keep_last", "no_signal_steps",  # a resumed run writes to its own directory
-                 "train_rows")  # the same gradient for any value: the machine's memory decides
+                 "train_rows",  # the same gradient for any value: the machine's memory decides
+                 "save_rollouts")  # what is written beside the run, not what it computes
 
 
 def resolve_resume(spec):
@@ -128,7 +129,7 @@ def prepare_output_dir(checkpoint_dir, overwrite, master):
     """Refuse to silently mix a new run into an old run's directory; --overwrite clears the old run first
     (so the loader's 'last step' cannot pick one of its checkpoints)."""
     old = [f for f in (os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else [])
-           if f.startswith(("model_", "meta_", "optim_"))]
+           if f.startswith(("model_", "meta_", "optim_", "rollouts_"))]
     make_checkpoint_dir(checkpoint_dir)  # fail now, not after an hour of training, if it cannot be written
     if not old:
         return

@@ -24,6 +24,7 @@ from nanochat.rl.config import RLConfig
 from nanochat.rl.objective import PolicyLoss, step_counts
 from nanochat.rl.plan import describe_engine, resolve_compute_plan, resolve_memory, train_rows
 from nanochat.rl.policy_gradient import TrainStats, accumulate_policy_gradient, chunk_logprobs
+from nanochat.rl.progress import RolloutLog, drop_rollouts_after
 from nanochat.rl.resume import prepare_output_dir, restore_optimizers, start_new_run
 from nanochat.rl.rollout import Sampling, longest_prompt, question_seed, sample_questions, step_question_indices
 from tasks.registry import make_task
@@ -60,6 +61,7 @@ class RLRun:
     lean: bool = True  # train only rows with an advantage, each prompt once a forward (False: nanochat's way)
     compile_clock: CompileClock = field(default_factory=CompileClock)  # what each step compiled
     saver: BackgroundSaver = field(default_factory=BackgroundSaver)    # the checkpoint being written, if any
+    rollout_log: RolloutLog = None         # --save-rollouts: this rank's samples as JSON lines
     step_seconds: list = field(default_factory=list)   # this process's timings, for the ETA, compiling left out
     eval_seconds: list = field(default_factory=list)
 
@@ -156,6 +158,8 @@ def setup_run(config, resume, rank, world_size, device):
         print0(f"rollouts: static batch sized for prompts of up to {engine.prompt_floor} tokens (the task's longest)")
     if not config.resume:  # last: --overwrite clears the old run only once everything else has loaded
         prepare_output_dir(checkpoint_dir, config.overwrite, rank == 0)
+    elif rank == 0:  # the run's samples, if it kept them, continue from the resumed step
+        drop_rollouts_after(checkpoint_dir, resume.step)
     return RLRun(
         config=config, model=model, optimizers=optimizers, engine=engine,
         policy_loss=policy_loss_of(config),
@@ -167,7 +171,8 @@ def setup_run(config, resume, rank, world_size, device):
         history=list(meta.get("history", [])) if config.resume else [],
         eval_history=[tuple(e) for e in meta.get("eval_history", [])] if config.resume else [],
         last_saved=start_step - 1 if config.resume else None, micro_rows=rows,
-        forward=maybe_compiled(chunk_logprobs, compiling.train, dynamic=True, required=config.compile == "on"))
+        forward=maybe_compiled(chunk_logprobs, compiling.train, dynamic=True, required=config.compile == "on"),
+        rollout_log=RolloutLog(checkpoint_dir, rank, resumed=bool(config.resume)) if config.save_rollouts else None)
 
 
 def with_fewer_rows_on_oom(attempt, rows, message, rows_in_use=None, free_memory=None):
