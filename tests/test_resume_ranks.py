@@ -90,17 +90,23 @@ def test_two_rank_run_resumes_on_two_ranks_bitwise_and_on_one_rank(sft, base_dir
     one process's order, none seen before; it ends with the uninterrupted 2-rank run's weights up to the order of
     the gradient sums (question seeds and per-sample streams do not depend on the ranks; a lost momentum moves
     weights by ~lr = 1e-2); and the meta continues the run (id, history) and records both segments."""
-    run_ranks(lambda rank: ["-m", "scripts.chat_rl", *FLAGS], timeout=300)
+    run_ranks(lambda rank: ["-m", "scripts.chat_rl", *FLAGS, "--save-rollouts"], timeout=300)
     directory = rl_dir(base_dir)
     assert questions(question_log, 0) == [0, 2, 4, 6, 8, 10, 12, 14]  # nanochat's split: rank r takes r, r+2, ...
     assert questions(question_log, 1) == [1, 3, 5, 7, 9, 11, 13, 15]
+    # --save-rollouts: each rank's own samples in its own file, its questions in its order
+    saved_rollouts = [(directory / f"rollouts_rank{r}.jsonl").read_bytes() for r in (0, 1)]
+    for r in (0, 1):
+        lines = [json.loads(line) for line in saved_rollouts[r].decode().splitlines()]
+        assert [line["question"] for line in lines if line["sample"] == 0] == list(range(r, 16, 2))
     uninterrupted, saved_meta = weights(directory / "model_000003.pt"), meta(base_dir, 3)
     step1 = meta(base_dir, 1)
     saved_shards = [torch.load(directory / f"optim_000001_rank{r}.pt", weights_only=True)["optimizers"] for r in (0, 1)]
 
     drop_steps(directory, 2, 3)
-    run_ranks(lambda rank: ["-m", "scripts.chat_rl", "--resume=d2:1", "--device-type=cpu"], timeout=300)
+    run_ranks(lambda rank: ["-m", "scripts.chat_rl", "--resume=d2:1", "--device-type=cpu", "--save-rollouts"], timeout=300)
     assert_same_weights(weights(directory / "model_000003.pt"), uninterrupted)
+    assert [(directory / f"rollouts_rank{r}.jsonl").read_bytes() for r in (0, 1)] == saved_rollouts
     assert drop_timing(meta(base_dir, 3)["history"]) == drop_timing(saved_meta["history"])
     assert [questions(question_log, r) for r in (0, 1)] == [[8, 10, 12, 14], [9, 11, 13, 15]]
 
@@ -127,6 +133,9 @@ def test_two_rank_run_resumes_on_two_ranks_bitwise_and_on_one_rank(sft, base_dir
     assert after["segments"] == [{"start_step": 0, "world_size": 2}, {"start_step": 2, "world_size": 1}]
     assert [r["step"] for r in after["history"]] == [0, 1, 2, 3] and after["history"][:2] == step1["history"]
     assert sorted(p.name for p in directory.glob("optim_000003_*")) == ["optim_000003_rank0.pt"]
+    for r in (0, 1):  # resumed without --save-rollouts: both files end at the resumed step
+        kept = [line for line in saved_rollouts[r].decode().splitlines() if json.loads(line)["step"] <= 1]
+        assert (directory / f"rollouts_rank{r}.jsonl").read_text().splitlines() == kept
 
 
 @pytest.mark.slow
