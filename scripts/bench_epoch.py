@@ -26,7 +26,7 @@ from nanochat.cli import ArgumentParser, add_debug_flag, run_main
 from nanochat.common import UserError, autodetect_device_type, print0, synchronize
 from nanochat.files import atomic_write
 from nanochat.model.gpt import build_fresh_model
-from nanochat.rl.progress import is_eval_step
+from nanochat.rl.progress import is_eval_step, is_save_step
 
 GSM8K_TRAIN = 7473  # questions: nanochat's epoch is 7473 // 16 = 467 steps
 
@@ -87,7 +87,7 @@ def time_saves(model, optimizers, directory, overlap_seconds, device):
 def epoch_estimate(step_seconds, eval_seconds, save_seconds, steps, eval_every, save_every):
     """(minutes, evals, saves) of an epoch of `steps` steps at these rates, with chat_rl's eval and save schedule."""
     evals = sum(is_eval_step(s, steps, eval_every) for s in range(steps + 1))
-    saves = sum(1 for s in range(steps) if (save_every > 0 and s > 0 and s % save_every == 0) or s == steps - 1)
+    saves = sum(is_save_step(s, steps, save_every) for s in range(steps))
     return (steps * step_seconds + evals * eval_seconds + saves * save_seconds) / 60, evals, saves
 
 

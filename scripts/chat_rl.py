@@ -36,8 +36,8 @@ from nanochat.report import get_report, log_chat_rl
 from nanochat.rl.config import RLConfig
 from nanochat.rl.evaluation import evaluate_pass_at_k
 from nanochat.rl.metrics import reduce_metrics
-from nanochat.rl.progress import (count_no_signal_step, format_step_line, is_eval_step, no_signal_settings,
-                                  sample_table, step_record)
+from nanochat.rl.progress import (count_no_signal_step, format_step_line, is_eval_step, is_save_step,
+                                  no_signal_settings, sample_table, step_record)
 from nanochat.rl.resume import restore_settings
 from nanochat.rl.run import (count_bad_step, meta_data, sample_rollouts, save, saves_settled_on_error, setup_run,
                              train_on_rollouts)
@@ -227,7 +227,7 @@ def train(run, stop):
 
             # ---- checkpoint (model on rank 0; optimizer shards on every rank, for resume)
             stopping = stop.requested(run.reduce_device)
-            if (cfg.save_every > 0 and step > 0 and step % cfg.save_every == 0) or step == num_steps - 1 or stopping:
+            if is_save_step(step, num_steps, cfg.save_every) or stopping:
                 save(run, step)
             if stopping:
                 run.saver.finish()

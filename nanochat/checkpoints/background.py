@@ -12,11 +12,10 @@ is raised at the commit, on every rank, after its temp files are removed.
 
 import copy
 import threading
-import time
 
 import torch
 
-from nanochat.checkpoints.store import commit_save, remove_staged, stage_save
+from nanochat.checkpoints.store import commit_save, stage_save
 from nanochat.common import get_rank, synchronize
 
 
@@ -65,7 +64,6 @@ class BackgroundSaver:
         self._staged = None       # the StagedSave the thread hands back
         self._after_commit = None
         self._host_tensors = []   # the last snapshot's, reused by the next once its files are written
-        self.main_thread_seconds = 0.0  # every save's time on the main thread so far: snapshots, waits, commits
 
     @property
     def pending(self):
@@ -78,7 +76,6 @@ class BackgroundSaver:
         on the main thread once the step is in place."""
         if (get_rank() if rank is None else rank) == 0 and model_data is None:
             raise ValueError("rank 0 must pass model_data (the model's state_dict) to save_checkpoint")
-        t0 = time.perf_counter()
         self.finish()
         (model_copy, optimizer_copy), self._host_tensors = host_copy((model_data, optimizer_data), self._host_tensors)
         snapshot = (model_copy, optimizer_copy, copy.deepcopy(meta_data))  # encoded by the thread, as a sync save does
@@ -88,14 +85,12 @@ class BackgroundSaver:
             self._staged = stage_save(checkpoint_dir, step, *snapshot, rank=rank, all_ranks=all_ranks)
         self._thread = threading.Thread(target=write, name=f"checkpoint-step-{step}", daemon=True)
         self._thread.start()
-        self.main_thread_seconds += time.perf_counter() - t0
 
     def finish(self):
         """Wait for the save in flight, if any, and commit it (a collective with all_ranks: every rank calls this at
         the same point). Raises what the save raised, after its temp files are gone."""
         if self._thread is None:
             return
-        t0 = time.perf_counter()
         self._thread.join()
         staged, after_commit = self._staged, self._after_commit
         self._thread = self._staged = self._after_commit = None
@@ -104,16 +99,3 @@ class BackgroundSaver:
         commit_save(staged)
         if after_commit is not None:
             after_commit()
-        self.main_thread_seconds += time.perf_counter() - t0
-
-    def abandon(self):
-        """Wait for the save in flight, if any, and remove its temp files without committing it: for a run that
-        stops on an error, when the other ranks may not reach a commit (the step stays unsaved; the one before it
-        is the latest complete step)."""
-        if self._thread is None:
-            return
-        self._thread.join()
-        staged = self._staged
-        self._thread = self._staged = self._after_commit = None
-        if staged is not None:
-            remove_staged(staged)

@@ -18,6 +18,11 @@ def is_eval_step(step, num_steps, eval_every):
     return eval_every > 0 and (step % eval_every == 0 or step == num_steps)
 
 
+def is_save_step(step, num_steps, save_every):
+    """A checkpoint is saved every save_every steps after step 0, and after the last step (num_steps - 1)."""
+    return (save_every > 0 and step > 0 and step % save_every == 0) or step == num_steps - 1
+
+
 def step_record(run, step, rollouts, result, t_rollout, t_train):
     """The step's metrics over all ranks, as logged to wandb and kept in the run's history."""
     compiled = run.compile_clock.lap()  # graphs compiled and their calls' seconds, since the last record
