@@ -140,6 +140,10 @@ class ScriptedModel(torch.nn.Module):
         return self.dummy.device
 
     def forward(self, idx, cache_step=None):
+        return self.logits(self.hidden_states(idx, cache_step))
+
+    def hidden_states(self, idx, cache_step=None):
+        """The "hidden state" is already the logits row (the engine's prefill takes hidden states, then logits)."""
         self.forwards += 1
         B, T = idx.shape
         positions = cache_step.positions  # (B, T)
@@ -150,6 +154,9 @@ class ScriptedModel(torch.nn.Module):
             logits[..., self.stop_token] = self.stop_logit
         return logits
 
+    def logits(self, hidden):
+        return hidden
+
 
 class TableModel(torch.nn.Module):
     """A model whose logits are a learnable table lookup: the gradient of the objective is easy to
@@ -159,10 +166,10 @@ class TableModel(torch.nn.Module):
         super().__init__()
         self.table = torch.nn.Parameter(torch.randn(vocab, vocab))
 
-    def hidden_states(self, idx):
+    def hidden_states(self, idx, cache_step=None):
         return self.table[idx]  # (B, T, V): the "hidden state" is already the logits row
 
-    def hidden_states_shared_prefix(self, prefix, rows):
+    def hidden_states_shared_prefix(self, prefix, rows, prefix_lengths=None, row_prefix=None):
         return self.table[prefix], self.table[rows]  # a lookup does not depend on what came before
 
     def logits(self, hidden):

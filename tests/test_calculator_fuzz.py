@@ -490,9 +490,10 @@ def test_nothing_is_executed(fuzz):
 
 class PerPromptScriptedModel(torch.nn.Module):
     """Each prompt's rows emit that prompt's script (token k of the completion = script[k]; the last token
-    repeats). Prompt i has length i + 1; the prefill stores the prompt length in the KV cache, and since
-    the engine copies a prompt's cache into each of its rows, a decode step reads the length back there,
-    so many prompts can share one batch."""
+    repeats). Prompt i has length i + 1. The prefill writes t + 1 into the key slot of each position t (a batched
+    prefill pads prompts to the longest, so a row cannot know its own length then), and each decode step writes 0
+    into its position's: since the engine copies a prompt's positions into each of its rows, a row's prompt length is
+    the largest value among its positions so far, so many prompts can share one batch."""
 
     def __init__(self, scripts, vocab_size):
         super().__init__()
@@ -505,16 +506,27 @@ class PerPromptScriptedModel(torch.nn.Module):
         return self.anchor.device
 
     def forward(self, idx, cache_step=None):
+        return self.logits(self.hidden_states(idx, cache_step))
+
+    def hidden_states(self, idx, cache_step=None):
+        """(B, T, 2): per position, (prompt length, completion index of the next token)."""
         B, T = idx.shape
-        pos = cache_step.positions[:, 0]  # (B,)
-        prefill = pos == 0
+        positions = cache_step.positions  # (B, T)
         k_store = cache_step.cache.k  # a KVCache's (share_prompts=False): the double's own per-row memory
-        k_store[0, prefill, 0, 0, 0] = float(T)
-        prompt_len = k_store[0, :, 0, 0, 0].long()  # (B,)
-        k = (pos + T - prompt_len).clamp(0, self.scripts.size(1) - 1)  # completion index of the next token
-        next_token = self.scripts[prompt_len - 1, k]  # (B,)
-        logits = torch.full((B, T, self.config.vocab_size), -1e9)
-        logits[torch.arange(B), -1, next_token] = 0.0
+        rows = torch.arange(B)[:, None]
+        if T > 1:  # a prefill: every row starts at 0
+            k_store[0, rows, positions, 0, 0] = (positions + 1).float()
+            return torch.stack([positions + 1, torch.zeros_like(positions)], dim=-1)
+        k_store[0, rows, positions, 0, 0] = 0.0
+        seen = torch.arange(k_store.size(2))[None, :] <= positions  # (B, keys)
+        prompt_len = torch.where(seen, k_store[0, :, :, 0, 0], 0.0).amax(dim=1).long().clamp(min=1)  # (B,)
+        return torch.stack([prompt_len[:, None], positions + 1 - prompt_len[:, None]], dim=-1)
+
+    def logits(self, hidden):
+        prompt_len, k = hidden[..., 0], hidden[..., 1].clamp(0, self.scripts.size(1) - 1)
+        next_token = self.scripts[(prompt_len - 1).clamp(0, self.scripts.size(0) - 1), k]  # (...)
+        logits = torch.full((*hidden.shape[:-1], self.config.vocab_size), -1e9)
+        logits.scatter_(-1, next_token[..., None], 0.0)
         return logits
 
 

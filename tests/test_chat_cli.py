@@ -144,13 +144,13 @@ class ConversationModel(ScriptedModel):
         super().__init__(scripts[1], 0, tokenizer.get_vocab_size())
         self.scripts, self.user_start, self.prompts = scripts, tokenizer.encode_special("<|user_start|>"), []
 
-    def forward(self, idx, cache_step=None):
-        if idx.size(1) > 1 and int(cache_step.positions[0, 0]) == 0:  # a new prompt, whole
+    def hidden_states(self, idx, cache_step=None):
+        if idx.size(1) > 1 and int(cache_step.positions[0, 0]) == 0:  # a new prompt, whole (one at a time here)
             self.prompts.append(idx[0].tolist())
             turns = int((idx[0] == self.user_start).sum())
             assert turns in self.scripts, f"a prompt with {turns} user turns, no answer scripted for it"
             self.script, self.prompt_len = self.scripts[turns], idx.size(1)
-        return super().forward(idx, cache_step)
+        return super().hidden_states(idx, cache_step)
 
 
 def test_piped_chat_transcript_and_the_prompts_the_model_sees(tiny_tokenizer, monkeypatch, capsys):

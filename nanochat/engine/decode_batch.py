@@ -13,15 +13,22 @@ import torch
 
 from nanochat.engine.cuda_graphs import bucket_shapes, exact_shape
 from nanochat.engine.decode_weights import DecodeWeights
-from nanochat.engine.kv_cache import KVCache, forward_cached
+from nanochat.engine.kv_cache import KVCache
 from nanochat.model.attention import run_cached
 from nanochat.model.sampling import row_seeds, sample_with_logprobs
+
+
+# Prompt positions one prefill forward takes at most, padding included: a step's 16 prompts, or 64 of an eval's, in one
+# forward, while its transient KV cache and activations stay small beside the memory budget (d20 in bf16: 100 KB of
+# keys and values a position, 0.8 GB at this limit)
+PREFILL_TOKENS = 8192
 
 
 @dataclass
 class RolloutStats:
     """Work done by one generate call; used by tests (finished rows cost nothing) and the benchmark."""
     prefill_tokens: int = 0
+    prefill_forwards: int = 0   # prompts go through the model several at a time (DecodeBatch.prefill)
     decode_forwards: int = 0
     row_steps: int = 0          # sum over decode forwards of the rows in the batch
     max_batch_rows: int = 0
@@ -64,6 +71,9 @@ class PromptPool:
 
     def has_room(self):
         return len(self.free) > 0
+
+    def free_slots(self):
+        return len(self.free)
 
     def take(self, request, num_rows):
         self.slot_of[request], self.rows_left[request] = self.free.popleft(), num_rows
@@ -132,18 +142,42 @@ class DecodeBatch:
         """False while every prompt slot holds a prompt whose rows still run."""
         return self.pool is None or self.pool.has_room()
 
-    def prefill(self, request, prompt, seed, num_samples):
-        """Run `prompt` (a list of ids) through the model, once for all its samples; in a cache that holds
-        prompts its keys go to a free prompt slot. Returns the PrefilledPrompt whose rows `admit` takes."""
-        cache = KVCache.for_model(self.model, 1, len(prompt), self.cache.dtype)
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # (1, T)
+    def prefill_room(self, num_samples):
+        """How many prompts the next prefill may take: the free prompt slots (a prompt holds one while its rows run),
+        or without a pool, as many as fill the free rows (a prefilled prompt's own cache waits for its rows)."""
+        return self.pool.free_slots() if self.pool is not None else -(-self.free_rows // num_samples)
+
+    def prefill(self, requests, prompts, seeds, num_samples):
+        """Run `prompts` (lists of ids) through the model in one forward, each once for all its samples: right-padded
+        to the longest (a query never sees the padding after it, so each prompt's keys are those of a forward of it
+        alone), its logits taken at its last token only. In a cache that holds prompts each prompt's keys go to a
+        free prompt slot. Returns the PrefilledPrompts, in order, whose rows `admit` takes."""
+        lengths = [len(p) for p in prompts]
+        N, L = len(prompts), max(lengths)
+        ids = torch.zeros(N, L, dtype=torch.long)  # (N, L), padded with token 0
+        for i, prompt in enumerate(prompts):
+            ids[i, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        ids, last = ids.to(self.device), torch.tensor(lengths, device=self.device) - 1  # (N,) each one's last token
+        cache = KVCache.for_model(self.model, N, L, self.cache.dtype)
         with self.weights.in_use():
-            logits = forward_cached(self.model, ids, cache)[:, -1, :]  # (1, V)
-        self.stats.prefill_tokens += len(prompt)
-        prefilled = PrefilledPrompt(request, seed, num_samples, cache, logits, len(prompt))
-        if self.pool is not None:
-            prefilled.pool_slot = self.pool.take(request, num_samples)
-            self.cache.store_prompt(prefilled.pool_slot, cache)
+            step = cache.step(L, self.rotary_len)
+            hidden = self.model.hidden_states(ids, step)  # (N, L, C)
+            step.advance()
+            rows = torch.arange(N, device=self.device)
+            logits = self.model.logits(hidden[rows, last])  # (N, V): no vocabulary-wide work at other positions
+        cache.pos.copy_(last + 1)
+        if cache.prev_embedding is not None:  # smear's state of each prompt's own last token, not of the padding
+            cache.prev_embedding.copy_(self.model.smear_state(ids[rows, last][:, None]))
+        self.stats.prefill_tokens += sum(lengths)
+        self.stats.prefill_forwards += 1
+        prefilled = []
+        for i, (request, seed) in enumerate(zip(requests, seeds)):
+            one = PrefilledPrompt(request, seed, num_samples, cache.row_prefix(i, lengths[i]), logits[i:i + 1],
+                                  lengths[i])
+            if self.pool is not None:
+                one.pool_slot = self.pool.take(request, num_samples)
+                self.cache.store_prompt(one.pool_slot, one.cache)
+            prefilled.append(one)
         return prefilled
 
     def admit(self, prompt, rows):

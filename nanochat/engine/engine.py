@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from nanochat.engine.cuda_graphs import PROMPT_BUCKET, decode_mode, decode_plan
-from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, static_step
+from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch, RolloutStats, static_step
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.kv_cache import KVCache, cache_geometry
 from nanochat.engine.rows import Row, SpecialIds
@@ -138,21 +138,38 @@ def rows_beside_kept(kept, budget_bytes, limit, samples, rows_for_budget):
         del kept[0]  # the oldest; its memory is free before the new cache is allocated
 
 
-def admit_rows(batch, pending, waiting, prompts, seeds, num_samples, new_row):
-    """Fill the batch's free rows: first with the samples of `pending` (a PrefilledPrompt whose samples are not all
-    admitted yet, or None), then with those of the prompts it prefills from the deque `waiting` (of indices into
-    `prompts` and `seeds`), while its prompt pool has a free slot. `new_row(request, sample)` makes a sample's Row.
-    Returns (the events of the rows admitted, the prompt whose samples are not all admitted yet, or None)."""
+def next_prefill(waiting, prompts, room, limit=PREFILL_TOKENS):
+    """The requests of the next prefill, taken from the front of the deque `waiting`: at most `room`, and (one at
+    least) as many as fit `limit` positions padded to the longest of them."""
+    requests = [waiting.popleft()]
+    longest = len(prompts[requests[0]])
+    while waiting and len(requests) < room:
+        longest = max(longest, len(prompts[waiting[0]]))
+        if longest * (len(requests) + 1) > limit:
+            break
+        requests.append(waiting.popleft())
+    return requests
+
+
+def admit_rows(batch, pending, waiting, prompts, seeds, num_samples, new_row, prefill_tokens=PREFILL_TOKENS):
+    """Fill the batch's free rows: first with the samples of the prompts in the deque `pending` (PrefilledPrompts
+    whose samples are not all admitted yet), then with those of the prompts it prefills from the deque `waiting` (of
+    indices into `prompts` and `seeds`), several in one forward of at most `prefill_tokens` positions (and as many as
+    DecodeBatch.prefill_room says), while its prompt pool has a free slot. `new_row(request, sample)` makes a sample's Row. Returns the events of the rows
+    admitted; `pending` keeps the prompts whose samples are not all admitted yet."""
     events = []
-    while batch.free_rows > 0 and (pending is not None or waiting):
-        if pending is None:
+    while batch.free_rows > 0 and (pending or waiting):
+        if not pending:
             if not batch.can_take_prompt():
                 break  # every pool slot holds a prompt whose rows still run: wait for one to finish
-            request = waiting.popleft()
-            pending = batch.prefill(request, prompts[request], seeds[request], num_samples)
-        events += batch.admit(pending, [new_row(pending.request, s) for s in pending.next_samples(batch.free_rows)])
-        pending = None if pending.fully_admitted else pending
-    return events, pending
+            requests = next_prefill(waiting, prompts, batch.prefill_room(num_samples), prefill_tokens)
+            pending.extend(batch.prefill(requests, [prompts[r] for r in requests], [seeds[r] for r in requests],
+                                         num_samples))
+        prompt = pending[0]
+        events += batch.admit(prompt, [new_row(prompt.request, s) for s in prompt.next_samples(batch.free_rows)])
+        if prompt.fully_admitted:
+            pending.popleft()
+    return events
 
 
 def check_rollout_arguments(prompts, num_samples, temperature):
@@ -177,17 +194,19 @@ class Engine:
     does not depend on the batch it shares. Under bf16/fp16 autocast the forwards use the matmul weights cast once
     per rollout (DecodeWeights). compile (nanochat/model/compile.py's modes; default off): whether the static decode
     step runs compiled (static and graph decode modes only; in graph mode the engine's CUDA graphs capture the
-    compiled step), with dynamic shapes (STATIC_STEP_DYNAMIC).
+    compiled step), with dynamic shapes (STATIC_STEP_DYNAMIC). prefill_tokens: positions one prefill forward takes at
+    most (several prompts, padded to the longest; 1: one prompt at a time).
     """
 
     def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True, decode="auto",
-                 compile="off"):
+                 compile="off", prefill_tokens=PREFILL_TOKENS):
         self.model = model
         self.tokenizer = tokenizer
         self.special = SpecialIds(tokenizer)
         self.max_rows = max_rows
         self.memory_budget_gb = memory_budget_gb
         self.share_prompts = share_prompts
+        self.prefill_tokens = prefill_tokens
         self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
         compiles = compile_plan(compile, model.get_device(), self.decode).decode
         self.step = maybe_compiled(static_step, compiles, dynamic=STATIC_STEP_DYNAMIC, required=compile == "on")
@@ -318,12 +337,11 @@ class Engine:
         # the trainer has changed the weights since the last rollout
         self.weights.refresh(autocast_dtype(self.model.get_device()))
         batch, keep = self._new_batch(len(prompts), longest, num_samples, max_tokens, temperature, top_k, max_rows)
-        waiting, pending = deque(range(len(prompts))), None  # prompts not prefilled yet; the one being admitted
+        waiting, pending = deque(range(len(prompts))), deque()  # prompts not prefilled yet; prefilled, being admitted
         new_row = partial(Row, max_tokens=max_tokens, special=self.special, tokenizer=self.tokenizer)
-        while batch.in_flight or waiting or pending is not None:
+        while batch.in_flight or waiting or pending:
             events = batch.decode_step()
-            admitted, pending = admit_rows(batch, pending, waiting, prompts, seeds, num_samples, new_row)
-            events += admitted
+            events += admit_rows(batch, pending, waiting, prompts, seeds, num_samples, new_row, self.prefill_tokens)
             if events:
                 yield events
         if not self.keeps_between_rollouts:

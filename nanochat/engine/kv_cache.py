@@ -223,6 +223,16 @@ class KVCache:
         view.prev_embedding = None if self.prev_embedding is None else self.prev_embedding[start:stop]
         return view
 
+    def row_prefix(self, row, length):
+        """A one-row cache over the first `length` positions of row `row`, sharing this one's storage: one prompt of
+        a batched prefill (nanochat/engine/decode_batch.py), as a prefill of that prompt alone would have left it."""
+        view = KVCache.__new__(KVCache)
+        view.spare_positions = 0
+        view.k, view.v = self.k[:, row:row + 1, :length], self.v[:, row:row + 1, :length]
+        view.pos, view.active = self.pos[row:row + 1], self.active[row:row + 1]
+        view.prev_embedding = None if self.prev_embedding is None else self.prev_embedding[row:row + 1]
+        return view
+
     def copy_rows(self, dst, src):
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]

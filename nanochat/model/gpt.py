@@ -306,8 +306,13 @@ class GPT(nn.Module):
         previous = None
         if self.generation.smear:
             previous = cache_step.smear_previous
-            cache_step.keep_smear_state(norm(self.transformer.wte(idx[:, -1:])))  # for the next step
+            cache_step.keep_smear_state(self.smear_state(idx[:, -1:]))  # for the next step
         return self._trunk(idx, self._rope(cache_step.positions), cache_step, previous)
+
+    def smear_state(self, tokens):
+        """tokens (B, 1) -> (B, 1, n_embd): what a cached forward keeps of a row's last token for smear to mix into
+        the next one (its normed embedding)."""
+        return norm(self.transformer.wte(tokens))
 
     def hidden_states_shared_prefix(self, prefix, rows):
         """prefix: (1, P) tokens that every row starts with; rows: (B, S) each row's tokens after them.
