@@ -55,9 +55,10 @@ def add_runtime_flags(parser, wandb_run=True):
         parser.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' disables wandb)")
     parser.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
     parser.add_argument("--dtype", type=str, default=None,
-                        help="auto|float32|bfloat16 compute dtype (autocast); default: $NANOCHAT_DTYPE, else auto: "
-                             "bfloat16 on a GPU, on a CPU bfloat16 only where it is native (AVX512-BF16, AMX) and, in "
-                             "chat_rl, measured faster at the start")
+                        help="auto|float32|bfloat16 compute dtype (autocast; chat_rl also float16, with dynamic loss "
+                             "scaling); default: $NANOCHAT_DTYPE, else auto: bfloat16 on a GPU (in chat_rl float16 on "
+                             "one without native bf16, before SM 80), on a CPU bfloat16 only where it is native "
+                             "(AVX512-BF16, AMX) and, in chat_rl, measured faster at the start")
 
 
 def add_decode_flag(parser, auto_note=""):
@@ -79,13 +80,13 @@ def add_memory_budget_flag(parser):
 
 
 def add_train_rows_flag(parser):
-    """--train-rows: rows of one question per training forward (read it with train_rows)."""
+    """--train-rows: trained rows per training forward (read it with train_rows)."""
     parser.add_argument("--train-rows", type=int, default=0,
-                        help=f"rows of one question per training forward (0 = auto: {AUTO_TRAIN_ROWS}, or "
-                             "--device-batch-size if larger; at most "
-                             "--num-samples count). The gradient is the same for any value: each row keeps the "
-                             "denominator of its --device-batch-size pass. More rows make larger matmuls (on a GPU, "
-                             "fewer and fuller kernels) and need more memory; halved on out-of-memory")
+                        help=f"trained rows per training forward, taken from one question or several in turn (0 = "
+                             f"auto: {AUTO_TRAIN_ROWS}, or --device-batch-size if larger). The gradient is the same "
+                             "for any value: each row keeps the denominator of its --device-batch-size pass. More "
+                             "rows make larger matmuls and fewer forwards (on a GPU, fewer and fuller kernels) and "
+                             "need more memory; halved on out-of-memory")
 
 
 def add_compile_flag(parser):

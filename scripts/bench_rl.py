@@ -37,7 +37,7 @@ from nanochat.model.sampling import mix32
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.config import RLConfig
 from nanochat.rl.plan import resolve_memory, train_rows
-from nanochat.rl.policy_gradient import accumulate_policy_gradient, chunk_logprobs
+from nanochat.rl.policy_gradient import accumulate_policy_gradient, chunk_logprobs, d20_train_step_kernels
 from nanochat.rl.rollout import QuestionRollout, longest_prompt, step_question_indices
 from nanochat.rl.run import RLRun, make_optimizers, policy_loss_of, sample_rollouts, train_on_rollouts
 from nanochat.tokenizer import Tokenizer
@@ -159,9 +159,9 @@ class EarlyStopModel(nn.Module):
         self.model, self.config, self.end_token = model, model.config, end_token
         self.threshold = round(2 ** 32 / mean_length)
 
-    def get_device(self):
-        return self.model.get_device()
-
+    # the model's, left alone: its device, and a prefill's forward (hidden states, logits at the last token, smear state)
+    get_device, hidden_states, logits, smear_state = (property(lambda self, name=name: getattr(self.model, name))
+                                                      for name in ("get_device", "hidden_states", "logits", "smear_state"))
     def ends(self, tokens, positions):
         """tokens, positions: (B,) int64 -> (B,) bool: does the row end after this input."""
         return mix32(mix32(tokens) ^ mix32(positions + 0x5BD1E995)) < self.threshold
@@ -184,7 +184,7 @@ def step_rollouts(run, config):
     """The step's rollouts: chat_rl's (sample_rollouts), or nanochat's, each question in num_samples / device_batch_size
     generate_batch calls. Returns (QuestionRollouts, [(Engine.last_stats, [(prompt length, [tokens]) per prompt])])."""
     if config.batched:
-        rollouts = sample_rollouts(run, BENCH_STEP)
+        rollouts = sample_rollouts(run, BENCH_STEP).trained
         return rollouts, [(run.engine.last_stats, [(r.prompt_length, [c.tokens for c in r.completions]) for r in rollouts])]
     cfg, engine, task, tokenizer = run.config, run.engine, run.train_task, run.engine.tokenizer
     rollouts, calls = [], []
@@ -401,10 +401,10 @@ def run(args, configs, device):
     initial_state, memory = {k: v.detach().clone() for k, v in model.state_dict().items()}, PeakMemory(device)
     # the KV budget once, for every config (bf16's decode weights reserved: the larger case), as chat_rl sizes its run
     resolve_memory(rl, model, device, make_optimizers(rl, model), train_rows(rl))
-    results, skipping = {}, None
+    results, skipping, train_kernels = {}, None, d20_train_step_kernels() if args.preset == "d20" else None  # meta
     report = lambda: {"machine": {**info, "load_average_after": load_average()}, "model": model_info,  # noqa: E731
                       "settings": {**vars(args), "rl": {**vars(rl), **PER_CONFIG}}, "peak_flops": peaks,
-                      "memory_bandwidth": bandwidth, "memory_method": memory.method,
+                      "memory_bandwidth": bandwidth, "memory_method": memory.method, "train_step_kernels": train_kernels,
                       "results": {n: {k: v for k, v in r.items() if k != "batches"} for n, r in results.items()},
                       "no_signal_training": skipping, "complete": len(results) == len(configs) * len(variants)}
     end = tokenizer.encode_special("<|assistant_end|>")

@@ -56,8 +56,13 @@ def add_algorithm_flags(p):
                    help="rows cut at --max-new-tokens carry no gradient and count in no denominator (overlong filtering)")
     p.add_argument("--ppo-epochs", type=int, default=1,
                    help="optimizer steps per batch of rollouts; epochs after the first use the clipped ratio (PPO)")
-    p.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clipped below at 1 - clip-low")
-    p.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clipped above at 1 + clip-high (DAPO: 0.28)")
+    p.add_argument("--loss", type=str, default="pg",
+                   help="the term of PPO epochs after the first: pg (PPO's clipped ratio), gspo (sequence-level ratio) or "
+                        "cispo (clipped, detached ratio weighing logp); the first epoch is on-policy: the policy gradient")
+    p.add_argument("--clip-low", type=float, default=None,
+                   help="ratio clipped below at 1 - clip-low (default by --loss: pg 0.2, gspo 3e-4, cispo 1 = no floor)")
+    p.add_argument("--clip-high", type=float, default=None,
+                   help="ratio clipped above at 1 + clip-high (default by --loss: pg 0.2, gspo 4e-4, cispo 0.28; DAPO: 0.28)")
     p.add_argument("--kl-coef", type=float, default=0.0,
                    help="weight of the k3 KL penalty to the starting model (0 = none; > 0 loads a second copy)")
     p.add_argument("--rollout-correction", type=str, default="none",
@@ -66,6 +71,11 @@ def add_algorithm_flags(p):
                         "sequence ratio leaves [1/cap, cap]); ratio = exp(logp_trainer - logp_sampler), whole vocabulary")
     p.add_argument("--rollout-correction-cap", type=float, default=2.0,
                    help="the cap of --rollout-correction (> 1)")
+    p.add_argument("--dynamic-sampling", action="store_true",
+                   help="draw more questions until the step has --examples-per-step whose samples differ in reward "
+                        "(DAPO), or --dynamic-sampling-rounds more draws; the step trains those (nanochat: off)")
+    p.add_argument("--dynamic-sampling-rounds", type=int, default=3,
+                   help="with --dynamic-sampling: draws of --examples-per-step questions a step may add")
 
 
 def parse_args(argv):
@@ -73,9 +83,10 @@ def parse_args(argv):
     # logging and runtime
     add_runtime_flags(p)
     p.add_argument("--rollout-dtype", type=str, default="auto",
-                   help="dtype of rollouts and evals: auto (float32 with --dtype=float32; else bfloat16 on a GPU, and "
-                        "on a CPU/MPS bfloat16 only where the run's rollout, timed shortened at the start, is 1.2x "
-                        "faster, or as --dtype where the decode step is compiled; kept on --resume), float32 or bfloat16")
+                   help="dtype of rollouts and evals: auto (float32 with --dtype=float32, float16 where training is "
+                        "float16; else bfloat16 on a GPU, and on a CPU/MPS bfloat16 only where the run's rollout, timed "
+                        "shortened at the start, is 1.2x faster, or as --dtype where the decode step is compiled; kept "
+                        "on --resume), float32, bfloat16 or float16")
     # model to start from, and where the run is written
     p.add_argument("--source", type=str, default="sft",
                    help="checkpoint family to start from: base|mid|sft|rl (rl: a new run from an RL checkpoint)")
@@ -203,7 +214,8 @@ def train(run, stop):
 
             # ---- rollouts: sample and reward this rank's questions (the last checkpoint is written meanwhile)
             t0 = time.time()
-            rollouts = sample_rollouts(run, step)
+            sampled = sample_rollouts(run, step, run.data_position)
+            rollouts, run.data_position = sampled.trained, sampled.next_position
             t_rollout = time.time() - t0
 
             # ---- policy gradient and optimizer step
@@ -214,7 +226,7 @@ def train(run, stop):
             t_train = time.time() - t0
 
             # ---- log
-            record = step_record(run, step, rollouts, result, t_rollout, t_train)
+            record = step_record(run, step, sampled.drawn, result, t_rollout, t_train, trained=rollouts)
             run.step_seconds.append(max(t_rollout + t_train - record["compile_s"], 0.0))  # the ETA: compiling is one-off
             print0(format_step_line(run, record, time.time() - run_start))
             count_no_signal_step(run, record)
@@ -223,7 +235,7 @@ def train(run, stop):
             if cfg.eval_every > 0 and step % cfg.eval_every == 0:  # a few completions to read, from rank 0's first question
                 log_samples_table(wandb_run, sample_table(run, rollouts[0]), step=step)
             if run.rollout_log:
-                run.rollout_log.append(step, rollouts)
+                run.rollout_log.append(step, sampled.drawn)
 
             # ---- checkpoint (model on rank 0; optimizer shards on every rank, for resume)
             stopping = stop.requested(run.reduce_device)

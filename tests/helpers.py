@@ -175,6 +175,10 @@ class TableModel(torch.nn.Module):
     def logits(self, hidden):
         return hidden
 
+    def sampled_logprobs(self, hidden, targets):
+        from nanochat.rl.objective import token_logprobs_and_entropy
+        return token_logprobs_and_entropy(self.logits(hidden), targets)
+
 
 class BigramModel(TableModel):
     """Logits = a table row of the current token, in decoding and in training alike, so the output depends on the

@@ -28,6 +28,15 @@ class ParityTask:
 
 
 
+class HalfSilentParity(ParityTask):
+    """ParityTask whose odd questions earn nothing, whatever the answer: they never have a reward signal (for
+    --dynamic-sampling, which draws more questions until a step has enough with one)."""
+
+    def reward(self, conversation, response_text):
+        index = int(conversation["messages"][0]["content"].split()[-1])
+        return 0.0 if index % 2 else super().reward(conversation, response_text)
+
+
 class ScriptedParity(ParityTask):
     """ParityTask graded from a hand-written table instead of the text: the k-th grading of question i (counted
     per process) is outcome(i, k), whatever the model wrote: here OUTCOMES[i][k % 4] (4 samples), and 0 for questions

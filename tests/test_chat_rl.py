@@ -46,7 +46,8 @@ def test_eval_prints_pass_at_k(sft, base_dir, capsys):
     (["--num-samples=4", "--device-batch-size=8"], "--num-samples (4) must be a multiple of --device-batch-size (8)"),
     (["--num-samples=12", "--device-batch-size=8"], "e.g. --device-batch-size=6"),
     (["--temperature=-1"], "--temperature must be >= 0"),
-    (["--dtype=float16"], "--dtype must be auto, float32 or bfloat16"),
+    (["--dtype=fp8"], "--dtype must be auto, float32, bfloat16 or float16, got 'fp8'"),  # float16: tests/test_fp16.py
+    (["--rollout-dtype=half"], "--rollout-dtype must be auto, float32, bfloat16 or float16, got 'half'"),
     (["--eval-every=0"], "--eval-every must be >= 1, or -1"),
     (["--init-lr-frac=0"], "--init-lr-frac must be in (0, 1]"),
     (["--task=nosuchtask"], "unknown task 'nosuchtask'"),

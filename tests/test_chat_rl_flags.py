@@ -157,9 +157,9 @@ def test_lr_and_weight_decay_flags_reach_the_param_groups(recipe, optimizer_type
 # ----------------------------------------------------------------------------- --train-rows
 
 def test_train_rows_changes_the_forwards_not_the_weights(sft, base_dir, monkeypatch):
-    """auto (here a question's 4 rows) trains each question in one forward instead of two of --train-rows=2 (as
-    --device-batch-size=2, nanochat's passes): the forwards see 4 rows, and the weights after 2 steps are the 2-row
-    run's within fp32 rounding (each row keeps its 2-row pass's denominator)."""
+    """auto (16 rows: here every trained row of the step's 4 questions) trains them in one forward of several
+    questions instead of forwards of --train-rows=2 (as --device-batch-size=2, nanochat's passes), and the weights
+    after 2 steps are the 2-row run's within fp32 rounding (each row keeps its 2-row pass's denominator)."""
     real, rows_seen = rl_run.accumulate_policy_gradient, []
 
     def accumulate(model, batches, *args, micro_batch_rows=None, **kwargs):
@@ -170,29 +170,29 @@ def test_train_rows_changes_the_forwards_not_the_weights(sft, base_dir, monkeypa
     default = weights(rl_dir(base_dir) / "model_000001.pt")
     assert rows_seen == [2, 2]
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--overwrite"])
-    assert rows_seen[2:] == [4, 4]
+    assert rows_seen[2:] == [16, 16]
     wide = weights(rl_dir(base_dir) / "model_000001.pt")
     assert default.keys() == wide.keys()
     assert any(not torch.equal(default[k], v) for k, v in sft.state_dict().items())  # the runs did train
     for k in default:
         torch.testing.assert_close(wide[k], default[k], rtol=1e-5, atol=1e-6, msg=k)
-    # more rows than a question has are a question's rows; a negative value is refused in one line
+    # more rows than a question has are taken as given (a forward spans questions); a negative value is refused
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1", "--save-every=-1", "--overwrite", "--train-rows=64"])
-    assert rows_seen[4:] == [4]
+    assert rows_seen[4:] == [64]
     with pytest.raises(UserError, match="--train-rows must be >= 0"):
         chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1", "--train-rows=-1"])
 
 
 def test_train_rows_auto_is_16_or_the_pass_if_larger():
     """--train-rows=0 (auto): AUTO_TRAIN_ROWS (16, measured on an H100 and a CPU), or --device-batch-size if larger;
-    a question's rows at most; a number as given (capped likewise)."""
+    a number as given, more than a question's rows too (a forward spans questions)."""
     def rows(**flags):
         return train_rows(argparse.Namespace(**{"train_rows": 0, "device_batch_size": 8, "num_samples": 16, **flags}))
     assert AUTO_TRAIN_ROWS == 16
     assert rows() == 16
     assert rows(device_batch_size=32, num_samples=64) == 32  # never fewer than the pass
-    assert rows(num_samples=8) == 8 and rows(device_batch_size=4, num_samples=12) == 12
-    assert rows(train_rows=4) == 4 and rows(train_rows=64) == 16
+    assert rows(num_samples=8) == 16 and rows(device_batch_size=4, num_samples=12) == 16
+    assert rows(train_rows=4) == 4 and rows(train_rows=64) == 64
 
 
 # ----------------------------------------------------------------------------- resume

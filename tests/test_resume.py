@@ -116,7 +116,7 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(sft, base_dir,
         return real_generate(self, *args, **kwargs)
 
     def accumulate(*args, micro_batch_rows=None, **kwargs):
-        if micro_batch_rows == 4:  # --train-rows auto: a question's 4 rows
+        if micro_batch_rows == 16:  # --train-rows auto: 16 rows, every trained row of the step
             raised["train"] += 1
             raise torch.OutOfMemoryError("simulated")
         return real_accumulate(*args, micro_batch_rows=micro_batch_rows, **kwargs)
@@ -126,7 +126,7 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(sft, base_dir,
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--overwrite"])
     out = capsys.readouterr().out
     assert "out of memory during rollouts: retrying with --max-rows=4" in out
-    assert "out of memory during training: retrying with 2 rows per forward pass" in out
+    assert "out of memory during training: retrying with 8 rows per forward pass" in out
     assert raised == {"rollout": 1, "train": 1}
     got = weights(rl_dir(base_dir) / "model_000001.pt")
     # Fewer rows per forward sums the same gradient in another order (fp32 ulps). AdamW's first step divides

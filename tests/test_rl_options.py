@@ -242,8 +242,11 @@ def test_every_normalization_on_two_gloo_ranks_equals_one_process(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--ppo-epochs=0"], "--ppo-epochs must be >= 1"),
-    (["--clip-low=1"], "--clip-low must be in [0, 1)"),
-    (["--clip-low=-0.1"], "--clip-low must be in [0, 1)"),
+    (["--clip-low=1.5"], "--clip-low must be in [0, 1]"),
+    (["--clip-low=-0.1"], "--clip-low must be in [0, 1]"),
+    (["--loss=grpo"], "--loss must be pg, gspo, cispo, got 'grpo'"),
+    (["--loss=gspo"], "--loss=gspo changes only the PPO epochs after the first"),
+    (["--loss=gspo", "--ppo-epochs=2", "--rollout-correction=token-tis"], "use --rollout-correction=sequence-mask"),
     (["--clip-high=-0.2"], "--clip-high must be >= 0"),
     (["--kl-coef=-0.01"], "--kl-coef must be >= 0"),
     (["--loss-norm=tokens"], "--loss-norm must be pass, token, sequence, constant, got 'tokens'"),

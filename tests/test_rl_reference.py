@@ -16,6 +16,9 @@ row i, sampled token t (mask 1) of row i, and D_i the row's denominator:
     D_i, constant   rows of q * max_new_tokens * questions of the step                 (Dr. GRPO)
     mask truncated  rows cut at max_new_tokens have no token and count in no denominator
     PPO epoch 2     A_i * logp_it -> min(rho A_i, clip(rho, 1 - clip_low, 1 + clip_high) A_i), rho = exp(logp - old)
+      GSPO          -> min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i) for each token of row i,
+                       s_i = exp(mean over row i's sampled tokens of (logp - old))      (Zheng et al. 2025)
+      CISPO         -> sg(clip(rho, 1 - clip_low, 1 + clip_high)) A_i logp_it            (MiniMax-M1)
     KL              - kl_coef * sum_i sum_t k3_it / D_i,  k3 = exp(ref - logp) - (ref - logp) - 1
     rollout correction, with s_it the sampler's log-probability of the token (here: under a second table) and
     w_it = exp(logp_it - s_it) taken as a constant (no gradient flows through it), the policy term (not the KL
@@ -62,7 +65,7 @@ def sampled_tokens(prompt, tokens, masks):
 
 def reference_objective(table, loss_norm="pass", mask_truncated=False, advantage_std=False, kl_coef=0.0,
                         ref_table=None, old_table=None, clip_low=0.2, clip_high=0.2, rollout_correction="none",
-                        correction_cap=2.0, sampler_table=None):
+                        correction_cap=2.0, sampler_table=None, loss="pg"):
     """The step's objective (a float64 scalar, differentiable in `table`) and the number of clipped tokens, or
     with a rollout correction the number of corrected tokens among the rows trained (a non-zero advantage, or any
     with the KL penalty).
@@ -105,10 +108,22 @@ def reference_objective(table, loss_norm="pass", mask_truncated=False, advantage
         log_w = [float((logp_of(sampling_table, prev, token) - logp_of(sampler_table, prev, token)).detach())
                  for prev, token in pairs] if rollout_correction != "none" else [0.0] * len(pairs)  # plain floats: no grad
         row_kept = abs(sum(log_w)) <= math.log(correction_cap)
+        if old_table is not None and loss == "gspo":  # the row's ratio: the geometric mean of its tokens'
+            s = torch.exp(sum(logp_of(table, prev, token) - logp_of(old_table, prev, token) for prev, token in pairs)
+                          / len(pairs))
+            unclipped, clipped_term = s * advantage, torch.clamp(s, 1 - clip_low, 1 + clip_high) * advantage
+            row_term, row_clipped = torch.minimum(unclipped, clipped_term), bool(clipped_term < unclipped)
         for (prev, token), lw in zip(pairs, log_w):
             logp = logp_of(table, prev, token)
             if old_table is None:
                 term = advantage * logp
+            elif loss == "gspo":
+                term = row_term
+                clipped += int(row_clipped)
+            elif loss == "cispo":
+                rho = float(torch.exp(logp - logp_of(old_table, prev, token)).detach())  # a float: no gradient through it
+                term = min(max(rho, 1 - clip_low), 1 + clip_high) * advantage * logp
+                clipped += int(not 1 - clip_low <= rho <= 1 + clip_high and (advantage != 0 or kl_coef > 0))  # trained
             else:
                 rho = torch.exp(logp - logp_of(old_table, prev, token))
                 unclipped, clipped_term = rho * advantage, torch.clamp(rho, 1 - clip_low, 1 + clip_high) * advantage

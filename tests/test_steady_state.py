@@ -29,9 +29,9 @@ def test_every_step_starts_with_the_same_live_tensors_and_objects(decode, sft, b
     counts = []
     sample_rollouts = chat_rl.sample_rollouts
 
-    def counted(run, step):
+    def counted(run, step, position=None):
         counts.append(live_counts())
-        return sample_rollouts(run, step)
+        return sample_rollouts(run, step, position)
 
     monkeypatch.setattr(chat_rl, "sample_rollouts", counted)
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=8", f"--decode={decode}", "--save-every=100"])

@@ -148,32 +148,17 @@ class DecodeBatch:
         return self.pool.free_slots() if self.pool is not None else -(-self.free_rows // num_samples)
 
     def prefill(self, requests, prompts, seeds, num_samples):
-        """Run `prompts` (lists of ids) through the model in one forward, each once for all its samples: right-padded
-        to the longest (a query never sees the padding after it, so each prompt's keys are those of a forward of it
-        alone), its logits taken at its last token only. In a cache that holds prompts each prompt's keys go to a
-        free prompt slot. Returns the PrefilledPrompts, in order, whose rows `admit` takes."""
-        lengths = [len(p) for p in prompts]
-        N, L = len(prompts), max(lengths)
-        ids = torch.zeros(N, L, dtype=torch.long)  # (N, L), padded with token 0
-        for i, prompt in enumerate(prompts):
-            ids[i, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        ids, last = ids.to(self.device), torch.tensor(lengths, device=self.device) - 1  # (N,) each one's last token
-        cache = KVCache.for_model(self.model, N, L, self.cache.dtype)
+        """Run `prompts` (lists of ids) through the model in one forward (prefill_forward), each once for all its
+        samples; in a cache that holds prompts each prompt's keys go to a free prompt slot. Returns the
+        PrefilledPrompts, in order, whose rows `admit` takes."""
         with self.weights.in_use():
-            step = cache.step(L, self.rotary_len)
-            hidden = self.model.hidden_states(ids, step)  # (N, L, C)
-            step.advance()
-            rows = torch.arange(N, device=self.device)
-            logits = self.model.logits(hidden[rows, last])  # (N, V): no vocabulary-wide work at other positions
-        cache.pos.copy_(last + 1)
-        if cache.prev_embedding is not None:  # smear's state of each prompt's own last token, not of the padding
-            cache.prev_embedding.copy_(self.model.smear_state(ids[rows, last][:, None]))
-        self.stats.prefill_tokens += sum(lengths)
+            cache, logits = prefill_forward(self.model, prompts, self.cache.dtype)
+        self.stats.prefill_tokens += sum(len(p) for p in prompts)
         self.stats.prefill_forwards += 1
         prefilled = []
-        for i, (request, seed) in enumerate(zip(requests, seeds)):
-            one = PrefilledPrompt(request, seed, num_samples, cache.row_prefix(i, lengths[i]), logits[i:i + 1],
-                                  lengths[i])
+        for i, (request, prompt, seed) in enumerate(zip(requests, prompts, seeds)):
+            one = PrefilledPrompt(request, seed, num_samples, cache.row_prefix(i, len(prompt)), logits[i:i + 1],
+                                  len(prompt))
             if self.pool is not None:
                 one.pool_slot = self.pool.take(request, num_samples)
                 self.cache.store_prompt(one.pool_slot, one.cache)
@@ -268,6 +253,29 @@ class DecodeBatch:
                 self.offset[i], self.cached[i] = self.offset[last], self.cached[last]
             self.cache.release_row(last)
             self.in_flight.pop()
+
+
+def prefill_forward(model, prompts, dtype):
+    """`prompts` (lists of ids) through `model` in one forward, right-padded to the longest: a query never sees the
+    padding after it, so each prompt's keys are those of a forward of it alone. Returns a KVCache (in `dtype`) whose
+    row i holds prompt i (its position, and smear's state of its own last token, not of the padding), and the logits
+    (N, V) at each prompt's last token: no vocabulary-wide work at the other positions."""
+    lengths = [len(p) for p in prompts]
+    N, L, device = len(prompts), max(lengths), model.get_device()
+    ids = torch.zeros(N, L, dtype=torch.long)  # (N, L), padded with token 0
+    for i, prompt in enumerate(prompts):
+        ids[i, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    ids, last = ids.to(device), torch.tensor(lengths, device=device) - 1  # (N,) each one's last token
+    cache = KVCache.for_model(model, N, L, dtype)
+    step = cache.step(L, getattr(model, "rotary_len", None))
+    hidden = model.hidden_states(ids, step)  # (N, L, C)
+    step.advance()
+    rows = torch.arange(N, device=device)
+    logits = model.logits(hidden[rows, last])  # (N, V)
+    cache.pos.copy_(last + 1)
+    if cache.prev_embedding is not None:
+        cache.prev_embedding.copy_(model.smear_state(ids[rows, last][:, None]))
+    return cache, logits
 
 
 def static_step(batch, rows, keys):

@@ -1,6 +1,8 @@
 """
-How many aten ops, and how many of them kernels, one static decode step dispatches: the floor a GPU's launch
-overhead puts under a step (a replayed CUDA graph still runs every kernel), counted without running anything.
+How many aten ops, and how many of them kernels, one static decode step (count_decode_step_ops) or any pass run on
+the meta device (count_meta_ops: nanochat/rl/policy_gradient.py's count_train_step_ops counts a training step)
+dispatches: the floor a GPU's launch overhead puts under a step (a replayed CUDA graph still runs every kernel),
+counted without running anything.
 
 The step runs on the `meta` device (shapes only), so the count is the same on a CPU as on a GPU. A kernel here is
 an op that is not a view: views and metadata changes launch nothing. Ops are counted per block of the model, and
@@ -10,6 +12,7 @@ outside the blocks (embedding, masks built lazily count in the first block that 
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanochat.engine.decode_batch import DecodeBatch, RolloutStats
@@ -36,20 +39,29 @@ def is_view(func):
 
 
 class CountOps(TorchDispatchMode):
-    """Counts the ops dispatched, and the ones that are kernels, into `count`, and into the block in `block`."""
+    """Counts the ops dispatched, and the ones that are kernels, into `count`, and into the block in `block`.
+    device: count only the ops that return a tensor on that device (None: every op)."""
 
-    def __init__(self, count):
+    def __init__(self, count, device=None):
         super().__init__()
-        self.count, self.block = count, None
+        self.count, self.block, self.device = count, None, device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.device is not None:
+            out = func(*args, **(kwargs or {}))
+            if any(isinstance(t, torch.Tensor) and t.device == self.device for t in pytree.tree_leaves(out)):
+                self._add(func)
+            return out
+        self._add(func)
+        return func(*args, **(kwargs or {}))
+
+    def _add(self, func):
         kernel = not is_view(func)
         self.count.ops += 1
         self.count.kernels += kernel
         if self.block is not None:
             self.count.ops_per_block[self.block] += 1
             self.count.kernels_per_block[self.block] += kernel
-        return func(*args, **(kwargs or {}))
 
 
 def count_decode_step_ops(model, rows, keys, share_prompts=True, prompt_len=64, num_samples=16,
@@ -79,3 +91,22 @@ def count_decode_step_ops(model, rows, keys, share_prompts=True, prompt_len=64, 
         for hook in hooks:
             hook.remove()
     return count
+
+
+META_READ = "Cannot copy out of meta tensor"  # what a read back to the host raises on the meta device
+
+
+def count_meta_ops(fn):
+    """(the OpCount of the ops fn() dispatches on the meta device, whether fn returned): run until it returns or
+    first reads a meta tensor back to the host, which meta cannot (a pass that reads its sums back once, at its end,
+    is counted whole; the caller checks that it got there). Ops on other devices (the host's bookkeeping) do not
+    count: a GPU would launch nothing for them."""
+    count = OpCount()
+    try:
+        with CountOps(count, device=torch.device("meta")):
+            fn()
+    except NotImplementedError as error:
+        if META_READ not in str(error):
+            raise
+        return count, False
+    return count, True

@@ -167,7 +167,13 @@ class SharedPromptKVCache:
 class SharedPromptStep:
     """One single-token decode step over a SharedPromptKVCache (see there; the CacheStep of
     nanochat/model/attention.py). Each row's query attends to its prompt's keys and to its completion's first
-    `suffix_keys` keys (this step's included)."""
+    `suffix_keys` keys (this step's included).
+
+    What depends only on the rows, not on the layer, is made once per step: how far back from its row's query each
+    key is (`far`), a window's additive mask (0 or -inf, at the first layer of that window) and the prompt
+    attention's layouts (at the first layer)."""
+
+    NEVER = torch.iinfo(torch.int64).max  # how far back a key the row never sees is: beyond every window
 
     def __init__(self, cache, suffix_keys):
         self.cache, self.S = cache, suffix_keys
@@ -175,17 +181,34 @@ class SharedPromptStep:
         B = cache.batch_size
         self.row_index = torch.arange(B, device=device)
         next_positions = cache.next_positions()  # (B,)
+        lengths = cache.pool_len[cache.prompt_slot]  # (B,) each row's prompt's
         self.positions = next_positions[:, None]  # (B, 1)
+        # (B, 1, 1, Lp + S): the prompt's keys, then the completion's; NEVER for a prompt slot past the prompt's end and
+        # a completion position past this step's
         prompt_keys = torch.arange(cache.pool_k.size(3), device=device)  # (Lp,)
-        has_prompt_key = prompt_keys < cache.pool_len[cache.prompt_slot][:, None]  # (B, Lp)
-        prompt_delta = next_positions[:, None] - prompt_keys  # (B, Lp)
-        suffix_delta = cache.pos[:, None] - torch.arange(suffix_keys, device=device)  # (B, S)
-        # per window: the keys each row must not see, prompt's then completion's, as (B, 1, 1, keys)
-        self.hidden = Visibility(lambda window: (
-            ~(has_prompt_key & (prompt_delta <= window))[:, None, None],
-            ~((suffix_delta >= 0) & (suffix_delta <= window))[:, None, None]))
+        prompt_far = (next_positions[:, None] - prompt_keys).masked_fill(prompt_keys >= lengths[:, None], self.NEVER)
+        suffix_far = cache.pos[:, None] - torch.arange(suffix_keys, device=device)  # (B, S)
+        suffix_far = suffix_far.masked_fill(suffix_far < 0, self.NEVER)
+        far = torch.cat([prompt_far, suffix_far], dim=1)[:, None, None]
+        visible = far.new_zeros(far.shape, dtype=torch.float32)
+        # per window: 0 where the key is visible, -inf where not, added to the fp32 scores
+        self.mask = Visibility(lambda window: visible.masked_fill(far > window, float("-inf")))
+        self.layouts = {}  # dtype -> the prompt attention's (queries, probabilities) by slot, see _layouts
         has_smear = cache.prev_embedding is not None
         self.smear_previous = cache.prev_embedding.clone() if has_smear else None
+
+    def _layouts(self, q, Lp):
+        """The prompt attention's inputs laid out by prompt slot: queries (slots, Hkv, G, rep, D) and probabilities
+        (slots, Hkv, G, rep, Lp), where row b is at [prompt_slot[b], :, sample[b]]. Zeros, made at the first layer:
+        every layer writes the same places, so the others stay zero."""
+        if q.dtype not in self.layouts:
+            c = self.cache
+            # + the spare column of free rows, if in the step (1 if ..., not + bool: a symbolic size plus a bool breaks
+            # torch 2.11's shape tracing)
+            slots, G = c.pool_k.size(1), c.rows_per_slot + (1 if c.static else 0)
+            Hkv, rep, D = q.shape[1:]
+            self.layouts[q.dtype] = q.new_zeros(slots, Hkv, G, rep, D), q.new_zeros(slots, Hkv, G, rep, Lp)
+        return self.layouts[q.dtype]
 
     def attend(self, layer_idx, q, k, v, window):
         c = self.cache
@@ -197,31 +220,27 @@ class SharedPromptStep:
         write_rows(c.k, layer_idx, self.row_index, c.pos, k[:, 0].to(c.k.dtype), heads_first=True)
         write_rows(c.v, layer_idx, self.row_index, c.pos, v[:, 0].to(c.v.dtype), heads_first=True)
         q = q[:, 0].reshape(B, Hkv, rep, D)
-        scale = 1.0 / math.sqrt(D)
+        pool_k, pool_v = c.pool_k[layer_idx].to(q.dtype), c.pool_v[layer_idx].to(q.dtype)  # (slots, Hkv, Lp, D)
+        slots, Lp = pool_k.size(0), pool_k.size(2)
         # prompt part: the queries of each slot's rows laid out as (slot, kv head, sample, rep) -> one matmul per
         # slot and kv head reads that prompt's keys once
-        # + the spare column of free rows, if in the step (1 if ..., not + bool: a symbolic size plus a bool breaks
-        # torch 2.11's shape tracing)
-        slots, G = c.pool_k.size(1), c.rows_per_slot + (1 if c.static else 0)
-        grid = q.new_zeros(slots, Hkv, G, rep, D)
+        grid, prompt_probs = self._layouts(q, Lp)
+        G = grid.size(2)
         grid[c.prompt_slot, :, c.sample] = q
-        pool_k, pool_v = c.pool_k[layer_idx].to(q.dtype), c.pool_v[layer_idx].to(q.dtype)  # (slots, Hkv, Lp, D)
         # scores in fp32, as the trainer's attention keeps them
-        prompt_scores = fp32_scores(grid.view(slots, Hkv, G * rep, D), pool_k.transpose(-1, -2)).view(slots, Hkv, G, rep, -1)
-        prompt_scores = prompt_scores[c.prompt_slot, :, c.sample] * scale  # (B, Hkv, rep, Lp)
+        prompt_scores = fp32_scores(grid.view(slots, Hkv, G * rep, D), pool_k.transpose(-1, -2)).view(slots, Hkv, G, rep, Lp)
         # own part: the row's completion so far, this step's token included
         suffix_k = c.k[layer_idx][:, :, :self.S].to(q.dtype)  # (B, Hkv, S, D)
         suffix_v = c.v[layer_idx][:, :, :self.S].to(q.dtype)
-        suffix_scores = fp32_scores(q, suffix_k.transpose(-1, -2)) * scale  # (B, Hkv, rep, S)
-        prompt_hidden, suffix_hidden = self.hidden(window)
-        scores = torch.cat([prompt_scores.masked_fill(prompt_hidden, float("-inf")),
-                            suffix_scores.masked_fill(suffix_hidden, float("-inf"))], dim=-1)
+        suffix_scores = fp32_scores(q, suffix_k.transpose(-1, -2))  # (B, Hkv, rep, S)
+        scores = torch.cat([prompt_scores[c.prompt_slot, :, c.sample], suffix_scores], dim=-1)  # (B, Hkv, rep, Lp + S)
+        # mask + scores / sqrt(D) in one kernel: the product rounded once, then + 0 or -inf (exact)
+        scores = torch.add(self.mask(window), scores, alpha=1.0 / math.sqrt(D))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)  # one softmax over prompt and completion keys
-        Lp = pool_k.size(2)
-        prompt_probs = q.new_zeros(slots, Hkv, G, rep, Lp)
         prompt_probs[c.prompt_slot, :, c.sample] = probs[..., :Lp]
-        prompt_out = (prompt_probs.view(slots, Hkv, G * rep, Lp) @ pool_v).view(slots, Hkv, G, rep, D)
-        y = prompt_out[c.prompt_slot, :, c.sample] + probs[..., Lp:] @ suffix_v  # (B, Hkv, rep, D)
+        prompt_out = torch.bmm(prompt_probs.view(slots * Hkv, G * rep, Lp), pool_v.reshape(slots * Hkv, Lp, D))
+        suffix_out = torch.bmm(probs[..., Lp:].reshape(B * Hkv, rep, self.S), suffix_v.reshape(B * Hkv, self.S, D))
+        y = prompt_out.view(slots, Hkv, G, rep, D)[c.prompt_slot, :, c.sample] + suffix_out.view(B, Hkv, rep, D)
         return y.reshape(B, H, 1, D)
 
     def keep_smear_state(self, embedding):

@@ -4,6 +4,8 @@ The GPT model of every nanochat generation, and how a run computes with it.
     gpt.py          GPT and GPTConfig, state-dict compatible with every nanochat generation's checkpoints
     generations.py  what each nanochat version's forward computes, and how to tell a checkpoint's generation
     attention.py    attention for training and for the KV caches: the one contract between model and caches
+    head.py         the vocabulary-wide head: logits, and the sampled tokens' log-probabilities chunk by chunk
+    rotary.py       rotary position embeddings: every generation's tables, laid out once a forward
     sampling.py     sampling with per-row random streams (the engine's and the model's reference sampler)
     precision.py    the dtypes a run computes in, where that is a measured choice
     compile.py      torch.compile of a run's two hot paths (the decode step, the training pass)

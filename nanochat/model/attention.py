@@ -14,7 +14,8 @@ The contract. The model computes each layer's queries, keys and values and hands
 
 The model never asks how keys are stored, and never calls back into what schedules it. Contexts:
 - `SequenceAttention`: a plain sequence at positions 0..T-1 (training, nanochat's forward);
-- `SharedPrefixAttention`: training rows that all start with one prompt (its keys recorded once);
+- `SharedPrefixAttention`: training rows that continue prompts (one, or several right-padded; their keys recorded
+  once);
 - a KV cache's `CacheStep` (nanochat/engine/kv_cache.py, nanochat/engine/shared_prompt_cache.py): one forward of T new
   tokens per row over what each row of the cache holds. A CacheStep also carries what a cached forward needs
   besides attention: `positions` (B, T), the new tokens' absolute positions (rotary reads them: they are an
@@ -162,22 +163,49 @@ class SequenceAttention:
 
 
 class SharedPrefixAttention:
-    """Training rows that all start with the same prompt of P tokens, followed by S tokens of their own. The
-    prompt's forward (one row, `recording`) keeps every layer's keys/values, autograd history included; the
-    rows' forward then attends to those followed by its own, so the prompt is computed once and its gradient
-    gathers every row's contribution."""
+    """Training rows that continue prompts whose keys are recorded once. The prompts' forward (`recording`, one row
+    a prompt) keeps every layer's keys/values, autograd history included; the rows' forward then attends, row by
+    row, to its own prompt's keys followed by its own, so each prompt is computed once and its gradient gathers
+    every row's contribution. One prompt of P tokens (row_prompt None): every row continues it. Several:
+    prompt_lengths (Q,) the real tokens of each (right-padded to P: the padding is never visible), row_prompt (B,)
+    the prompt each row continues; row b's query s, at position P_b + s, sees prompt keys j < P_b and its own keys
+    up to s, under the layer's window (prompts_and_rows_mask)."""
 
-    def __init__(self, P, S, device):
-        self.k, self.v, self.recording = {}, {}, True
-        self.prefix_mask = Visibility(lambda window: sequence_mask(P, window, device))
-        positions = P + torch.arange(S, device=device)  # (S,)
-        self.rows_mask = Visibility(lambda window: window_mask(positions, P + S, window))  # (S, P + S)
+    def __init__(self, P, S, device, prompt_lengths=None, row_prompt=None):
+        self.k, self.v, self.recording, self.row_prompt = {}, {}, True, row_prompt
+        self.prefix_mask = Visibility(lambda window: sequence_mask(P, window, device))  # causal: padding comes last
+        if row_prompt is None:
+            self.positions = P + torch.arange(S, device=device)  # (S,) the rows' tokens' positions
+            self.rows_mask = Visibility(lambda window: window_mask(self.positions, P + S, window))  # (S, P + S)
+        else:
+            self.row_lengths = prompt_lengths[row_prompt]  # (B,) each row's prompt's
+            self.positions = self.row_lengths[:, None] + torch.arange(S, device=device)  # (B, S)
+            self.rows_mask = Visibility(lambda window: prompts_and_rows_mask(self.row_lengths, P, S, window))
+
+    def last_prompt_tokens(self, prompts):
+        """prompts (Q, P) -> (1, 1) the prompt's last token, or (B, 1) each row's prompt's (smear mixes it in)."""
+        return prompts[:, -1:] if self.row_prompt is None else prompts[self.row_prompt, self.row_lengths - 1][:, None]
 
     def attend(self, layer_idx, q, k, v, window):
         if self.recording:
             self.k[layer_idx], self.v[layer_idx] = k, v
             return attend(q, k, v, self.prefix_mask(window))
         B = k.size(0)
-        k = torch.cat([self.k[layer_idx].expand(B, -1, -1, -1), k], dim=1)
-        v = torch.cat([self.v[layer_idx].expand(B, -1, -1, -1), v], dim=1)
+        if self.row_prompt is None:
+            prompt_k, prompt_v = self.k[layer_idx].expand(B, -1, -1, -1), self.v[layer_idx].expand(B, -1, -1, -1)
+        else:  # (B, P, Hkv, D): each row's own prompt's
+            prompt_k, prompt_v = self.k[layer_idx][self.row_prompt], self.v[layer_idx][self.row_prompt]
+        k, v = torch.cat([prompt_k, k], dim=1), torch.cat([prompt_v, v], dim=1)
         return attend(q, k, v, self.rows_mask(window))
+
+
+def prompts_and_rows_mask(row_lengths, P, S, window):
+    """The visibility of SharedPrefixAttention's rows over several prompts: bool (B, 1, S, P + S), the keys being
+    each row's prompt (P slots, the first row_lengths[b] real) followed by its S own. row_lengths: (B,) int64."""
+    B, device = row_lengths.size(0), row_lengths.device
+    query = row_lengths[:, None] + torch.arange(S, device=device)  # (B, S) absolute positions
+    prompt_slots = torch.arange(P, device=device).expand(B, P)
+    keys = torch.cat([prompt_slots, query], dim=1)  # (B, P + S) absolute positions
+    real = torch.cat([prompt_slots < row_lengths[:, None], torch.ones(B, S, dtype=torch.bool, device=device)], dim=1)
+    delta = query[:, :, None] - keys[:, None, :]  # (B, S, P + S)
+    return (real[:, None, :] & (delta >= 0) & (delta <= window))[:, None]

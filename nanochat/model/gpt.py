@@ -35,6 +35,8 @@ from nanochat.model.attention import SequenceAttention, SharedPrefixAttention
 from nanochat.model.flops import train_flops_per_token
 from nanochat.model.generations import (DEFAULT_GENERATION, SMEAR_GATE_CHANNELS, get_generation, has_value_embedding,
                                         model_config_fields)
+from nanochat.model.head import sampled_logprobs_and_entropy, softcapped_logits
+from nanochat.model.rotary import Rotary, apply_rotary, check_fits_rotary, rotary_tables
 from nanochat.model.sampling import row_seeds, sample_next_token
 from nanochat.optim.optimizers import build_optimizers
 from nanochat.optim.param_groups import recipe_param_groups
@@ -103,32 +105,6 @@ def norm(x):
     return F.rms_norm(x, (x.size(-1),))
 
 
-def rotary_tables(num_positions, head_dim, base=10000, bf16_rounded=True, device=None):
-    """cos, sin: (num_positions, head_dim // 2) float32. Generations up to ve kept their tables in bf16 on
-    every device, so with bf16_rounded the values are rounded to bf16: those checkpoints were trained with
-    exactly these angles. Later ones keep them in the compute dtype (apply_rotary casts to it)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    angles = torch.outer(torch.arange(num_positions, dtype=torch.float32, device=device), inv_freq)
-    cos, sin = angles.cos(), angles.sin()
-    if bf16_rounded:
-        cos, sin = cos.bfloat16().float(), sin.bfloat16().float()
-    return cos, sin
-
-
-def check_fits_rotary(length, rotary_len):
-    """A ValueError when a sequence of `length` tokens has positions past the rotary tables' `rotary_len`."""
-    if length > rotary_len:
-        raise ValueError(f"sequence of {length} tokens is longer than the rotary tables ({rotary_len} positions)")
-
-
-def apply_rotary(x, cos, sin):
-    """x: (B, T, H, D); cos, sin: broadcastable to (B, T, 1, D/2). Rotates channel i with channel i + D/2."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # computes in x's precision
-    d = x.size(-1) // 2
-    x1, x2 = x[..., :d], x[..., d:]
-    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
-
-
 def smear(x, smear_gate, smear_lambda, previous=None):
     """x: (B, T, C) normed embeddings -> each position t >= 1 plus gate_t * x[t - 1], gate_t =
     smear_lambda * sigmoid(smear_gate(x_t[:24])); position 0 likewise with `previous` when given (the
@@ -157,25 +133,41 @@ class CausalSelfAttention(nn.Module):
             self.ve_gate_channels, self.ve_gate_scale = generation.ve_gate_channels, generation.ve_gate_scale
             self.ve_gate = nn.Linear(self.ve_gate_channels, self.n_kv_head, bias=False)
 
+    # [c_q; c_k; c_v].weight concatenated ((n_head + 2 n_kv_head) * head_dim, n_embd), or None: set by the engine's
+    # DecodeWeights.in_use only (nanochat/engine/decode_weights.py), so that a rollout's forwards make one matmul of the
+    # three and rotate and norm q and k together; training keeps the three Linears (and the state dict its keys)
+    qkv_weight = None
+
     def forward(self, x, ve, rope, window, context):
-        """x: (B, T, C); ve: None or this layer's value embeddings (B, T, n_kv_head * head_dim); rope: (cos,
-        sin); window: this layer's; context: the attention context (nanochat/model/attention.py) that attends these
+        """x: (B, T, C); ve: None or this layer's value embeddings (B, T, n_kv_head * head_dim); rope: a Rotary;
+        window: this layer's; context: the attention context (nanochat/model/attention.py) that attends these
         queries over the keys it holds and these."""
         B, T, C = x.shape
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
-        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
-        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight).view(B, T, H + 2 * Hkv, D)
+            qk, v = qkv[:, :, :H + Hkv], qkv[:, :, H + Hkv:]  # (B, T, H + Hkv, D), (B, T, Hkv, D)
+        else:
+            q, k, v = self.c_q(x).view(B, T, H, D), self.c_k(x).view(B, T, Hkv, D), self.c_v(x).view(B, T, Hkv, D)
         if ve is not None:
             gate = self.ve_gate_scale * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate_channels]))  # (B, T, n_kv_head)
-            v = v + (gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)).to(v.dtype)
-        # autocast runs rms_norm in fp32; attend in the projections' dtype (bf16 under autocast), so a bf16
-        # KV cache is read as it is instead of being converted to fp32 at every layer of every step
-        q, k = norm(apply_rotary(q, *rope)), norm(apply_rotary(k, *rope))
-        if self.qk_scale != 1.0:  # scaled separately, as nanochat does, so the rounding matches
-            q, k = q * self.qk_scale, k * self.qk_scale
-        q, k = q.to(v.dtype), k.to(v.dtype)
+            v = v + (gate.unsqueeze(-1) * ve.view(B, T, Hkv, D)).to(v.dtype)
+        if self.qkv_weight is not None:  # every op below acts on each head alone: q's and k's heads go through at once
+            qk = self.rotate_and_norm(qk, rope, v.dtype)
+            q, k = qk[:, :, :H], qk[:, :, H:]
+        else:
+            q, k = self.rotate_and_norm(q, rope, v.dtype), self.rotate_and_norm(k, rope, v.dtype)
         y = context.attend(self.layer_idx, q, k, v, window)  # (B, H, T, D)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def rotate_and_norm(self, x, rope, dtype):
+        """Queries or keys (B, T, heads, D) -> rotated, QK-normed, scaled, in `dtype`. Autocast runs rms_norm in
+        fp32; attention runs in the projections' dtype (bf16 under autocast), so a bf16 KV cache is read as it is
+        instead of being converted to fp32 at every layer of every step."""
+        x = norm(apply_rotary(x, rope))
+        if self.qk_scale != 1.0:  # after the norm, as nanochat does, so the rounding matches
+            x = x * self.qk_scale
+        return x.to(dtype)
 
 
 class MLP(nn.Module):
@@ -288,12 +280,14 @@ class GPT(nn.Module):
                                reduction=loss_reduction)
 
     def logits(self, hidden):
-        """(..., n_embd) final hidden states -> float32 softcapped logits (..., vocab_size). Split from
-        forward so a caller can take logits at some positions only: in RL most positions (prompt, tool
-        outputs, padding) have no target, and the vocabulary-wide work dominates a small model's step."""
-        logits = self.lm_head(hidden)[..., :self.config.vocab_size].float()
-        softcap = self.generation.softcap
-        return softcap * torch.tanh(logits / softcap)
+        """(..., n_embd) final hidden states -> float32 softcapped logits (..., vocab_size). Apart from forward: RL
+        takes logits only where there is a target (most positions have none: prompt, tool outputs, padding)."""
+        return softcapped_logits(hidden, self.lm_head.weight, self.config.vocab_size, self.generation.softcap)
+
+    def sampled_logprobs(self, hidden, targets):
+        """(each target's log-probability, their mean entropy) as from self.logits(hidden), chunked (model/head.py)."""
+        return sampled_logprobs_and_entropy(hidden, self.lm_head.weight, targets, self.config.vocab_size,
+                                            self.generation.softcap)
 
     def hidden_states(self, idx, cache_step=None):
         """idx: (B, T) int64 -> (B, T, n_embd): the normalized output of the last block (see forward)."""
@@ -314,25 +308,23 @@ class GPT(nn.Module):
         the next one (its normed embedding)."""
         return norm(self.transformer.wte(tokens))
 
-    def hidden_states_shared_prefix(self, prefix, rows):
-        """prefix: (1, P) tokens that every row starts with; rows: (B, S) each row's tokens after them.
-        Returns (hidden of the prefix (1, P, n_embd), hidden of the rows (B, S, n_embd)): the same values as
-        hidden_states on each row's whole sequence, but the prefix goes through the model once (in training
-        its gradient collects every row's contribution)."""
+    def hidden_states_shared_prefix(self, prefix, rows, prefix_lengths=None, row_prefix=None):
+        """prefix (Q, P) prompts, rows (B, S) each row's tokens after its prompt (the one; or prefix_lengths (Q,) real
+        tokens of each, right-padded, row_prefix (B,) each row's: SharedPrefixAttention) -> hidden states of the prompts
+        (Q, P, C) and the rows (B, S, C): hidden_states' on each whole row, each prompt through the model once."""
         P, S = prefix.size(1), rows.size(1)
-        check_fits_rotary(P + S, self.rotary_len)
-        device = prefix.device
-        context = SharedPrefixAttention(P, S, device)
-        prefix_hidden = self._trunk(prefix, self._rope(torch.arange(P, device=device)), context)
+        check_fits_rotary(P + S, self.rotary_len)  # every row's last position is below P + S
+        context = SharedPrefixAttention(P, S, prefix.device, prefix_lengths, row_prefix)
+        prefix_hidden = self._trunk(prefix, self._rope(torch.arange(P, device=prefix.device)), context)
         context.recording = False
-        previous = norm(self.transformer.wte(prefix[:, -1:])) if self.generation.smear else None  # (1, 1, C)
-        return prefix_hidden, self._trunk(rows, self._rope(P + torch.arange(S, device=device)), context, previous)
+        previous = norm(self.transformer.wte(context.last_prompt_tokens(prefix))) if self.generation.smear else None
+        return prefix_hidden, self._trunk(rows, self._rope(context.positions), context, previous)
 
     def _rope(self, positions):
-        """positions (T,) or (B, T) -> cos, sin broadcastable to (B, T, 1, D/2)."""
+        """positions (T,) or (B, T) -> the Rotary of those positions, broadcastable to (B, T, 1, D)."""
         if positions.dim() == 1:
-            return self.cos[None, positions, None, :], self.sin[None, positions, None, :]
-        return self.cos[positions][:, :, None, :], self.sin[positions][:, :, None, :]
+            return Rotary(self.cos[None, positions, None, :], self.sin[None, positions, None, :])
+        return Rotary(self.cos[positions][:, :, None, :], self.sin[positions][:, :, None, :])
 
     def _trunk(self, idx, rope, context, smear_previous=None):
         """Embedding, blocks and final norm for tokens idx (B, T) at the positions `rope` encodes.

@@ -7,7 +7,9 @@ a small model's training step can be slower in bf16 than in fp32 (it was with Py
 written out since, it is faster than fp32 on an AVX512-BF16 CPU) while a large decode batch may gain;
 with AMX bf16 usually wins. So a run that may use bf16 on a CPU or MPS times one step of its own work each way at its
 start, and keeps fp32 (nanochat's CPU numerics) unless bf16 is clearly faster. The choice is made on rank 0
-and every rank takes it, so that all ranks compute alike.
+and every rank takes it, so that all ranks compute alike. fp16 is never measured: it is asked for (--dtype=float16),
+or auto's choice on a CUDA GPU without native bf16 (common.compute_dtype), and trains with loss scaling
+(nanochat/optim/loss_scale.py).
 """
 
 import time
@@ -96,3 +98,10 @@ def rank0_choice(choose, candidates):
     if dist.is_initialized():
         dist.broadcast(index, src=0)
     return candidates[int(index)]
+
+
+def ortho_dtype(name):
+    """The dtype Muon orthogonalizes in for a run computing in `name` ("float32", "bfloat16", "float16"): the compute
+    dtype, as nanochat ties them, except fp32 for fp16: Muon's Newton-Schulz iteration runs in bf16 or fp32 (the
+    optimizers accept those), and a GPU without native bf16, fp16's reason to be, has no fast bf16 for it."""
+    return torch.float32 if name == "float16" else getattr(torch, name)

@@ -14,7 +14,11 @@ _M32 = 0xFFFFFFFF
 def mix32(x):
     """A 32-bit integer hash (xor-shift-multiply). Works on python ints and int64 tensors alike; all
     intermediate products stay below 2**63, so int64 tensors never overflow."""
-    x = x & _M32
+    return _mix32_of_32_bits(x & _M32)
+
+
+def _mix32_of_32_bits(x):
+    """mix32(x) for x already in [0, 2**32), without the mask that would leave it as it is (a kernel per call)."""
     x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
     x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
     return (x >> 16) ^ x
@@ -36,7 +40,8 @@ def row_uniforms(seeds, steps, num_candidates):
     seeds, steps: (B,) int64."""
     base = mix32(mix32(seeds) ^ steps)  # (B,)
     cand = torch.arange(num_candidates, device=seeds.device, dtype=torch.long)
-    bits = mix32(base[:, None] ^ mix32(cand + 0x632BE5AB)[None, :])  # (B, C)
+    # both below 2**32 (a vocabulary is far smaller than 2**32 - 0x632BE5AB), and so is their xor: mix32 exactly
+    bits = _mix32_of_32_bits(base[:, None] ^ _mix32_of_32_bits(cand + 0x632BE5AB)[None, :])  # (B, C)
     return ((bits >> 8).float() + 0.5) / float(1 << 24)  # 24 bits: exact in float32, MPS has no float64
 
 
@@ -59,17 +64,19 @@ def sample_with_logprobs(logits, seeds, steps, temperature=1.0, top_k=None):
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     logits = logits.float()
     log_normalizer = torch.logsumexp(logits, dim=-1)  # (B,): one pass, no (B, V) log-softmax written out
-    model_logprob = lambda tokens: logits.gather(-1, tokens[:, None]).squeeze(-1) - log_normalizer
     if temperature == 0.0:
         tokens = torch.argmax(logits, dim=-1)
-        return tokens, model_logprob(tokens), torch.zeros_like(log_normalizer)
+        return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1) - log_normalizer, torch.zeros_like(log_normalizer)
     if top_k is not None and 0 < top_k < logits.size(-1):
         values, indices = torch.topk(logits, top_k, dim=-1)  # (B, k), sorted, so candidate order is stable
     else:
         values, indices = logits, None
-    scaled = values / temperature
-    gumbel = -torch.log(-torch.log(row_uniforms(seeds, steps, values.size(-1))))
-    choice = torch.argmax(scaled + gumbel, dim=-1, keepdim=True)  # (B, 1)
+    scaled = values if temperature == 1.0 else values / temperature  # x / 1 is x: no pass for it
+    # Gumbel-max: argmax(scaled + g), g = -log(-log(u)), written as scaled - log(-log(u)) (the same sums exactly)
+    noise = torch.log(-torch.log(row_uniforms(seeds, steps, values.size(-1))))
+    choice = torch.argmax(scaled - noise, dim=-1, keepdim=True)  # (B, 1)
     tokens = (indices.gather(-1, choice) if indices is not None else choice).squeeze(-1)
-    sampled = scaled.gather(-1, choice).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
-    return tokens, model_logprob(tokens), sampled
+    # the sampled token's logit: top-k's values are the logits' own, so no gather from the whole vocabulary
+    chosen = values.gather(-1, choice).squeeze(-1)  # (B,)
+    chosen_scaled = chosen if scaled is values else scaled.gather(-1, choice).squeeze(-1)
+    return tokens, chosen - log_normalizer, chosen_scaled - torch.logsumexp(scaled, dim=-1)

@@ -11,7 +11,7 @@ in each recipe is nanochat/optim/param_groups.py's business; the fixtures in tes
 record nanochat's choices, and tests/test_optim.py replays them against nanochat's own steps.
 
 Also the schedule every stage shares (init_lr_frac, then nanochat's linear decay to 0, or chat_rl's
---lr-schedule) and the step guarded by the finite check.
+--lr-schedule) and the step guarded by the finite check (with an fp16 run's loss scale folded into it).
 """
 
 import math
@@ -110,18 +110,33 @@ def all_ranks_finite(values, device="cpu"):
     """True when every value is finite on every rank. Under a process group this is one all-reduce (MIN), so
     every rank gets the same answer: the distributed optimizers' collectives need all ranks to step or none.
     device: a tensor device the process group reduces (the rank's CUDA device under NCCL)."""
-    finite = torch.tensor([float(all(math.isfinite(v) for v in values))], device=device)
+    return all_ranks_finite_each([values], device)[0]
+
+
+def all_ranks_finite_each(groups, device="cpu"):
+    """For each group of values (python floats), whether all of them are finite on every rank: one all-reduce (MIN)
+    for all the groups, the same answers on every rank (see all_ranks_finite)."""
+    finite = torch.tensor([float(all(math.isfinite(v) for v in values)) for values in groups], device=device)
     if dist.is_initialized():
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-    return finite.item() == 1.0
+    return [f == 1.0 for f in finite.tolist()]
 
 
-def guarded_step(model, optimizers, lrm, loss, device="cpu"):
+def guarded_step(model, optimizers, lrm, loss, device="cpu", loss_scale=None):
     """The optimizer step of chat_rl and chat_sft: every group's lr = initial_lr * lrm, then one step of each
     optimizer, but only when the loss and the gradient are finite on every rank; the gradients are cleared
-    either way. loss: this rank's loss or objective (python float). Returns (this rank's grad norm, stepped)."""
+    either way. loss: this rank's loss or objective (python float).
+    loss_scale: an fp16 run's LossScale (nanochat/optim/loss_scale.py), whose scale the gradients were
+    backpropagated with: they are unscaled first, and the scale is updated from the same check across ranks, so a
+    gradient that overflowed on one rank skips the step on every rank and backs the scale off everywhere.
+    Returns (this rank's grad norm, unscaled; stepped)."""
+    if loss_scale is not None:
+        loss_scale.unscale_(model)
     gnorm = grad_norm(model)
-    stepped = all_ranks_finite([loss, gnorm], device)
+    loss_finite, grad_finite = all_ranks_finite_each([[loss], [gnorm]], device)
+    stepped = loss_finite and grad_finite
+    if loss_scale is not None:
+        loss_scale.update(found_inf=not grad_finite, overflow=loss_finite and not grad_finite)
     if stepped:
         for opt in optimizers:
             for group in opt.param_groups:

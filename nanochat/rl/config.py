@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass
 
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS
-from nanochat.common import UserError, requested_dtype, require
+from nanochat.common import DTYPES, UserError, requested_dtype, require
 from nanochat.optim.optimizers import LR_SCHEDULES, check_optimizer_flags
-from nanochat.rl.objective import LOSS_NORMS, ROLLOUT_CORRECTIONS
+from nanochat.rl.objective import LOSS_CLIPS, LOSS_NORMS, LOSSES, ROLLOUT_CORRECTIONS
 from nanochat.rl.plan import check_train_rows
 from tasks.registry import resolve_task_class
 
@@ -65,11 +65,14 @@ class RLConfig:
     advantage_std: bool
     mask_truncated: bool
     ppo_epochs: int
-    clip_low: float
+    loss: str
+    clip_low: float                 # None (not given) -> the loss's default (LOSS_CLIPS)
     clip_high: float
     kl_coef: float
     rollout_correction: str
     rollout_correction_cap: float
+    dynamic_sampling: bool
+    dynamic_sampling_rounds: int
     # eval and checkpoints
     eval_every: int
     eval_examples: int
@@ -95,9 +98,9 @@ class RLConfig:
         return dataclasses.replace(self, **{k: v for k, v in saved.items() if k in known})
 
     def __post_init__(self):
-        self.dtype = requested_dtype(self.dtype)
-        require(self.rollout_dtype in ("auto", "float32", "bfloat16"),
-                f"--rollout-dtype must be auto, float32 or bfloat16, got {self.rollout_dtype!r}")
+        self.dtype = requested_dtype(self.dtype, float16=True)  # float16: with dynamic loss scaling (optim/loss_scale.py)
+        require(self.rollout_dtype in DTYPES,
+                f"--rollout-dtype must be auto, float32, bfloat16 or float16, got {self.rollout_dtype!r}")
         require(self.source in CHECKPOINT_DIRS, f"--source must be {', '.join(CHECKPOINT_DIRS)}, got {self.source!r}")
         resolve_task_class(self.task)  # an unknown --task is reported now, not after the checkpoint has loaded
         if self.output_tag is not None:
@@ -139,14 +142,26 @@ class RLConfig:
     def _check_algorithm(self):
         require(self.loss_norm in LOSS_NORMS, f"--loss-norm must be {', '.join(LOSS_NORMS)}, got {self.loss_norm!r}")
         require(self.ppo_epochs >= 1, f"--ppo-epochs must be >= 1 (1 = nanochat's on-policy step), got {self.ppo_epochs}")
-        require(0 <= self.clip_low < 1,
-                f"--clip-low must be in [0, 1) (the ratio is clipped at 1 - clip-low), got {self.clip_low}")
+        require(self.loss in LOSSES, f"--loss must be {', '.join(LOSSES)}, got {self.loss!r}")
+        require(self.loss == "pg" or self.ppo_epochs > 1,
+                f"--loss={self.loss} changes only the PPO epochs after the first (the first is on-policy: every ratio is 1, "
+                f"its gradient the policy gradient); pass --ppo-epochs=2 or more, or drop --loss")
+        require(not (self.loss == "gspo" and self.rollout_correction == "token-tis"),
+                "--loss=gspo weighs whole sequences and --rollout-correction=token-tis single tokens; use "
+                "--rollout-correction=sequence-mask (or none) with gspo")
+        default_low, default_high = LOSS_CLIPS[self.loss]
+        self.clip_low = default_low if self.clip_low is None else self.clip_low
+        self.clip_high = default_high if self.clip_high is None else self.clip_high
+        require(0 <= self.clip_low <= 1,
+                f"--clip-low must be in [0, 1] (the ratio is clipped at 1 - clip-low; 1: no floor), got {self.clip_low}")
         require(self.clip_high >= 0, f"--clip-high must be >= 0, got {self.clip_high}")
         require(self.kl_coef >= 0, f"--kl-coef must be >= 0 (0 = no KL penalty), got {self.kl_coef}")
         require(self.rollout_correction in ROLLOUT_CORRECTIONS,
                 f"--rollout-correction must be {', '.join(ROLLOUT_CORRECTIONS)}, got {self.rollout_correction!r}")
         require(self.rollout_correction_cap > 1,
                 f"--rollout-correction-cap must be > 1, got {self.rollout_correction_cap}")
+        require(self.dynamic_sampling_rounds >= 1,
+                f"--dynamic-sampling-rounds must be >= 1 (draws a step may add), got {self.dynamic_sampling_rounds}")
 
     def _check_run(self):
         require(self.eval_every == -1 or self.eval_every >= 1,

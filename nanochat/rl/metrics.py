@@ -44,6 +44,7 @@ import torch.distributed as dist
 REDUCTIONS = {
     "num_samples": ("sum", None),
     "num_questions": ("sum", None),
+    "questions_trained": ("sum", None),  # --dynamic-sampling: of the num_questions drawn
     "num_tool_calls": ("sum", None),
     "reward_mean": ("mean", "num_samples"),
     "reward_std": ("std", "num_samples"),

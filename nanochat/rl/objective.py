@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from nanochat.model.head import logprobs_and_entropy
+
 
 def pass_objective(logp, targets, advantages, num_passes, examples_per_rank, num_valid=None):
     """nanochat's per-pass policy-gradient objective (to be maximised).
@@ -52,23 +54,20 @@ def pass_objective(logp, targets, advantages, num_passes, examples_per_rank, num
 
 
 def token_logprobs_and_entropy(logits, targets):
-    """From one forward's logits, the log-probability of each target and the policy's entropy.
-
-    logits: (..., V) float; targets: (...) with -1 for positions without a target.
-    Returns logp (...) (0 where target == -1) and the mean entropy over valid positions (a detached
-    scalar; the entropy is a diagnostic only, so it needs no second forward and no gradient).
-    """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
-    valid = targets >= 0
-    logp = logprobs.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1) * valid
-    with torch.no_grad():
-        entropy = -(logprobs.exp() * logprobs).sum(-1)  # (B, T)
-        mean_entropy = (entropy * valid).sum() / valid.sum().clamp(min=1)
-    return logp, mean_entropy
+    """From one forward's logits (..., V), the log-probability of each target (...) (0 where target == -1) and the
+    mean entropy over the valid positions (a detached scalar: a diagnostic): nanochat/model/head.py's
+    logprobs_and_entropy, which the model's chunked head (GPT.sampled_logprobs) computes without the (N, V) logits."""
+    return logprobs_and_entropy(logits, targets)
 
 
 LOSS_NORMS = ("pass", "token", "sequence", "constant")
 ROLLOUT_CORRECTIONS = ("none", "token-tis", "sequence-mask")
+LOSSES = ("pg", "gspo", "cispo")
+# each loss's ratio clip (clip_low, clip_high) where --clip-low/--clip-high are not given: PPO's 0.2 (nanochat has no
+# clip: it takes one on-policy epoch); GSPO's sequence ratio is a per-token geometric mean, so its band is narrow (the
+# GSPO paper, v2, section 5.1: 3e-4 and 4e-4); CISPO bounds its weight above only (MiniMax-M1: no lower bound,
+# clip_low 1 = a floor of 0) at DAPO's 1.28, the common default of CISPO implementations (the paper tunes it)
+LOSS_CLIPS = {"pg": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
 
 
 @dataclass
@@ -77,6 +76,7 @@ class PolicyLoss:
     loss_norm: str = "pass"       # pass | token | sequence | constant: what each token's term is divided by
     max_new_tokens: int = 0       # the rollouts' length cap; the `constant` denominator uses it
     mask_truncated: bool = False  # rows cut at max_new_tokens carry no gradient and count in no denominator
+    loss: str = "pg"              # pg | gspo | cispo: the term of a PPO epoch after the first (the first is on-policy)
     clip_low: float = 0.2         # PPO epochs after the first clip the ratio to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.2
     kl_coef: float = 0.0          # weight of the k3 KL penalty to the reference model (0: no penalty)
@@ -86,6 +86,8 @@ class PolicyLoss:
     def __post_init__(self):
         if self.loss_norm not in LOSS_NORMS:
             raise ValueError(f"loss_norm must be one of {', '.join(LOSS_NORMS)}, got {self.loss_norm!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.rollout_correction not in ROLLOUT_CORRECTIONS:
             raise ValueError(f"rollout_correction must be one of {', '.join(ROLLOUT_CORRECTIONS)}, "
                              f"got {self.rollout_correction!r}")
@@ -184,3 +186,42 @@ def k3_kl(logp, ref_logp):
     where the two log-probabilities are equal. logp, ref_logp: (N,)."""
     log_ratio = ref_logp - logp
     return torch.exp(log_ratio) - log_ratio - 1
+
+
+def gspo_surrogate(logp, old_logp, advantages, row_index, num_rows, clip_low, clip_high):
+    """GSPO's clipped surrogate (Zheng et al. 2025), per sampled token (to be maximised), all (N,): row i's ratio is
+    the geometric mean of its tokens' ratios, s_i = exp(mean over its tokens of (logp - old_logp)), and each of its
+    tokens gets min(s_i * A_i, clip(s_i, 1 - clip_low, 1 + clip_high) * A_i). Divided by the rows' denominators D_i
+    (row_denominators), the row's term counts once per token: under loss_norm=sequence, where D_i holds the row's
+    tokens, the objective is GSPO's mean over the step's sequences. row_index: (N,) each token's row among the
+    chunk's num_rows (a row's tokens are never split between chunks). Returns (surrogate, s per token, clipped)."""
+    zeros = torch.zeros(num_rows, dtype=logp.dtype, device=logp.device)
+    log_ratio_sum = zeros.index_add(0, row_index, logp - old_logp)
+    tokens = zeros.index_add(0, row_index, torch.ones_like(logp))
+    ratio = torch.exp(log_ratio_sum / tokens.clamp(min=1))[row_index]  # (N,)
+    unclipped = ratio * advantages
+    clipped_term = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
+    return torch.minimum(unclipped, clipped_term), ratio, clipped_term < unclipped
+
+
+def cispo_objective(logp, old_logp, advantages, clip_low, clip_high):
+    """CISPO's term (MiniMax-M1, Chen et al. 2025), per sampled token (to be maximised), all (N,):
+    sg(clip(rho, 1 - clip_low, 1 + clip_high)) * A * logp with rho = exp(logp - old_logp): the ratio weighs the
+    policy gradient and is not differentiated, so a token whose ratio leaves the band keeps its gradient (PPO's
+    clip gives it none). Returns (term, rho, truncated): truncated marks the tokens whose weight the clip changed."""
+    ratio = torch.exp(logp - old_logp)
+    weight = torch.clamp(ratio, 1 - clip_low, 1 + clip_high).detach()
+    return weight * advantages * logp, ratio, (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
+
+
+def later_epoch_terms(loss, logp, old_logp, advantages, row_index, num_rows):
+    """Each sampled token's term (N,) in a PPO epoch after the first, by loss.loss (pg: clipped_surrogate; gspo:
+    gspo_surrogate; cispo: cispo_objective), and the tokens whose value the clip changed (N,) bool. row_index: (N,)
+    each token's row among the chunk's num_rows (GSPO's ratio is a row's)."""
+    if loss.loss == "gspo":
+        term, _, clipped = gspo_surrogate(logp, old_logp, advantages, row_index, num_rows, loss.clip_low, loss.clip_high)
+    elif loss.loss == "cispo":
+        term, _, clipped = cispo_objective(logp, old_logp, advantages, loss.clip_low, loss.clip_high)
+    else:
+        term, _, clipped = clipped_surrogate(logp, old_logp, advantages, loss.clip_low, loss.clip_high)
+    return term, clipped

@@ -16,7 +16,7 @@ from nanochat.engine.memory_budget import FIXED_GB, resolve_memory_budget
 from nanochat.model.compile import resolve_compile_flag, run_decode_mode
 from nanochat.model.precision import MARGIN, PREFERENCE, fastest_rollout_dtype, fastest_training_dtype, rank0_choice
 
-# rows per training forward under --train-rows=0 (auto), on every device: twice nanochat's --device-batch-size gives
+# trained rows per training forward under --train-rows=0 (auto), on every device: twice nanochat's --device-batch-size gives
 # larger, fuller matmuls for the same rows, and trained them faster on a GPU and on a CPU (docs/performance.md)
 AUTO_TRAIN_ROWS = 16
 
@@ -28,21 +28,23 @@ def check_train_rows(args):
 
 
 def train_rows(args):
-    """Rows of one question per training forward: --train-rows, else (0, auto) AUTO_TRAIN_ROWS (--device-batch-size
-    if larger); never more than a question has (nanochat.rl.policy_gradient.accumulate_policy_gradient's forwards hold one
-    question's rows). The same on every device (see AUTO_TRAIN_ROWS)."""
+    """Trained rows per training forward: --train-rows, else (0, auto) AUTO_TRAIN_ROWS (--device-batch-size if
+    larger). A forward may hold rows of several questions (nanochat.rl.policy_gradient.accumulate_policy_gradient cuts
+    the step's trained rows, in question order, into forwards of this many), so it is not capped at --num-samples.
+    The same on every device (see AUTO_TRAIN_ROWS)."""
     check_train_rows(args)
-    return min(args.train_rows or max(args.device_batch_size, AUTO_TRAIN_ROWS), args.num_samples)
+    return args.train_rows or max(args.device_batch_size, AUTO_TRAIN_ROWS)
 
 
 def phase_dtype(phase, device, requested, measure):
-    """The dtype name one phase (phase: "training" or "rollouts") runs in, for `requested` (auto, float32 or
-    bfloat16: --dtype or --rollout-dtype). float32 when asked, or where bf16 is not native (a note says so);
-    bf16 when asked, or for auto on CUDA; for auto on a CPU or MPS with native bf16, the faster of the two by
+    """The dtype name one phase (phase: "training" or "rollouts") runs in, for `requested` (auto, float32, bfloat16
+    or float16: --dtype or --rollout-dtype). float32 or float16 when asked; float32 where bf16 is not native (a
+    note says so); float16 for auto on a CUDA GPU without native bf16 (a V100, a T4; a note says so); bf16 when
+    asked, or for auto on CUDA; for auto on a CPU or MPS with native bf16, the faster of the two by
     measure(candidates): fp32 unless bf16 wins by the margin (measured on rank 0; every rank takes its choice)."""
     what, flag = {"training": ("training computes", "--dtype"), "rollouts": ("rollouts decode", "--rollout-dtype")}[phase]
-    dtype = compute_dtype(device, requested, what)  # float32 when asked or where bf16 is not native, else bf16
-    if dtype == torch.float32 or requested == "bfloat16" or device.type == "cuda":
+    dtype = compute_dtype(device, requested, what, float16=True)  # see compute_dtype
+    if dtype in (torch.float32, torch.float16) or requested == "bfloat16" or device.type == "cuda":
         return dtype_name(dtype)
     name = dtype_name(rank0_choice(lambda: measure(list(PREFERENCE)), list(PREFERENCE)))
     print0(f"{what} in {name}: bfloat16 measured {'at least' if name == 'bfloat16' else 'less than'} {MARGIN}x as fast "
@@ -62,16 +64,19 @@ def resolve_training_dtype(config, model, tokenizer, train_task, device, rows):
 
 def resolve_rollout_dtype(config, model, tokenizer, train_task, device, world_size, requested, compiled_decode=False):
     """Set config.rollout_dtype to what rollouts run in, after resolve_training_dtype (requested: the --dtype asked
-    for). auto is float32 with a float32 --dtype; with a compiled decode step (compiled_decode), training's dtype:
-    timing it would compile it twice, and compiled, its matmuls are most of its time, as in training; else timed on
-    its own on the run's rollout shortened (its first questions x --num-samples, 16 tokens, an uncompiled engine in
-    the run's decode mode; see fastest_rollout_dtype): the eager step's many small operations gain less from bf16,
-    and decoding and training gain from bf16 on different CPUs."""
+    for). auto is float32 with a float32 --dtype, float16 where training computes in float16 (the sampler rounds
+    as the trainer does: fp16's small sampler-trainer gap); with a compiled decode step (compiled_decode),
+    training's dtype: timing it would compile it twice, and compiled, its matmuls are most of its time, as in
+    training; else timed on its own on the run's rollout shortened (its first questions x --num-samples, 16 tokens,
+    an uncompiled engine in the run's decode mode; see fastest_rollout_dtype): the eager step's many small operations
+    gain less from bf16, and decoding and training gain from bf16 on different CPUs."""
     if compiled_decode and config.rollout_dtype == "auto":
         config.rollout_dtype = config.dtype
         print0(f"rollouts decode in {config.dtype}: as training, with the compiled decode step (--rollout-dtype to choose)")
         return
-    rollout_request = "float32" if config.rollout_dtype == "auto" and requested == "float32" else config.rollout_dtype
+    rollout_request = config.rollout_dtype
+    if config.rollout_dtype == "auto" and (requested == "float32" or config.dtype == "float16"):
+        rollout_request = "float32" if requested == "float32" else "float16"
 
     def measure_rollouts(candidates):
         questions = max(1, min(len(train_task), config.examples_per_step // world_size))  # a rank's step
@@ -123,5 +128,5 @@ def describe_engine(engine, compiling, config, rows):
     how = DECODE_DESCRIPTIONS[engine.decode]
     how = "bucketed static shapes, compiled" if compiling.decode and engine.decode == "static" else how
     print0(f"rollouts: {engine.decode} decode step ({how}; --decode to choose)")
-    print0(f"training: {rows} rows of a question per forward "
+    print0(f"training: {rows} trained rows per forward, of one question or several "
            f"({'--train-rows' if config.train_rows else 'auto'}; the same gradient for any count)")

@@ -1,18 +1,24 @@
 """
-The training pass of one step on one rank: each question's rows in chunks through the model, the objective of
-nanochat/rl/objective.py summed and backpropagated chunk by chunk (gradients accumulate; the optimizer steps
-elsewhere), and what the pass saw (TrainStats).
+The training pass of one step on one rank: the step's trained rows, in question order, through the model in forwards
+of up to micro_batch_rows rows that may span questions (each forward's prompts run once, right-padded together; each
+row attends to its own prompt's keys, then its own), the sampled tokens' log-probabilities from the model's chunked
+head, the objective of nanochat/rl/objective.py summed and backpropagated forward by forward (gradients accumulate;
+the optimizer steps elsewhere), and what the pass saw (TrainStats). count_train_step_ops counts the kernels of such a
+pass on the meta device.
 """
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
 import torch
 
 from nanochat.common import to_device
-from nanochat.rl.advantages import QuestionBatch
-from nanochat.rl.objective import (PolicyLoss, clipped_surrogate, counted_rows, k3_kl, row_denominators, step_counts,
-                                   token_logprobs_and_entropy, trainable_targets)
+from nanochat.engine.op_count import count_meta_ops
+from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.rl.advantages import QuestionBatch, make_question_batch
+from nanochat.rl.objective import (PolicyLoss, counted_rows, k3_kl, later_epoch_terms, row_denominators, step_counts,
+                                   trainable_targets)
 
 
 @dataclass
@@ -49,32 +55,48 @@ def _prompt_offset(prompt_length, length, share_prompt):
 
 
 def _row_hidden_states(model, inputs, prompt_length, share_prompt):
-    """Hidden states (B, T', C) of the positions that can carry a target, and the offset T - T' they start at.
-    With share_prompt the prompt (the first prompt_length tokens, the same in every row) goes through the
-    model once and each row's tokens after it attend to it; its last position (the one predicting the first
-    completion token) is the only prompt position kept."""
-    P, T = prompt_length, inputs.size(1)
-    if _prompt_offset(P, T, share_prompt) == 0:
+    """Hidden states (B, T', C) of the positions that can carry a target, and the offset T - T' they start at, for
+    rows (B, T) of one question. With share_prompt the prompt (the first prompt_length tokens, the same in every
+    row) goes through the model once and each row's tokens after it attend to it; its last position (the one
+    predicting the first completion token) is the only prompt position kept."""
+    P = prompt_length
+    offset = _prompt_offset(P, inputs.size(1), share_prompt)
+    if offset == 0:
         return model.hidden_states(inputs), 0
-    B = inputs.size(0)
-    if P == T:
-        prompt_hidden = model.hidden_states(inputs[:1])
-        return prompt_hidden[:, -1:].expand(B, -1, -1), P - 1
-    prompt_hidden, rows_hidden = model.hidden_states_shared_prefix(inputs[:1, :P], inputs[:, P:])
-    return torch.cat([prompt_hidden[:, -1:].expand(B, -1, -1), rows_hidden], dim=1), P - 1
+    return _chunk_hidden(model, inputs[:, P:], inputs[:1, :P], None, None), offset
 
 
-def chunk_logprobs(model, inputs, prompt_length, share_prompt, row_index, position, targets):
+def _chunk_hidden(model, rows, prompts, prompt_lengths, row_prompt):
+    """Hidden states (B, L, C) of a forward's kept positions (see _Chunk): rows (B, L) whole when prompts is None;
+    else the prompts (Q, P) go through the model once (hidden_states_shared_prefix) and rows (B, S) hold each row's
+    tokens after its prompt, L = 1 + S: the prompt's last position, then the row's own."""
+    if prompts is None:
+        return model.hidden_states(rows)
+    B = rows.size(0)
+    if rows.size(1) == 0:  # nothing after the prompts: only their last positions carry a target
+        prompt_hidden, rows_hidden = model.hidden_states(prompts), None
+    elif row_prompt is None:
+        prompt_hidden, rows_hidden = model.hidden_states_shared_prefix(prompts, rows)
+    else:
+        prompt_hidden, rows_hidden = model.hidden_states_shared_prefix(prompts, rows, prompt_lengths, row_prompt)
+    if row_prompt is None:
+        last = prompt_hidden[:, -1:].expand(B, -1, -1)  # (B, 1, C)
+    else:
+        last = prompt_hidden[row_prompt, prompt_lengths[row_prompt] - 1][:, None]  # (B, 1, C): each row's prompt's
+    return last if rows_hidden is None else torch.cat([last, rows_hidden], dim=1)
+
+
+def chunk_logprobs(model, rows, prompts, prompt_lengths, row_prompt, row_index, position, targets):
     """The training pass's forward of one chunk: the log-probabilities logp (N,) of its sampled targets and the
-    mean entropy there (see token_logprobs_and_entropy). inputs: (B, T) rows of one question; row_index,
-    position (N,): each target's row and position among the positions _row_hidden_states keeps (after the prompt
-    offset), row-major; targets (N,) the sampled tokens. Logits only where there is a target (sampled tokens):
-    no vocabulary-wide work for prompt, forced tool-output and padding positions. A pure function of tensors
-    with no host read: nanochat/model/compile.py compiles it (dynamic shapes) for the policy, PPO and reference
-    forwards alike."""
-    hidden, _ = _row_hidden_states(model, inputs, prompt_length, share_prompt)
-    logits = model.logits(hidden[row_index, position])  # (N, V)
-    return token_logprobs_and_entropy(logits, targets)
+    mean entropy there (token_logprobs_and_entropy of the model's logits, by its chunked head: sampled_logprobs).
+    rows, prompts, prompt_lengths, row_prompt: the forward's inputs (_Chunk.inputs, see _chunk_hidden); row_index,
+    position (N,): each target's row and position among the kept positions (B, L), row-major; targets (N,) the
+    sampled tokens. Logits only where there is a target
+    (sampled tokens): no vocabulary-wide work for prompt, forced tool-output and padding positions. A pure
+    function of tensors with no host read: nanochat/model/compile.py compiles it (dynamic shapes) for the policy,
+    PPO and reference forwards alike."""
+    hidden = _chunk_hidden(model, rows, prompts, prompt_lengths, row_prompt)
+    return model.sampled_logprobs(hidden[row_index, position], targets)  # the (N, V) logits a chunk at a time
 
 
 def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_rank, device, autocast,
@@ -98,9 +120,10 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
         run at all (skip_zero_advantage; with kl_coef > 0 they are, as the penalty gives them a gradient);
         their valid tokens still count in the denominators. Rows without a sampled token are never run;
       - each question's prompt is computed once per forward instead of once per row (share_prompt).
-    A forward takes up to micro_batch_rows trained rows of one question (default device_batch_size); a
-    smaller value (after an out-of-memory) gives the same gradient. The model provides hidden_states,
-    hidden_states_shared_prefix and logits, as GPT does. Every parameter ends with a gradient (zeros if no
+    The trained rows of all questions, in question order, are cut into forwards of micro_batch_rows rows (default
+    device_batch_size), so a forward may hold rows of several questions (see _Chunk); any value (a smaller one
+    after an out-of-memory) gives the same gradient. The model provides hidden_states, hidden_states_shared_prefix
+    (of several prompts) and sampled_logprobs, as GPT does. Every parameter ends with a gradient (zeros if no
     row was trained here), so that distributed optimizers see the same tensors on every rank.
     forward: the chunk forward of the policy and the reference (chunk_logprobs, or its compiled version).
     Returns TrainStats."""
@@ -116,6 +139,7 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
     tally = _Tally(old_logprobs=[] if first else first_epoch.old_logprobs,
                    ref_logprobs=([] if use_kl else None) if first else first_epoch.ref_logprobs,
                    correction_weights=([] if correct else None) if first else first_epoch.correction_weights)
+    trained = []  # (question, row) of every row to run, in question order
     for q, batch in enumerate(batches):
         question_targets = trainable_targets(batch, loss.mask_truncated)  # (R, T)
         denominators = row_denominators(question_targets, loss.loss_norm, device_batch_size, examples_per_rank, counts,
@@ -132,9 +156,10 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
             if correct:
                 tally.correction_weights.append(torch.ones(question_targets.shape, device=device))
         question = _Question(q, batch, question_targets, denominators, weights)
-        for lo in range(0, len(rows), micro):
-            _backward_chunk(model, question, torch.tensor(rows[lo:lo + micro]), loss, first, reference, device, autocast,
-                            share_prompt, tally, forward)
+        trained += [(question, r) for r in rows]
+    for lo in range(0, len(trained), micro):
+        chunk = _Chunk.of(trained[lo:lo + micro], share_prompt)
+        _backward_chunk(model, chunk, loss, first, reference, device, autocast, tally, forward)
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -149,6 +174,76 @@ class _Question:
     targets: torch.Tensor       # (R, T) trainable targets (truncated rows masked under mask_truncated)
     denominators: torch.Tensor  # (R,) D of each row
     weights: torch.Tensor       # (R,) A / D
+
+
+@dataclass
+class _Chunk:
+    """One forward's rows, laid out on the host: up to micro_batch_rows rows of one or several questions, in
+    question order. With share_prompt (and every prompt at least a token, its rows longer than it) the chunk's
+    prompts go through the model once, right-padded to the longest of them, and each row holds its tokens after
+    its prompt, right-padded; the kept positions (B, L) are each row's prompt's last position then its own (from
+    offset P - 1 in its question's (R, T)). Otherwise each row is whole (offset 0), right-padded. Padding carries
+    no target and is never seen by a real token (attention is causal)."""
+    parts: list              # [(_Question, rows (n,) long: its rows here)], in order
+    inputs: tuple            # (rows, prompts, prompt_lengths, row_prompt): chunk_logprobs' inputs (None: unused)
+    targets: torch.Tensor    # (B, L) the sampled tokens at the kept positions, -1 elsewhere
+    offsets: torch.Tensor    # (B,) where each row's kept positions start in its question's (R, T)
+    row_in_question: torch.Tensor  # (B,) each row's index among its question's R
+
+    @classmethod
+    def of(cls, trained, share_prompt):
+        """The chunk of `trained`: [(_Question, row)], grouped by question in order."""
+        parts = []
+        for question, r in trained:
+            if parts and parts[-1][0] is question:
+                parts[-1][1].append(r)
+            else:
+                parts.append((question, [r]))
+        parts = [(question, torch.tensor(rows)) for question, rows in parts]
+        lengths = [(q.batch.prompt_length, q.targets.size(1)) for q, _ in parts]
+        shared = share_prompt and all(1 <= P <= T for P, T in lengths)
+        row_in_question = torch.cat([rows for _, rows in parts])
+        if len(parts) == 1:  # one question: its rows share one length and one prompt, no padding
+            (question, rows), (P, T) = parts[0], lengths[0]
+            inputs, offset = question.batch.inputs[rows], _prompt_offset(P, T, shared)
+            model_inputs = (inputs[:, P:], inputs[:1, :P], None, None) if offset else (inputs, None, None, None)
+            return cls(parts, model_inputs, question.targets[rows][:, offset:], torch.full((len(rows),), offset),
+                       row_in_question)
+        counts = torch.tensor([len(rows) for _, rows in parts])
+        if shared:
+            prompts = _right_padded([q.batch.inputs[:1, :P] for (q, _), (P, _) in zip(parts, lengths)], 0)
+            prompt_lengths = torch.tensor([P for P, _ in lengths])
+            row_prompt = torch.repeat_interleave(torch.arange(len(parts)), counts)
+            rows = _right_padded([q.batch.inputs[rows, P:] for (q, rows), (P, _) in zip(parts, lengths)], 0)
+            model_inputs, offsets = (rows, prompts, prompt_lengths, row_prompt), prompt_lengths[row_prompt] - 1
+        else:
+            model_inputs = (_right_padded([q.batch.inputs[rows] for q, rows in parts], 0), None, None, None)
+            offsets = torch.zeros(int(counts.sum()), dtype=torch.long)
+        targets = [q.targets[rows][:, int(offset):] for (q, rows), offset in zip(parts, offsets[counts.cumsum(0) - 1])]
+        return cls(parts, model_inputs, _right_padded(targets, -1), offsets, row_in_question)
+
+    def row_values(self, name):
+        """(B,) each row's entry of its question's per-row tensor `name` (denominators, weights)."""
+        return torch.cat([getattr(question, name)[rows] for question, rows in self.parts])
+
+    def sampler_logprobs(self):
+        """(B, L) the sampler's log-probability of each kept target (nan where unknown), or None: none known."""
+        if all(q.batch.sampler_logprobs is None for q, _ in self.parts):
+            return None
+        known = lambda q, rows: (q.batch.sampler_logprobs[rows] if q.batch.sampler_logprobs is not None  # noqa: E731
+                                 else torch.full((len(rows), q.targets.size(1)), float("nan")))
+        start = 0
+        values = []
+        for question, rows in self.parts:
+            values.append(known(question, rows)[:, int(self.offsets[start]):])
+            start += len(rows)
+        return _right_padded(values, float("nan"))
+
+
+def _right_padded(tensors, value):
+    """(n_i, L_i) tensors -> (sum n_i, max L_i), each right-padded with `value`."""
+    width = max(t.size(1) for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.size(1)), value=value) for t in tensors])
 
 
 @dataclass
@@ -225,56 +320,112 @@ def _sampler_gap(logp, sampler, row_index, num_rows, loss, tally):
     return weights
 
 
-def _backward_chunk(model, question, chunk, loss, first, reference, device, autocast, share_prompt, tally, forward):
-    """Forward and backward the rows `chunk` (N,) of one question, adding their terms to the model's gradient
-    and to the tally. Which positions carry a target is worked out on the host (the batch lives there), so the
-    chunk reads nothing back from the device: its sums stay on the device until the epoch ends."""
-    q, batch = question.index, question.batch
-    targets = question.targets[chunk]  # (B, T) on the host
-    offset = _prompt_offset(batch.prompt_length, targets.size(1), share_prompt)  # positions before it are prompt
-    valid = targets[:, offset:] >= 0  # (B, T')
+def _backward_chunk(model, chunk, loss, first, reference, device, autocast, tally, forward):
+    """Forward and backward the rows of `chunk` (a _Chunk), adding their terms to the model's gradient and to the
+    tally. Which positions carry a target is worked out on the host (the batches live there), so the chunk reads
+    nothing back from the device: its sums stay on the device until the epoch ends."""
+    valid = chunk.targets >= 0  # (B, L)
     row_host, position_host = valid.nonzero(as_tuple=True)  # (N,): each target's row and position, row-major
     num_tokens = row_host.numel()
     # every host tensor goes over with to_device: queued, so the host can run ahead of the GPU into the next chunk
     row_index, position = to_device(row_host, device), to_device(position_host, device)
-    inputs = to_device(batch.inputs[chunk], device)
-    sampled = to_device(targets[:, offset:][valid], device)  # (N,)
+    inputs = [None if x is None else to_device(x, device) for x in chunk.inputs]
+    sampled = to_device(chunk.targets[valid], device)  # (N,)
     with autocast:  # the log-probabilities are computed in fp32 inside, whatever autocast says
-        logp, entropy = forward(model, inputs, batch.prompt_length, share_prompt, row_index, position, sampled)  # (N,)
-    where = (to_device(chunk[row_host], device), position + offset)  # each token's place in the question's (R, T)
-    per_token = lambda row_values: to_device(row_values[chunk][row_host], device)  # (R,) -> (N,)
-    token_denominators = per_token(question.denominators).to(logp.dtype)
+        logp, entropy = forward(model, *inputs, row_index, position, sampled)  # (N,)
+    # each question's tokens are a contiguous span of the N (rows in question order, tokens row-major), and their
+    # places in its (R, T): one copy to the device for the chunk, sliced per question
+    ends = valid.sum(1).cumsum(0)[torch.tensor([len(rows) for _, rows in chunk.parts]).cumsum(0) - 1].tolist()
+    places = (to_device(chunk.row_in_question[row_host], device),
+              to_device(position_host + chunk.offsets[row_host], device))
+    spans = [(question.index, slice(lo, hi), (places[0][lo:hi], places[1][lo:hi]))
+             for (question, _), lo, hi in zip(chunk.parts, [0] + ends[:-1], ends)]
+
+    def gathered(stored):  # (N,) the chunk's tokens' entries of per-question (R, T) tensors
+        values = [stored[q][where] for q, _, where in spans]
+        return values[0] if len(values) == 1 else torch.cat(values)
+
+    per_token = lambda name: to_device(chunk.row_values(name)[row_host], device)  # noqa: E731  (B,) -> (N,)
+    token_denominators = per_token("denominators").to(logp.dtype)
     if first:
         # on-policy: the ratio is 1, so the clipped surrogate's gradient is A * grad logp (nanochat's term)
-        token_weights = per_token(question.weights).to(logp.dtype)
-        if batch.sampler_logprobs is not None:
-            sampler = to_device(batch.sampler_logprobs[chunk][:, offset:][valid], device)  # (N,)
-            correction = _sampler_gap(logp.detach(), sampler, row_index, chunk.numel(), loss, tally)
+        token_weights = per_token("weights").to(logp.dtype)
+        sampler_logprobs = chunk.sampler_logprobs()
+        if sampler_logprobs is not None:
+            sampler = to_device(sampler_logprobs[valid], device)  # (N,)
+            correction = _sampler_gap(logp.detach(), sampler, row_index, valid.size(0), loss, tally)
             if correction is not None:
                 token_weights = token_weights * correction
-                tally.correction_weights[q][where] = correction
+                for q, span, where in spans:
+                    tally.correction_weights[q][where] = correction[span]
         pg_objective = (logp * token_weights).sum()
-        tally.old_logprobs[q][where] = logp.detach()
+        for q, span, where in spans:
+            tally.old_logprobs[q][where] = logp.detach()[span]
     else:
-        old_logp = tally.old_logprobs[q][where]
-        surrogate, ratio, clipped = clipped_surrogate(logp, old_logp, per_token(batch.advantages).to(logp.dtype),
-                                                      loss.clip_low, loss.clip_high)
+        old_logp = gathered(tally.old_logprobs)
+        advantages = torch.cat([question.batch.advantages[rows] for question, rows in chunk.parts])  # (B,)
+        token_advantages = to_device(advantages[row_host], device).to(logp.dtype)
+        surrogate, clipped = later_epoch_terms(loss, logp, old_logp, token_advantages, row_index, valid.size(0))
         if tally.correction_weights is not None:  # the first epoch's correction of the sampler's tokens holds
-            surrogate = surrogate * tally.correction_weights[q][where]
+            surrogate = surrogate * gathered(tally.correction_weights)
         pg_objective = (surrogate / token_denominators).sum()
         with torch.no_grad():
             tally.clipped = tally.clipped + clipped.sum()
-            tally.approx_kl_sum = tally.approx_kl_sum + ((ratio - 1) - (logp - old_logp)).sum()
+            log_ratio = logp - old_logp
+            tally.approx_kl_sum = tally.approx_kl_sum + (torch.expm1(log_ratio) - log_ratio).sum()
     objective = pg_objective
     if loss.kl_coef > 0:
         if first:
             with torch.no_grad(), autocast:
-                tally.ref_logprobs[q][where] = forward(reference, inputs, batch.prompt_length, share_prompt, row_index,
-                                                       position, sampled)[0]
-        kl = k3_kl(logp, tally.ref_logprobs[q][where])  # (N,)
+                ref_logp = forward(reference, *inputs, row_index, position, sampled)[0]
+            for q, span, where in spans:
+                tally.ref_logprobs[q][where] = ref_logp[span]
+        kl = k3_kl(logp, gathered(tally.ref_logprobs))  # (N,): the reference as stored (fp32), in every epoch alike
         objective = pg_objective - loss.kl_coef * (kl / token_denominators).sum()
         tally.kl_ref_sum = tally.kl_ref_sum + kl.detach().sum()
     (-objective).backward()
     tally.chunk_sums.append(torch.stack([objective.detach().float(), entropy.float()]))
     tally.chunk_tokens.append(num_tokens)
     tally.tokens += num_tokens
+
+
+# nanochat's d20 (January 2026): the shapes count_train_step_ops counts at by default
+D20_CONFIG = dict(sequence_len=2048, vocab_size=65536, n_layer=20, n_head=10, n_kv_head=10, n_embd=1280,
+                  window_pattern="SSSL")
+
+
+def synthetic_question_batches(questions, rows, prompt_len, completion_len, vocab_size, seed=0):
+    """`questions` QuestionBatches (on the host) of `rows` samples each: prompts of prompt_len - 4 .. prompt_len + 3
+    tokens (a step's questions differ), completions of completion_len sampled tokens, rewards 0, 1, 0, ... (every
+    row has an advantage, every row is trained)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = lambda n: torch.randint(0, vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    return [make_question_batch(tokens(max(prompt_len + q % 8 - 4, 1)),
+                                [(tokens(completion_len), [1] * completion_len) for _ in range(rows)],
+                                [float(r % 2) for r in range(rows)], 0) for q in range(questions)]
+
+
+def count_train_step_ops(model=None, questions=16, rows=16, prompt_len=100, completion_len=256, rows_per_forward=16):
+    """The OpCount (nanochat/engine/op_count.py) of one training step's pass, accumulate_policy_gradient (eager,
+    fp32, nanochat's objective, every row trained), of `model` moved to the meta device (default: a d20,
+    D20_CONFIG) over synthetic_question_batches, rows_per_forward rows a forward. The pass runs on meta to its end,
+    where TrainStats reads its sums back to the host: the count stops there."""
+    if model is None:
+        with torch.device("meta"):
+            model = GPT(GPTConfig(**D20_CONFIG))
+    model = model.to("meta").train()
+    batches = synthetic_question_batches(questions, rows, prompt_len, completion_len, model.config.vocab_size)
+    meta = torch.device("meta")
+    no_autocast = contextlib.nullcontext()
+    count, _ = count_meta_ops(lambda: accumulate_policy_gradient(model, batches, rows, questions, meta, no_autocast,
+                                                                 micro_batch_rows=rows_per_forward))
+    if any(p.grad is None for p in model.parameters()):
+        raise RuntimeError("the counted training pass stopped before its end (a read back to the host mid-pass)")
+    model.zero_grad(set_to_none=True)
+    return count
+
+
+def d20_train_step_kernels(rows_per_forward=(16, 64)):
+    """{rows per forward: kernels} of one d20 training step (count_train_step_ops at its defaults: 16 questions x 16
+    rows, prompts ~100 tokens, completions 256; eager, on meta): bench_rl's `train_step_kernels`."""
+    return {n: count_train_step_ops(rows_per_forward=n).kernels for n in rows_per_forward}

@@ -10,6 +10,7 @@ import os
 
 from nanochat.common import format_duration, print0, remaining_seconds
 from nanochat.files import atomic_write
+from nanochat.optim.loss_scale import scale_text
 from nanochat.rl.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
 
 
@@ -23,19 +24,22 @@ def is_save_step(step, num_steps, save_every):
     return (save_every > 0 and step > 0 and step % save_every == 0) or step == num_steps - 1
 
 
-def step_record(run, step, rollouts, result, t_rollout, t_train):
-    """The step's metrics over all ranks, as logged to wandb and kept in the run's history."""
+def step_record(run, step, rollouts, result, t_rollout, t_train, trained=None):
+    """The step's metrics over all ranks, as logged to wandb and kept in the run's history. rollouts: every question
+    the step sampled; trained: those it trained on, when --dynamic-sampling drew more (its count is logged)."""
     compiled = run.compile_clock.lap()  # graphs compiled and their calls' seconds, since the last record
     metrics = drop_unmeasured(reduce_metrics(
         {**rollout_metrics([r.rewards for r in rollouts], [r.completions for r in rollouts], run.config.max_new_tokens,
                            prompt_lengths=[r.prompt_length for r in rollouts], rows_trained=result.first.rows_trained),
          **objective_metrics(result.first, result.last), "captures": float(run.engine.last_stats.captures),
-         "compiles": float(compiled[0]), "compile_s": compiled[1]},
+         "compiles": float(compiled[0]), "compile_s": compiled[1],
+         **({"questions_trained": float(len(trained))} if run.config.dynamic_sampling else {})},
         run.reduce_device))
     num_tokens = metrics["completion_len_mean"] * metrics["num_samples"]  # generated this step, all ranks
     return {"step": step, **metrics, "reward": metrics["reward_mean"], "sequence_length": metrics["seq_len_mean"],
             "completion_length": metrics["completion_len_mean"], "lrm": result.lrm, "grad_norm": result.grad_norm,
-            "time/rollout": t_rollout, "time/train": t_train, "rollout_tokens_per_s": num_tokens / max(t_rollout, 1e-9)}
+            "time/rollout": t_rollout, "time/train": t_train, "rollout_tokens_per_s": num_tokens / max(t_rollout, 1e-9),
+            **(run.loss_scale.record() if getattr(run, "loss_scale", None) else {})}  # fp16: the same on every rank
 
 
 def format_step_line(run, m, elapsed):
@@ -49,9 +53,13 @@ def format_step_line(run, m, elapsed):
             f"reward std {m['reward_std']:.3f} | no-signal {m['zero_std_fraction']:.2f} | "
             f"len {m['completion_len_min']:.0f}-{m['completion_len_max']:.0f} cut {m['truncated_fraction']:.2f} | "
             f"tool {m['tool_calls_per_sample']:.2f}/ok {m['tool_success_fraction']:.2f} | "
-            f"trained {m['rows_trained']:.0f}/{m['num_samples']:.0f} rows | "
+            + (f"drew {m['num_questions']:.0f} questions, trained {m['questions_trained']:.0f} | "
+               if "questions_trained" in m else "")
+            + f"trained {m['rows_trained']:.0f}/{m['num_samples']:.0f} rows | "
             + (f"entropy {m['entropy']:.3f} | " if "entropy" in m else "")  # none where no row was trained
             + f"gnorm {m['grad_norm']:.3f} | lrm {m['lrm']:.3f} | "
+            + (f"loss scale {scale_text(m['loss_scale'])}"
+               + (" (overflow: step skipped, scale halved)" if m["overflow"] else "") + " | " if "loss_scale" in m else "")
             + (f"clip {m['clip_fraction']:.3f} kl_old {m['approx_kl']:.2e} | " if "clip_fraction" in m else "")
             + (f"kl_ref {m['kl_ref']:.2e} | " if "kl_ref" in m else "")
             + (f"sampler gap {m['sampler_gap_mean']:.1e}/{m['sampler_gap_max']:.1e} k3 {m['sampler_k3']:.1e}"

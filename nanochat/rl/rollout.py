@@ -46,20 +46,50 @@ class QuestionRollout:
         return self.batch.completion_lengths
 
 
-def question_seed(step, example_index):
-    """The sampling seed of one question at one RL step: the same on every rank layout."""
-    return hash((step, example_index)) & 0x7FFFFFFF  # the hash of an int tuple is not salted per process
+def question_seed(step, example_index, draw=0):
+    """The sampling seed of one question at one RL step (and, with --dynamic-sampling, the step's draw: a question
+    drawn twice in one step, past the end of a small split, samples anew): the same on every rank layout."""
+    key = (step, example_index) if draw == 0 else (step, example_index, draw)
+    return hash(key) & 0x7FFFFFFF  # the hash of an int tuple is not salted per process
+
+
+def question_indices_at(position, examples_per_rank, rank, world_size, num_examples):
+    """The train questions this rank samples from data position `position`. The run walks the split in order, epoch
+    after epoch (position p is question p mod num_examples), examples_per_rank * W positions a draw (a step's, or with
+    --dynamic-sampling one of its draws), and rank r takes every W-th of the draw's positions from the r-th. That is
+    nanochat's split (rank r walks r, r+W, r+2W, ... cycling) in the first epoch, and in every epoch when W divides
+    the split; unlike it, which questions a step takes does not depend on W, so a run resumed on another number of
+    ranks goes on with the next questions of the epoch, and each epoch takes every question once also when W does
+    not divide the split."""
+    return [(position + rank + world_size * i) % num_examples for i in range(examples_per_rank)]
 
 
 def step_question_indices(step, examples_per_rank, rank, world_size, num_examples):
-    """The train questions this rank samples at `step`. The run walks the split in order, epoch after epoch
-    (position p is question p mod num_examples), examples_per_rank * W positions a step, and rank r takes every
-    W-th of the step's positions from the r-th. That is nanochat's split (rank r walks r, r+W, r+2W, ... cycling)
-    in the first epoch, and in every epoch when W divides the split; unlike it, which questions a step takes does
-    not depend on W, so a run resumed on another number of ranks goes on with the next questions of the epoch, and
-    each epoch takes every question once also when W does not divide the split."""
-    start = step * examples_per_rank * world_size
-    return [(start + rank + world_size * i) % num_examples for i in range(examples_per_rank)]
+    """The train questions this rank samples at `step` of a run without --dynamic-sampling (its data position is
+    step * examples_per_rank * W; see question_indices_at)."""
+    return question_indices_at(step * examples_per_rank * world_size, examples_per_rank, rank, world_size, num_examples)
+
+
+def has_signal(rollout):
+    """Whether a question's samples were rewarded differently: only then are its advantages not all zero."""
+    return len(set(rollout.rewards)) > 1
+
+
+def step_questions(drawn, examples_per_rank):
+    """--dynamic-sampling: the step's questions among those drawn, in draw order: the first examples_per_rank whose
+    samples differ in reward, and if there are fewer, the first ones without (their advantages are zero: they add
+    nothing to the gradient, as in a step without dynamic sampling), so a rank trains examples_per_rank questions."""
+    ranked = sorted(range(len(drawn)), key=lambda i: not has_signal(drawn[i]))  # stable: draw order within each kind
+    kept = set(ranked[:examples_per_rank])
+    return [r for i, r in enumerate(drawn) if i in kept]
+
+
+@dataclass
+class StepRollouts:
+    """What a step sampled on this rank."""
+    trained: list        # the step's questions (QuestionRollouts), which the policy gradient trains on
+    drawn: list          # every question sampled, in draw order (the same as `trained` without --dynamic-sampling)
+    next_position: int   # the data position of the next step's first question
 
 
 PROMPTS_SCANNED = 50_000  # a task's first prompts that longest_prompt renders (GSM8K: 7,473 train in ~0.2 s)

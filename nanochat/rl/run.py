@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from nanochat.checkpoints.background import BackgroundSaver
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS
@@ -19,6 +20,8 @@ from nanochat.checkpoints.store import new_run_id
 from nanochat.common import UserError, autocast_context, collective_device, get_base_dir, print0, require
 from nanochat.engine.engine import Engine
 from nanochat.model.compile import CompileClock, maybe_compiled
+from nanochat.model.precision import ortho_dtype
+from nanochat.optim.loss_scale import loss_scale_for, scaled_forward
 from nanochat.optim.optimizers import guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.rl.config import RLConfig
 from nanochat.rl.objective import PolicyLoss, step_counts
@@ -26,7 +29,8 @@ from nanochat.rl.plan import describe_engine, resolve_compute_plan, resolve_memo
 from nanochat.rl.policy_gradient import TrainStats, accumulate_policy_gradient, chunk_logprobs
 from nanochat.rl.progress import RolloutLog, drop_rollouts_after
 from nanochat.rl.resume import prepare_output_dir, restore_optimizers, start_new_run
-from nanochat.rl.rollout import Sampling, longest_prompt, question_seed, sample_questions, step_question_indices
+from nanochat.rl.rollout import (Sampling, StepRollouts, has_signal, longest_prompt, question_indices_at, question_seed,
+                                 sample_questions, step_questions)
 from tasks.registry import make_task
 
 
@@ -62,6 +66,8 @@ class RLRun:
     compile_clock: CompileClock = field(default_factory=CompileClock)  # what each step compiled
     saver: BackgroundSaver = field(default_factory=BackgroundSaver)    # the checkpoint being written, if any
     rollout_log: RolloutLog = None         # --save-rollouts: this rank's samples as JSON lines
+    loss_scale: object = None              # --dtype=float16: the dynamic loss scale (nanochat/optim/loss_scale.py)
+    data_position: int = 0                 # the next step's first question's position in the walk over the split
     step_seconds: list = field(default_factory=list)   # this process's timings, for the ETA, compiling left out
     eval_seconds: list = field(default_factory=list)
 
@@ -108,16 +114,17 @@ def run_length(config, train_task):
 
 def make_optimizers(config, model):
     """The run's optimizers at step 0, each group at --init-lr-frac of its lr (its `initial_lr`). Muon
-    orthogonalizes in the run's compute dtype: bf16 where it is native (nanochat's numerics), fp32 otherwise."""
+    orthogonalizes in the run's compute dtype: bf16 where it is native (nanochat's numerics), fp32 otherwise
+    (and for fp16: precision.ortho_dtype)."""
     return scale_initial_lr(model.setup_optimizers(
         unembedding_lr=config.unembedding_lr, embedding_lr=config.embedding_lr, matrix_lr=config.matrix_lr,
-        weight_decay=config.weight_decay, recipe=config.recipe, ortho_dtype=getattr(torch, config.dtype)),
+        weight_decay=config.weight_decay, recipe=config.recipe, ortho_dtype=ortho_dtype(config.dtype)),
         config.init_lr_frac)
 
 
 def policy_loss_of(config):
     """The objective the run's algorithm flags choose (each default is nanochat's)."""
-    return PolicyLoss(loss_norm=config.loss_norm, max_new_tokens=config.max_new_tokens,
+    return PolicyLoss(loss=config.loss, loss_norm=config.loss_norm, max_new_tokens=config.max_new_tokens,
                       mask_truncated=config.mask_truncated, clip_low=config.clip_low, clip_high=config.clip_high,
                       kl_coef=config.kl_coef, rollout_correction=config.rollout_correction,
                       correction_cap=config.rollout_correction_cap)
@@ -160,6 +167,7 @@ def setup_run(config, resume, rank, world_size, device):
         prepare_output_dir(checkpoint_dir, config.overwrite, rank == 0)
     elif rank == 0:  # the run's samples, if it kept them, continue from the resumed step
         drop_rollouts_after(checkpoint_dir, resume.step)
+    loss_scale = loss_scale_for(config, meta if config.resume else None)  # fp16 only
     return RLRun(
         config=config, model=model, optimizers=optimizers, engine=engine,
         policy_loss=policy_loss_of(config),
@@ -171,7 +179,11 @@ def setup_run(config, resume, rank, world_size, device):
         history=list(meta.get("history", [])) if config.resume else [],
         eval_history=[tuple(e) for e in meta.get("eval_history", [])] if config.resume else [],
         last_saved=start_step - 1 if config.resume else None, micro_rows=rows,
-        forward=maybe_compiled(chunk_logprobs, compiling.train, dynamic=True, required=config.compile == "on"),
+        forward=scaled_forward(maybe_compiled(chunk_logprobs, compiling.train, dynamic=True,
+                                              required=config.compile == "on"), loss_scale),
+        loss_scale=loss_scale,
+        # without --dynamic-sampling always start_step * --examples-per-step; with it, what the resumed step left
+        data_position=meta.get("data_position", start_step * config.examples_per_step) if config.resume else 0,
         rollout_log=RolloutLog(checkpoint_dir, rank, resumed=bool(config.resume)) if config.save_rollouts else None)
 
 
@@ -211,17 +223,43 @@ def give_back_rollout_memory(engine):
     return None
 
 
-def sample_rollouts(run, step):
-    """This rank's questions of `step`, sampled and rewarded (with fewer rows at a time after an out-of-memory)."""
+def sample_rollouts(run, step, position=None):
+    """This rank's questions of `step`, sampled and rewarded (with fewer rows at a time after an out-of-memory), from
+    data position `position` (default: step * --examples-per-step, a run's own without --dynamic-sampling). With
+    --dynamic-sampling, draws of --examples-per-step more questions follow while some rank has fewer than its share
+    of questions whose samples differ in reward, up to --dynamic-sampling-rounds more draws (every rank draws as
+    many: the count is agreed). Returns StepRollouts."""
     cfg = run.config
-    indices = step_question_indices(step, run.examples_per_rank, run.rank, run.world_size, len(run.train_task))
+    position = step * cfg.examples_per_step if position is None else position
+    drawn = sample_draw(run, step, position, 0)
+    for draw in range(1, 1 + cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1):
+        if not any_rank(sum(map(has_signal, drawn)) < run.examples_per_rank, run.reduce_device):
+            break
+        drawn += sample_draw(run, step, position + draw * cfg.examples_per_step, draw)
+    draws = len(drawn) // run.examples_per_rank
+    trained = step_questions(drawn, run.examples_per_rank) if cfg.dynamic_sampling else drawn
+    return StepRollouts(trained, drawn, position + draws * cfg.examples_per_step)
+
+
+def any_rank(flag, device):
+    """Whether `flag` (a bool) holds on any rank: every rank must call it at the same point."""
+    value = torch.tensor([int(flag)], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def sample_draw(run, step, position, draw):
+    """This rank's questions at data position `position`, sampled and rewarded (the `draw`-th of the step)."""
+    cfg = run.config
+    indices = question_indices_at(position, run.examples_per_rank, run.rank, run.world_size, len(run.train_task))
     sampling = Sampling(num_samples=cfg.num_samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                         top_k=cfg.top_k)
 
     def attempt(max_rows):
         run.engine.max_rows = max_rows
         with run.autocast(rollouts=True):
-            return sample_questions(run.engine, run.train_task, indices, [question_seed(step, i) for i in indices],
+            return sample_questions(run.engine, run.train_task, indices, [question_seed(step, i, draw) for i in indices],
                                     sampling, scale_by_std=cfg.advantage_std, label=f"step {step} rollouts")
 
     def give_back_kept_batches():  # an eval's batch kept beside the steps' (Engine._new_batch), or theirs beside it
@@ -266,7 +304,8 @@ def train_on_rollouts(run, rollouts, step):
         last, run.micro_rows = with_fewer_rows_on_oom(attempt, run.micro_rows, "out of memory during training: "
                                                       "retrying with {rows} rows per forward pass",
                                                       free_memory=lambda: give_back_rollout_memory(run.engine))
-        last_gnorm, stepped = guarded_step(run.model, run.optimizers, lrm, last.objective, run.reduce_device)
+        last_gnorm, stepped = guarded_step(run.model, run.optimizers, lrm, last.objective, run.reduce_device,
+                                           run.loss_scale)
         if first is None:
             first, gnorm = last, last_gnorm
         if not stepped:
@@ -278,6 +317,9 @@ def count_bad_step(run, step, result):
     """Track consecutive steps whose update was skipped (non-finite); too many in a row end the run."""
     if result.stepped:
         run.consecutive_bad = 0
+        return
+    if run.loss_scale and run.loss_scale.overflow_note(step):  # fp16: a smaller scale may fit; not a bad step
+        print0(run.loss_scale.overflow_note(step))
         return
     run.consecutive_bad += 1
     print0(f"warning: step {step} has a non-finite loss or gradient (objective {result.last.objective}, grad norm "
@@ -292,7 +334,8 @@ def meta_data(run, step):
     return {"step": step, "model_config": run.model.meta_model_config(), "generation": run.model.generation.name,
             "user_config": vars(run.config), "start_checkpoint": run.start_checkpoint, "history": run.history,
             "eval_history": run.eval_history, "run_id": run.run_id, "world_size": run.world_size,
-            "segments": run.segments}
+            "segments": run.segments, "loss_scale": run.loss_scale.state_dict() if run.loss_scale else None,
+            "data_position": run.data_position}
 
 
 def save(run, step):

@@ -1,0 +1,112 @@
+"""
+What one of chat_rl's pass@k evals costs, with its prompts prefilled several at a time (the engine's default,
+nanochat.engine.decode_batch.PREFILL_TOKENS positions a forward) and one at a time (as before), side by side on the
+same model and questions, alternately, so that both see the same machine. Both sample the same tokens (the same
+seeds): the two timings differ only by the prefill, whose own seconds (DecodeBatch.prefill, synchronized) are
+reported apart: on a CPU they are a small part of an eval, on a GPU each prefill forward is launch-bound.
+
+    python -m scripts.bench_eval --source=sft --task=arithmetic --eval-examples=100 --num-samples=8 --max-new-tokens=128
+    python -m scripts.bench_eval --source=sft --task=gsm8k --eval-examples=400 --num-samples=8   # chat_rl's eval
+"""
+
+import json
+import time
+
+from nanochat.checkpoints.loading import load_model
+from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
+                          run_main)
+from nanochat.common import (UserError, autocast_context, compute_dtype, compute_init, print0, requested_dtype,
+                             synchronize)
+from nanochat.engine.cuda_graphs import check_decode_flag
+from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch
+from nanochat.engine.engine import Engine
+from nanochat.engine.memory_budget import resolve_memory_budget
+from nanochat.model.compile import resolve_compile_flag
+from nanochat.rl.evaluation import evaluate_pass_at_k
+from tasks.registry import make_task
+
+WAYS = {"batched": PREFILL_TOKENS, "one_by_one": 1}  # positions a prefill forward takes at most
+
+
+def timed_prefills(device, seconds):
+    """DecodeBatch.prefill, its seconds appended to `seconds` (the device synchronized before and after)."""
+    prefill = DecodeBatch.prefill
+
+    def timed(batch, *args, **kwargs):
+        synchronize(device)
+        t0 = time.perf_counter()
+        out = prefill(batch, *args, **kwargs)
+        synchronize(device)
+        seconds.append(time.perf_counter() - t0)
+        return out
+    return timed
+
+
+def parse_args(argv):
+    p = ArgumentParser(description="Seconds of a pass@k eval, prompts prefilled together and one at a time")
+    p.add_argument("--source", type=str, default="sft", help="checkpoint family: base|mid|sft|rl")
+    p.add_argument("--task", type=str, default="gsm8k", help="gsm8k, arithmetic, or package.module:ClassName")
+    p.add_argument("--eval-examples", type=int, default=400, help="test questions (chat_rl's --eval-examples)")
+    p.add_argument("--num-samples", type=int, default=8, help="samples per question (chat_rl: --device-batch-size)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="completion length cap (chat_rl's eval: 256)")
+    p.add_argument("--repeats", type=int, default=2, help="evals timed each way, alternately")
+    p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
+    p.add_argument("--dtype", type=str, default=None, help="auto|float32|bfloat16 (default: $NANOCHAT_DTYPE, else auto)")
+    add_memory_budget_flag(p)
+    add_decode_flag(p)
+    add_compile_flag(p)
+    p.add_argument("--output", type=str, default="bench_eval.json", help="where to write the numbers as JSON")
+    add_debug_flag(p)
+    return p.parse_args(argv)
+
+
+def main(argv):
+    args = parse_args(argv)
+    if args.repeats < 1 or args.eval_examples < 1:
+        raise UserError("--repeats and --eval-examples must be >= 1")
+    _, _, _, _, device = compute_init(args.device_type)
+    decode = check_decode_flag(args.decode, device)
+    resolve_compile_flag(args, device, decode, trains=False)
+    autocast = autocast_context(device, compute_dtype(device, requested_dtype(args.dtype)))
+    model, tokenizer, _ = load_model(args.source, device, phase="eval")
+    budget, _ = resolve_memory_budget(args.memory_budget_gb, model, device)
+    task = make_task(args.task, "test")
+    engines = {way: Engine(model, tokenizer, memory_budget_gb=budget, decode=decode, compile=args.compile,
+                           prefill_tokens=limit) for way, limit in WAYS.items()}
+    seconds, prefill_seconds, stats, pass1 = {way: [] for way in WAYS}, {way: [] for way in WAYS}, {}, {}
+    plain_prefill = DecodeBatch.prefill
+    for repeat in range(args.repeats + 1):  # the first round warms up (batches made, graphs captured): not counted
+        for way, engine in engines.items():
+            prefills = []
+            DecodeBatch.prefill = timed_prefills(device, prefills)
+            synchronize(device)
+            t0 = time.perf_counter()
+            try:
+                with autocast:
+                    passk, _ = evaluate_pass_at_k(engine, task, args.eval_examples, args.num_samples,
+                                                  max_new_tokens=args.max_new_tokens, device=device)
+                synchronize(device)
+            finally:
+                DecodeBatch.prefill = plain_prefill
+            if repeat > 0:
+                seconds[way].append(time.perf_counter() - t0)
+                prefill_seconds[way].append(sum(prefills))
+            stats[way], pass1[way] = engine.last_stats, passk.any[0]
+    result = {way: {"seconds": min(seconds[way]), "all_seconds": seconds[way], "prefill_seconds": min(prefill_seconds[way]),
+                    "pass@1": pass1[way], "prefill_forwards_last_rollout": stats[way].prefill_forwards} for way in WAYS}
+    result.update(task=args.task, eval_examples=args.eval_examples, num_samples=args.num_samples, device=str(device),
+                  speedup=result["one_by_one"]["seconds"] / result["batched"]["seconds"])
+    for way in WAYS:
+        print0(f"eval {way:>10}: {result[way]['seconds']:.2f} s (best of {args.repeats}; "
+               f"prefills {result[way]['prefill_seconds']:.3f} s), "
+               f"{result[way]['prefill_forwards_last_rollout']} prefill forwards in the last rollout, "
+               f"pass@1 {result[way]['pass@1']:.4f}")
+    print0(f"one at a time / batched: {result['speedup']:.2f}x the eval, "
+           f"{result['one_by_one']['prefill_seconds'] / max(result['batched']['prefill_seconds'], 1e-9):.2f}x its prefills")
+    with open(args.output, "w") as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,57 @@
+"""--dynamic-sampling (DAPO): a step draws more questions until it has --examples-per-step whose samples differ in
+reward (or --dynamic-sampling-rounds more draws), trains on those, and a resumed run draws what the uninterrupted
+one drew: the data position is saved with each checkpoint."""
+
+import json
+import re
+
+import torch
+from helpers import TINY_RL_FLAGS, weights
+
+from nanochat.rl.rollout import QuestionRollout, question_indices_at, question_seed, step_question_indices, step_questions
+from scripts import chat_rl
+
+FLAGS = [f if not f.startswith("--task=") else "--task=rl_toy_task:HalfSilentParity" for f in TINY_RL_FLAGS]
+
+
+def rollout(index, rewards):
+    return QuestionRollout(index=index, completions=[], texts=[], rewards=rewards, batch=None)
+
+
+def test_a_step_keeps_the_first_questions_with_signal_in_draw_order():
+    drawn = [rollout(0, [0, 0]), rollout(1, [1, 0]), rollout(2, [1, 1]), rollout(3, [0, 1]), rollout(4, [1, 0])]
+    assert [r.index for r in step_questions(drawn, 2)] == [1, 3]
+    assert [r.index for r in step_questions(drawn, 4)] == [0, 1, 3, 4]  # one short: the first without signal fills
+    assert [r.index for r in step_questions(drawn[:1], 1)] == [0]
+
+
+def test_draws_walk_on_through_the_split_and_sample_anew():
+    assert step_question_indices(3, 2, 1, 2, 10) == question_indices_at(12, 2, 1, 2, 10) == [3, 5]
+    assert question_indices_at(16, 2, 0, 2, 10) == [6, 8]
+    assert question_seed(5, 7) == question_seed(5, 7, 0) != question_seed(5, 7, 1)  # draw 0: the seeds of before
+
+
+def trained_rows(out):
+    return [int(m) for m in re.findall(r"trained (\d+)/\d+ rows", out)]
+
+
+def test_it_trains_more_rows_and_resumes_exactly(sft, base_dir, capsys):
+    flags = FLAGS + ["--num-steps=3", "--save-every=1"]
+    chat_rl.main(flags + ["--output-tag=plain"])
+    plain = capsys.readouterr().out
+    chat_rl.main(flags + ["--output-tag=dynamic", "--dynamic-sampling", "--dynamic-sampling-rounds=2"])
+    dynamic = capsys.readouterr().out
+    assert "drew" not in plain and len(re.findall(r"drew (8|12) questions, trained 4", dynamic)) >= 2
+    assert sum(trained_rows(dynamic)) > sum(trained_rows(plain))  # the same seed: more questions with signal
+    rl_dir = base_dir / "chatrl_checkpoints" / "dynamic"
+    positions = [json.loads((rl_dir / f"meta_00000{s}.json").read_text())["data_position"] for s in (1, 2)]
+    assert 8 < positions[0] < positions[1] and all(p % 4 == 0 for p in positions)  # after steps 1 and 2
+    uninterrupted = weights(rl_dir / "model_000002.pt")
+    (rl_dir / "model_000002.pt").unlink()
+    chat_rl.main(["--resume=dynamic:1", "--device-type=cpu"])
+    resumed = capsys.readouterr().out
+    step_line = lambda out: next(line for line in out.splitlines() if line.startswith("Step 2/3")).split("| rollout")[0]
+    assert step_line(resumed) == step_line(dynamic)
+    assert json.loads((rl_dir / "meta_000002.json").read_text())["data_position"] == positions[1]
+    for k, v in weights(rl_dir / "model_000002.pt").items():
+        assert torch.equal(v, uninterrupted[k]), k
