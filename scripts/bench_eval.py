@@ -1,9 +1,10 @@
 """
 What one of chat_rl's pass@k evals costs, with its prompts prefilled several at a time (the engine's default,
 nanochat.engine.decode_batch.PREFILL_TOKENS positions a forward) and one at a time (as before), side by side on the
-same model and questions, alternately, so that both see the same machine. Both sample the same tokens (the same
-seeds): the two timings differ only by the prefill, whose own seconds (DecodeBatch.prefill, synchronized) are
-reported apart: on a CPU they are a small part of an eval, on a GPU each prefill forward is launch-bound.
+same model and questions, alternately, so that both see the same machine, with one engine (one static batch, its
+graphs captured once). Both sample from the same seeds, so they sample the same tokens where the prefill's shapes
+round alike (fp32 on a CPU; in bf16 on a GPU a token may differ): the timings differ by the prefill, whose own
+seconds (DecodeBatch.prefill, synchronized) are measured in one more eval each way and reported apart.
 
     python -m scripts.bench_eval --source=sft --task=arithmetic --eval-examples=100 --num-samples=8 --max-new-tokens=128
     python -m scripts.bench_eval --source=sft --task=gsm8k --eval-examples=400 --num-samples=8   # chat_rl's eval
@@ -71,28 +72,35 @@ def main(argv):
     model, tokenizer, _ = load_model(args.source, device, phase="eval")
     budget, _ = resolve_memory_budget(args.memory_budget_gb, model, device)
     task = make_task(args.task, "test")
-    engines = {way: Engine(model, tokenizer, memory_budget_gb=budget, decode=decode, compile=args.compile,
-                           prefill_tokens=limit) for way, limit in WAYS.items()}
-    seconds, prefill_seconds, stats, pass1 = {way: [] for way in WAYS}, {way: [] for way in WAYS}, {}, {}
-    plain_prefill = DecodeBatch.prefill
-    for repeat in range(args.repeats + 1):  # the first round warms up (batches made, graphs captured): not counted
-        for way, engine in engines.items():
-            prefills = []
-            DecodeBatch.prefill = timed_prefills(device, prefills)
+    # one engine for both ways: the limit changes no batch or graph, so they share the budget's one static batch
+    engine = Engine(model, tokenizer, memory_budget_gb=budget, decode=decode, compile=args.compile)
+
+    def evaluate(way):
+        engine.prefill_tokens = WAYS[way]
+        with autocast:
+            return evaluate_pass_at_k(engine, task, args.eval_examples, args.num_samples,
+                                      max_new_tokens=args.max_new_tokens, device=device)[0]
+
+    seconds, prefill_seconds, stats, pass1 = {way: [] for way in WAYS}, {}, {}, {}
+    for repeat in range(args.repeats + 1):  # the first round warms up (the batch made, graphs captured): not counted
+        for way in WAYS:
             synchronize(device)
             t0 = time.perf_counter()
-            try:
-                with autocast:
-                    passk, _ = evaluate_pass_at_k(engine, task, args.eval_examples, args.num_samples,
-                                                  max_new_tokens=args.max_new_tokens, device=device)
-                synchronize(device)
-            finally:
-                DecodeBatch.prefill = plain_prefill
+            passk = evaluate(way)
+            synchronize(device)
             if repeat > 0:
                 seconds[way].append(time.perf_counter() - t0)
-                prefill_seconds[way].append(sum(prefills))
             stats[way], pass1[way] = engine.last_stats, passk.any[0]
-    result = {way: {"seconds": min(seconds[way]), "all_seconds": seconds[way], "prefill_seconds": min(prefill_seconds[way]),
+    plain_prefill = DecodeBatch.prefill
+    for way in WAYS:  # the prefills' own seconds, in an eval of their own: synchronizing each would slow the timed ones
+        prefills = []
+        DecodeBatch.prefill = timed_prefills(device, prefills)
+        try:
+            evaluate(way)
+        finally:
+            DecodeBatch.prefill = plain_prefill
+        prefill_seconds[way] = sum(prefills)
+    result = {way: {"seconds": min(seconds[way]), "all_seconds": seconds[way], "prefill_seconds": prefill_seconds[way],
                     "pass@1": pass1[way], "prefill_forwards_last_rollout": stats[way].prefill_forwards} for way in WAYS}
     result.update(task=args.task, eval_examples=args.eval_examples, num_samples=args.num_samples, device=str(device),
                   speedup=result["one_by_one"]["seconds"] / result["batched"]["seconds"])

@@ -9,8 +9,9 @@ Each step, for each of the step's questions:
      normalized per pass of --device-batch-size rows, by the passes and by the questions per rank;
 then one Muon (matrices) + AdamW (embeddings, unembedding, scalars) step, LR decaying linearly to 0
 (nanochat; --lr-schedule, --warmup-steps and --final-lr-frac for others).
-Algorithm options (README "Algorithm options"; each defaults to nanochat's behaviour): --loss-norm,
---advantage-std, --mask-truncated, --ppo-epochs with --clip-low/--clip-high, --kl-coef.
+Algorithm options (docs/flags.md "Algorithm options"; each defaults to nanochat's behaviour): --loss-norm,
+--advantage-std, --mask-truncated, --ppo-epochs with --loss and --clip-low/--clip-high, --kl-coef,
+--rollout-correction, --dynamic-sampling.
 
 Launch:
   python -m scripts.chat_rl                                                   # 1 GPU, or CPU

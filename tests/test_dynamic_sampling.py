@@ -6,7 +6,8 @@ import json
 import re
 
 import torch
-from helpers import TINY_RL_FLAGS, weights
+from gloo_ranks import run_ranks
+from helpers import PYTHONPATH, TINY_RL_FLAGS, weights
 
 from nanochat.rl.rollout import QuestionRollout, question_indices_at, question_seed, step_question_indices, step_questions
 from scripts import chat_rl
@@ -55,3 +56,18 @@ def test_it_trains_more_rows_and_resumes_exactly(sft, base_dir, capsys):
     assert json.loads((rl_dir / "meta_000002.json").read_text())["data_position"] == positions[1]
     for k, v in weights(rl_dir / "model_000002.pt").items():
         assert torch.equal(v, uninterrupted[k]), k
+
+
+def test_two_ranks_agree_on_the_draws(sft, base_dir, monkeypatch):
+    """With 2 ranks rank 1 takes the odd questions, which never have a signal: it asks for every draw, and rank 0,
+    which has enough after the first, draws as often (the count is agreed), so both walk the same positions and
+    neither waits for a collective the other never calls."""
+    monkeypatch.setenv("PYTHONPATH", PYTHONPATH)  # the ranks import rl_toy_task from tests/
+    run_ranks(lambda rank: ["-m", "scripts.chat_rl", *FLAGS, "--num-steps=2", "--dynamic-sampling",
+                            "--dynamic-sampling-rounds=2", "--save-rollouts", "--output-tag=two"], timeout=300)
+    lines = [[json.loads(line) for line in (base_dir / "chatrl_checkpoints" / "two" / f"rollouts_rank{r}.jsonl")
+              .read_text().splitlines()] for r in (0, 1)]
+    for step in (0, 1):
+        asked = [sorted({line["question"] for line in rank if line["step"] == step}) for rank in lines]
+        assert len(asked[0]) == len(asked[1]) == 3 * 2  # 3 draws of 2 questions a rank, on both ranks
+        assert all(q % 2 == 0 for q in asked[0]) and all(q % 2 == 1 for q in asked[1])

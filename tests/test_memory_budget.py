@@ -97,3 +97,29 @@ def test_a_bad_budget_is_refused(text):
     with pytest.raises(UserError, match="--memory-budget-gb must be auto or a number of GiB > 0"):
         parse_budget(text)
     assert parse_budget("auto") == memory_budget.AUTO and parse_budget("2.5") == 2.5
+
+
+def test_the_training_reserve_counts_each_prompt_and_one_chunk_of_logits():
+    """A forward of 64 rows spans questions: its prompts each count once; the chunked head holds one chunk of
+    logits (nanochat/model/head.py), the whole head every sampled token's: by hand, at nanochat's d20 shapes."""
+    config = SimpleNamespace(n_layer=20, n_embd=1280, vocab_size=65536)
+    per_token = 20 * memory_budget.ACTIVATION_BYTES_PER_CHANNEL * 1280
+    logit = memory_budget.LOGIT_BYTES_PER_ENTRY * 65536
+    whole = memory_budget.training_peak_bytes(config, 64, 256, 100, prompts=5)
+    assert whole == per_token * (64 * 256 + 5 * 100) + logit * 64 * 256
+    chunked = memory_budget.training_peak_bytes(config, 64, 256, 100, prompts=5, head_tokens=2048)
+    assert chunked == per_token * (64 * 256 + 5 * 100) + logit * 2048
+    assert memory_budget.training_peak_bytes(config, 16, 256, 100) == per_token * (16 * 256 + 100) + logit * 16 * 256
+
+
+def test_the_decode_weights_reserve_is_what_decode_weights_holds():
+    """bf16 rollouts: a bf16 copy of every matmul weight (the q/k/v concatenations among them); fp32 rollouts: the
+    fp32 q/k/v concatenations alone (nanochat/engine/decode_weights.py), measured on what DecodeWeights allocates."""
+    from nanochat.engine.decode_weights import DecodeWeights
+    model = GPT(GPTConfig(sequence_len=32, vocab_size=96, n_layer=2, n_head=2, n_kv_head=1, n_embd=32))
+    for dtype in (torch.float32, torch.bfloat16):
+        weights = DecodeWeights(model)
+        weights.refresh(dtype if dtype != torch.float32 else None)
+        storages = [t.untyped_storage() for t in list(weights.copies) + list(weights.fused or [])]
+        held = {s.data_ptr(): s.nbytes() for s in storages}  # a q/k/v copy is a view of its concatenation
+        assert memory_budget.decode_weight_bytes(model, dtype) == sum(held.values()) > 0

@@ -60,15 +60,22 @@ def test_later_epoch_equals_the_reference(options, scale):
 
 
 @pytest.mark.parametrize("name", ["gspo", "cispo"])
-def test_first_epoch_gradient_is_the_policy_gradient(name):
-    """On-policy every ratio is 1: GSPO's row term s_i A_i has the gradient A_i * mean of the row's grad logp, given
-    to each of its tokens; CISPO's weight is 1. Both are nanochat's gradient, to rounding."""
+def test_at_ratio_one_the_gradient_is_the_policy_gradient(name):
+    """A later epoch on the policy that sampled (every ratio exactly 1, no clip active): GSPO's row term s_i A_i has the
+    gradient A_i * mean of the row's grad logp, given to each of its tokens; CISPO's weight is 1: both are the policy
+    gradient, PPO's term's at ratio 1, to rounding. Guards the later-epoch branch (the first epoch runs pg's term
+    whatever the loss)."""
     grads = []
     for loss in ("pg", name):
         model = table_model(0)
-        accumulate_policy_gradient(model, batches(), DEVICE_BATCH_SIZE, len(QUESTIONS), "cpu", nullcontext(),
-                                   loss=PolicyLoss(loss=loss, clip_low=LOSS_CLIPS[loss][0], clip_high=LOSS_CLIPS[loss][1]))
-        grads.append(model.table.grad)
+        policy_loss = PolicyLoss(loss=loss, clip_low=LOSS_CLIPS[loss][0], clip_high=LOSS_CLIPS[loss][1])
+        run = lambda first=None: accumulate_policy_gradient(  # noqa: E731
+            model, batches(), DEVICE_BATCH_SIZE, len(QUESTIONS), "cpu", nullcontext(), loss=policy_loss, first_epoch=first)
+        first = run()
+        model.zero_grad()
+        stats = run(first)
+        assert stats.clip_fraction == 0
+        grads.append(model.table.grad.clone())
     assert grads[0].abs().max() > 0
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
 

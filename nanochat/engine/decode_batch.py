@@ -8,6 +8,7 @@ calculator's protocol, nanochat/engine/rows.py) -> the token it emits becomes it
 
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -39,13 +40,18 @@ class RolloutStats:
                                 # out-of-memory there still tells how many rows were tried)
 
 
+class StoredPrompt(NamedTuple):
+    """What the rows of a prompt held in a prompt slot take from its prefill (SharedPromptKVCache.admit_rows)."""
+    prev_embedding: Optional[torch.Tensor]  # (1, 1, C) smear's state of its last token, or None
+
+
 @dataclass
 class PrefilledPrompt:
     """A prompt that went through the model once, while its samples wait for rows."""
     request: int               # index of the prompt
     seed: int                  # sample r draws from the stream row_seed(seed, r)
     num_samples: int
-    cache: KVCache             # one row: the prompt's keys and values
+    cache: KVCache             # one row: the prompt's keys and values (a StoredPrompt once a prompt slot holds them)
     logits: torch.Tensor       # (1, V) after the prompt: every sample's first token is drawn from these
     length: int                # the prompt's tokens
     pool_slot: int = None      # the prompt slot holding its keys, when the batch's cache holds prompts
@@ -162,6 +168,9 @@ class DecodeBatch:
             if self.pool is not None:
                 one.pool_slot = self.pool.take(request, num_samples)
                 self.cache.store_prompt(one.pool_slot, one.cache)
+                # its rows need only the smear state now: the prefill's (N, L) buffer is freed as soon as it is stored,
+                # not when the group's last prompt has all its rows (an eval's prompts wait for rows a long time)
+                one.cache = StoredPrompt(None if cache.prev_embedding is None else cache.prev_embedding[i:i + 1].clone())
             prefilled.append(one)
         return prefilled
 

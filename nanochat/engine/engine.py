@@ -231,7 +231,7 @@ class Engine:
         """Drop what is kept between rollouts: the static batch (its KV cache and CUDA graphs, captured over the
         decode weights) and the decode weights, e.g. to give their memory to training after an out-of-memory.
         With keep_from_now_on=False later rollouts free theirs when they end. True if anything was held."""
-        held = self.drop_kept_batches() > 0 or bool(self.weights.copies)
+        held = self.drop_kept_batches() > 0 or bool(self.weights.copies) or bool(self.weights.fused)
         self.weights.clear()
         self.keeps_between_rollouts = keep_from_now_on
         return held

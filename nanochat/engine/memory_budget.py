@@ -14,7 +14,7 @@ What is set aside is what the run allocates after the budget is decided, at full
   optimizer       the gradients (one fp32 per parameter) and the optimizer state not yet allocated (AdamW: 2 fp32
                   per parameter, Muon: 1; both are allocated at the first step, or already are on --resume)
   decode weights  the bf16 copies of the matmul weights that bf16 rollouts use (engine.DecodeWeights; 2 bytes
-                  per weight, outside the KV budget), 0 for fp32 rollouts
+                  per weight, outside the KV budget); for fp32 rollouts the q/k/v concatenations (4 bytes a weight)
   training peak   the activations of one training forward and backward, estimated (training_peak_bytes)
 The KV caches of static decode batches are kept from one rollout to the next (the step's and the eval's, within
 the budget together), so they are still there when the model trains: hence the training peak in the reserve.
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from nanochat.common import UserError
+from nanochat.engine.decode_weights import fusable_attention, qkv_weights
 
 AUTO = "auto"
 FIXED_GB = 4.0  # off CUDA, and the budget nanochat-rl had everywhere before "auto"
@@ -114,29 +115,31 @@ def optimizer_bytes(model, optimizers):
 
 
 def decode_weight_bytes(model, rollout_dtype):
-    """The bf16/fp16 copies of the matmul weights (every nn.Linear) that low-precision rollouts use; 0 in fp32."""
+    """What the engine's DecodeWeights hold: the bf16/fp16 copies of the matmul weights (every nn.Linear) that
+    low-precision rollouts use (the q/k/v concatenations among them); in fp32, the q/k/v concatenations alone."""
     if rollout_dtype not in (torch.bfloat16, torch.float16):
-        return 0
+        return sum(w.numel() * w.element_size() for m in fusable_attention(model) for w in qkv_weights(m))
     size = torch.tensor([], dtype=rollout_dtype).element_size()
     return sum(m.weight.numel() * size for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-def training_peak_bytes(config, rows, completion_tokens, prompt_tokens):
-    """Activations of one training pass of `rows` rows that share one prompt (chat_rl's pass: the prompt goes
-    through the model once) of `prompt_tokens` tokens, each with `completion_tokens` sampled tokens: every
-    token through every layer, and logits for the sampled tokens (see the constants above)."""
-    tokens = rows * completion_tokens + prompt_tokens
+def training_peak_bytes(config, rows, completion_tokens, prompt_tokens, prompts=1, head_tokens=None):
+    """Activations of one training pass of `rows` rows, each with `completion_tokens` sampled tokens, after `prompts`
+    prompts of `prompt_tokens` tokens (chat_rl's pass: each prompt goes through the model once): every token through
+    every layer, and logits for head_tokens of the sampled tokens at once (default all: the head computed whole; the
+    chunked head holds one chunk's, nanochat/model/head.py; see the constants above)."""
+    tokens = rows * completion_tokens + prompts * prompt_tokens
     layers = config.n_layer * ACTIVATION_BYTES_PER_CHANNEL * config.n_embd * tokens
-    logits = LOGIT_BYTES_PER_ENTRY * config.vocab_size * rows * completion_tokens
+    logits = LOGIT_BYTES_PER_ENTRY * config.vocab_size * (rows * completion_tokens if head_tokens is None else head_tokens)
     return layers + logits
 
 
 def resolve_memory_budget(value, model, device, optimizers=(), rows=0, completion_tokens=0, prompt_tokens=0,
-                          rollout_dtype=torch.bfloat16):
+                          rollout_dtype=torch.bfloat16, prompts=1, head_tokens=None):
     """The GiB of KV cache the Engine takes for `value` (parse_budget's), and the line that says how an auto budget
     was chosen (None for a number given). On CUDA `auto` measures the free memory now, so call it once the model,
     any reference model and the optimizers exist, before the Engine (the optimizers may be () for a run that does
-    not train, with rows=0); elsewhere it is FIXED_GB."""
+    not train, with rows=0; prompts and head_tokens as training_peak_bytes'); elsewhere it is FIXED_GB."""
     if value != AUTO:
         return float(value), None
     if device.type != "cuda":
@@ -144,7 +147,7 @@ def resolve_memory_budget(value, model, device, optimizers=(), rows=0, completio
     torch.cuda.empty_cache()  # blocks cached while loading (the bf16 -> fp32 copies) are free for the cache
     free, _ = torch.cuda.mem_get_info(device)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    peak = training_peak_bytes(model.config, rows, completion_tokens, prompt_tokens) if rows else 0
+    peak = training_peak_bytes(model.config, rows, completion_tokens, prompt_tokens, prompts, head_tokens) if rows else 0
     plan = plan_budget(free, model_bytes, optimizer_bytes(model, optimizers) if optimizers else 0,
                        decode_weight_bytes(model, rollout_dtype), peak)
     return plan.budget_gb, plan.describe()

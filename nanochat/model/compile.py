@@ -7,7 +7,7 @@ torch.compile for a run's two hot paths, and what compiling them costs.
   (nanochat/engine/cuda_graphs.py's GraphedStep) capture the compiled step: it is compiled in Inductor's default mode,
   without Inductor's cudagraphs, so that one owner captures and replays (the engine's graphs already hold every bucket
   in one pool, warmed up on a side stream; "reduce-overhead" would capture a second time inside them).
-- The training pass's forward (nanochat/rl/objective.py's `chunk_logprobs`: hidden states, logits at the sampled
+- The training pass's forward (nanochat/rl/policy_gradient.py's `chunk_logprobs`: hidden states, logits at the sampled
   positions, log-probabilities and entropy), for the policy-gradient pass, the PPO epochs and the reference
   model alike: dynamic shapes (rows, lengths, prompt lengths vary from chunk to chunk), so a run compiles it a
   bounded number of times (a few graphs: with or without a shared prompt, grad on or off), not once per length.

@@ -59,11 +59,10 @@ class LossScale:
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.scale)
 
-    def update(self, found_inf, overflow=None):
+    def update(self, found_inf):
         """Step 3's scale update after a step: found_inf, a gradient was not finite on some rank (the same answer on
-        every rank). overflow: the step was skipped for that alone (the loss was finite), default found_inf.
-        torch._amp_update_scale_'s arithmetic, in float32."""
-        self.overflowed = found_inf if overflow is None else overflow
+        every rank): the step was skipped for it. torch._amp_update_scale_'s arithmetic, in float32."""
+        self.overflowed = found_inf
         if found_inf:
             self.scale = as_float32(self.scale * self.backoff_factor)
             self.growth_tracker = 0
@@ -76,6 +75,11 @@ class LossScale:
             self.growth_tracker = 0
         else:
             self.growth_tracker = successful
+
+    def hold(self):
+        """A step skipped for another reason than its gradient (a non-finite loss): the scale and its count of good
+        steps stay, and the step is no overflow."""
+        self.overflowed = False
 
     def overflow_note(self, step):
         """The warning of a step skipped for an overflow, or None. Such steps do not count towards --max-bad-steps

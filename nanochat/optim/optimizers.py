@@ -136,7 +136,10 @@ def guarded_step(model, optimizers, lrm, loss, device="cpu", loss_scale=None):
     loss_finite, grad_finite = all_ranks_finite_each([[loss], [gnorm]], device)
     stepped = loss_finite and grad_finite
     if loss_scale is not None:
-        loss_scale.update(found_inf=not grad_finite, overflow=loss_finite and not grad_finite)
+        if loss_finite:
+            loss_scale.update(found_inf=not grad_finite)
+        else:  # skipped for its loss: neither a good step towards the scale's growth nor an overflow to back off from
+            loss_scale.hold()
     if stepped:
         for opt in optimizers:
             for group in opt.param_groups:

@@ -18,6 +18,9 @@ W is the number of ranks: the optimizers average gradients over ranks, so a rank
   mask truncated  rows cut at max_new_tokens have no target and count in no denominator (DAPO overlong filtering)
   PPO epochs      epoch 1 is the on-policy term above; epochs 2.. use old logp_t from epoch 1's forward and
                   min(rho*A, clip(rho, 1 - clip_low, 1 + clip_high)*A) / D_i with rho = exp(logp - old logp)  (PPO, DAPO)
+    loss gspo     epochs 2..: min(s_i*A, clip(s_i, ...)*A) / D_i for each token of row i, s_i = exp(mean_t(logp - old))
+                  (GSPO: one ratio a sequence; with loss_norm=sequence its mean over sequences)
+    loss cispo    epochs 2..: sg(clip(rho, ...)) * A * logp / D_i (CISPO: the clipped ratio weighs, never zeroes)
   KL penalty      - kl_coef * k3_t / D_i, k3 = exp(ref - logp) - (ref - logp) - 1, ref = the frozen starting model
   rollout correction (for the sampler-trainer gap; s_t = the sampler's log-probability of the token under the model
                   at T=1 over the whole vocabulary, recorded by the engine, and w_t = exp(logp_t - s_t) detached):

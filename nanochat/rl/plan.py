@@ -14,6 +14,7 @@ from nanochat.engine.cuda_graphs import DECODE_DESCRIPTIONS, check_decode_flag
 from nanochat.engine.engine import Engine
 from nanochat.engine.memory_budget import FIXED_GB, resolve_memory_budget
 from nanochat.model.compile import resolve_compile_flag, run_decode_mode
+from nanochat.model.head import HEAD_CHUNK_TOKENS
 from nanochat.model.precision import MARGIN, PREFERENCE, fastest_rollout_dtype, fastest_training_dtype, rank0_choice
 
 # trained rows per training forward under --train-rows=0 (auto), on every device: twice nanochat's --device-batch-size gives
@@ -114,12 +115,17 @@ def resolve_compute_plan(config, model, tokenizer, train_task, device, world_siz
     return compiling
 
 
-def resolve_memory(config, model, device, optimizers, rows):
-    """config.memory_budget_gb in GiB: the KV caches' budget once the model and optimizer state are in memory."""
+def resolve_memory(config, model, device, optimizers, rows, compiled_training=False):
+    """config.memory_budget_gb in GiB: the KV caches' budget once the model and optimizer state are in memory and a
+    training forward of `rows` rows is reserved: rows of up to ceil(rows / --num-samples) + 1 questions (a forward
+    spans questions), their prompts at most the model's sequence length, and the head's logits one chunk at a time
+    (whole when training is compiled: nanochat/model/head.py)."""
+    head_tokens = None if compiled_training else min(rows * config.max_new_tokens, HEAD_CHUNK_TOKENS)
     config.memory_budget_gb, budget_line = resolve_memory_budget(
         config.memory_budget_gb, model, device, optimizers, rows=rows,
         completion_tokens=config.max_new_tokens, prompt_tokens=model.config.sequence_len,
-        rollout_dtype=getattr(torch, config.rollout_dtype))
+        rollout_dtype=getattr(torch, config.rollout_dtype), prompts=-(-rows // config.num_samples) + 1,
+        head_tokens=head_tokens)
     print0(budget_line or f"KV cache budget: {config.memory_budget_gb:g} GiB (--memory-budget-gb)")
 
 

@@ -156,7 +156,7 @@ def setup_run(config, resume, rank, world_size, device):
         segments = meta.get("segments") or [{"start_step": 0, "world_size": saved}]
         segments = segments + [{"start_step": start_step, "world_size": world_size}]
     reference = load_reference(start, device, config.model_generation) if config.kl_coef > 0 else None
-    resolve_memory(config, model, device, optimizers, rows)
+    resolve_memory(config, model, device, optimizers, rows, compiled_training=compiling.train)
     engine = Engine(model, tokenizer, max_rows=config.max_rows or None, memory_budget_gb=config.memory_budget_gb,
                     decode=config.decode, compile=config.compile if compiling.decode else "off")
     describe_engine(engine, compiling, config, rows)
@@ -232,6 +232,8 @@ def sample_rollouts(run, step, position=None):
     cfg = run.config
     position = step * cfg.examples_per_step if position is None else position
     drawn = sample_draw(run, step, position, 0)
+    if cfg.dynamic_sampling:  # the agreement below is a collective: the last checkpoint committed first (see
+        run.saver.finish()    # saves_settled_on_error), after the first draw, which it overlapped
     for draw in range(1, 1 + cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1):
         if not any_rank(sum(map(has_signal, drawn)) < run.examples_per_rank, run.reduce_device):
             break
@@ -365,7 +367,8 @@ def saved(run, step):
 def saves_settled_on_error(run):
     """Around the training loop: a run that stops on an error still commits the checkpoint its thread was writing.
     A save is pending only between a step's end and the next step's training, a stretch without collectives (the
-    rollouts), so every rank reaches a commit: its own here, or the one before its next training pass."""
+    rollouts; with --dynamic-sampling their first draw, before the draws' agreement commits it), so every rank
+    reaches a commit: its own here, or the one before its next collective."""
     try:
         yield
     except BaseException:
