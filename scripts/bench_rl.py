@@ -399,9 +399,8 @@ def run(args, configs, device):
                       num_params=model.num_params(), matmul_flops_per_token=matmul_flops_per_token(model))
     print0(f"model: {model_info}")
     initial_state, memory = {k: v.detach().clone() for k, v in model.state_dict().items()}, PeakMemory(device)
-    # the KV budget once, for every config (bf16's decode weights reserved: the larger case), as chat_rl sizes its run
-    resolve_memory(rl, model, device, make_optimizers(rl, model), train_rows(rl))
-    results, skipping, train_kernels = {}, None, d20_train_step_kernels() if args.preset == "d20" else None  # meta
+    resolve_memory(rl, model, device, make_optimizers(rl, model), train_rows(rl))  # once for every config, as chat_rl
+    results, skipping, train_kernels = {}, None, None  # the same anywhere, so not in a GPU's (scarce) time
     report = lambda: {"machine": {**info, "load_average_after": load_average()}, "model": model_info,  # noqa: E731
                       "settings": {**vars(args), "rl": {**vars(rl), **PER_CONFIG}}, "peak_flops": peaks,
                       "memory_bandwidth": bandwidth, "memory_method": memory.method, "train_step_kernels": train_kernels,
@@ -421,6 +420,7 @@ def run(args, configs, device):
     mark_identical_tokens(results, configs)
     batches = {name: r.pop("batches") for name, r in results.items()}
     add_ratios(results)
+    train_kernels = d20_train_step_kernels() if args.preset == "d20" and device.type != "cuda" else None  # on meta:
     model.load_state_dict(initial_state)
     if (fractions := [float(f) for f in args.no_signal_fractions.split(",") if f.strip()]) and "batched_fp32" in batches:
         skipping = no_signal_table(model, batches["batched_fp32"], fractions, rl, device)
