@@ -26,8 +26,8 @@
 #    the same d20 bench with the static step compiled by Inductor and captured in the engine's graphs, beside the
 #    uncompiled graph config, 2 consecutive steps each: compile seconds and graphs per step, decode ms per step
 #    against the bound, tokens compared (compiled_d20.log with TORCH_LOGS=recompiles, compiled_d20.json); then, with
-#    the time left, the graph config training 8 rows per forward (nanochat's pass; train_rows_d20.*) against auto's
-#    16. Run it alone, in a call of its own: on the first H100 run, torch 2.11, the d20 step had not finished
+#    the time left, the graph config training 64 rows per forward, across questions (train_rows_d20.*), against
+#    auto's 16. Run it alone, in a call of its own: on the first H100 run, torch 2.11, the d20 step had not finished
 #    compiling after two minutes (with checks,compiled it gets under four).
 # suite: the whole test suite on the GPU machine, the `cuda` tests run, not skipped (gpu_suite.log).
 # speedrun: `bash speedrun.sh` on a fresh base dir (the bootstrap path), timed, with its report (speedrun.log,
@@ -199,9 +199,10 @@ compiled)
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph,batched_bf16_graph_compiled \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/compiled_d20.json"
     compiled_rc=$?
-    # with what time is left: nanochat's 8 rows per training forward against auto's 16 (nanochat.rl.plan.AUTO_TRAIN_ROWS)
-    step "d20 bench, 8 train rows" 300 "$out/train_rows_d20.log" \
-        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --train-rows=8 \
+    # with what time is left: 64 trained rows per forward (across questions, issue 48) against auto's 16
+    # (nanochat.rl.plan.AUTO_TRAIN_ROWS): whether auto should become 64 on a GPU
+    step "d20 bench, 64 train rows" 300 "$out/train_rows_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --train-rows=64 \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/train_rows_d20.json"
     [ "$tests_rc" -eq 0 ] && [ "$compiled_rc" -eq 0 ]
     ;;
