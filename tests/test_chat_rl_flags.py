@@ -10,10 +10,8 @@ import math
 
 import pytest
 import torch
-from gloo_ranks import run_ranks
-from helpers import PYTHONPATH, TINY_RL_FLAGS, assert_same_weights, weights
+from helpers import TINY_RL_FLAGS, assert_same_weights, weights
 
-from nanochat.cli import run_main
 from nanochat.common import UserError
 from nanochat.engine.engine import Engine
 from nanochat.rl import run as rl_run

@@ -9,7 +9,8 @@ import torch
 from gloo_ranks import run_ranks
 from helpers import PYTHONPATH, TINY_RL_FLAGS, weights
 
-from nanochat.rl.rollout import QuestionRollout, question_indices_at, question_seed, step_question_indices, step_questions
+from nanochat.rl.rollout import (QuestionRollout, question_indices_at, question_seed, step_question_indices,
+                                 step_questions)
 from scripts import chat_rl
 
 FLAGS = [f if not f.startswith("--task=") else "--task=rl_toy_task:HalfSilentParity" for f in TINY_RL_FLAGS]

@@ -18,7 +18,6 @@ from nanochat.engine.kv_cache import KVCache
 from nanochat.model.attention import run_cached
 from nanochat.model.sampling import row_seeds, sample_with_logprobs
 
-
 # Prompt positions one prefill forward takes at most, padding included: a step's 16 prompts, or 64 of an eval's, in one
 # forward, while its transient KV cache and activations stay small beside the memory budget (d20 in bf16: 100 KB of
 # keys and values a position, 0.8 GB at this limit)

@@ -203,8 +203,9 @@ def prompts_and_rows_mask(row_lengths, P, S, window):
     """The visibility of SharedPrefixAttention's rows over several prompts: bool (B, 1, S, P + S), the keys being
     each row's prompt (P slots, the first row_lengths[b] real) followed by its S own. row_lengths: (B,) int64."""
     B, device = row_lengths.size(0), row_lengths.device
-    query = row_lengths[:, None] + torch.arange(S, device=device)  # (B, S) absolute positions
-    prompt_slots = torch.arange(P, device=device).expand(B, P)
+    row_lengths = row_lengths.to(torch.int32)  # positions < 2**31: the (B, S, P + S) differences below at half the bytes
+    query = row_lengths[:, None] + torch.arange(S, device=device, dtype=torch.int32)  # (B, S) absolute positions
+    prompt_slots = torch.arange(P, device=device, dtype=torch.int32).expand(B, P)
     keys = torch.cat([prompt_slots, query], dim=1)  # (B, P + S) absolute positions
     real = torch.cat([prompt_slots < row_lengths[:, None], torch.ones(B, S, dtype=torch.bool, device=device)], dim=1)
     delta = query[:, :, None] - keys[:, None, :]  # (B, S, P + S)

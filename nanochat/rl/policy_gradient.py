@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from nanochat.common import to_device
 from nanochat.engine.op_count import count_meta_ops
@@ -49,7 +50,8 @@ def _trained_rows(targets, weights, any_weight=False):
 
 
 def _prompt_offset(prompt_length, length, share_prompt):
-    """The first position _row_hidden_states keeps for rows of `length` inputs: with a shared prompt of
+    """The first position a forward keeps of one question's rows of `length` inputs (see _Chunk; _row_hidden_states,
+    which tests/test_rl_options.py's frozen loop uses): with a shared prompt of
     prompt_length tokens, its last position (the one predicting the first completion token), else 0."""
     return prompt_length - 1 if share_prompt and 1 <= prompt_length <= length else 0
 
@@ -268,7 +270,7 @@ class _Tally:
         """gap: (N,) trainer minus sampler log-probabilities of a chunk's tokens (0 where `known` is False: the
         sampler's is missing); corrected: how many the rollout correction changed. Kept on the device."""
         absolute = gap.abs()  # 0 where unknown: neutral for the sum and the max
-        values = torch.stack([known.sum().to(gap.dtype), absolute.sum(), absolute.max(),
+        values = torch.stack([known.sum().to(gap.dtype), absolute.sum(), F.pad(absolute, (0, 1)).max(),  # N may be 0
                               (torch.expm1(gap) - gap).clamp(min=0).sum(),  # k3 >= 0; expm1 keeps tiny gaps exact
                               corrected.to(gap.dtype)])
         if self.sampler is None:
