@@ -14,6 +14,7 @@ from helpers import random_model, tiny_config
 from nanochat.model import head
 from nanochat.model.gpt import GPT
 from nanochat.model.head import logprobs_and_entropy, sampled_logprobs_and_entropy, softcapped_logits
+from nanochat.rl import policy_gradient
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.objective import PolicyLoss
 from nanochat.rl.policy_gradient import _Tally, accumulate_policy_gradient, count_train_step_ops
@@ -190,6 +191,26 @@ def test_more_rows_per_forward_issue_fewer_kernels():
     kernels = [count_train_step_ops(model, questions=4, rows=8, prompt_len=12, completion_len=10,
                                     rows_per_forward=n).kernels for n in (8, 16, 64)]
     assert 0 < kernels[2] < kernels[1] < kernels[0], kernels
+
+
+def test_a_count_cut_short_by_a_read_mid_pass_is_refused(monkeypatch):
+    """A read back to the host in the pass's second forward (planted in to_device) would count one forward of four,
+    every parameter already holding a gradient from the first: the count refuses it and names where it stopped,
+    instead of giving a short number."""
+    with torch.device("meta"):
+        model = GPT(tiny_config(sequence_len=64, vocab_size=VOCAB), "smear")
+    real, forwards = policy_gradient._backward_chunk, []
+
+    def second_reads(*args, **kwargs):
+        forwards.append(1)
+        if len(forwards) == 2:
+            torch.zeros(1, device="meta").tolist()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(policy_gradient, "_backward_chunk", second_reads)
+    with pytest.raises(RuntimeError, match=r"read back to the host before its end, in .*second_reads"):
+        count_train_step_ops(model, questions=4, rows=8, prompt_len=12, completion_len=10, rows_per_forward=8)
+    assert len(forwards) == 2 and all(p.grad is not None for p in model.parameters())
 
 
 def test_a_forward_without_sampled_tokens_tallies_no_gap():

@@ -9,6 +9,7 @@ an op that is not a view: views and metadata changes launch nothing. Ops are cou
 outside the blocks (embedding, masks built lazily count in the first block that asks, logits, sampling).
 """
 
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -97,10 +98,11 @@ META_READ = "Cannot copy out of meta tensor"  # what a read back to the host rai
 
 
 def count_meta_ops(fn):
-    """(the OpCount of the ops fn() dispatches on the meta device, whether fn returned): run until it returns or
-    first reads a meta tensor back to the host, which meta cannot (a pass that reads its sums back once, at its end,
-    is counted whole; the caller checks that it got there). Ops on other devices (the host's bookkeeping) do not
-    count: a GPU would launch nothing for them."""
+    """(the OpCount of the ops fn() dispatches on the meta device, the names of the functions it was in when it
+    stopped, innermost last): run until it returns (no names) or first reads a meta tensor back to the host, which
+    meta cannot (a pass that reads its sums back once, at its end, is counted whole; the caller checks from the names
+    that it stopped there). Ops on other devices (the host's bookkeeping) do not count: a GPU would launch nothing
+    for them."""
     count = OpCount()
     try:
         with CountOps(count, device=torch.device("meta")):
@@ -108,5 +110,5 @@ def count_meta_ops(fn):
     except NotImplementedError as error:
         if META_READ not in str(error):
             raise
-        return count, False
-    return count, True
+        return count, [frame.name for frame in traceback.extract_tb(error.__traceback__)]
+    return count, []
