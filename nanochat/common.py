@@ -314,6 +314,15 @@ def reduction_dtype(device):
     return torch.float64 if torch.device(device).type == "cpu" else torch.float32
 
 
+def any_rank(flag, device="cpu"):
+    """Whether `flag` (a bool) holds on any rank (itself without a process group): every rank must call it at the
+    same point. `device`: see collective_device."""
+    value = torch.tensor([int(flag)], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def all_reduce_mean(x, device="cpu"):
     """Average a python float or tensor over ranks (identity without a process group).
     `device`: see collective_device."""
@@ -405,7 +414,4 @@ class GracefulStop:
 
     def requested(self, device="cpu"):
         """True if any rank received a signal (all ranks must agree, or their collectives would hang)."""
-        flag = torch.tensor([0 if self.signum is None else 1], device=device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self.signum is not None, device)

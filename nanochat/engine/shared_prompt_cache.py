@@ -97,8 +97,7 @@ class SharedPromptKVCache:
             setattr(self, name, new)
 
     def store_prompt(self, slot, prompt_cache):
-        """Prompt slot `slot` holds the single row of `prompt_cache` (a prefilled KVCache, exactly as long as its
-        prompt) from now on."""
+        """Prompt slot `slot` holds from now on the one row of `prompt_cache` (a prefill as long as its prompt)."""
         length = prompt_cache.max_seq_len  # not pos[0]: that would be a read from the device for each prompt
         if length > self.pool_k.size(3):
             raise ValueError(f"prompt of {length} tokens does not fit the pool's {self.pool_k.size(3)} positions")

@@ -178,9 +178,16 @@ def clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high):
     Returns (surrogate, rho, clipped); clipped marks the tokens where the clipped term is the smaller one,
     so their gradient is 0 (A > 0 with rho > 1 + clip_high, A < 0 with rho < 1 - clip_low)."""
     ratio = torch.exp(logp - old_logp)
-    pg_obj1 = ratio * advantages
-    pg_obj2 = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
-    return torch.minimum(pg_obj1, pg_obj2), ratio, pg_obj2 < pg_obj1
+    surrogate, clipped = clipped_ratio_objective(ratio, advantages, clip_low, clip_high)
+    return surrogate, ratio, clipped
+
+
+def clipped_ratio_objective(ratio, advantages, clip_low, clip_high):
+    """min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A), all (N,), and where the clipped term is the
+    smaller one (no gradient there): the clipped objective of PPO's token ratio and of GSPO's sequence ratio."""
+    unclipped = ratio * advantages
+    clipped_term = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
+    return torch.minimum(unclipped, clipped_term), clipped_term < unclipped
 
 
 def k3_kl(logp, ref_logp):
@@ -202,9 +209,8 @@ def gspo_surrogate(logp, old_logp, advantages, row_index, num_rows, clip_low, cl
     log_ratio_sum = zeros.index_add(0, row_index, logp - old_logp)
     tokens = zeros.index_add(0, row_index, torch.ones_like(logp))
     ratio = torch.exp(log_ratio_sum / tokens.clamp(min=1))[row_index]  # (N,)
-    unclipped = ratio * advantages
-    clipped_term = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
-    return torch.minimum(unclipped, clipped_term), ratio, clipped_term < unclipped
+    surrogate, clipped = clipped_ratio_objective(ratio, advantages, clip_low, clip_high)
+    return surrogate, ratio, clipped
 
 
 def cispo_objective(logp, old_logp, advantages, clip_low, clip_high):
@@ -222,7 +228,8 @@ def later_epoch_terms(loss, logp, old_logp, advantages, row_index, num_rows):
     gspo_surrogate; cispo: cispo_objective), and the tokens whose value the clip changed (N,) bool. row_index: (N,)
     each token's row among the chunk's num_rows (GSPO's ratio is a row's)."""
     if loss.loss == "gspo":
-        term, _, clipped = gspo_surrogate(logp, old_logp, advantages, row_index, num_rows, loss.clip_low, loss.clip_high)
+        term, _, clipped = gspo_surrogate(logp, old_logp, advantages, row_index, num_rows, loss.clip_low,
+                                          loss.clip_high)
     elif loss.loss == "cispo":
         term, _, clipped = cispo_objective(logp, old_logp, advantages, loss.clip_low, loss.clip_high)
     else:

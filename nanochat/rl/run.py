@@ -10,14 +10,13 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from nanochat.checkpoints.background import BackgroundSaver
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS
 from nanochat.checkpoints.loading import load_model
 from nanochat.checkpoints.pruning import prune_checkpoints, remove_extra_shards
 from nanochat.checkpoints.store import new_run_id
-from nanochat.common import UserError, autocast_context, collective_device, get_base_dir, print0, require
+from nanochat.common import UserError, any_rank, autocast_context, collective_device, get_base_dir, print0, require
 from nanochat.engine.engine import Engine
 from nanochat.model.compile import CompileClock, maybe_compiled
 from nanochat.model.precision import ortho_dtype
@@ -241,14 +240,6 @@ def sample_rollouts(run, step, position=None):
     draws = len(drawn) // run.examples_per_rank
     trained = step_questions(drawn, run.examples_per_rank) if cfg.dynamic_sampling else drawn
     return StepRollouts(trained, drawn, position + draws * cfg.examples_per_step)
-
-
-def any_rank(flag, device):
-    """Whether `flag` (a bool) holds on any rank: every rank must call it at the same point."""
-    value = torch.tensor([int(flag)], device=device)
-    if dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
 
 
 def sample_draw(run, step, position, draw):
