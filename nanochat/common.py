@@ -265,6 +265,28 @@ def autocast_context(device, dtype):
     return torch.amp.autocast(device_type=device.type, dtype=dtype)
 
 
+def autocast_enabled(device_type):
+    """Whether autocast is on for `device_type`; False on the meta device (op counts), which has no autocast to ask.
+    Not torch.amp.is_autocast_available: torch 2.11's Dynamo cannot trace it, and a compiled step calls this."""
+    return device_type != "meta" and torch.is_autocast_enabled(device_type)
+
+
+def is_out_of_memory(error):
+    """Whether `error` is the device running out of memory: the caching allocator's torch.OutOfMemoryError, or the
+    CUDA runtime's own "out of memory" (an AcceleratorError, a RuntimeError before torch 2.8), which a stream,
+    library workspace or graph made outside the allocator raises when the allocator holds the rest (seen on an
+    H200: a warm-up stream's creation)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "CUDA error: out of memory" in str(error))
+
+
+def release_cached_memory(error):
+    """After `error`, an out-of-memory: the CUDA runtime's own (not the allocator's, which gave back its cached
+    blocks before raising) leaves them held; give them back so that a retry with less finds the room."""
+    if not isinstance(error, torch.OutOfMemoryError) and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def wait_for_all_ranks():
     """At the end of a run that ended well, before compute_cleanup: no rank tears the process group down while
     another (rank 0 writing its report or checkpoint) is still at work. A rank that left first was aborted by gloo

@@ -363,7 +363,14 @@ def test_corrections_that_bind_reach_the_loss(sft, base_dir, monkeypatch):
     assert tis["loss"] == pytest.approx(mask["loss"] + 2 * (none["loss"] - mask["loss"]), rel=1e-5, abs=1e-8)
 
 
-def test_out_of_memory_while_allocating_the_rollout_cache_halves_the_rows(sft, base_dir, monkeypatch, capsys):
+# the caching allocator's error, and the CUDA runtime's own, which a warm-up stream's creation raised on an H200 with
+# the allocator holding the rest (an AcceleratorError, a RuntimeError before torch 2.8)
+OUT_OF_MEMORY_ERRORS = [torch.OutOfMemoryError("simulated: the cache does not fit"),
+                        getattr(torch, "AcceleratorError", RuntimeError)("CUDA error: out of memory\nSearch for ...")]
+
+
+@pytest.mark.parametrize("error", OUT_OF_MEMORY_ERRORS, ids=["allocator", "cuda runtime"])
+def test_out_of_memory_while_allocating_the_rollout_cache_halves_the_rows(sft, base_dir, monkeypatch, capsys, error):
     """On a GPU the usual out-of-memory is the KV cache's allocation, before any row decodes: the retry still
     knows how many rows were tried (the cache's), halves them until the cache fits, and the step samples what a
     run with that many rows samples (rows do not change what is sampled)."""
@@ -377,7 +384,7 @@ def test_out_of_memory_while_allocating_the_rollout_cache_halves_the_rows(sft, b
     def small_memory(cls, model, batch_size, *args, **kwargs):
         tried.append(batch_size)
         if batch_size > 8:
-            raise torch.OutOfMemoryError("simulated: the cache does not fit")
+            raise error
         return real(cls, model, batch_size, *args, **kwargs)
     monkeypatch.setattr(SharedPromptKVCache, "for_model", classmethod(small_memory))
     chat_rl.main(flags + ["--overwrite"])  # 4 questions x 8 samples: 32 rows tried first
@@ -385,6 +392,18 @@ def test_out_of_memory_while_allocating_the_rollout_cache_halves_the_rows(sft, b
     assert tried == [32, 16, 8] and "retrying with --max-rows=16" in out and "retrying with --max-rows=8" in out
     reward = lambda text: [line.split("Average reward: ")[1].split(" ")[0] for line in text.splitlines() if "Average reward" in line]
     assert reward(out) == reward(reference) and len(reward(out)) == 1
+
+
+def test_other_errors_are_not_taken_for_out_of_memory():
+    """Only an out-of-memory is retried with fewer rows: any other CUDA error (or a bug) is raised at once."""
+    tried = []
+
+    def attempt(rows):
+        tried.append(rows)
+        raise getattr(torch, "AcceleratorError", RuntimeError)("CUDA error: an illegal memory access was encountered")
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        rl_run.with_fewer_rows_on_oom(attempt, 16, "retrying with --max-rows={rows}")
+    assert tried == [16]
 
 
 @pytest.mark.slow

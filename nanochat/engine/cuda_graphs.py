@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from nanochat.common import SettingError
+from nanochat.common import SettingError, is_out_of_memory
 
 
 def exact_shape(rows, keys, max_rows, max_keys):
@@ -76,7 +76,7 @@ def capture_cuda_graph(step, pool):
         # the allocator frees no cached block during a capture, so an out-of-memory there should come out as
         # itself; if it broke the capture, ending it fails instead (not seen on a GPU yet): raise the
         # out-of-memory, which the rollout backs off from with fewer rows
-        if isinstance(error.__context__, torch.OutOfMemoryError):
+        if is_out_of_memory(error.__context__):
             raise error.__context__ from error
         raise
     return graph.replay, graph.pool()

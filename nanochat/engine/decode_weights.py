@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+from nanochat.common import autocast_enabled
 from nanochat.model.gpt import CausalSelfAttention
 
 
@@ -117,7 +118,7 @@ class DecodeWeights:
             return []
         if self.dtype is None:
             device = self.fused[0].device.type
-            if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+            if autocast_enabled(device):
                 return []  # plain autocast: no copies made for it
             if self._stale():
                 self.refresh(None)  # in place unless a weight was replaced by one of another shape, device or dtype

@@ -38,7 +38,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, collective_device, print0
+from nanochat.common import UserError, collective_device, is_out_of_memory, print0
 
 COMPILE_MODES = ("auto", "on", "off")
 RECOMPILE_LIMIT = 256  # graphs per compiled function: every decode bucket of a large batch (Dynamo's default is 8)
@@ -81,7 +81,7 @@ class CompiledFunction:
                                             accumulated_recompile_limit=4 * RECOMPILE_LIMIT):
                 out = self.compiled(*args)
         except compile_errors() as error:
-            if isinstance(error.__cause__, torch.OutOfMemoryError) or isinstance(error, torch.OutOfMemoryError):
+            if is_out_of_memory(error.__cause__) or is_out_of_memory(error):
                 raise
             self.failed = first_line(error)
             if required:

@@ -18,6 +18,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from nanochat.common import autocast_enabled
+
 # tokens per chunk: at a 65,536-token vocabulary each float32 (chunk, V) temporary is 512 MiB
 HEAD_CHUNK_TOKENS = 2048
 
@@ -64,7 +66,7 @@ def sampled_logprobs_and_entropy(hidden, weight, targets, vocab_size, softcap, c
 
 def _autocast_state(device_type):
     """(device_type, dtype) of the autocast in force, or None (none, or a device without autocast: meta)."""
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if autocast_enabled(device_type):
         return device_type, torch.get_autocast_dtype(device_type)
     return None
 

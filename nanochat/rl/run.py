@@ -16,7 +16,8 @@ from nanochat.checkpoints.layout import CHECKPOINT_DIRS
 from nanochat.checkpoints.loading import load_model
 from nanochat.checkpoints.pruning import prune_checkpoints, remove_extra_shards
 from nanochat.checkpoints.store import new_run_id
-from nanochat.common import UserError, any_rank, autocast_context, collective_device, get_base_dir, print0, require
+from nanochat.common import (UserError, any_rank, autocast_context, collective_device, get_base_dir, is_out_of_memory,
+                             print0, release_cached_memory, require)
 from nanochat.engine.engine import Engine
 from nanochat.model.compile import CompileClock, maybe_compiled
 from nanochat.model.precision import ortho_dtype
@@ -195,7 +196,10 @@ def with_fewer_rows_on_oom(attempt, rows, message, rows_in_use=None, free_memory
     while True:
         try:
             return attempt(rows), rows
-        except torch.OutOfMemoryError:
+        except RuntimeError as error:
+            if not is_out_of_memory(error):
+                raise
+            release_cached_memory(error)
             freed = free_memory() if free_memory else None
             if freed:
                 print0(freed)
