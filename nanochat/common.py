@@ -271,6 +271,20 @@ def autocast_enabled(device_type):
     return device_type != "meta" and torch.is_autocast_enabled(device_type)
 
 
+@contextlib.contextmanager
+def autocast_cache_off():
+    """Autocast's weight-cast cache off inside (a global switch, whatever the device): a CUDA graph's capture must
+    run with it off (a cast cached during the capture is freed under the graph's feet), and torch.compile guards
+    on it, so a step compiled with it on compiles again when captured with it off (seen on an H200: every graph
+    of the decode step twice). The decode step runs with it off everywhere; its weights are cast once already."""
+    was = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(was)
+
+
 def is_out_of_memory(error):
     """Whether `error` is the device running out of memory: the caching allocator's torch.OutOfMemoryError, or the
     CUDA runtime's own "out of memory" (an AcceleratorError, a RuntimeError before torch 2.8), which a stream,

@@ -111,7 +111,9 @@ def capture_recorded_graph(step, pool):
     try:
         for name in HOST_METHODS:
             setattr(torch.Tensor, name, _refuse(name))
-        with recorder:
+        # as capture_cuda_graph: autocast's cast cache off (torch.compile guards on it)
+        with recorder, torch.autocast("cpu", enabled=torch.is_autocast_enabled("cpu"),
+                                      dtype=torch.get_autocast_dtype("cpu"), cache_enabled=False):
             step()
     finally:  # a capture, refused or not, leaves no effect
         for name, method in methods.items():

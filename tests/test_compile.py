@@ -17,11 +17,11 @@ function is traced whole by Dynamo and run as traced (INDUCTOR_GENERATIONS says 
 the process's (nanochat.model.compile.compiled), so the tests share their graphs (head computes smear's forward and
 compiles nothing anew), each test keeps to one or a few shapes, and the fp32 greedy rollouts serve three tests."""
 
-import contextlib
 import io
 import json
 import re
 import warnings
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -35,7 +35,7 @@ from test_static_decode import ENDING_KWARGS, ENDING_PROMPTS, DeviceOnly, ending
 from nanochat.checkpoints.loading import build_model, load_model
 from nanochat.cli import error_line
 from nanochat.engine.agreement import greedy_agreement
-from nanochat.engine.cuda_graphs import bucket_shapes, decode_plan
+from nanochat.engine.cuda_graphs import DecodePlan, GraphedStep, bucket_shapes, bucketed_shape, decode_plan
 from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, static_step
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC, BatchShape, Engine, make_batch
@@ -43,8 +43,8 @@ from nanochat.engine.op_count import count_decode_step_ops
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from nanochat.model import compile as nc_compile
 from nanochat.model.compile import (CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, RECOMPILE_LIMIT, SFT_CPU_MIN_STEPS,
-                                    CompiledFunction, CompileFailed, CompilePlan, compile_plan, compile_totals,
-                                    compiled, generated_kernels, resolve_compile, run_decode_mode)
+                                    CompiledFunction, CompileFailed, compile_plan, compile_totals, compiled,
+                                    generated_kernels, resolve_compile, run_decode_mode)
 from nanochat.model.gpt import GPT
 from nanochat.rl import plan as rl_plan
 from nanochat.rl import progress as rl_progress
@@ -254,6 +254,35 @@ def test_every_bucketed_shape_of_a_static_batch_compiles_three_graphs_at_most(sh
         for rows, keys in shapes:
             batch.run_step(rows, keys)
     assert 1 <= len(graphs) <= 3, len(graphs)
+
+
+def test_warm_ups_and_captures_of_a_graph_batch_share_the_compiled_steps_graphs():
+    """A graph batch warms each shape up and then captures it (with autocast's cast cache off, as a capture must),
+    all when it is made: the compiled step makes the graphs a static batch makes (3 at most), not twice as many.
+    On an H200 (torch 2.11) each of the d20 step's graphs compiled twice, once per state of the cast cache, on
+    which Dynamo guards: the step now runs with the cache off in warm-ups, captures and plain steps alike."""
+    captures = []
+
+    def capture(step, pool):  # what capture_cuda_graph does around the step (compiling under the stand-in's
+        with torch.autocast("cpu", enabled=False, cache_enabled=False):  # recording dispatch mode cannot run)
+            step()
+        captures.append(step)
+        return step, pool
+    plan = DecodePlan(bucketed_shape, partial(GraphedStep, capture=capture, warm_up=lambda step: step()), True)
+    model = random_model(tiny_config(sequence_len=256, vocab_size=320, n_head=4, n_kv_head=4, n_layer=1))
+    graphs = []
+
+    def count_graphs(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    def fresh_step(batch, rows, keys):  # a code object of its own: a Dynamo cache that no other test has filled
+        return static_step(batch, rows, keys)
+    step = torch.compile(fresh_step, fullgraph=True, dynamic=True, backend=count_graphs)
+    shape = BatchShape(32, 9, 64, 64, 8, torch.float32, 1.0, 50)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        make_batch(model, shape, plan, RolloutStats(), DecodeWeights(model), step)
+    assert len(captures) >= 12 and 1 <= len(graphs) <= 3, (len(captures), len(graphs))
 
 
 def test_inductor_fuses_the_eager_steps_kernels(arithmetic, greedy_fp32):
@@ -763,7 +792,6 @@ def test_a_long_cpu_runs_auto_decode_is_static_only_where_compiling_works(compil
     """--decode=auto --compile=auto for a CPU run of 467 steps: the static step, compiled; where torch.compile does
     not work (stubbed to fail, as Inductor does without a C++ compiler), one warning, nothing compiled and the eager
     step (uncompiled, the faster one on a CPU)."""
-    from scripts import chat_rl
     if compiler == "fails":
         def no_compiler(self, graph_module, example_inputs):
             raise RuntimeError("Compiler: cc is not found")

@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from nanochat.common import autocast_cache_off
 from nanochat.engine.cuda_graphs import bucket_shapes, exact_shape
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.kv_cache import KVCache
@@ -225,7 +226,7 @@ class DecodeBatch:
 
     def run_step(self, rows, keys):
         """The static decode step (static_step) over rows 0..rows-1 and keys 0..keys-1, as this batch runs it."""
-        with self.weights.in_use():
+        with self.weights.in_use(), autocast_cache_off():  # one guard state for warm-ups, captures and plain steps
             self.step(self, rows, keys)
 
     def _draw(self, logits, lo, hi):
