@@ -97,7 +97,8 @@ def add_compile_flag(parser):
                              f"them: auto (on CUDA nothing yet: not measured to pay there; on a CPU the training forward, for runs long enough to "
                              f"pay for compiling: chat_rl {CPU_MIN_STEPS} steps, chat_sft {SFT_CPU_MIN_STEPS}; and "
                              f"chat_rl's static decode step from {CPU_DECODE_MIN_STEPS} steps), on (an "
-                             f"error where compiling is unavailable), off")
+                             f"error where compiling is unavailable), off, or blocks (instead: each transformer "
+                             f"block around its attention, one compile for every layer)")
 
 
 def add_optimizer_flags(parser):

@@ -273,10 +273,9 @@ def autocast_enabled(device_type):
 
 @contextlib.contextmanager
 def autocast_cache_off():
-    """Autocast's weight-cast cache off inside (a global switch, whatever the device): a CUDA graph's capture must
-    run with it off (a cast cached during the capture is freed under the graph's feet), and torch.compile guards
-    on it, so a step compiled with it on compiles again when captured with it off (seen on an H200: every graph
-    of the decode step twice). The decode step runs with it off everywhere; its weights are cast once already."""
+    """Autocast's weight-cast cache off inside (a global switch): a CUDA graph's capture needs it off, and
+    torch.compile guards on it, so a step compiled with it on compiled again when captured (every graph twice, on an
+    H200). The decode step runs with it off everywhere; its weights are cast once already."""
     was = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
     try:
@@ -286,17 +285,15 @@ def autocast_cache_off():
 
 
 def is_out_of_memory(error):
-    """Whether `error` is the device running out of memory: the caching allocator's torch.OutOfMemoryError, or the
-    CUDA runtime's own "out of memory" (an AcceleratorError, a RuntimeError before torch 2.8), which a stream,
-    library workspace or graph made outside the allocator raises when the allocator holds the rest (seen on an
-    H200: a warm-up stream's creation)."""
+    """Whether `error` is running out of device memory: the allocator's torch.OutOfMemoryError, or the CUDA runtime's
+    (an AcceleratorError), raised outside the allocator, e.g. making a stream (an H200's warm-up stream)."""
     return isinstance(error, torch.OutOfMemoryError) or (
         isinstance(error, RuntimeError) and "CUDA error: out of memory" in str(error))
 
 
 def release_cached_memory(error):
-    """After `error`, an out-of-memory: the CUDA runtime's own (not the allocator's, which gave back its cached
-    blocks before raising) leaves them held; give them back so that a retry with less finds the room."""
+    """After an out-of-memory `error` of the CUDA runtime (not the allocator's, which gave back its cached blocks
+    before raising), give the cached blocks back so that a retry with less finds the room."""
     if not isinstance(error, torch.OutOfMemoryError) and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 

@@ -47,6 +47,15 @@ def format_value(v):
     return str(v)
 
 
+def text_table(rows, columns, first="config"):
+    """Plain text: a row per (name, result), columns of (header, key or function of the result, format spec); None: -."""
+    cells = [[first] + [header for header, _, _ in columns]] + [[name] + [
+        "-" if (value := key(r) if callable(key) else r.get(key)) is None else format(value, spec) for _, key, spec in columns]
+        for name, r in rows]
+    widths = [max(map(len, column)) for column in zip(*cells)]
+    return "\n".join(" ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells)
+
+
 def markdown_table(header, rows):
     """A markdown table; '|' inside cells is escaped so a value cannot split a row."""
     def line(cells):

@@ -22,7 +22,7 @@ from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch
 from nanochat.engine.engine import Engine
 from nanochat.engine.memory_budget import resolve_memory_budget
-from nanochat.model.compile import resolve_compile_flag
+from nanochat.model.compile import compile_models, resolve_compile_flag
 from nanochat.rl.evaluation import evaluate_pass_at_k
 from tasks.registry import make_task
 
@@ -67,9 +67,10 @@ def main(argv):
         raise UserError("--repeats and --eval-examples must be >= 1")
     _, _, _, _, device = compute_init(args.device_type)
     decode = check_decode_flag(args.decode, device)
-    resolve_compile_flag(args, device, decode, trains=False)
+    compiling = resolve_compile_flag(args, device, decode, trains=False)
     autocast = autocast_context(device, compute_dtype(device, requested_dtype(args.dtype)))
     model, tokenizer, _ = load_model(args.source, device, phase="eval")
+    compile_models(compiling, model)
     budget, _ = resolve_memory_budget(args.memory_budget_gb, model, device)
     task = make_task(args.task, "test")
     # one engine for both ways: the limit changes no batch or graph, so they share the budget's one static batch

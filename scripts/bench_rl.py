@@ -4,7 +4,8 @@ chat_rl's step (nanochat.rl.run: sample_rollouts, then train_on_rollouts) on an 
 benchmark's own). --configs: baseline (nanochat's rollouts, a generate_batch call per device_batch_size rows, and
 training: every row, with its prompt; fp32), batched_plain (chat_rl's rollouts, nanochat's training), batched_fp32 /
 batched_bf16 (chat_rl's step), *_static / *_graph (the static decode step, eagerly / from CUDA graphs: tokens checked
-against eager's / static's), *_compiled (torch.compile); each as is and "+early" (rows end at random lengths).
+against eager's / static's), *_compiled (torch.compile), *_blocks (--compile=blocks: each block around its attention);
+each as is and "+early" (rows end at random lengths).
   python -m scripts.bench_rl                                   # CPU or 1 GPU: random-init d4, vocab 8192
   python -m scripts.bench_rl --source=sft --task=arithmetic    # a trained checkpoint from $NANOCHAT_BASE_DIR
   python -m scripts.bench_rl --configs=batched_bf16 --profile=batched_bf16   # where rollout time goes
@@ -30,10 +31,11 @@ from nanochat.engine.kv_cache import cache_geometry
 from nanochat.engine.op_count import count_decode_step_ops
 from nanochat.files import atomic_write
 from nanochat.machine import PeakMemory, device_time, load_average, measure_machine
-from nanochat.model.compile import compile_plan, generated_kernels, maybe_compiled
+from nanochat.model.compile import compile_block_regions, compile_plan, generated_kernels, maybe_compiled
 from nanochat.model.flops import matmul_flops_per_token, rollout_flops, train_flops
 from nanochat.model.gpt import GPT, build_fresh_model
 from nanochat.model.sampling import mix32
+from nanochat.report import text_table
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.config import RLConfig
 from nanochat.rl.plan import resolve_memory, train_rows
@@ -54,6 +56,7 @@ class BenchConfig:
     lean: bool           # chat_rl's work (RLRun.lean, the engine's share_prompts), else nanochat's
     decode: str = "eager"  # the engine's decode mode (nanochat.engine.engine.decode_mode): the same tokens in each
     compiled: bool = False  # torch.compile the training forward and (static, graph) the decode step
+    blocks: bool = False    # torch.compile each block around its attention instead (--compile=blocks)
 
 
 CONFIGS = {c.name: c for c in [BenchConfig("baseline", False, torch.float32, False),
@@ -61,7 +64,9 @@ CONFIGS = {c.name: c for c in [BenchConfig("baseline", False, torch.float32, Fal
            + [BenchConfig(f"batched_{short}" + ("" if mode == "eager" else "_" + mode) + "_compiled" * compiled, True,
                           dtype, True, mode, compiled)
               for compiled in (False, True) for short, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
-              for mode in ("eager", "static", "graph")[:3 if short == "bf16" else 2]]}  # CUDA graphs: in bf16
+              for mode in ("eager", "static", "graph")[:3 if short == "bf16" else 2]]
+           + [BenchConfig("batched_fp32_blocks", True, torch.float32, True, "eager", blocks=True),
+              BenchConfig("batched_bf16_graph_blocks", True, torch.bfloat16, True, "graph", blocks=True)]}
 PRESETS = {"d20": dict(depth=20, vocab_size=65536, sequence_len=2048, window_pattern="SSSL")}  # nanochat's d20, Jan 2026
 BENCH_STEP = 0           # the chat_rl step whose questions and seeds the benchmark uses
 FORCED_END_LOGIT = 1e4   # beats any softcapped logit (|x| <= 15) plus Gumbel noise (< 20)
@@ -121,7 +126,7 @@ def default_configs(device, compile_mode="auto"):
     """The configs that run here at speed: graphs on CUDA, bf16 where native, compiled ones as chat_rl's --compile."""
     plans = {c: compile_plan(compile_mode, device, c.decode) for c in CONFIGS.values()}
     configs = [c for c, plan in plans.items() if (c.decode != "graph" or device.type == "cuda")
-               and (not c.compiled or (plan.train and (plan.decode or c.decode == "eager")))]
+               and (not c.compiled or (plan.train and (plan.decode or c.decode == "eager"))) and not c.blocks]
     if device.type == "cpu" and not cpu_has_native_bf16():
         print0("note: no native bf16 on this CPU (no AVX512-BF16 or AMX): skipping batched_bf16 "
                "(chat_rl runs in fp32 here; --configs=batched_bf16 measures it anyway)")
@@ -263,6 +268,7 @@ def measure(model, rollout_model, initial_state, tokenizer, task, config, rl, ar
     """One config from the initial weights: a warm-up (a question, a few tokens, no optimizer step), then --repeat steps
     of one run. Figures: the last step's, the steady state; *_each: every step's; tokens compared: the first step's."""
     model.load_state_dict(initial_state)
+    compile_block_regions(model, config.blocks, required=True)  # the rollout model is it, or wraps it
     graphs_before = len(generated_kernels(static_step, STATIC_STEP_DYNAMIC))  # earlier configs' decode graphs
     warm = dataclasses.replace(rl, examples_per_step=1, num_samples=rl.device_batch_size,
                                max_new_tokens=min(4, rl.max_new_tokens))
@@ -306,7 +312,7 @@ def mark_identical_tokens(results, configs):
     names = {c.name for c in configs}
     for name, r in results.items():
         base, _, suffix = name.partition("+")
-        twins = ([base.removesuffix("_compiled")] if CONFIGS[base].compiled else
+        twins = ([base.removesuffix("_compiled").removesuffix("_blocks")] if CONFIGS[base].compiled or CONFIGS[base].blocks else
                  [base.replace("_graph", "_static"), base.replace("_graph", "")] if "_graph" in base else
                  [base.replace("_static", "")] if "_static" in base else None)
         if twins is not None:
@@ -323,15 +329,6 @@ def add_ratios(results):
                               ("train_tokens_per_s_x", r["train_tokens_per_s"], base["train_tokens_per_s"]),
                               ("step_speedup_x", base["step_seconds"], r["step_seconds"])):
                 r[key] = a / b if b > 0 else None
-
-
-def table(rows, columns, first="config"):
-    """Plain text: a row per (name, result), columns of (header, key or function of the result, format spec); None: -."""
-    cells = [[first] + [header for header, _, _ in columns]] + [[name] + [
-        "-" if (value := key(r) if callable(key) else r.get(key)) is None else format(value, spec) for _, key, spec in columns]
-        for name, r in rows]
-    widths = [max(map(len, column)) for column in zip(*cells)]
-    return "\n".join(" ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells)
 
 
 TABLES = [
@@ -426,9 +423,9 @@ def run(args, configs, device):
         skipping = no_signal_table(model, batches["batched_fp32"], fractions, rl, device)
     untrained = dict.fromkeys(("train_tokens_per_s", "train_tokens_per_s_x", "train_mfu"))  # no speed: no row trained
     shown = {name: r if r["rows_trained"] else {**r, **untrained} for name, r in results.items()}
-    print0("\n" + "\n\n".join(table(shown.items(), columns) for columns in TABLES))
+    print0("\n" + "\n\n".join(text_table(shown.items(), columns) for columns in TABLES))
     if skipping:
-        print0("\n" + table([(f"{r['no_signal_fraction']:.2f}", r) for r in skipping], [
+        print0("\n" + text_table([(f"{r['no_signal_fraction']:.2f}", r) for r in skipping], [
             ("rows trained", "skip_rows_trained", "d"), ("train s (skip)", "skip_seconds", ".2f"),
             ("x of first", lambda r: r["skip_seconds"] / skipping[0]["skip_seconds"], ".2f"),
             ("train s (all rows)", "all_rows_seconds", ".2f")], first="no-signal"))

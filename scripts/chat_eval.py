@@ -24,7 +24,7 @@ from nanochat.common import (UserError, autocast_context, collective_device, com
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.engine import Engine
 from nanochat.engine.memory_budget import resolve_memory_budget
-from nanochat.model.compile import CompileClock, resolve_compile_flag
+from nanochat.model.compile import CompileClock, compile_models, resolve_compile_flag
 from nanochat.rl.evaluation import evaluate_pass_at_k
 from nanochat.rl.metrics import reduce_metrics
 from tasks.registry import make_task
@@ -87,11 +87,12 @@ def main(argv):
     _, rank, _, _, device = compute_init(args.device_type)
     try:
         decode = check_decode_flag(args.decode, device)
-        resolve_compile_flag(args, device, decode, trains=False)
+        compiling = resolve_compile_flag(args, device, decode, trains=False)
         dtype = compute_dtype(device, args.dtype)
         autocast = autocast_context(device, dtype)
         model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step,
                                             generation=args.model_generation)
+        compile_models(compiling, model)
         args.memory_budget_gb, budget_line = resolve_memory_budget(args.memory_budget_gb, model, device,
                                                                    rollout_dtype=dtype)
         print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")

@@ -46,7 +46,7 @@ from nanochat.common import (UserError, all_reduce_mean, autocast_context, colle
                              requested_dtype, require, wait_for_all_ranks)
 from nanochat.engine.cuda_graphs import decode_mode
 from nanochat.engine.engine import Engine
-from nanochat.model.compile import SFT_CPU_MIN_STEPS, CompileClock, maybe_compiled, resolve_compile_flag
+from nanochat.model.compile import SFT_CPU_MIN_STEPS, CompileClock, compile_models, maybe_compiled, resolve_compile_flag
 from nanochat.model.gpt import HEAD_DIM, build_fresh_model
 from nanochat.optim.optimizers import check_optimizer_flags, guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.sft import (accumulate_gradient, count_targets, loss_sums, make_micro_batches, mixture_order,
@@ -367,6 +367,7 @@ def run(args, task_names, rank, world_size, device):
     band = PassBand(*parse_band(args.stop_at_pass1)) if held_out is not None else None
     decode = decode_mode("auto", device) if band is not None else None  # only the checks sample
     compiling = resolve_compile_flag(args, device, decode, num_steps, cpu_min_steps=SFT_CPU_MIN_STEPS)
+    compile_models(compiling, model)
     forward = maybe_compiled(summed_cross_entropy, compiling.train, dynamic=True, required=args.compile == "on")
     # one engine for every check: its static batch, and on CUDA its captured decode graphs, serve them all; they
     # stay allocated while training runs (the checks' rows x (prompt + --stop-check-max-tokens) of KV cache, and

@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import UserError, collective_device, is_out_of_memory, print0
+from nanochat.model.gpt import EAGER_REGIONS, BlockRegions
 
-COMPILE_MODES = ("auto", "on", "off")
+COMPILE_MODES = ("auto", "on", "off", "blocks")
 RECOMPILE_LIMIT = 256  # graphs per compiled function: every decode bucket of a large batch (Dynamo's default is 8)
 
 
@@ -225,10 +226,11 @@ class CompilePlan(NamedTuple):
     decode: Optional[bool]  # the static decode step (only static and graph decode modes run it)
     train: Optional[bool]   # the training pass's forward
     why: str
+    blocks: bool = False    # each transformer block's regions around its attention (--compile=blocks), alone
 
     @property
     def compiles(self):
-        return bool(self.decode or self.train)
+        return bool(self.decode or self.train or self.blocks)
 
     def nothing(self, why):
         """This plan with every part it has turned off."""
@@ -238,7 +240,22 @@ class CompilePlan(NamedTuple):
         """The line a script prints at its start, one entry per part the run has."""
         parts = [f"{name} {'on' if on else 'off'}" for name, on in (("decode step", self.decode),
                                                                     ("training forward", self.train)) if on is not None]
+        if self.blocks:
+            parts = ["each transformer block around its attention, one compile for every layer (the decode step "
+                     "and the training forward around them run as they are)"]
         return f"compile: {', '.join(parts) or 'nothing to compile'} ({self.why}; --compile to choose)"
+
+
+def compile_block_regions(model, on=True, required=False):
+    """From now on `model`'s blocks run their regions before and after attention compiled (--compile=blocks): two
+    functions of (block, tensors), whose graphs every layer shares (Dynamo guards on a module argument's
+    attributes, not its identity; the layer index and window, which differ between layers, stay outside them in
+    the attention context's call). Dynamic shapes: rows and lengths change from call to call. The whole decode
+    step or training forward compiled (--compile=on) is one graph per shape class of the whole model, which took
+    minutes on a GPU for a d20; a block's regions are a twentieth of it. on=False: back to the eager regions.
+    required: as maybe_compiled's."""
+    model.block_regions = BlockRegions(*(maybe_compiled(fn, on, dynamic=True, required=required)
+                                         for fn in EAGER_REGIONS))
 
 
 # a CPU run of chat_rl compiles its training forward from this many steps on (--compile=auto): on a 2-core CPU
@@ -278,6 +295,8 @@ def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min
                            compile_train if trains else None, why)
     if mode == "off":
         return plan(False, False, "--compile=off")
+    if mode == "blocks":
+        return CompilePlan(None if decode is None else False, False if trains else None, "--compile=blocks", True)
     if mode == "on":
         return plan(True, True, "--compile=on" + ("; the eager decode step is not compiled" if decode == "eager" else ""))
     if device.type == "cuda":
@@ -362,8 +381,17 @@ def _probe(x):
 def resolve_compile_flag(args, device, *plan_args, **plan_kwargs):
     """--compile for this run (compile.resolve_compile with compile_plan's arguments), printed with why. args.compile
     becomes off where the plan compiles nothing (torch.compile unavailable under auto, or nothing that pays here), so
-    that the config records what runs and an engine given it compiles nothing. Returns the CompilePlan."""
+    that the config records what runs and an engine given it compiles nothing. Returns the CompilePlan; a script
+    hands its models to compile_models."""
     plan = resolve_compile(args.compile, device, *plan_args, **plan_kwargs)
     args.compile = args.compile if plan.compiles else "off"
     print0(plan.describe())
     return plan
+
+
+def compile_models(plan, *models):
+    """Where `plan` compiles blocks (--compile=blocks), each of `models` runs its block regions compiled
+    (compile_block_regions; a failure to compile is an error, as with --compile=on). Returns the models."""
+    for model in models if plan.blocks else ():
+        compile_block_regions(model, required=True)
+    return models

@@ -25,6 +25,7 @@ dec2025) attend to every earlier token however long the sequence.
 
 import math
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -138,10 +139,11 @@ class CausalSelfAttention(nn.Module):
     # three and rotate and norm q and k together; training keeps the three Linears (and the state dict its keys)
     qkv_weight = None
 
-    def forward(self, x, ve, rope, window, context):
-        """x: (B, T, C); ve: None or this layer's value embeddings (B, T, n_kv_head * head_dim); rope: a Rotary;
-        window: this layer's; context: the attention context (nanochat/model/attention.py) that attends these
-        queries over the keys it holds and these."""
+    def project(self, x, ve, rope):
+        """x: (B, T, C), the block's normed input; ve: None or this layer's value embeddings (B, T, n_kv_head *
+        head_dim); rope: a Rotary -> this layer's queries (B, T, H, D), keys and values (B, T, Hkv, D), rotated
+        and normed, for the attention context (nanochat/model/attention.py) to attend over the keys it holds and
+        these."""
         B, T, C = x.shape
         H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
         if self.qkv_weight is not None:
@@ -157,8 +159,7 @@ class CausalSelfAttention(nn.Module):
             q, k = qk[:, :, :H], qk[:, :, H:]
         else:
             q, k = self.rotate_and_norm(q, rope, v.dtype), self.rotate_and_norm(k, rope, v.dtype)
-        y = context.attend(self.layer_idx, q, k, v, window)  # (B, H, T, D)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        return q, k, v
 
     def rotate_and_norm(self, x, rope, dtype):
         """Queries or keys (B, T, heads, D) -> rotated, QK-normed, scaled, in `dtype`. Autocast runs rms_norm in
@@ -186,12 +187,42 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer_idx, generation)
         self.mlp = MLP(config)
 
-    def forward(self, x, ve, rope, window, context):
-        x = x + self.attn(norm(x), ve, rope, window, context)
-        return x + self.mlp(norm(x))
+    def forward(self, x, ve, rope, window, context, regions=None):
+        """x: (B, T, C) -> the block's output. The attention context attends by layer index and window, Python
+        ints that differ from layer to layer; the two regions around it (BlockRegions) take neither, so that one
+        compile of each serves every layer (--compile=blocks)."""
+        regions = regions or EAGER_REGIONS
+        q, k, v = regions.before_attention(self, x, ve, rope)
+        y = context.attend(self.attn.layer_idx, q, k, v, window)  # (B, H, T, D)
+        return regions.after_attention(self, x, y)
+
+
+def block_before_attention(block, x, ve, rope):
+    """A block's queries, keys and values of its input x (CausalSelfAttention.project of the normed x)."""
+    return block.attn.project(norm(x), ve, rope)
+
+
+def block_after_attention(block, x, y):
+    """A block's output from its input x (B, T, C) and its attention's y (B, H, T, D): the projection added to the
+    residual, then the MLP's."""
+    B, T, C = x.shape
+    x = x + block.attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
+    return x + block.mlp(norm(x))
+
+
+class BlockRegions(NamedTuple):
+    """What a block runs before and after its attention: block_before_attention and block_after_attention, or
+    their compiled versions (nanochat/model/compile.py's compile_block_regions)."""
+    before_attention: Callable
+    after_attention: Callable
+
+
+EAGER_REGIONS = BlockRegions(block_before_attention, block_after_attention)
 
 
 class GPT(nn.Module):
+    block_regions = EAGER_REGIONS  # each block's regions around its attention: eager, or compile_block_regions's
+
     def __init__(self, config, generation=DEFAULT_GENERATION):
         """config: the GPTConfig of a nanochat meta; generation: a name in nanochat.model.generations.GENERATIONS
         (or a Generation), which decides which parameters exist and what the forward computes."""
@@ -248,14 +279,10 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def estimate_flops(self):
-        """FLOPs per token of a forward + backward pass at sequence_len.
-
-        Matmuls: 6 per weight (2 forward, 4 backward) for every weight except the embeddings (lookups),
-        the per-layer scalars and the smear gate; lm_head counts with its padded rows. Attention scores and
-        the weighted sum of values: 12 * n_head * head_dim * keys per layer, with keys = min(window,
-        sequence_len), ignoring that causality halves the average (the PaLM convention nanochat reports
-        MFU with). The arithmetic is nanochat/model/flops.py's, which counts other row lengths too.
-        """
+        """FLOPs per token of a forward + backward pass at sequence_len: 6 per matmul weight (not the embeddings,
+        scalars, smear gate; lm_head's padded rows counted), and 12 * n_head * head_dim * min(window, sequence_len)
+        a layer for attention, causality ignored (the PaLM convention nanochat reports MFU with). The arithmetic is
+        nanochat/model/flops.py's, which counts other row lengths too."""
         return train_flops_per_token(self, self.config.sequence_len)
 
     def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,
@@ -339,7 +366,7 @@ class GPT(nn.Module):
             if self.generation.lambdas:
                 x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             ve = self.value_embeds[str(i)](idx) if block.attn.ve_gate is not None else None
-            x = block(x, ve, rope, self.window_sizes[i], context)
+            x = block(x, ve, rope, self.window_sizes[i], context, self.block_regions)
             if i == backout_layer:
                 x_backout = x
         if backout_layer is not None:

@@ -13,7 +13,7 @@ from nanochat.common import UserError, compute_dtype, dtype_name, print0
 from nanochat.engine.cuda_graphs import DECODE_DESCRIPTIONS, check_decode_flag
 from nanochat.engine.engine import Engine
 from nanochat.engine.memory_budget import FIXED_GB, resolve_memory_budget
-from nanochat.model.compile import resolve_compile_flag, run_decode_mode
+from nanochat.model.compile import compile_models, resolve_compile_flag, run_decode_mode
 from nanochat.model.head import HEAD_CHUNK_TOKENS
 from nanochat.model.precision import MARGIN, PREFERENCE, fastest_rollout_dtype, fastest_training_dtype, rank0_choice
 
@@ -112,6 +112,7 @@ def resolve_compute_plan(config, model, tokenizer, train_task, device, world_siz
     compiling = resolve_decode_and_compile(config, device, num_steps)
     resolve_rollout_dtype(config, model, tokenizer, train_task, device, world_size, requested,
                           compiled_decode=bool(compiling.decode))
+    compile_models(compiling, model)  # after the rollout dtype's timing, which would compile them for each dtype
     return compiling
 
 

@@ -19,7 +19,7 @@ from nanochat.checkpoints.store import new_run_id
 from nanochat.common import (UserError, any_rank, autocast_context, collective_device, get_base_dir, is_out_of_memory,
                              print0, release_cached_memory, require)
 from nanochat.engine.engine import Engine
-from nanochat.model.compile import CompileClock, maybe_compiled
+from nanochat.model.compile import CompileClock, compile_models, maybe_compiled
 from nanochat.model.precision import ortho_dtype
 from nanochat.optim.loss_scale import loss_scale_for, scaled_forward
 from nanochat.optim.optimizers import guarded_step, lr_multiplier, scale_initial_lr
@@ -156,6 +156,7 @@ def setup_run(config, resume, rank, world_size, device):
         segments = meta.get("segments") or [{"start_step": 0, "world_size": saved}]
         segments = segments + [{"start_step": start_step, "world_size": world_size}]
     reference = load_reference(start, device, config.model_generation) if config.kl_coef > 0 else None
+    compile_models(compiling, *([reference] if reference is not None else []))
     resolve_memory(config, model, device, optimizers, rows, compiled_training=compiling.train)
     engine = Engine(model, tokenizer, max_rows=config.max_rows or None, memory_budget_gb=config.memory_budget_gb,
                     decode=config.decode, compile=config.compile if compiling.decode else "off")

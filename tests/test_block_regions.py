@@ -1,0 +1,116 @@
+"""--compile=blocks (issue 48): each transformer block compiled around its attention, one compile of each region for
+every layer. The regions are traced by Dynamo and run as traced (ATen's kernels, no Inductor: the test is of what
+is compiled and how often, not of Inductor's roundings, which the whole-function compile tests cover), so the
+compiled model must compute exactly what the eager one does: logits, gradients, sampled tokens and a chat_rl step."""
+
+import re
+
+import pytest
+import torch
+from helpers import TINY_RL_FLAGS, prompt_of, random_model, tiny_config
+from test_compile import no_pretend_cuda  # noqa: F401 (autouse: Dynamo must see this machine's CUDA, or none)
+from test_static_decode import ENDING_KWARGS, ENDING_PROMPTS, ending_model, logprobs, rollouts
+
+from nanochat.engine.engine import Engine
+from nanochat.model import compile as nc_compile
+from nanochat.model.compile import CompiledFunction, compile_block_regions, compile_plan
+from nanochat.model.gpt import EAGER_REGIONS, BlockRegions
+from scripts import chat_rl
+
+
+def traced_regions():
+    """Fresh compiled regions (Dynamo's graphs kept per compiled function: none from another test), run as traced,
+    and the graphs each region compiled."""
+    graphs = {fn.__name__: [] for fn in EAGER_REGIONS}
+
+    def counting(name):
+        def compiler(graph_module, example_inputs):
+            graphs[name].append(graph_module)
+            return graph_module.forward
+        return compiler
+    return BlockRegions(*(CompiledFunction(fn, True, announce=False, graph_compiler=counting(fn.__name__))
+                          for fn in EAGER_REGIONS)), graphs
+
+
+def logits_and_gradients(model, batches):
+    """Per batch of token ids: the logits, and every parameter's gradient of a loss that reaches each of them."""
+    out = []
+    for idx in batches:
+        model.zero_grad(set_to_none=True)
+        logits = model(idx)
+        (logits.float().sin().sum()).backward()
+        out.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    return out
+
+
+@pytest.mark.parametrize("generation", ["jan2026", "smear"])
+def test_one_compile_of_each_region_serves_every_layer_and_computes_the_eager_forward_and_gradient(generation):
+    """A 6-layer model compiles the graphs a 2-layer one does (the layer index and window stay outside the regions;
+    a module argument is guarded by its attributes, not its identity), over batches of other rows and lengths (shapes
+    dynamic), and its logits and gradients are the eager model's bit for bit. Value embeddings on some layers only
+    (jan2026, smear) make two graphs of the region before attention, no more."""
+    counts = {}
+    for n_layer in (2, 6):
+        model = random_model(tiny_config(n_layer=n_layer, window_pattern="SL"), generation=generation).train()
+        batches = [torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(i))
+                   for i, shape in enumerate([(3, 17), (5, 23), (2, 9)])]
+        eager = logits_and_gradients(model, batches)
+        model.block_regions, graphs = traced_regions()
+        compiled = logits_and_gradients(model, batches)
+        for (logits, grads), (logits_c, grads_c) in zip(eager, compiled):
+            assert torch.equal(logits, logits_c)
+            assert grads.keys() == grads_c.keys() and all(torch.equal(grads[n], grads_c[n]) for n in grads)
+        counts[n_layer] = {name: len(g) for name, g in graphs.items()}
+    assert counts[2] == counts[6], counts
+    assert 1 <= counts[6]["block_before_attention"] <= 2 * 2 and 1 <= counts[6]["block_after_attention"] <= 2, counts
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_rollouts_with_compiled_block_regions_sample_the_eager_tokens(decode, tiny_tokenizer):
+    """Rollouts (the engine's fused QKV decode weights, prefill and decode steps, rows that end at different steps)
+    with the regions compiled sample the eager model's tokens and record its log-probabilities, exactly."""
+    model = ending_model(tiny_tokenizer)
+    prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
+    eager = Engine(model, tiny_tokenizer, decode=decode)
+    expected = rollouts(eager, prompts, **ENDING_KWARGS), logprobs(eager, prompts, **ENDING_KWARGS)
+    model.block_regions, graphs = traced_regions()
+    compiled = Engine(model, tiny_tokenizer, decode=decode)
+    assert (rollouts(compiled, prompts, **ENDING_KWARGS), logprobs(compiled, prompts, **ENDING_KWARGS)) == expected
+    assert all(len(g) >= 1 for g in graphs.values()), graphs  # it did run compiled
+
+
+def test_compile_blocks_is_a_plan_of_its_own():
+    """--compile=blocks compiles the regions alone, on any device: not the whole decode step or training forward."""
+    for device in ("cpu", "cuda"):
+        plan = compile_plan("blocks", torch.device(device), "graph" if device == "cuda" else "static", 500)
+        assert plan.blocks and plan.compiles and not plan.decode and not plan.train
+        assert plan.describe().startswith("compile: each transformer block around its attention")
+        assert not plan.nothing("unavailable").blocks
+    assert compile_plan("on", torch.device("cpu"), "static").blocks is False
+
+
+def test_chat_rl_with_compile_blocks_trains_as_the_eager_run(sft, base_dir, monkeypatch, capsys):
+    """chat_rl --compile=blocks says so at its start, runs its model's block regions compiled (rollouts and training
+    alike) and samples, trains and logs what the uncompiled run does. The process's compiled regions are replaced
+    by traced ones for the test (Inductor's minute of code generation is not what it checks)."""
+    flags = TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1"]
+    chat_rl.main(flags + ["--compile=off"])
+    eager = capsys.readouterr().out
+    regions, graphs = traced_regions()
+    for fn, traced in zip(EAGER_REGIONS, regions):
+        monkeypatch.setitem(nc_compile._COMPILED, (fn, True), traced)
+    chat_rl.main(flags + ["--compile=blocks", "--overwrite"])
+    out = capsys.readouterr().out
+    assert "compile: each transformer block around its attention" in out
+    assert all(len(g) >= 1 for g in graphs.values()), graphs
+    step_lines = lambda text: [re.sub(r" \| (rollout|elapsed) .*", "", line)  # noqa: E731 (timings differ)
+                               for line in text.splitlines() if line.startswith("Step ")]
+    assert step_lines(out) == step_lines(eager) and len(step_lines(out)) == 2
+
+
+def test_compile_block_regions_off_restores_the_eager_regions():
+    model = random_model(tiny_config())
+    compile_block_regions(model)
+    assert model.block_regions != EAGER_REGIONS
+    compile_block_regions(model, on=False)
+    assert model.block_regions == EAGER_REGIONS
