@@ -93,7 +93,7 @@ def test_chat_rl_with_compile_blocks_trains_as_the_eager_run(sft, base_dir, monk
     """chat_rl --compile=blocks says so at its start, runs its model's block regions compiled (rollouts and training
     alike) and samples, trains and logs what the uncompiled run does. The process's compiled regions are replaced
     by traced ones for the test (Inductor's minute of code generation is not what it checks)."""
-    flags = TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1"]
+    flags = TINY_RL_FLAGS + ["--num-steps=4", "--save-every=-1"]
     chat_rl.main(flags + ["--compile=off"])
     eager = capsys.readouterr().out
     regions, graphs = traced_regions()
@@ -105,7 +105,9 @@ def test_chat_rl_with_compile_blocks_trains_as_the_eager_run(sft, base_dir, monk
     assert all(len(g) >= 1 for g in graphs.values()), graphs
     step_lines = lambda text: [re.sub(r" \| (rollout|elapsed) .*", "", line)  # noqa: E731 (timings differ)
                                for line in text.splitlines() if line.startswith("Step ")]
-    assert step_lines(out) == step_lines(eager) and len(step_lines(out)) == 2
+    assert step_lines(out) == step_lines(eager) and len(step_lines(out)) == 4
+    compiled_steps = [line.split()[1] for line in out.splitlines() if line.startswith("Step ") and "compiled" in line]
+    assert compiled_steps == ["0/4"], compiled_steps  # no recompiles after step 0 (shapes dynamic)
 
 
 def test_compile_block_regions_off_restores_the_eager_regions():
