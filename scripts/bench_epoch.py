@@ -2,12 +2,13 @@
 What a whole chat_rl epoch costs on this machine, from measured rates: a step (bench_rl's JSON), an eval (the
 step's rollout rate over an eval's rows) and a save (timed here, on the model's own shapes), printed as one line:
 
-    d20 epoch on this GPU ≈ N min (467 steps x S s + 9 evals x E s + 8 saves x W s)
+    d20 epoch on this GPU ≈ N min (467 steps x S s + 9 evals x E s + 8 saves x W s)   (W: what a save blocks)
 
 The save is timed both ways side by side on the same state: written whole before training goes on (as chat_rl saved
-until the background writer) and with nanochat.checkpoints.background (what the step waits for: the host snapshot,
-and the commit once the next step's rollouts, --overlap-seconds, have run). The overlap is a sleep, so the writer
-has the machine to itself meanwhile: the background figure is a lower bound of what a run waits.
+until the background writer) and with nanochat.checkpoints.background: the host snapshot, the thread's writing, the
+commit. A run alone waits for the snapshot and the commit (the writing, unless the next save or eval comes first);
+with several ranks also for the writing left after the next step's rollouts (--overlap-seconds). The writer has the
+machine to itself here: the figures are lower bounds of what a run waits.
 
     python -m scripts.bench_rl --preset=d20 --configs=batched_bf16_graph --output=bench.json   # the step
     python -m scripts.bench_epoch --bench=bench.json --output=epoch.json                     # saves, the epoch
@@ -62,8 +63,10 @@ def model_with_optimizer_state(depth, vocab_size, device):
 
 
 def time_saves(model, optimizers, directory, overlap_seconds, device):
-    """Seconds the training waits for one save: written whole, and in the background with overlap_seconds of the
-    next step's work between its start and its commit."""
+    """Seconds a save costs the training: written whole, and in the background (nanochat.checkpoints.background): its
+    host snapshot, its writing by the thread, its commit. What the training waits for in the background: alone, the
+    snapshot and the commit (it commits once written; settle_save); with several ranks also the writing left after
+    overlap_seconds of the next step's rollouts (committed before that step's training)."""
     shard = lambda: {"optimizers": [o.state_dict() for o in optimizers], "rank": 0, "world_size": 1}  # noqa: E731
     meta = {"step": 1, "model_config": {"n_layer": model.config.n_layer}}
     synchronize(device)
@@ -74,21 +77,30 @@ def time_saves(model, optimizers, directory, overlap_seconds, device):
     for step in (1, 2):  # the second reuses the first's host buffers, as every later save of a run does
         t0 = time.perf_counter()
         saver.start(os.path.join(directory, "background"), step, model.state_dict(), shard(), meta)
-        started = time.perf_counter() - t0
-        time.sleep(overlap_seconds)  # the next step's rollouts, which need no other rank
-        t0 = time.perf_counter()
+        started = time.perf_counter()
+        while not saver.written:  # the writer has the machine to itself: a lower bound of its time in a run
+            time.sleep(0.005)
+        written = time.perf_counter()
         saver.finish()
-        waited = time.perf_counter() - t0
+        committed = time.perf_counter()
+    snapshot, write, commit = started - t0, written - started, committed - written
     size = sum(os.path.getsize(os.path.join(directory, "sync", f)) for f in os.listdir(os.path.join(directory, "sync")))
-    return {"bytes": size, "whole_seconds": whole, "snapshot_seconds": started, "commit_wait_seconds": waited,
-            "blocking_seconds": started + waited, "overlap_seconds": overlap_seconds}
+    return {"bytes": size, "whole_seconds": whole, "snapshot_seconds": snapshot, "write_seconds": write,
+            "commit_seconds": commit, "overlap_seconds": overlap_seconds,
+            "alone_blocking_seconds": snapshot + commit,
+            "ranks_blocking_seconds": snapshot + max(0.0, write - overlap_seconds) + commit}
 
 
-def epoch_estimate(step_seconds, eval_seconds, save_seconds, steps, eval_every, save_every):
-    """(minutes, evals, saves) of an epoch of `steps` steps at these rates, with chat_rl's eval and save schedule."""
-    evals = sum(is_eval_step(s, steps, eval_every) for s in range(steps + 1))
-    saves = sum(is_save_step(s, steps, save_every) for s in range(steps))
-    return (steps * step_seconds + evals * eval_seconds + saves * save_seconds) / 60, evals, saves
+def epoch_estimate(step_seconds, eval_seconds, save_seconds, steps, eval_every, save_every, write_seconds=0.0):
+    """(minutes, evals, saves) of an epoch of `steps` steps at these rates, with chat_rl's eval and save schedule.
+    save_seconds: what a save blocks (snapshot and commit); write_seconds: its writing in the background, which the
+    steps up to the next point that waits for it (the next save or eval, the end) hide, and the rest blocks."""
+    eval_steps = [s for s in range(steps + 1) if is_eval_step(s, steps, eval_every)]
+    save_steps = [s for s in range(steps) if is_save_step(s, steps, save_every)]
+    waits = sorted(set(eval_steps) | set(save_steps) | {steps})
+    saving = sum(save_seconds + max(0.0, write_seconds - (next(w for w in waits if w > s) - s - 1) * step_seconds)
+                 for s in save_steps)
+    return (steps * step_seconds + len(eval_steps) * eval_seconds + saving) / 60, len(eval_steps), len(save_steps)
 
 
 def main(argv):
@@ -113,19 +125,20 @@ def main(argv):
     # on the disk of --output, where a user points a run's results
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(args.output))) as directory:
         saves = time_saves(model, optimizers, directory, overlap, device)
-    print0(f"save of d{depth} ({saves['bytes'] / 2 ** 30:.2f} GiB): {saves['whole_seconds']:.2f} s written whole, "
-           f"{saves['blocking_seconds']:.2f} s blocking in the background ({saves['snapshot_seconds']:.2f} s snapshot "
-           f"+ {saves['commit_wait_seconds']:.2f} s at the commit, after {overlap:.2f} s idle, a lower bound): "
-           f"{saves['whole_seconds'] / max(saves['blocking_seconds'], 1e-9):.1f}x less waiting")
+    print0(f"save of d{depth} ({saves['bytes'] / 2 ** 30:.2f} GiB): {saves['whole_seconds']:.2f} s written whole; in "
+           f"the background {saves['snapshot_seconds']:.2f} s snapshot + {saves['commit_seconds']:.2f} s commit, "
+           f"its {saves['write_seconds']:.2f} s of writing hidden by the steps before the next save or eval (one "
+           f"process); with several ranks {saves['ranks_blocking_seconds']:.2f} s (committed before the next step's "
+           f"training, after {overlap:.2f} s of rollouts)")
     report = {"config": name, "depth": depth, "vocab_size": vocab, "device": device.type, "save": saves}
     if step:
         # an eval samples eval_rows rows at the step's rollout rate (an upper bound: a random model's rows run to the cap)
         eval_seconds = step["rollout_seconds"] * args.eval_rows / max(step["rows"], 1)
-        minutes, evals, n_saves = epoch_estimate(step["step_seconds"], eval_seconds, saves["blocking_seconds"],
-                                                 args.steps, args.eval_every, args.save_every)
+        minutes, evals, n_saves = epoch_estimate(step["step_seconds"], eval_seconds, saves["alone_blocking_seconds"],
+                                                 args.steps, args.eval_every, args.save_every, saves["write_seconds"])
         where = f"this {'GPU' if device.type == 'cuda' else device.type.upper()}"
         print0(f"d{depth} epoch on {where} ≈ {minutes:.0f} min ({args.steps} steps x {step['step_seconds']:.2f} s + "
-               f"{evals} evals x {eval_seconds:.1f} s + {n_saves} saves x {saves['blocking_seconds']:.2f} s)")
+               f"{evals} evals x {eval_seconds:.1f} s + {n_saves} saves x {saves['alone_blocking_seconds']:.2f} s)")
         report["epoch"] = {"minutes": minutes, "steps": args.steps, "step_seconds": step["step_seconds"],
                            "evals": evals, "eval_seconds": eval_seconds, "saves": n_saves}
     atomic_write(args.output, json.dumps(report, indent=2))

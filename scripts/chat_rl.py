@@ -40,8 +40,8 @@ from nanochat.rl.metrics import reduce_metrics
 from nanochat.rl.progress import (count_no_signal_step, format_step_line, is_eval_step, is_save_step,
                                   no_signal_settings, sample_table, step_record)
 from nanochat.rl.resume import restore_settings
-from nanochat.rl.run import (count_bad_step, meta_data, sample_rollouts, save, saves_settled_on_error, setup_run,
-                             train_on_rollouts)
+from nanochat.rl.run import (count_bad_step, meta_data, sample_rollouts, save, saves_settled_on_error, settle_save,
+                             setup_run, train_on_rollouts)
 from nanochat.wandb_utils import init_wandb, log_samples_table
 
 
@@ -195,7 +195,7 @@ def main(argv):
 def train(run, stop):
     """nanochat's loop: eval, rollouts, policy gradient and optimizer step, log, checkpoint; then the report.
     A checkpoint is written by a thread while the next step's rollouts run, and committed before that step's
-    first collective (nanochat/checkpoints/background.py)."""
+    first collective (nanochat/checkpoints/background.py); alone, once written (settle_save)."""
     cfg, num_steps = run.config, run.num_steps
     wandb_run = init_wandb(cfg.run, "nanochat-rl", vars(cfg))
     for line in no_signal_settings(cfg):
@@ -220,7 +220,7 @@ def train(run, stop):
             t_rollout = time.time() - t0
 
             # ---- policy gradient and optimizer step
-            run.saver.finish()  # the last checkpoint committed on every rank before the step's first collective
+            settle_save(run)  # the last checkpoint committed on every rank before the step's first collective
             t0 = time.time()
             result = train_on_rollouts(run, rollouts, step)
             count_bad_step(run, step, result)

@@ -114,3 +114,36 @@ def test_the_next_save_commits_the_last_one_first(tmp_path):
     saver.finish()
     assert order == [2, 3] and list_steps(tmp_path) == [2, 3]
     assert same(load_checkpoint(str(tmp_path), 3, "cpu")[0], state(3))
+
+
+def test_a_run_alone_trains_on_while_its_save_is_written_and_commits_it_once_written(sft, base_dir, monkeypatch, capsys):
+    """One process (no collective to keep in step with): the save of step 3, whose writing is held until step 5's
+    training, does not hold steps 4 and 5 back; it is committed at the first step start after it is written, and
+    the last save at the run's end. With several ranks the commit stays before the next step's training (the
+    distributed save tests)."""
+    from helpers import TINY_RL_FLAGS
+
+    from nanochat.checkpoints.loading import load_model
+    from scripts import chat_rl
+    release, real_stage, real_train = threading.Event(), store.stage, chat_rl.train_on_rollouts
+
+    def held_stage(path, write_fn, sweep_stale=False):
+        if os.path.basename(path) == "model_000003.pt":
+            assert release.wait(timeout=60)
+        return real_stage(path, write_fn, sweep_stale)
+
+    def train(run, rollouts, step):
+        print(f"training step {step}")
+        if step == 5:
+            release.set()
+            run.saver._thread.join()  # written now: the next step start commits it
+        return real_train(run, rollouts, step)
+    monkeypatch.setattr(store, "stage", held_stage)
+    monkeypatch.setattr(chat_rl, "train_on_rollouts", train)
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=7", "--save-every=3"])
+    lines = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith(("training step", "Saved checkpoint"))]
+    saved_3 = next(i for i, line in enumerate(lines) if line.endswith("(step 3)"))
+    assert lines.index("training step 4") < lines.index("training step 5") < saved_3 < lines.index("training step 6")
+    assert lines[-1].endswith("(step 6)")  # the last step's save, committed at the end
+    assert load_model("rl", "cpu", "eval", step=3)[2]["step"] == 3

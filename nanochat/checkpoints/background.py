@@ -86,6 +86,17 @@ class BackgroundSaver:
         self._thread = threading.Thread(target=write, name=f"checkpoint-step-{step}", daemon=True)
         self._thread.start()
 
+    @property
+    def written(self):
+        """Whether a save is in flight whose thread is done (written, or failed): finish() would not wait."""
+        return self._thread is not None and not self._thread.is_alive()
+
+    def commit_if_written(self):
+        """Commit the save in flight if its thread has written it, without waiting for one still writing. Only where
+        no other rank takes part (a commit with all_ranks is a collective, which every rank must reach together)."""
+        if self.written:
+            self.finish()
+
     def finish(self):
         """Wait for the save in flight, if any, and commit it (a collective with all_ranks: every rank calls this at
         the same point). Raises what the save raised, after its temp files are gone."""

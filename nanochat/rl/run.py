@@ -236,8 +236,8 @@ def sample_rollouts(run, step, position=None):
     cfg = run.config
     position = step * cfg.examples_per_step if position is None else position
     drawn = sample_draw(run, step, position, 0)
-    if cfg.dynamic_sampling:  # the agreement below is a collective: the last checkpoint committed first (see
-        run.saver.finish()    # saves_settled_on_error), after the first draw, which it overlapped
+    if cfg.dynamic_sampling:  # the agreement below is a collective: the last checkpoint committed first, after the
+        settle_save(run)      # first draw, which it overlapped
     for draw in range(1, 1 + cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1):
         if not any_rank(sum(map(has_signal, drawn)) < run.examples_per_rank, run.reduce_device):
             break
@@ -359,12 +359,25 @@ def saved(run, step):
                    f"{', '.join(map(str, removed))}")
 
 
+def settle_save(run):
+    """Before a step's first collective: with several ranks, the last checkpoint committed (its commit is a
+    collective of its own, which must come at the same point on every rank; see saves_settled_on_error). A run
+    alone has no collective to keep in step with: it commits the checkpoint once written, waiting for nothing (the
+    next save, an eval, the end, a stop or an error waits for it). On an H200 a d20 save's write took 6 s, which a
+    step's rollout (1.7 s) could not hide."""
+    if run.world_size > 1:
+        run.saver.finish()
+    else:
+        run.saver.commit_if_written()
+
+
 @contextlib.contextmanager
 def saves_settled_on_error(run):
     """Around the training loop: a run that stops on an error still commits the checkpoint its thread was writing.
-    A save is pending only between a step's end and the next step's training, a stretch without collectives (the
-    rollouts; with --dynamic-sampling their first draw, before the draws' agreement commits it), so every rank
-    reaches a commit: its own here, or the one before its next collective."""
+    With several ranks a save is pending only between a step's end and the next step's training, a stretch without
+    collectives (the rollouts; with --dynamic-sampling their first draw, before the draws' agreement commits it), so
+    every rank reaches a commit: its own here, or the one before its next collective. Alone, a run's save may stay
+    pending for steps (settle_save): committed here all the same."""
     try:
         yield
     except BaseException:
