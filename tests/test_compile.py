@@ -226,6 +226,20 @@ def test_a_rollout_compiles_a_few_graphs_and_the_next_rollout_none(arithmetic, g
         model.load_state_dict(weights)
 
 
+def freshly_traced_static_step():
+    """static_step compiled by Dynamo with dynamic shapes and run as traced, in a code object of its own (a Dynamo
+    cache that no other test has filled), and the list of the graphs it makes."""
+    graphs = []
+
+    def count_graphs(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    def fresh_step(batch, rows, keys):
+        return static_step(batch, rows, keys)
+    return torch.compile(fresh_step, fullgraph=True, dynamic=True, backend=count_graphs), graphs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("share_prompts", [True, False])
 def test_every_bucketed_shape_of_a_static_batch_compiles_three_graphs_at_most(share_prompts):
@@ -237,15 +251,7 @@ def test_every_bucketed_shape_of_a_static_batch_compiles_three_graphs_at_most(sh
     Dynamo's, the guards that split them its shape tracing's. As many kv heads as heads (d20's): the copy cache's
     step did not trace at all with them (SDPA's enable_gqa came out symbolic)."""
     model = random_model(tiny_config(sequence_len=256, vocab_size=320, n_head=4, n_kv_head=4, n_layer=1))
-    graphs = []
-
-    def count_graphs(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    def fresh_step(batch, rows, keys):  # a code object of its own: a Dynamo cache that no other test has filled
-        return static_step(batch, rows, keys)
-    step = torch.compile(fresh_step, fullgraph=True, dynamic=True, backend=count_graphs)
+    step, graphs = freshly_traced_static_step()
     shape = BatchShape(64, 9 if share_prompts else None, 64, 64, 8, torch.float32, 1.0, 50)
     batch = make_batch(model, shape, decode_plan("static"), RolloutStats(), DecodeWeights(model), step)
     shapes = bucket_shapes(batch.cache.batch_size, batch.cache.key_capacity)
@@ -270,15 +276,7 @@ def test_warm_ups_and_captures_of_a_graph_batch_share_the_compiled_steps_graphs(
         return step, pool
     plan = DecodePlan(bucketed_shape, partial(GraphedStep, capture=capture, warm_up=lambda step: step()), True)
     model = random_model(tiny_config(sequence_len=256, vocab_size=320, n_head=4, n_kv_head=4, n_layer=1))
-    graphs = []
-
-    def count_graphs(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    def fresh_step(batch, rows, keys):  # a code object of its own: a Dynamo cache that no other test has filled
-        return static_step(batch, rows, keys)
-    step = torch.compile(fresh_step, fullgraph=True, dynamic=True, backend=count_graphs)
+    step, graphs = freshly_traced_static_step()
     shape = BatchShape(32, 9, 64, 64, 8, torch.float32, 1.0, 50)
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         make_batch(model, shape, plan, RolloutStats(), DecodeWeights(model), step)
