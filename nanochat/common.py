@@ -291,6 +291,18 @@ def is_out_of_memory(error):
         isinstance(error, RuntimeError) and "CUDA error: out of memory" in str(error))
 
 
+def out_of_memory_within(error):
+    """The out-of-memory error (is_out_of_memory) that `error` is or wraps (torch.compile's BackendCompilerFailed
+    keeps it in inner_exception or __context__), or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if is_out_of_memory(error):
+            return error
+        seen.add(id(error))
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+    return None
+
+
 def release_cached_memory(error):
     """After an out-of-memory `error` of the CUDA runtime (not the allocator's, which gave back its cached blocks
     before raising), give the cached blocks back so that a retry with less finds the room."""

@@ -2,7 +2,7 @@
 What a whole chat_rl epoch costs on this machine, from measured rates: a step (bench_rl's JSON), an eval (the
 step's rollout rate over an eval's rows) and a save (timed here, on the model's own shapes), printed as one line:
 
-    d20 epoch on this GPU ≈ N min (467 steps x S s + 9 evals x E s + 8 saves x W s)   (W: what a save blocks)
+    d20 epoch on this GPU ≈ N min (467 steps x S s + 9 evals x E s + 8 saves x W s + U s of writing not hidden)
 
 The save is timed both ways side by side on the same state: written whole before training goes on (as chat_rl saved
 until the background writer) and with nanochat.checkpoints.background: the host snapshot, the thread's writing, the
@@ -92,15 +92,18 @@ def time_saves(model, optimizers, directory, overlap_seconds, device):
 
 
 def epoch_estimate(step_seconds, eval_seconds, save_seconds, steps, eval_every, save_every, write_seconds=0.0):
-    """(minutes, evals, saves) of an epoch of `steps` steps at these rates, with chat_rl's eval and save schedule.
+    """(minutes, evals, saves, the seconds of writing not hidden) of an epoch of `steps` steps at these rates, with chat_rl's eval and save schedule.
     save_seconds: what a save blocks (snapshot and commit); write_seconds: its writing in the background, which the
     steps up to the next point that waits for it (the next save or eval, the end) hide, and the rest blocks."""
     eval_steps = [s for s in range(steps + 1) if is_eval_step(s, steps, eval_every)]
     save_steps = [s for s in range(steps) if is_save_step(s, steps, save_every)]
-    waits = sorted(set(eval_steps) | set(save_steps) | {steps})
-    saving = sum(save_seconds + max(0.0, write_seconds - (next(w for w in waits if w > s) - s - 1) * step_seconds)
-                 for s in save_steps)
-    return (steps * step_seconds + len(eval_steps) * eval_seconds + saving) / 60, len(eval_steps), len(save_steps)
+    # a save at the end of step s is waited for before step w's eval (or the end, w = steps): steps s+1..w-1 hide its
+    # writing; or by the next save, at the end of step w: steps s+1..w
+    def hidden_steps(s):
+        return min([e - 1 for e in eval_steps if e > s] + [w for w in save_steps if w > s] + [steps - 1]) - s
+    unhidden = sum(max(0.0, write_seconds - hidden_steps(s) * step_seconds) for s in save_steps)
+    minutes = (steps * step_seconds + len(eval_steps) * eval_seconds + len(save_steps) * save_seconds + unhidden) / 60
+    return minutes, len(eval_steps), len(save_steps), unhidden
 
 
 def main(argv):
@@ -134,13 +137,14 @@ def main(argv):
     if step:
         # an eval samples eval_rows rows at the step's rollout rate (an upper bound: a random model's rows run to the cap)
         eval_seconds = step["rollout_seconds"] * args.eval_rows / max(step["rows"], 1)
-        minutes, evals, n_saves = epoch_estimate(step["step_seconds"], eval_seconds, saves["alone_blocking_seconds"],
+        minutes, evals, n_saves, unhidden = epoch_estimate(step["step_seconds"], eval_seconds, saves["alone_blocking_seconds"],
                                                  args.steps, args.eval_every, args.save_every, saves["write_seconds"])
         where = f"this {'GPU' if device.type == 'cuda' else device.type.upper()}"
         print0(f"d{depth} epoch on {where} ≈ {minutes:.0f} min ({args.steps} steps x {step['step_seconds']:.2f} s + "
-               f"{evals} evals x {eval_seconds:.1f} s + {n_saves} saves x {saves['alone_blocking_seconds']:.2f} s)")
+               f"{evals} evals x {eval_seconds:.1f} s + {n_saves} saves x {saves['alone_blocking_seconds']:.2f} s + "
+               f"{unhidden:.1f} s of writing not hidden)")
         report["epoch"] = {"minutes": minutes, "steps": args.steps, "step_seconds": step["step_seconds"],
-                           "evals": evals, "eval_seconds": eval_seconds, "saves": n_saves}
+                           "evals": evals, "eval_seconds": eval_seconds, "saves": n_saves, "unhidden_write_seconds": unhidden}
     atomic_write(args.output, json.dumps(report, indent=2))
     return report
 

@@ -118,8 +118,8 @@ def test_the_next_save_commits_the_last_one_first(tmp_path):
 
 def test_a_run_alone_trains_on_while_its_save_is_written_and_commits_it_once_written(sft, base_dir, monkeypatch, capsys):
     """One process (no collective to keep in step with): the save of step 3, whose writing is held until step 5's
-    training, does not hold steps 4 and 5 back; it is committed at the first step start after it is written, and
-    the last save at the run's end. With several ranks the commit stays before the next step's training (the
+    training, does not hold steps 4 and 5 back; it is committed before the first step's training after it is
+    written (step 6's), and the last save at the run's end. With several ranks the commit stays before the next step's training (the
     distributed save tests)."""
     from helpers import TINY_RL_FLAGS
 
@@ -147,3 +147,31 @@ def test_a_run_alone_trains_on_while_its_save_is_written_and_commits_it_once_wri
     assert lines.index("training step 4") < lines.index("training step 5") < saved_3 < lines.index("training step 6")
     assert lines[-1].endswith("(step 6)")  # the last step's save, committed at the end
     assert load_model("rl", "cpu", "eval", step=3)[2]["step"] == 3
+
+
+def test_a_run_alone_that_fails_while_its_save_is_pending_commits_it(sft, base_dir, monkeypatch):
+    """The save of step 3 is still in flight (held) when step 5's training raises: the run ends with that error,
+    and the save, pending over steps 4 and 5, is committed on the way out (saves_settled_on_error)."""
+    from helpers import TINY_RL_FLAGS
+
+    from nanochat.checkpoints.loading import load_model
+    from scripts import chat_rl
+    release, real_stage = threading.Event(), store.stage
+
+    def held_stage(path, write_fn, sweep_stale=False):
+        if os.path.basename(path) == "model_000003.pt":
+            assert release.wait(timeout=60)
+        return real_stage(path, write_fn, sweep_stale)
+
+    def train(run, rollouts, step):
+        if step == 5:
+            assert run.saver.pending
+            release.set()
+            raise RuntimeError("simulated failure in step 5's training")
+        return real_train(run, rollouts, step)
+    real_train = chat_rl.train_on_rollouts
+    monkeypatch.setattr(store, "stage", held_stage)
+    monkeypatch.setattr(chat_rl, "train_on_rollouts", train)
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        chat_rl.main(TINY_RL_FLAGS + ["--num-steps=7", "--save-every=3"])
+    assert load_model("rl", "cpu", "eval")[2]["step"] == 3  # the latest complete step

@@ -398,10 +398,30 @@ def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch):
         CompiledFunction(twice, dynamic=False)(x, required=True)
 
     monkeypatch.setattr(nc_compile, "_COMPILED", {})  # the probe is made afresh, and fails
-    with pytest.raises(CompileFailed, match="does not work on cpu here"):
-        resolve_compile("on", torch.device("cpu"), "static")
+    for mode in ("on", "blocks"):  # asked for by name: an error, not an eager run
+        with pytest.raises(CompileFailed, match="does not work on cpu here"):
+            resolve_compile(mode, torch.device("cpu"), "static")
     with pytest.warns(UserWarning, match="running eagerly"):  # auto on a long CPU run would compile training
         assert resolve_compile("auto", torch.device("cpu"), "eager", num_steps=500)[:2] == (False, False)
+
+
+def test_an_out_of_memory_while_compiling_is_raised_as_itself_and_compiling_goes_on():
+    """Running out of memory while compiling (Inductor benchmarks and allocates) is not a failure to compile: the
+    out-of-memory itself comes out (torch.compile wraps it; the rollout or training backs off with fewer rows), the
+    function is not marked failed, and the next call compiles."""
+    calls = []
+
+    def short_of_memory_once(graph_module, example_inputs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return graph_module.forward
+    function = CompiledFunction(lambda x: x * 2 + 1, dynamic=False, announce=False, graph_compiler=short_of_memory_once)
+    x = torch.arange(3.0)
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+        function(x, required=True)
+    assert function.failed is None
+    assert torch.equal(function(x, required=True), x * 2 + 1) and function.compiles >= 1
 
 
 @pytest.mark.cuda

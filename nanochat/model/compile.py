@@ -38,7 +38,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, collective_device, is_out_of_memory, print0
+from nanochat.common import UserError, collective_device, out_of_memory_within, print0
 from nanochat.model.gpt import EAGER_REGIONS, BlockRegions
 
 COMPILE_MODES = ("auto", "on", "off", "blocks")
@@ -82,8 +82,11 @@ class CompiledFunction:
                                             accumulated_recompile_limit=4 * RECOMPILE_LIMIT):
                 out = self.compiled(*args)
         except compile_errors() as error:
-            if is_out_of_memory(error.__cause__) or is_out_of_memory(error):
+            out_of_memory = out_of_memory_within(error)
+            if out_of_memory is error:
                 raise
+            if out_of_memory is not None:  # not a failure to compile: the caller backs off with fewer rows
+                raise out_of_memory from error
             self.failed = first_line(error)
             if required:
                 raise CompileFailed(f"torch.compile cannot compile {self.name}: {self.failed}") from error
@@ -353,8 +356,8 @@ def check_compiler(device):
 
 def resolve_compile(mode, device, *plan_args, **plan_kwargs):
     """The CompilePlan a run uses (compile_plan's, of the same arguments), after checking that torch.compile works on
-    `device` when the plan compiles anything: where it does not, --compile=on fails (CompileFailed) and auto warns in
-    one line and compiles nothing. Under a process group every rank takes the same plan: each probes its own
+    `device` when the plan compiles anything: where it does not, --compile=on or blocks fails (CompileFailed) and
+    auto warns in one line and compiles nothing. Under a process group every rank takes the same plan: each probes its own
     toolchain, and where any fails, none compiles (ranks deciding apart would run different code, and in chat_rl
     different collectives, next)."""
     plan = compile_plan(mode, device, *plan_args, **plan_kwargs)
@@ -368,7 +371,7 @@ def resolve_compile(mode, device, *plan_args, **plan_kwargs):
             reason = "it failed on another rank"
     if reason is None:
         return plan
-    if mode == "on":
+    if mode in ("on", "blocks"):  # asked for by name: an error, not a silently eager run
         raise CompileFailed(f"torch.compile does not work on {device.type} here ({reason})")
     warnings.warn(f"torch.compile does not work on {device.type} here ({reason}); running eagerly", stacklevel=2)
     return plan.nothing(f"{mode}: torch.compile unavailable ({reason})")

@@ -323,6 +323,7 @@ def count_bad_step(run, step, result):
     print0(f"warning: step {step} has a non-finite loss or gradient (objective {result.last.objective}, grad norm "
            f"{result.last_grad_norm}); skipping the optimizer step ({run.consecutive_bad}/{run.config.max_bad_steps})")
     if run.consecutive_bad >= run.config.max_bad_steps:
+        run.saver.finish()  # alone, the last save may still be in flight (settle_save): the one to name
         where = f"step {run.last_saved} in {run.checkpoint_dir}" if run.last_saved is not None else "none saved yet"
         raise UserError(f"{run.consecutive_bad} consecutive steps had a non-finite loss or gradient; stopping "
                         f"(last good checkpoint: {where}); lower the learning rates or use --dtype=float32")
