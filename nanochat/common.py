@@ -284,32 +284,6 @@ def autocast_cache_off():
         torch.set_autocast_cache_enabled(was)
 
 
-def is_out_of_memory(error):
-    """Whether `error` is running out of device memory: the allocator's torch.OutOfMemoryError, or the CUDA runtime's
-    (an AcceleratorError), raised outside the allocator, e.g. making a stream (an H200's warm-up stream)."""
-    return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "CUDA error: out of memory" in str(error))
-
-
-def out_of_memory_within(error):
-    """The out-of-memory error (is_out_of_memory) that `error` is or wraps (torch.compile's BackendCompilerFailed
-    keeps it in inner_exception or __context__), or None."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if is_out_of_memory(error):
-            return error
-        seen.add(id(error))
-        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
-    return None
-
-
-def release_cached_memory(error):
-    """After an out-of-memory `error` of the CUDA runtime (not the allocator's, which gave back its cached blocks
-    before raising), give the cached blocks back so that a retry with less finds the room."""
-    if not isinstance(error, torch.OutOfMemoryError) and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
 def wait_for_all_ranks():
     """At the end of a run that ended well, before compute_cleanup: no rank tears the process group down while
     another (rank 0 writing its report or checkpoint) is still at work. A rank that left first was aborted by gloo
