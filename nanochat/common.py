@@ -265,23 +265,30 @@ def autocast_context(device, dtype):
     return torch.amp.autocast(device_type=device.type, dtype=dtype)
 
 
-def autocast_enabled(device_type):
-    """Whether autocast is on for `device_type`; False on the meta device (op counts), which has no autocast to ask.
-    Not torch.amp.is_autocast_available: torch 2.11's Dynamo cannot trace it, and a compiled step calls this."""
-    return device_type != "meta" and torch.is_autocast_enabled(device_type)
+def is_out_of_memory(error):
+    """Whether `error` is running out of device memory: the allocator's torch.OutOfMemoryError, or the CUDA runtime's
+    (an AcceleratorError), raised outside the allocator, e.g. making a stream (an H200's warm-up stream)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "CUDA error: out of memory" in str(error))
 
 
-@contextlib.contextmanager
-def autocast_cache_off():
-    """Autocast's weight-cast cache off inside (a global switch): a CUDA graph's capture needs it off, and
-    torch.compile guards on it, so a step compiled with it on compiled again when captured (every graph twice, on an
-    H200). The decode step runs with it off everywhere; its weights are cast once already."""
-    was = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(False)
-    try:
-        yield
-    finally:
-        torch.set_autocast_cache_enabled(was)
+def out_of_memory_within(error):
+    """The out-of-memory error (is_out_of_memory) that `error` is or wraps (torch.compile's BackendCompilerFailed
+    keeps it in inner_exception or __context__), or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if is_out_of_memory(error):
+            return error
+        seen.add(id(error))
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+    return None
+
+
+def release_cached_memory(error):
+    """After an out-of-memory `error` of the CUDA runtime (not the allocator's, which gave back its cached blocks
+    before raising), give the cached blocks back so that a retry with less finds the room."""
+    if not isinstance(error, torch.OutOfMemoryError) and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def wait_for_all_ranks():

@@ -10,8 +10,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from nanochat.common import SettingError
-from nanochat.out_of_memory import is_out_of_memory
+from nanochat.common import SettingError, is_out_of_memory
 
 
 def exact_shape(rows, keys, max_rows, max_keys):

@@ -12,11 +12,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from nanochat.common import autocast_cache_off
 from nanochat.engine.cuda_graphs import bucket_shapes, exact_shape
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.kv_cache import KVCache
 from nanochat.model.attention import run_cached
+from nanochat.model.precision import autocast_cache_off
 from nanochat.model.sampling import row_seeds, sample_with_logprobs
 
 # Prompt positions one prefill forward takes at most, padding included: a step's 16 prompts, or 64 of an eval's, in one

@@ -9,8 +9,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from nanochat.common import autocast_enabled
 from nanochat.model.gpt import CausalSelfAttention
+from nanochat.model.precision import autocast_enabled
 
 
 def matmul_modules(model):

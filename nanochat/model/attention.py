@@ -32,7 +32,7 @@ from typing import Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from nanochat.common import autocast_enabled
+from nanochat.model.precision import autocast_enabled
 
 # explicit_attention's reach in keys, eagerly: it reads and writes (T, keys) scores and probabilities where the
 # fused kernel streams them, so long sequences lose (compiled, Inductor fuses them). Eagerly, on a CPU with native

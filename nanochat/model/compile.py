@@ -38,9 +38,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, collective_device, print0
+from nanochat.common import UserError, collective_device, out_of_memory_within, print0
 from nanochat.model.gpt import EAGER_REGIONS, BlockRegions
-from nanochat.out_of_memory import out_of_memory_within
 
 COMPILE_MODES = ("auto", "on", "off", "blocks")
 RECOMPILE_LIMIT = 256  # graphs per compiled function: every decode bucket of a large batch (Dynamo's default is 8)

@@ -18,7 +18,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from nanochat.common import autocast_enabled
+from nanochat.model.precision import autocast_enabled
 
 # tokens per chunk: at a 65,536-token vocabulary each float32 (chunk, V) temporary is 512 MiB
 HEAD_CHUNK_TOKENS = 2048

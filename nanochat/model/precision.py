@@ -9,9 +9,11 @@ with AMX bf16 usually wins. So a run that may use bf16 on a CPU or MPS times one
 start, and keeps fp32 (nanochat's CPU numerics) unless bf16 is clearly faster. The choice is made on rank 0
 and every rank takes it, so that all ranks compute alike. fp16 is never measured: it is asked for (--dtype=float16),
 or auto's choice on a CUDA GPU without native bf16 (common.compute_dtype), and trains with loss scaling
-(nanochat/optim/loss_scale.py).
+(nanochat/optim/loss_scale.py). Also here: whether autocast is on, and its weight-cast cache turned off, as compiled
+code needs them asked and set.
 """
 
+import contextlib
 import time
 
 import torch
@@ -105,3 +107,22 @@ def ortho_dtype(name):
     dtype, as nanochat ties them, except fp32 for fp16: Muon's Newton-Schulz iteration runs in bf16 or fp32 (the
     optimizers accept those), and a GPU without native bf16, fp16's reason to be, has no fast bf16 for it."""
     return torch.float32 if name == "float16" else getattr(torch, name)
+
+
+def autocast_enabled(device_type):
+    """Whether autocast is on for `device_type`; False on the meta device (op counts), which has no autocast to ask.
+    Not torch.amp.is_autocast_available: torch 2.11's Dynamo cannot trace it, and a compiled step calls this."""
+    return device_type != "meta" and torch.is_autocast_enabled(device_type)
+
+
+@contextlib.contextmanager
+def autocast_cache_off():
+    """Autocast's weight-cast cache off inside (a global switch): a CUDA graph's capture needs it off, and
+    torch.compile guards on it, so a step compiled with it on compiled again when captured (every graph twice, on an
+    H200). The decode step runs with it off everywhere; its weights are cast once already."""
+    was = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(was)

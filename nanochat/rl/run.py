@@ -16,13 +16,13 @@ from nanochat.checkpoints.layout import CHECKPOINT_DIRS
 from nanochat.checkpoints.loading import load_model
 from nanochat.checkpoints.pruning import prune_checkpoints, remove_extra_shards
 from nanochat.checkpoints.store import new_run_id
-from nanochat.common import UserError, any_rank, autocast_context, collective_device, get_base_dir, print0, require
+from nanochat.common import (UserError, any_rank, autocast_context, collective_device, get_base_dir, is_out_of_memory,
+                             print0, release_cached_memory, require)
 from nanochat.engine.engine import Engine
 from nanochat.model.compile import CompileClock, compile_models, maybe_compiled
 from nanochat.model.precision import ortho_dtype
 from nanochat.optim.loss_scale import loss_scale_for, scaled_forward
 from nanochat.optim.optimizers import guarded_step, lr_multiplier, scale_initial_lr
-from nanochat.out_of_memory import is_out_of_memory, release_cached_memory
 from nanochat.rl.config import RLConfig
 from nanochat.rl.objective import PolicyLoss, step_counts
 from nanochat.rl.plan import describe_engine, resolve_compute_plan, resolve_memory, train_rows
