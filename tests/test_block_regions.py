@@ -4,6 +4,7 @@ is compiled and how often, not of Inductor's roundings, which the whole-function
 compiled model must compute exactly what the eager one does: logits, gradients, sampled tokens and a chat_rl step."""
 
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -11,7 +12,10 @@ from helpers import TINY_RL_FLAGS, prompt_of, random_model, tiny_config
 from test_compile import no_pretend_cuda  # noqa: F401 (autouse: Dynamo must see this machine's CUDA, or none)
 from test_static_decode import ENDING_KWARGS, ENDING_PROMPTS, ending_model, logprobs, rollouts
 
-from nanochat.engine.engine import Engine
+from nanochat.engine.cuda_graphs import DecodePlan, GraphedStep, bucketed_shape
+from nanochat.engine.decode_batch import RolloutStats
+from nanochat.engine.decode_weights import DecodeWeights
+from nanochat.engine.engine import BatchShape, Engine, make_batch
 from nanochat.model import compile as nc_compile
 from nanochat.model.compile import CompiledFunction, compile_block_regions, compile_plan
 from nanochat.model.gpt import EAGER_REGIONS, BlockRegions
@@ -77,6 +81,30 @@ def test_rollouts_with_compiled_block_regions_sample_the_eager_tokens(decode, ti
     compiled = Engine(model, tiny_tokenizer, decode=decode)
     assert (rollouts(compiled, prompts, **ENDING_KWARGS), logprobs(compiled, prompts, **ENDING_KWARGS)) == expected
     assert all(len(g) >= 1 for g in graphs.values()), graphs  # it did run compiled
+
+
+def test_a_graph_batch_compiles_the_regions_in_its_warm_ups_and_never_in_a_capture():
+    """A graph batch warms each shape up, then captures it (with autocast's cast cache off, as capture_cuda_graph
+    does): every region graph is compiled in a warm-up (on a GPU, compiling inside a capture would record Inductor's
+    own work, or fail it), and the captures, all of them, find their graphs made. A few graphs serve all shapes."""
+    model = random_model(tiny_config(sequence_len=256, vocab_size=320, n_head=4, n_kv_head=4, n_layer=2,
+                                     window_pattern="SL"), generation="smear")
+    model.block_regions, graphs = traced_regions()
+    total = lambda: sum(map(len, graphs.values()))  # noqa: E731
+    compiled_in_captures = []
+
+    def capture(step, pool):
+        before = total()
+        with torch.autocast("cpu", enabled=False, cache_enabled=False):
+            step()
+        compiled_in_captures.append(total() - before)
+        return step, pool
+    plan = DecodePlan(bucketed_shape, partial(GraphedStep, capture=capture, warm_up=lambda step: step()), True)
+    with torch.no_grad():
+        make_batch(model, BatchShape(32, 9, 64, 64, 8, torch.float32, 1.0, 50), plan, RolloutStats(),
+                   DecodeWeights(model), None)
+    assert len(compiled_in_captures) >= 12 and set(compiled_in_captures) == {0}, compiled_in_captures
+    assert 1 <= total() <= 6, {name: len(g) for name, g in graphs.items()}
 
 
 def test_compile_blocks_is_a_plan_of_its_own():
