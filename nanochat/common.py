@@ -284,10 +284,11 @@ def out_of_memory_within(error):
     return None
 
 
-def release_cached_memory(error):
-    """After an out-of-memory `error` of the CUDA runtime (not the allocator's, which gave back its cached blocks
-    before raising), give the cached blocks back so that a retry with less finds the room."""
-    if not isinstance(error, torch.OutOfMemoryError) and torch.cuda.is_initialized():
+def release_cached_memory(runtime_error):
+    """After an out-of-memory of the CUDA runtime (runtime_error; not the allocator's, which gave back its cached
+    blocks before raising), once the failed attempt's tensors are gone, give the cached blocks back to the driver,
+    which a stream or a library workspace is made from, so that a retry with less finds the room."""
+    if runtime_error and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
 

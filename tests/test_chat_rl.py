@@ -394,6 +394,28 @@ def test_out_of_memory_while_allocating_the_rollout_cache_halves_the_rows(sft, b
     assert reward(out) == reward(reference) and len(reward(out)) == 1
 
 
+def test_the_cached_memory_is_given_back_after_the_failed_attempts_tensors_are_gone(monkeypatch):
+    """The CUDA runtime's out-of-memory (a stream or workspace made outside the allocator) needs the allocator's
+    cached blocks given back to the driver before the retry: only once the failed attempt's tensors, which its
+    frames held while the error was raised, are freed, or their blocks stay cached (only runtime errors)."""
+    import weakref
+    released, held = [], []
+
+    def release(runtime_error):
+        released.append((runtime_error, held[-1]() is None))
+    monkeypatch.setattr(rl_run, "release_cached_memory", release)
+
+    def attempt(rows):
+        cache = torch.zeros(rows, 1000)  # what the failed attempt had allocated when it ran out
+        held.append(weakref.ref(cache))
+        if rows > 4:  # a fresh error, as a real one is (a shared one would keep the last traceback's frames)
+            error = OUT_OF_MEMORY_ERRORS[1 if rows == 16 else 0]
+            raise type(error)(*error.args)
+        return rows
+    assert rl_run.with_fewer_rows_on_oom(attempt, 16, "retrying with --max-rows={rows}") == (4, 4)
+    assert released == [(True, True), (False, True)]
+
+
 def test_other_errors_are_not_taken_for_out_of_memory():
     """Only an out-of-memory is retried with fewer rows: any other CUDA error (or a bug) is raised at once."""
     tried = []

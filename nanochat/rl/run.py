@@ -200,16 +200,18 @@ def with_fewer_rows_on_oom(attempt, rows, message, rows_in_use=None, free_memory
         except RuntimeError as error:
             if not is_out_of_memory(error):
                 raise
-            release_cached_memory(error)
+            runtime_error = not isinstance(error, torch.OutOfMemoryError)
             freed = free_memory() if free_memory else None
             if freed:
                 print0(freed)
-                continue
-            used = (rows_in_use() if rows_in_use else rows) or 1
-            if used <= 1:
-                raise
-            rows = used // 2
-            print0(message.format(rows=rows))
+            else:
+                used = (rows_in_use() if rows_in_use else rows) or 1
+                if used <= 1:
+                    raise
+                rows = used // 2
+                print0(message.format(rows=rows))
+        # out of the except clause: the failed attempt's frames, and the tensors they held, are gone with the error
+        release_cached_memory(runtime_error)
 
 
 def give_back_rollout_memory(engine):
