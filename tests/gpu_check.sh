@@ -6,7 +6,7 @@
 #   bash tests/gpu_check.sh [checks|compiled|suite|speedrun|env] [OUT_DIR]   # on the GPU machine (carry gpu_carry)
 #   bash tests/gpu_check.sh checks,compiled [OUT_DIR]   # several stages in one call (560 s, shared by weight)
 #
-# checks (the default), one call of at most 8 minutes in six parts, each under a timeout, each adding one JSON line
+# checks (the default), one call of at most 8 minutes in seven parts, each under a timeout, each adding one JSON line
 # to OUT_DIR/parts.jsonl as it ends (part, exit, seconds, limit, log), so that a call stopped at its limit keeps
 # what finished:
 # 1. setup (below);
@@ -21,7 +21,8 @@
 #    (epoch_d20.json);
 # 5. the same bench with --compile=blocks (blocks_d20.json): each block compiled around its attention, once for
 #    every layer, in rollouts (captured in the engine's graphs) and training: compile seconds, decode ms, train s;
-# 6. with the time left, the same bench with the static step compiled whole and captured (compiled_d20.json): compile
+# 6. the bench of part 3 with 64 trained rows a forward, across questions (train_rows_d20.json), against auto's 16;
+# 7. with the time left, the same bench with the static step compiled whole and captured (compiled_d20.json): compile
 #    seconds, decode ms per step, the compiled training pass (tokens_digest in both JSONs, to compare with part 3's).
 # compiled: --compile=on on CUDA (auto compiles nothing there until this stage measures that it pays): the compiled
 #    static step replayed from CUDA graphs against itself run without them (tests/test_compile.py's cuda test), then
@@ -187,9 +188,13 @@ checks)
         "$python" -m scripts.bench_epoch --bench="$out/bench_d20.json" --device-type=cuda --output="$out/epoch_d20.json"
     # --compile=blocks (each block compiled around its attention, one compile for every layer; issue 48): whether
     # it pays on a GPU, and its compile seconds
-    step "d20 blocks" 200 "$out/blocks_d20.log" \
+    step "d20 blocks" 180 "$out/blocks_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_blocks \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/blocks_d20.json"
+    # 64 trained rows a forward, across questions (issue 48), against auto's 16 (part 3): whether auto should be 64
+    step "d20 64 train rows" 75 "$out/train_rows_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --train-rows=64 \
+        --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/train_rows_d20.json"
     # last, with what is left: on an H200 the whole d20 step's first graph took 53 s to compile, of up to 3
     step "d20 compiled" 300 "$out/compiled_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_compiled \
