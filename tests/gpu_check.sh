@@ -7,8 +7,8 @@
 #   bash tests/gpu_check.sh checks,compiled [OUT_DIR]   # several stages in one call (560 s, shared by weight)
 #
 # checks (the default), one call of at most 8 minutes in seven parts, each under a timeout, each adding one JSON line
-# to OUT_DIR/parts.jsonl as it ends (part, exit, seconds, limit, log), so that a call stopped at its limit keeps
-# what finished:
+# to OUT_DIR/parts.jsonl as it ends (part, exit, seconds, limit, log), and remaking OUT_DIR/results.tgz (every file,
+# since a device call brings back 8 at most), so that a call stopped at its limit keeps what finished:
 # 1. setup (below);
 # 2. the CUDA tests (`-m cuda`: NCCL under torchrun, bf16 vs fp32 step, a real out-of-memory, chat_sft and chat_eval
 #    on CUDA, checkpoints across devices, CUDA-graph replay equal to the static step it captures, the compiled step in
@@ -147,6 +147,9 @@ say "setup took $(( $(date +%s) - stage_start )) s"
 printf '{"part": "setup", "exit": 0, "seconds": %d, "python": "%s"}\n' "$(( $(date +%s) - stage_start ))" "$python" \
     >> "$out/parts.jsonl"
 
+# every file of OUT_DIR in one archive, remade after each part: a device call brings back at most 8 files
+bundle() { tar czf "$out/.results.tgz" --exclude=results.tgz --exclude=.results.tgz -C "$out" . && mv "$out/.results.tgz" "$out/results.tgz"; }
+
 # ---- the stage's steps, each under a timeout that keeps the stage inside STAGE_SECONDS
 step() {  # step NAME MAX_SECONDS LOG CMD...: runs CMD under a timeout (at most MAX_SECONDS, and what is left of the stage)
     local name=$1 cap=$2 log=$3
@@ -169,6 +172,7 @@ step() {  # step NAME MAX_SECONDS LOG CMD...: runs CMD under a timeout (at most 
     fi
     printf '{"part": "%s", "exit": %d, "seconds": %d, "limit": %d, "log": "%s"}\n' \
         "$name" "$rc" "$took" "$cap" "$(basename "$log")" >> "$out/parts.jsonl"
+    bundle
     return "$rc"
 }
 
