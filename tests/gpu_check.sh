@@ -32,7 +32,8 @@
 #    the time left, the graph config training 64 rows per forward, across questions (train_rows_d20.*), against
 #    auto's 16. Run it alone, in a call of its own: on the first H100 run, torch 2.11, the d20 step had not finished
 #    compiling after two minutes (with checks,compiled it gets under four).
-# suite: the whole test suite on the GPU machine, the `cuda` tests run, not skipped (gpu_suite.log).
+# suite: the whole test suite on the GPU machine, the `cuda` tests run, not skipped: the others on 8 workers
+#    (gpu_suite.log), then the cuda tests alone (gpu_suite_cuda.log).
 # speedrun: `bash speedrun.sh` on a fresh base dir (the bootstrap path), timed, with its report (speedrun.log,
 #    speedrun_report.md): the target is under 5 minutes with pass@1 up by at least 4 standard errors.
 # env: only the setup below; says which python runs and what was installed.
@@ -226,7 +227,11 @@ compiled)
     [ "$tests_rc" -eq 0 ] && [ "$compiled_rc" -eq 0 ]
     ;;
 suite)
-    step "suite" 600 "$out/gpu_suite.log" "$python" -m pytest -q -p no:cacheprovider -rs --durations=20 tests
+    # the tests that leave the GPU alone on 8 of the machine's 16 cores (~12 minutes on one 2-core CPU), then the cuda
+    # tests one at a time: one of them takes all of the GPU's memory but 160 MB
+    step "suite" 420 "$out/gpu_suite.log" "$python" -m pytest -q -p no:cacheprovider -rs --durations=20 \
+        -n 8 --dist loadfile -m "not cuda" tests
+    step "suite, cuda tests" 200 "$out/gpu_suite_cuda.log" "$python" -m pytest -q -p no:cacheprovider -rs -m cuda tests
     ;;
 speedrun)
     base=$(mktemp -d)
