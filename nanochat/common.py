@@ -289,6 +289,7 @@ def release_cached_memory(runtime_error):
     blocks before raising), once the failed attempt's tensors are gone, give the cached blocks back to the driver,
     which a stream or a library workspace is made from, so that a retry with less finds the room."""
     if runtime_error and torch.cuda.is_initialized():
+        gc.collect()  # a failed frame caught in a reference cycle, with the tensors it held
         torch.cuda.empty_cache()
 
 

@@ -28,12 +28,11 @@
 #    static step replayed from CUDA graphs against itself run without them (tests/test_compile.py's cuda test), then
 #    the same d20 bench with the static step compiled by Inductor and captured in the engine's graphs, beside the
 #    uncompiled graph config, 2 consecutive steps each: compile seconds and graphs per step, decode ms per step
-#    against the bound, tokens compared (compiled_d20.log with TORCH_LOGS=recompiles, compiled_d20.json); then, with
-#    the time left, the graph config training 64 rows per forward, across questions (train_rows_d20.*), against
-#    auto's 16. Run it alone, in a call of its own: on the first H100 run, torch 2.11, the d20 step had not finished
-#    compiling after two minutes (with checks,compiled it gets under four).
-# suite: the whole test suite on the GPU machine, the `cuda` tests run, not skipped: the others on 8 workers
-#    (gpu_suite.log), then the cuda tests alone (gpu_suite_cuda.log).
+#    against the bound, tokens compared (compiled_d20.log with TORCH_LOGS=recompiles, compiled_d20.json). Run it
+#    alone, in a call of its own: on the first H100 run, torch 2.11, the d20 step had not finished compiling after
+#    two minutes; on an H200 its first graph took 53 s, of up to 3 (with checks,compiled it gets under four).
+# suite: the whole test suite on the GPU machine, the `cuda` tests run, not skipped: first those alone (but
+#    test_compile's: the compiled stage's; gpu_suite_cuda.log), then the others on 8 workers (gpu_suite.log).
 # speedrun: `bash speedrun.sh` on a fresh base dir (the bootstrap path), timed, with its report (speedrun.log,
 #    speedrun_report.md): the target is under 5 minutes with pass@1 up by at least 4 standard errors.
 # env: only the setup below; says which python runs and what was installed.
@@ -58,7 +57,7 @@ for s in "${stages[@]}"; do
 done
 case "$out" in checks|compiled|suite|speedrun|env) echo "gpu_check: '$out' is a stage, not an output folder; name several stages with commas: $stage,$out" >&2; exit 2 ;; esac
 mkdir -p "$out"
-rm -f "$out/parts.jsonl"  # this call's parts only
+rm -f "$out/parts.jsonl" "$out/results.tgz"  # this call's parts only
 export PYTHONUNBUFFERED=1
 stage_start=$(date +%s)
 # the whole invocation's seconds, setup included: one stage under the 8 minutes it may take; several (one call of
@@ -149,7 +148,12 @@ printf '{"part": "setup", "exit": 0, "seconds": %d, "python": "%s"}\n' "$(( $(da
     >> "$out/parts.jsonl"
 
 # every file of OUT_DIR in one archive, remade after each part: a device call brings back at most 8 files
-bundle() { tar czf "$out/.results.tgz" --exclude=results.tgz --exclude=.results.tgz -C "$out" . && mv "$out/.results.tgz" "$out/results.tgz"; }
+# (written outside OUT_DIR first: tar archiving the folder it writes into can fail, "file changed as we read it")
+bundle() {
+    local archive
+    archive=$(mktemp) && tar czf "$archive" --exclude=results.tgz -C "$out" . && mv "$archive" "$out/results.tgz"
+}
+trap bundle EXIT  # the last part's files too (the speedrun's report), and the setup's when it stops the call
 
 # ---- the stage's steps, each under a timeout that keeps the stage inside STAGE_SECONDS
 step() {  # step NAME MAX_SECONDS LOG CMD...: runs CMD under a timeout (at most MAX_SECONDS, and what is left of the stage)
@@ -219,19 +223,19 @@ compiled)
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph,batched_bf16_graph_compiled \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/compiled_d20.json"
     compiled_rc=$?
-    # with what time is left: 64 trained rows per forward (across questions, issue 48) against auto's 16
-    # (nanochat.rl.plan.AUTO_TRAIN_ROWS): whether auto should become 64 on a GPU
-    step "d20 bench, 64 train rows" 300 "$out/train_rows_d20.log" \
-        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --train-rows=64 \
-        --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/train_rows_d20.json"
     [ "$tests_rc" -eq 0 ] && [ "$compiled_rc" -eq 0 ]
     ;;
 suite)
-    # the tests that leave the GPU alone on 8 of the machine's 16 cores (~12 minutes on one 2-core CPU), then the cuda
-    # tests one at a time: one of them takes all of the GPU's memory but 160 MB
+    # first the cuda tests, one at a time (one of them takes all of the GPU's memory but 160 MB; test_compile's are the
+    # compiled stage's), then the tests that leave the GPU alone on 8 of the machine's 16 cores (~12 minutes on one
+    # 2-core CPU), with the time left
+    step "suite, cuda tests" 200 "$out/gpu_suite_cuda.log" "$python" -m pytest -q -p no:cacheprovider -rs -m cuda \
+        --ignore=tests/test_compile.py tests
+    cuda_rc=$?
     step "suite" 420 "$out/gpu_suite.log" "$python" -m pytest -q -p no:cacheprovider -rs --durations=20 \
         -n 8 --dist loadfile -m "not cuda" tests
-    step "suite, cuda tests" 200 "$out/gpu_suite_cuda.log" "$python" -m pytest -q -p no:cacheprovider -rs -m cuda tests
+    suite_rc=$?
+    [ "$cuda_rc" -eq 0 ] && [ "$suite_rc" -eq 0 ]
     ;;
 speedrun)
     base=$(mktemp -d)
