@@ -8,7 +8,7 @@ from functools import partial
 
 import pytest
 import torch
-from helpers import TINY_RL_FLAGS, prompt_of, random_model, tiny_config
+from helpers import HAS_CUDA, TINY_RL_FLAGS, prompt_of, random_model, tiny_config
 from test_compile import no_pretend_cuda  # noqa: F401 (autouse: Dynamo must see this machine's CUDA, or none)
 from test_static_decode import ENDING_KWARGS, ENDING_PROMPTS, ending_model, logprobs, rollouts
 
@@ -105,6 +105,24 @@ def test_a_graph_batch_compiles_the_regions_in_its_warm_ups_and_never_in_a_captu
                    DecodeWeights(model), None)
     assert len(compiled_in_captures) >= 12 and set(compiled_in_captures) == {0}, compiled_in_captures
     assert 1 <= total() <= 6, {name: len(g) for name, g in graphs.items()}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_on_a_gpu_the_compiled_regions_replayed_from_cuda_graphs_equal_them_run_without(tiny_tokenizer):
+    """On a GPU (`gpu_check.sh checks` runs it): the regions compiled by Inductor, in bf16, inside the engine's CUDA
+    graphs give exactly the tokens and log-probabilities of the same compiled regions run without graphs (the same
+    generated kernels), over rows that end at different steps and buckets that change; and they did run compiled."""
+    model = ending_model(tiny_tokenizer).cuda()
+    prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
+    compile_block_regions(model, required=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        static = Engine(model, tiny_tokenizer, decode="static")
+        graph = Engine(model, tiny_tokenizer, decode="graph")
+        assert rollouts(graph, prompts, **ENDING_KWARGS) == rollouts(static, prompts, **ENDING_KWARGS)
+        assert logprobs(graph, prompts, **ENDING_KWARGS) == logprobs(static, prompts, **ENDING_KWARGS)
+        assert len(graph.kept_batch.graphs.replays) >= 3
+    assert all(region.func.failed is None and region.func.compiles >= 1 for region in model.block_regions)
 
 
 def test_compile_blocks_is_a_plan_of_its_own():
