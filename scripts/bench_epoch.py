@@ -92,8 +92,8 @@ def time_saves(model, optimizers, directory, overlap_seconds, device):
 
 
 def epoch_estimate(step_seconds, eval_seconds, save_seconds, steps, eval_every, save_every, write_seconds=0.0):
-    """(minutes, evals, saves, the seconds of writing not hidden) of an epoch of `steps` steps at these rates, with chat_rl's eval and save schedule.
-    save_seconds: what a save blocks (snapshot and commit); write_seconds: its writing in the background, which the
+    """(minutes, evals, saves, the seconds of writing not hidden) of an epoch of `steps` steps at these rates, with
+    chat_rl's eval and save schedule. save_seconds: what a save blocks (snapshot and commit); write_seconds: its writing in the background, which the
     steps up to the next point that waits for it (the next save or eval, the end) hide, and the rest blocks."""
     eval_steps = [s for s in range(steps + 1) if is_eval_step(s, steps, eval_every)]
     save_steps = [s for s in range(steps) if is_save_step(s, steps, save_every)]

@@ -357,9 +357,9 @@ def check_compiler(device):
 def resolve_compile(mode, device, *plan_args, **plan_kwargs):
     """The CompilePlan a run uses (compile_plan's, of the same arguments), after checking that torch.compile works on
     `device` when the plan compiles anything: where it does not, --compile=on or blocks fails (CompileFailed) and
-    auto warns in one line and compiles nothing. Under a process group every rank takes the same plan: each probes its own
-    toolchain, and where any fails, none compiles (ranks deciding apart would run different code, and in chat_rl
-    different collectives, next)."""
+    auto warns in one line and compiles nothing. Under a process group every rank takes the same plan: each probes
+    its own toolchain, and where any fails, none compiles (ranks deciding apart would run different code, and in
+    chat_rl different collectives, next)."""
     plan = compile_plan(mode, device, *plan_args, **plan_kwargs)
     if not plan.compiles:
         return plan
@@ -394,7 +394,6 @@ def resolve_compile_flag(args, device, *plan_args, **plan_kwargs):
 
 def compile_models(plan, *models):
     """Where `plan` compiles blocks (--compile=blocks), each of `models` runs its block regions compiled
-    (compile_block_regions; a failure to compile is an error, as with --compile=on). Returns the models."""
+    (compile_block_regions; a failure to compile is an error, as with --compile=on)."""
     for model in models if plan.blocks else ():
         compile_block_regions(model, required=True)
-    return models

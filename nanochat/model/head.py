@@ -39,7 +39,7 @@ def logprobs_and_entropy(logits, targets):
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
     valid = targets >= 0
-    logp = logprobs.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1) * valid
+    logp = _of_targets(logprobs, targets.clamp(min=0)) * valid
     with torch.no_grad():
         entropy = -(logprobs.exp() * logprobs).sum(-1)  # (B, T)
         mean_entropy = (entropy * valid).sum() / valid.sum().clamp(min=1)
@@ -71,6 +71,16 @@ def _autocast_state(device_type):
     return None
 
 
+def _chunk_logprobs(hidden, weight, vocab_size, softcap):
+    """(n, C) hidden states -> (n, V) float32 log-probabilities of the softcapped logits."""
+    return torch.log_softmax(softcapped_logits(hidden, weight, vocab_size, softcap), dim=-1)
+
+
+def _of_targets(logprobs, targets):
+    """(..., V) log-probabilities, (...) targets >= 0 -> (...) each target's."""
+    return logprobs.gather(-1, targets[..., None]).squeeze(-1)
+
+
 class _ChunkedHead(torch.autograd.Function):
     """(hidden (N, C), W, targets (N,) >= 0) -> (logp (N,), entropy (N,), no gradient); saves hidden, W and targets
     (the module docstring)."""
@@ -79,9 +89,8 @@ class _ChunkedHead(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, vocab_size, softcap, chunk_tokens):
         logp, entropy = [], []
         for lo in range(0, max(hidden.size(0), 1), chunk_tokens):
-            logprobs = torch.log_softmax(softcapped_logits(hidden[lo:lo + chunk_tokens], weight, vocab_size, softcap),
-                                         dim=-1)  # (n, V) float32
-            logp.append(logprobs.gather(-1, targets[lo:lo + chunk_tokens, None]).squeeze(-1))
+            logprobs = _chunk_logprobs(hidden[lo:lo + chunk_tokens], weight, vocab_size, softcap)  # (n, V) float32
+            logp.append(_of_targets(logprobs, targets[lo:lo + chunk_tokens]))
             entropy.append(-(logprobs.exp() * logprobs).sum(-1))
         ctx.save_for_backward(hidden, weight, targets)
         ctx.vocab_size, ctx.softcap, ctx.chunk_tokens = vocab_size, softcap, chunk_tokens
@@ -99,8 +108,7 @@ class _ChunkedHead(torch.autograd.Function):
         with torch.enable_grad(), torch.autocast(*ctx.autocast) if ctx.autocast else contextlib.nullcontext():
             for lo in range(0, max(hidden.size(0), 1), n):
                 h = hidden[lo:lo + n].detach().requires_grad_()
-                logits = softcapped_logits(h, weight, ctx.vocab_size, ctx.softcap)  # (n, V) float32, again
-                logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[lo:lo + n, None]).squeeze(-1)
+                logp = _of_targets(_chunk_logprobs(h, weight, ctx.vocab_size, ctx.softcap), targets[lo:lo + n])  # again
                 grad_h, grad_w = torch.autograd.grad(logp, (h, weight), grad_logp[lo:lo + n])
                 grad_hidden.append(grad_h)
                 grad_weight = grad_w if grad_weight is None else grad_weight.add_(grad_w)  # (V_padded, C)

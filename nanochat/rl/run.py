@@ -156,7 +156,8 @@ def setup_run(config, resume, rank, world_size, device):
         segments = meta.get("segments") or [{"start_step": 0, "world_size": saved}]
         segments = segments + [{"start_step": start_step, "world_size": world_size}]
     reference = load_reference(start, device, config.model_generation) if config.kl_coef > 0 else None
-    compile_models(compiling, *([reference] if reference is not None else []))
+    if reference is not None:
+        compile_models(compiling, reference)
     resolve_memory(config, model, device, optimizers, rows, compiled_training=compiling.train)
     engine = Engine(model, tokenizer, max_rows=config.max_rows or None, memory_budget_gb=config.memory_budget_gb,
                     decode=config.decode, compile=config.compile if compiling.decode else "off")
@@ -318,8 +319,9 @@ def count_bad_step(run, step, result):
     if result.stepped:
         run.consecutive_bad = 0
         return
-    if run.loss_scale and run.loss_scale.overflow_note(step):  # fp16: a smaller scale may fit; not a bad step
-        print0(run.loss_scale.overflow_note(step))
+    overflow = run.loss_scale.overflow_note(step) if run.loss_scale else None
+    if overflow:  # fp16: a smaller scale may fit; not a bad step
+        print0(overflow)
         return
     run.consecutive_bad += 1
     print0(f"warning: step {step} has a non-finite loss or gradient (objective {result.last.objective}, grad norm "
