@@ -8,12 +8,14 @@ import math
 import pytest
 import torch
 from helpers import prompt_of, random_model, tiny_config
+from test_compile import no_pretend_cuda  # noqa: F401 (autouse: Dynamo must see this machine's CUDA, or none)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanochat.engine.decode_batch import DecodeBatch
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.engine import Engine
 from nanochat.engine.op_count import count_decode_step_ops
+from nanochat.model.compile import CompiledFunction, GraphKernels, wrapper_calls
 from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.model.rotary import Rotary, apply_rotary, rotary_tables
 from nanochat.model.sampling import row_uniforms, sample_with_logprobs
@@ -35,6 +37,53 @@ def test_the_d20_decode_step_runs_at_most_three_quarters_of_its_old_kernels(shar
     assert count.kernels <= 0.75 * before, count.kernels
     blocks = count.kernels_per_block
     assert max(set(blocks), key=blocks.count) <= 0.75 * before_per_block, blocks  # the blocks that build no mask
+
+
+def test_a_compiled_graph_counts_the_launches_in_inductors_code():
+    """CompiledFunction.kernels: per graph, what a call launches, read from the code Inductor wrote: a matmul (a
+    library call) followed by elementwise work that Inductor fuses into one kernel."""
+    def matmul_relu_plus_one(x, w):
+        return (x @ w).relu() + 1
+    function = CompiledFunction(matmul_relu_plus_one, dynamic=False, announce=False)
+    x, w = torch.randn(8, 16), torch.randn(16, 4)
+    torch.testing.assert_close(function(x, w), (x @ w).relu() + 1)
+    assert function.kernels == [GraphKernels(generated=1, library=1)]
+
+
+# a wrapper in the form Inductor writes for a GPU (torch 2.11 and 2.13): kernel definitions, then the calls, one a
+# line, among allocations, views and deletions that launch nothing
+GPU_WRAPPER = """
+triton_red_fused_mean_0 = async_compile.triton('triton_red_fused_mean_0', '''
+@triton.jit
+def triton_red_fused_mean_0(in_ptr0, out_ptr0, xnumel, r0_numel):
+    tmp0 = tl.load(in_ptr0 + (x0), xmask)
+''', device_str='cuda')
+triton_poi_fused_add_1 = async_compile.triton('triton_poi_fused_add_1', '''
+def triton_poi_fused_add_1(in_out_ptr0, xnumel):
+    tl.store(in_out_ptr0 + (x0), tmp2, xmask)
+''', device_str='cuda')
+class Runner:
+    def call(self, args):
+        arg0_1, arg1_1 = args
+        with torch.cuda._DeviceGuard(0):
+            torch.cuda.set_device(0)
+            buf0 = empty_strided_cuda((32, 128), (128, 1), torch.bfloat16)
+            stream0 = get_raw_stream(0)
+            triton_red_fused_mean_0.run(arg0_1, buf0, 32, 128, stream=stream0)
+            extern_kernels.mm(buf0, reinterpret_tensor(arg1_1, (128, 384), (1, 128), 0), out=buf1)
+            buf2 = torch.ops.aten.topk.default(buf1, 50, -1, True, True)
+            del buf0
+            triton_poi_fused_add_1.run(buf1, 12288, stream=stream0)
+            torch.ops.nanochat.store_rows.default(arg0_1, 0, buf1, arg1_1, buf2, True)
+            triton_poi_fused_add_1.run(buf1, 12288, stream=stream0)
+        return (buf1, )
+"""
+
+
+def test_launches_are_read_from_a_gpu_wrapper_too():
+    """Triton kernels are launched by `.run(`, one reused kernel counts at each call, and what is only defined (the
+    kernels' sources) or launches nothing (allocations, streams, set_device) does not count."""
+    assert wrapper_calls(GPU_WRAPPER) == (3, 3)
 
 
 class MatmulCount(TorchDispatchMode):

@@ -9,6 +9,7 @@ an op that is not a view: views and metadata changes launch nothing. Ops are cou
 outside the blocks (embedding, masks built lazily count in the first block that asks, logits, sampling).
 """
 
+import functools
 import traceback
 from dataclasses import dataclass, field
 
@@ -16,9 +17,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanochat.engine.decode_batch import DecodeBatch, RolloutStats
+from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, static_step
 from nanochat.engine.kv_cache import KVCache
+from nanochat.engine.engine import STATIC_STEP_DYNAMIC
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
+from nanochat.model.compile import CompiledFunction
 
 
 @dataclass
@@ -72,12 +75,7 @@ def count_decode_step_ops(model, rows, keys, share_prompts=True, prompt_len=64, 
     model = model.to("meta")
     blocks = list(model.transformer.h)
     count = OpCount(ops_per_block=[0] * len(blocks), kernels_per_block=[0] * len(blocks))
-    if share_prompts:
-        slots = -(-rows // num_samples) * 2 + 1
-        cache = SharedPromptKVCache.for_model(model, rows, slots, prompt_len, keys, num_samples, static=True)
-    else:
-        cache = KVCache.for_model(model, rows, prompt_len + keys)
-    batch = DecodeBatch(model, cache, temperature, top_k, RolloutStats())
+    batch = static_batch(model, rows, keys, share_prompts, prompt_len, num_samples, temperature, top_k)
     mode = CountOps(count)
 
     def enter(index):
@@ -92,6 +90,31 @@ def count_decode_step_ops(model, rows, keys, share_prompts=True, prompt_len=64, 
         for hook in hooks:
             hook.remove()
     return count
+
+
+def static_batch(model, rows, keys, share_prompts, prompt_len, num_samples, temperature, top_k):
+    """A static DecodeBatch of `model` (on its device) whose steps can take `rows` rows over `keys` keys: the
+    engine's shared-prompt cache (as many prompt slots as an engine's batch of that many rows has) or a copy per row."""
+    if share_prompts:
+        slots = -(-rows // num_samples) * 2 + 1
+        cache = SharedPromptKVCache.for_model(model, rows, slots, prompt_len, keys, num_samples, static=True)
+    else:
+        cache = KVCache.for_model(model, rows, prompt_len + keys)
+    return DecodeBatch(model, cache, temperature, top_k, RolloutStats())
+
+
+def compiled_decode_step_kernels(model, rows, keys, share_prompts=True, prompt_len=64, num_samples=16,
+                                 temperature=1.0, top_k=50):
+    """What one static decode step of `model` (on its device, not meta: Inductor writes code for a real device)
+    over `rows` rows reading `keys` keys each launches, compiled by Inductor as the engine compiles it (dynamic
+    shapes): GraphKernels (nanochat/model/compile.py), in the unit of count_decode_step_ops' kernels. Compiles
+    anew in this process (minutes for a d20 on a CPU)."""
+    batch = static_batch(model, rows, keys, share_prompts, prompt_len, num_samples, temperature, top_k)
+    step = CompiledFunction(static_step, STATIC_STEP_DYNAMIC, announce=False)
+    batch.step = functools.partial(step, required=True)
+    with torch.no_grad():
+        batch.run_step(rows, keys)
+    return step.kernels[-1]
 
 
 META_READ = "Cannot copy out of meta tensor"  # what a read back to the host raises on the meta device

@@ -28,8 +28,10 @@ says so in one warning line and runs eagerly from then on; with required=True (-
 UserError instead. Errors of the computation itself (an out-of-memory included) are never caught.
 """
 
+import contextlib
 import functools
 import os
+import re
 import sysconfig
 import time
 import warnings
@@ -58,9 +60,9 @@ class CompileFailed(UserError):
 
 class CompiledFunction:
     """`fn` compiled (fullgraph), run through Inductor; falls back to `fn` where that fails (the module docstring).
-    compiles: graphs compiled so far; kernels: the kernels Inductor generated for each of them (fused Triton or C++
-    kernels; matmuls and attention run as library calls and are not among them): a call of a graph launches each
-    once; seconds: wall time of the calls that compiled; failed: why it runs eagerly (None while compiled).
+    compiles: graphs compiled so far; kernels: what one call of each of them launches (GraphKernels, read from the
+    code Inductor wrote: None where none was seen); seconds: wall time of the calls that compiled; failed: why it
+    runs eagerly (None while compiled).
     announce: print a line (rank 0) as each graph goes to Inductor and as it comes back compiled.
     graph_compiler: what turns each traced graph into code, Inductor's compile_fx unless given (the tests pass one
     that runs Dynamo's graph as traced, where Inductor's minute of code generation is not what they check)."""
@@ -106,9 +108,7 @@ class _CountingInductor:
         self.announced = 0  # the graph number last said to go to Inductor
 
     def __call__(self, graph_module, example_inputs):
-        from torch._inductor import metrics
         from torch._inductor.compile_fx import compile_fx
-        before = metrics.generated_kernel_count  # a graph from Inductor's disk cache counts its kernels too
         number, t0 = self.owner.compiles + 1, time.perf_counter()
         # said before and after: a compile may take minutes (a large model's decode step on a GPU does), and a run
         # that goes quiet for that long must say why
@@ -118,15 +118,85 @@ class _CountingInductor:
             print0(f"compile: {self.owner.name}: graph {number} going to Inductor{again}"
                    + (f" (no earlier graph fits: {why})" if why else ""))
         self.announced = number
-        compiled = (self.graph_compiler or compile_fx)(graph_module, example_inputs)
+        with inductor_code_to(codes := []):  # a graph from Inductor's disk cache hands over its code too
+            compiled = (self.graph_compiler or compile_fx)(graph_module, example_inputs)
         # counted once compiled: Dynamo may call the backend again for the same graph after Inductor asked it to
         # trace again (TensorifyScalarRestartAnalysis, seen on the decode step), and the call that raised made none
         self.owner.compiles += 1
-        self.owner.kernels.append(metrics.generated_kernel_count - before)
+        kernels = GraphKernels.of(codes)
+        self.owner.kernels.append(kernels)
         if self.owner.announce:
-            print0(f"compile: {self.owner.name}: graph {number} compiled in {time.perf_counter() - t0:.1f} s "
-                   f"({self.owner.kernels[-1]} generated kernels)")
+            print0(f"compile: {self.owner.name}: graph {number} compiled in {time.perf_counter() - t0:.1f} s"
+                   + (f" ({kernels})" if kernels else ""))
         return compiled
+
+
+class GraphKernels(NamedTuple):
+    """What one call of a compiled graph launches, counted in the code Inductor wrote for it (its wrapper's calls):
+    `generated`, the calls of kernels Inductor generated (fused Triton kernels on a GPU, C++ loops on a CPU; one reused
+    by 20 layers counts 20), and `library`, its calls into libraries and ATen (matmuls, attention, top-k, the
+    engine's own operators). Both in the unit of the eager count of the meta device (nanochat/engine/op_count.py),
+    which counts every kernel an eager step runs.
+
+    Not Inductor's own counter (torch._inductor.metrics.generated_kernel_count): on a CPU it counts the loop nests
+    the C++ backend builds, trial ones included (the ones it builds to decide an outer-loop fusion, then drops),
+    not what runs: 81 for a 2-layer decode step whose wrapper calls 19 times 16 kernels (docs/performance.md)."""
+    generated: int
+    library: int
+
+    @property
+    def launches(self):
+        return self.generated + self.library
+
+    @classmethod
+    def of(cls, codes):
+        """From the code of a graph's wrappers (the forward's, and a training graph's backward's), or None where no
+        code was seen (a graph compiler other than Inductor, or a torch that no longer hands its code over)."""
+        counts = [wrapper_calls(code) for code in codes]
+        return cls(*map(sum, zip(*counts))) if counts else None
+
+    def __str__(self):
+        return f"{self.generated} generated kernels and {self.library} library calls a call"
+
+
+# a line of an Inductor wrapper that launches something: `triton_poi_fused_add_0.run(`, `cpp_fused_mul_1(`,
+# `extern_kernels.mm(`, `buf3 = torch.ops.aten.topk.default(`
+_WRAPPER_CALL = re.compile(r"^\s+(?:\w+(?:, \w+)* = )?(?P<callee>[\w.]+?)(?:\.run)?\(", re.M)
+_GENERATED_KERNEL = re.compile(r"^(\w+) = async_compile\.\w+\(", re.M)
+
+
+def wrapper_calls(code):
+    """(generated, library): the launches in an Inductor wrapper's code, from its `def call(` on (what runs per call;
+    the kernels' own sources come before it)."""
+    generated_names = set(_GENERATED_KERNEL.findall(code))
+    start = code.find("def call(")
+    callees = [m.group("callee") for m in _WRAPPER_CALL.finditer(code, max(start, 0))] if start >= 0 else []
+    generated = sum(callee in generated_names for callee in callees)
+    library = sum(callee.startswith(("extern_kernels.", "torch.ops.")) for callee in callees)
+    return generated, library
+
+
+@contextlib.contextmanager
+def inductor_code_to(codes):
+    """Appends to `codes` the code of each graph Inductor writes (or loads from its cache) meanwhile, through the hook
+    its own tests use (GraphLowering.save_output_code); any hook already set still gets it. A torch without the hook:
+    nothing is appended."""
+    try:
+        from torch._inductor.graph import GraphLowering
+        previous = GraphLowering.save_output_code
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def save(code):
+        codes.append(code)
+        if previous is not None:
+            previous(code)
+    GraphLowering.save_output_code = save
+    try:
+        yield
+    finally:
+        GraphLowering.save_output_code = previous
 
 
 def recompile_reason():
@@ -191,8 +261,8 @@ def maybe_compiled(fn, on, dynamic, required=False):
 
 
 def generated_kernels(fn, dynamic):
-    """The kernels Inductor generated for each graph of the process's compiled `fn` so far (CompiledFunction's
-    kernels; [] if it was never compiled)."""
+    """What one call of each graph of the process's compiled `fn` so far launches (CompiledFunction's kernels:
+    GraphKernels or None; [] if it was never compiled)."""
     return list(_COMPILED[(fn, dynamic)].kernels) if (fn, dynamic) in _COMPILED else []
 
 
