@@ -97,9 +97,9 @@ def test_a_decode_broken_on_purpose_shows_a_gap_orders_of_magnitude_larger(gener
     right_step = DecodeBatch.run_step
 
     def stale_inputs(self, rows, keys):
-        previous = getattr(self, "previous_input", self.next_input.clone())
-        self.previous_input = self.next_input.clone()
-        self.next_input[1::2] = previous[1::2]
+        previous = getattr(self, "previous_input", self.host_inputs[1].clone())  # the inputs the host sends
+        self.previous_input = self.host_inputs[1].clone()
+        self.host_inputs[1, 1::2] = previous[1::2]
         right_step(self, rows, keys)
     monkeypatch.setattr(DecodeBatch, "run_step", stale_inputs)
     stale, _ = gap_of(model, tokenizer, prompts, **SAMPLING)

@@ -155,24 +155,29 @@ def test_replayed_graphs_carry_tool_calls_early_ends_and_refilled_slots(tiny_tok
 
 @pytest.mark.slow
 def test_the_stand_in_catches_what_a_capture_breaks(tiny_tokenizer, cpu_graphs, monkeypatch):
-    """graph_capture's replays have a real capture's teeth: a batch that writes its next inputs into a new
-    tensor instead of its buffer (the graph keeps reading the buffer it captured), or a cache that grows after
-    a capture (the graph writes the old storage), is right when run eagerly and samples other tokens when
-    replayed."""
+    """graph_capture's replays have a real capture's teeth: a batch that writes the inputs the host knows into a
+    new tensor instead of its buffer (the graph keeps reading the buffer it captured: the calculator's forced
+    tokens, helpers.BigramModel's, are lost), or a cache that grows after a capture (the graph writes the old
+    storage), is right when run eagerly and samples other tokens when replayed."""
     from nanochat.engine import decode_batch
-    model = ending_model(tiny_tokenizer)
-    prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
-    right = rollouts(Engine(model, tiny_tokenizer, decode="static"), prompts, **ENDING_KWARGS)
+    bigram = BigramModel(tiny_tokenizer)
+    calls = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold clips", "c", "d e")]
+    kwargs = dict(num_samples=6, max_tokens=40, temperature=1.0, top_k=0, seeds=[1, 2, 3, 4], max_rows=9)
+    right = rollouts(Engine(bigram, tiny_tokenizer, decode="static"), calls, **kwargs)
     feed = DecodeBatch._feed
 
-    def feed_into_a_new_tensor(self, sampled, lo):
-        self.next_input = self.next_input.clone()
-        return feed(self, sampled, lo)
+    def feed_into_a_new_tensor(self, sampled, rows):
+        self.host_inputs = self.host_inputs.clone()
+        return feed(self, sampled, rows)
 
     with monkeypatch.context() as patch:
         patch.setattr(DecodeBatch, "_feed", feed_into_a_new_tensor)
-        assert rollouts(Engine(model, tiny_tokenizer, decode="static"), prompts, **ENDING_KWARGS) == right
-        assert rollouts(Engine(model, tiny_tokenizer, decode="graph"), prompts, **ENDING_KWARGS) != right
+        assert rollouts(Engine(bigram, tiny_tokenizer, decode="static"), calls, **kwargs) == right
+        assert rollouts(Engine(bigram, tiny_tokenizer, decode="graph"), calls, **kwargs) != right
+
+    model = ending_model(tiny_tokenizer)
+    prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
+    right = rollouts(Engine(model, tiny_tokenizer, decode="static"), prompts, **ENDING_KWARGS)
 
     init = SharedPromptKVCache.__init__
 

@@ -75,16 +75,17 @@ def cache_bytes(cache):
     return sum(value.nbytes for value in vars(cache).values() if isinstance(value, torch.Tensor))
 
 
-def make_batch(model, shape, plan, stats, weights, step):
-    """An empty DecodeBatch of `shape` running the DecodePlan `plan` with the static step `step` (compiled or not);
-    a static one's shapes prepared."""
+def make_batch(model, shape, plan, stats, weights, step, lag=False):
+    """An empty DecodeBatch of `shape` running the DecodePlan `plan` with the static step `step` (compiled or not),
+    the host one step behind with `lag`; a static one's shapes prepared."""
     if shape.prompt_slots is not None:
         cache = SharedPromptKVCache.for_model(model, shape.rows, shape.prompt_slots, shape.prompt_cap, shape.max_tokens,
                                               shape.num_samples, shape.dtype, plan.static)
     else:
         cache = KVCache.for_model(model, shape.rows, shape.prompt_cap + shape.max_tokens, shape.dtype,
                                   spare_positions=1 if plan.static else 0)
-    batch = DecodeBatch(model, cache, shape.temperature, shape.top_k, stats, plan.shape, plan.graphs, weights, step)
+    batch = DecodeBatch(model, cache, shape.temperature, shape.top_k, stats, plan.shape, plan.graphs, weights, step,
+                        lag)
     if plan.static:
         batch.prepare_shapes()
     return batch
@@ -195,11 +196,13 @@ class Engine:
     per rollout (DecodeWeights). compile (nanochat/model/compile.py's modes; default off): whether the static decode
     step runs compiled (static and graph decode modes only; in graph mode the engine's CUDA graphs capture the
     compiled step), with dynamic shapes (STATIC_STEP_DYNAMIC). prefill_tokens: positions one prefill forward takes at
-    most (several prompts, padded to the longest; 1: one prompt at a time).
+    most (several prompts, padded to the longest; 1: one prompt at a time). lag: the host feeds the rows one step
+    behind the device, the same tokens (DecodeBatch.decode_step); None: where the device runs apart from the host
+    (CUDA), where it keeps the device busy while the host works (on a CPU the host is the device: nothing to gain).
     """
 
     def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True, decode="auto",
-                 compile="off", prefill_tokens=PREFILL_TOKENS):
+                 compile="off", prefill_tokens=PREFILL_TOKENS, lag=None):
         self.model = model
         self.tokenizer = tokenizer
         self.special = SpecialIds(tokenizer)
@@ -207,6 +210,7 @@ class Engine:
         self.memory_budget_gb = memory_budget_gb
         self.share_prompts = share_prompts
         self.prefill_tokens = prefill_tokens
+        self.lag = model.get_device().type == "cuda" if lag is None else lag
         self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
         compiles = compile_plan(compile, model.get_device(), self.decode).decode
         self.step = maybe_compiled(static_step, compiles, dynamic=STATIC_STEP_DYNAMIC, required=compile == "on")
@@ -322,7 +326,7 @@ class Engine:
                                 partial(self.rows_for_budget, longest, max_tokens, dtype, num_samples))
         shape = shape_of(rows)
         self.last_stats = RolloutStats(rows_allocated=rows)
-        batch = make_batch(self.model, shape, plan, self.last_stats, self.weights, self.step)
+        batch = make_batch(self.model, shape, plan, self.last_stats, self.weights, self.step, self.lag)
         keep = KeptBatch(shape, batch, cache_bytes(batch.cache), not limit and rows < samples) if plan.static else None
         return batch, keep
 

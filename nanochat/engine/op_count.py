@@ -18,8 +18,8 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, static_step
-from nanochat.engine.kv_cache import KVCache
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC
+from nanochat.engine.kv_cache import KVCache
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from nanochat.model.compile import CompiledFunction
 

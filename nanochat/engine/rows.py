@@ -60,6 +60,11 @@ class Row:
     def finished(self):
         return self.out.ended or self.emitted >= self.max_tokens
 
+    @property
+    def forced_next(self):
+        """The token the next feed emits whatever was sampled (a queued tool output), or None."""
+        return self.forced[0] if self.forced else None
+
     def feed(self, sampled_token, logprobs=(math.nan, math.nan)):
         """One step: (the token emitted, its mask). A queued forced token wins over the sampled one. logprobs:
         the sampled token's (under the model, under the sampled distribution), kept with a sampled token."""
