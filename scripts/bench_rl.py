@@ -4,7 +4,8 @@ chat_rl's step (nanochat.rl.run: sample_rollouts, then train_on_rollouts) on an 
 benchmark's own). --configs: baseline (nanochat's rollouts, a generate_batch call per device_batch_size rows, and
 training: every row, with its prompt; fp32), batched_plain (chat_rl's rollouts, nanochat's training), batched_fp32 /
 batched_bf16 (chat_rl's step), *_static / *_graph (the static decode step, eagerly / from CUDA graphs: tokens checked
-against eager's / static's), *_compiled (torch.compile), *_blocks (--compile=blocks: each block around its attention);
+against eager's / static's), *_compiled (torch.compile), *_blocks (--compile=blocks: each block around its attention),
+*_nolag (the host feeding the rows in step with the device, not one step behind: the engine's default off CUDA);
 each as is and "+early" (rows end at random lengths).
   python -m scripts.bench_rl                                   # CPU or 1 GPU: random-init d4, vocab 8192
   python -m scripts.bench_rl --source=sft --task=arithmetic    # a trained checkpoint from $NANOCHAT_BASE_DIR
@@ -17,6 +18,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -57,6 +59,7 @@ class BenchConfig:
     decode: str = "eager"  # the engine's decode mode (nanochat.engine.engine.decode_mode): the same tokens in each
     compiled: bool = False  # torch.compile the training forward and (static, graph) the decode step
     blocks: bool = False    # torch.compile each block around its attention instead (--compile=blocks)
+    lag: Optional[bool] = None  # the engine's host one step behind the device (None: the engine's default, on CUDA)
 
 
 CONFIGS = {c.name: c for c in [BenchConfig("baseline", False, torch.float32, False),
@@ -66,7 +69,8 @@ CONFIGS = {c.name: c for c in [BenchConfig("baseline", False, torch.float32, Fal
               for compiled in (False, True) for short, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
               for mode in ("eager", "static", "graph")[:3 if short == "bf16" else 2]]
            + [BenchConfig("batched_fp32_blocks", True, torch.float32, True, "eager", blocks=True),
-              BenchConfig("batched_bf16_graph_blocks", True, torch.bfloat16, True, "graph", blocks=True)]}
+              BenchConfig("batched_bf16_graph_blocks", True, torch.bfloat16, True, "graph", blocks=True),
+              BenchConfig("batched_bf16_graph_nolag", True, torch.bfloat16, True, "graph", lag=False)]}
 PRESETS = {"d20": dict(depth=20, vocab_size=65536, sequence_len=2048, window_pattern="SSSL")}  # nanochat's d20, Jan 2026
 BENCH_STEP = 0           # the chat_rl step whose questions and seeds the benchmark uses
 FORCED_END_LOGIT = 1e4   # beats any softcapped logit (|x| <= 15) plus Gumbel noise (< 20)
@@ -126,7 +130,8 @@ def default_configs(device, compile_mode="auto"):
     """The configs that run here at speed: graphs on CUDA, bf16 where native, compiled ones as chat_rl's --compile."""
     plans = {c: compile_plan(compile_mode, device, c.decode) for c in CONFIGS.values()}
     configs = [c for c, plan in plans.items() if (c.decode != "graph" or device.type == "cuda")
-               and (not c.compiled or (plan.train and (plan.decode or c.decode == "eager"))) and not c.blocks]
+               and (not c.compiled or (plan.train and (plan.decode or c.decode == "eager"))) and not c.blocks
+               and c.lag is None]
     if device.type == "cpu" and not cpu_has_native_bf16():
         print0("note: no native bf16 on this CPU (no AVX512-BF16 or AMX): skipping batched_bf16 "
                "(chat_rl runs in fp32 here; --configs=batched_bf16 measures it anyway)")
@@ -226,7 +231,7 @@ def bench_run(model, rollout_model, tokenizer, task, config, rl, device, optimiz
     rl = dataclasses.replace(rl, dtype=dtype_name(config.dtype), rollout_dtype=dtype_name(config.dtype), decode=config.decode)
     engine = Engine(rollout_model, tokenizer, max_rows=(rl.max_rows or None) if config.batched else None,
                     memory_budget_gb=rl.memory_budget_gb, share_prompts=config.lean, decode=config.decode,
-                    compile="on" if config.compiled else "off")
+                    compile="on" if config.compiled else "off", lag=config.lag)
     if engine.decode != "eager":  # as chat_rl's: one static batch, sized for the task's longest prompt
         engine.reserve_prompt_length(longest_prompt(tokenizer, task))
     return RLRun(config=rl, model=model, engine=engine, optimizers=make_optimizers(rl, model) if optimize else [],
@@ -311,11 +316,13 @@ def measure(model, rollout_model, initial_state, tokenizer, task, config, rl, ar
 
 def mark_identical_tokens(results, configs):
     """Whether a config's tokens equal its twin's, if run: a compiled one's uncompiled (a GPU's near-tie may fall
-    otherwise), a graph one's static (the same shapes: on a GPU the same kernels), else eager's; a static one's eager's."""
+    otherwise), a graph one's static (the same shapes: on a GPU the same kernels), else eager's; a static one's eager's;
+    a *_nolag one's lagging twin."""
     names = {c.name for c in configs}
     for name, r in results.items():
         base, _, suffix = name.partition("+")
-        twins = ([base.removesuffix("_compiled").removesuffix("_blocks")] if CONFIGS[base].compiled or CONFIGS[base].blocks else
+        twins = ([base.removesuffix("_nolag")] if CONFIGS[base].lag is not None else
+                 [base.removesuffix("_compiled").removesuffix("_blocks")] if CONFIGS[base].compiled or CONFIGS[base].blocks else
                  [base.replace("_graph", "_static"), base.replace("_graph", "")] if "_graph" in base else
                  [base.replace("_static", "")] if "_static" in base else None)
         if twins is not None:

@@ -19,10 +19,12 @@
 # 4. the epoch estimate: scripts/bench_epoch.py times a d20 save both ways (written whole, and in the background)
 #    and prints `d20 epoch on this GPU ≈ N min` from part 3's step, its rollout rate for the evals and the save
 #    (epoch_d20.json);
-# 5. the same bench with --compile=blocks (blocks_d20.json): each block compiled around its attention, once for
+# 5. the bench of part 3 with the host feeding the rows in step with the device (nolag_d20.json), against part 3's
+#    host one step behind (the engine's lag, its default on CUDA): decode ms, the same tokens;
+# 6. the same bench with --compile=blocks (blocks_d20.json): each block compiled around its attention, once for
 #    every layer, in rollouts (captured in the engine's graphs) and training: compile seconds, decode ms, train s;
-# 6. the bench of part 3 with 64 trained rows a forward, across questions (train_rows_d20.json), against auto's 16;
-# 7. with the time left, the same bench with the static step compiled whole and captured (compiled_d20.json): compile
+# 7. the bench of part 3 with 64 trained rows a forward, across questions (train_rows_d20.json), against auto's 16;
+# 8. with the time left, the same bench with the static step compiled whole and captured (compiled_d20.json): compile
 #    seconds, decode ms per step, the compiled training pass (tokens_digest in both JSONs, to compare with part 3's).
 # compiled: --compile=on on CUDA (auto compiles nothing there until this stage measures that it pays): the compiled
 #    static step replayed from CUDA graphs against itself run without them (tests/test_compile.py's cuda test), then
@@ -197,6 +199,10 @@ checks)
     bench_rc=$?
     step "epoch estimate" 60 "$out/epoch_d20.log" \
         "$python" -m scripts.bench_epoch --bench="$out/bench_d20.json" --device-type=cuda --output="$out/epoch_d20.json"
+    # the host in step with the device (issue 49's lag off): what lagging gains
+    step "d20 no lag" 60 "$out/nolag_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_nolag \
+        --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/nolag_d20.json"
     # --compile=blocks (each block compiled around its attention, one compile for every layer; issue 48): whether
     # it pays on a GPU, and its compile seconds
     step "d20 blocks" 180 "$out/blocks_d20.log" \
