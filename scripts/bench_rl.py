@@ -4,9 +4,8 @@ chat_rl's step (nanochat.rl.run: sample_rollouts, then train_on_rollouts) on an 
 benchmark's own). --configs: baseline (nanochat's rollouts, a generate_batch call per device_batch_size rows, and
 training: every row, with its prompt; fp32), batched_plain (chat_rl's rollouts, nanochat's training), batched_fp32 /
 batched_bf16 (chat_rl's step), *_static / *_graph (the static decode step, eagerly / from CUDA graphs: tokens checked
-against eager's / static's), *_compiled (torch.compile), *_blocks (--compile=blocks: each block around its attention),
-*_nolag (the host feeding the rows in step with the device, not one step behind: the engine's default off CUDA);
-each as is and "+early" (rows end at random lengths).
+against eager's / static's), *_compiled (torch.compile), *_blocks (--compile=blocks), *_nolag (the host not one step
+behind the device); each as is and "+early" (rows end at random lengths).
   python -m scripts.bench_rl                                   # CPU or 1 GPU: random-init d4, vocab 8192
   python -m scripts.bench_rl --source=sft --task=arithmetic    # a trained checkpoint from $NANOCHAT_BASE_DIR
   python -m scripts.bench_rl --configs=batched_bf16 --profile=batched_bf16   # where rollout time goes
@@ -26,14 +25,13 @@ import torch.nn as nn
 from nanochat.cli import ArgumentParser, flag_name, run_main
 from nanochat.common import (autocast_context, compute_cleanup, compute_init, cpu_has_native_bf16, dtype_name,
                              get_base_dir, get_dist_info, print0, require)
-from nanochat.engine.decode_batch import static_step
 from nanochat.engine.decode_weights import matmul_modules
-from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine
+from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import cache_geometry
-from nanochat.engine.op_count import count_decode_step_ops
+from nanochat.engine.op_count import compiled_step_graphs, compiled_step_kernels, count_decode_step_ops
 from nanochat.files import atomic_write
 from nanochat.machine import PeakMemory, device_time, load_average, measure_machine
-from nanochat.model.compile import compile_block_regions, compile_plan, generated_kernels, maybe_compiled
+from nanochat.model.compile import compile_block_regions, compile_plan, maybe_compiled
 from nanochat.model.flops import matmul_flops_per_token, rollout_flops, train_flops
 from nanochat.model.gpt import GPT, build_fresh_model
 from nanochat.model.sampling import mix32
@@ -274,7 +272,7 @@ def measure(model, rollout_model, initial_state, tokenizer, task, config, rl, ar
     of one run. Figures: the last step's, the steady state; *_each: every step's; tokens compared: the first step's."""
     model.load_state_dict(initial_state)
     compile_block_regions(model, config.blocks, required=True)  # the rollout model is it, or wraps it
-    graphs_before = len(generated_kernels(static_step, STATIC_STEP_DYNAMIC))  # earlier configs' decode graphs
+    graphs_before = len(compiled_step_graphs())  # earlier configs' decode graphs
     warm = dataclasses.replace(rl, examples_per_step=1, num_samples=rl.device_batch_size,
                                max_new_tokens=min(4, rl.max_new_tokens))
     steps = [bench_step(bench_run(model, rollout_model, tokenizer, task, config, warm, device, optimize=False), config,
@@ -304,20 +302,15 @@ def measure(model, rollout_model, initial_state, tokenizer, task, config, rl, ar
     with torch.device("meta"):  # a static decode step at the run's largest shape: the same count on any machine
         ops = count_decode_step_ops(GPT(model.config, model.generation), max(r["max_batch_rows"], 1), rl.max_new_tokens,
                                     share_prompts=config.lean, num_samples=rl.num_samples)
-    # compiled: what a call of this config's largest graph (or of any reused) launches, as the eager count counts
-    graphs = [k for k in generated_kernels(static_step, STATIC_STEP_DYNAMIC)[graphs_before:] or
-              generated_kernels(static_step, STATIC_STEP_DYNAMIC) if k is not None]
-    compiled = max(graphs, key=lambda k: k.launches) if graphs and config.compiled and config.decode != "eager" else None
+    compiled = compiled_step_kernels(graphs_before) if config.compiled and config.decode != "eager" else None
     r.update(decode_step_ops=ops.ops, decode_step_kernels=ops.kernels, decode_step_ops_per_layer=ops.ops_per_block,
-             decode_step_kernels_per_layer=ops.kernels_per_block,
-             decode_step_compiled_kernels=compiled and {**compiled._asdict(), "launches": compiled.launches})
+             decode_step_kernels_per_layer=ops.kernels_per_block, decode_step_compiled_kernels=compiled and compiled.asdict())
     return r
 
 
 def mark_identical_tokens(results, configs):
     """Whether a config's tokens equal its twin's, if run: a compiled one's uncompiled (a GPU's near-tie may fall
-    otherwise), a graph one's static (the same shapes: on a GPU the same kernels), else eager's; a static one's eager's;
-    a *_nolag one's lagging twin."""
+    otherwise), a graph one's static (the same shapes: on a GPU the same kernels), else eager's; a static one's eager's."""
     names = {c.name for c in configs}
     for name, r in results.items():
         base, _, suffix = name.partition("+")

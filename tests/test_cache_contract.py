@@ -66,7 +66,7 @@ def test_every_cache_gives_each_row_the_full_forward(kind, generation):
         for _ in range(6):  # rows of lengths 10.., 10.. and 6..: past the short window
             step(3, [0, 1, 2])
         # row 0 retires: the last row moves into its place, its own row is freed
-        cache.copy_rows(torch.tensor([0]), torch.tensor([2]))
+        cache.copy_rows(0, 2)
         cache.release_row(2)
         sequences[0], own[0] = sequences[2], own[2]
         positions = cache.pos.clone()

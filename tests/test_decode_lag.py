@@ -23,7 +23,8 @@ def bigram_model(tokenizer):
     torch.manual_seed(0)
     model = BigramModel(tokenizer)
     with torch.no_grad():
-        model.table[tokenizer.encode_special("<|assistant_start|>"), tokenizer.encode_special("<|assistant_end|>")] += 3.0
+        start, end = (tokenizer.encode_special(s) for s in ("<|assistant_start|>", "<|assistant_end|>"))
+        model.table[start, end] += 3.0
     return model
 
 
@@ -101,3 +102,29 @@ def test_on_a_gpu_lagging_rows_sample_the_same_tokens(decode, tiny_tokenizer):
     (want, want_lp, _), (got, got_lp, _) = both(model, tiny_tokenizer, prompts, decode, True, **kwargs)
     assert got == want and got_lp == want_lp
     assert Engine(model, tiny_tokenizer).lag  # the default on CUDA
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_where_a_lagging_step_would_not_fit_the_rows_are_fed_first(decode, share_prompts, tiny_tokenizer):
+    """Rotary tables that end one position after the last a row without lag reaches: the step a lagging batch would
+    launch on rows that have just ended (before the host knows it) would be past them. The rows are fed first instead,
+    and the rollout gives the tokens without lag, where a launched step would have raised."""
+    model = bigram_model(tiny_tokenizer)
+    prompts = [prompt_of(tiny_tokenizer, q) for q in BIGRAM_PROMPTS[:3]]
+    kwargs = dict(num_samples=3, max_tokens=20, temperature=1.0, top_k=0, seeds=[1, 2, 3], max_rows=4)
+    model.rotary_len = max(len(p) for p in prompts) + kwargs["max_tokens"] - 1
+    (want, want_lp, _), (got, got_lp, _) = both(model, tiny_tokenizer, prompts, decode, share_prompts, **kwargs)
+    assert got == want and got_lp == want_lp
+    assert any(len(c[0]) == kwargs["max_tokens"] for per in want for c in per)  # rows that reach the last position
+
+
+def test_nanochats_generate_never_lags(tiny_tokenizer):
+    """generate's columns are steps: a row admitted while others run (more samples than rows) would, lagging, skip
+    a column after its first token. It decodes in step with the device, whatever the engine's lag: the columns of an
+    engine without lag."""
+    model = bigram_model(tiny_tokenizer)
+    prompt = prompt_of(tiny_tokenizer, "Natalia sold clips")
+    columns = [list(Engine(model, tiny_tokenizer, decode="static", max_rows=3, lag=lag).generate(
+        prompt, num_samples=8, max_tokens=20, temperature=1.0, top_k=0, seed=5)) for lag in (False, True)]
+    assert columns[1] == columns[0] and len(columns[0]) > 2

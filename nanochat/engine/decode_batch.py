@@ -112,22 +112,23 @@ class HostExchange:
         self.asynchronous = device.type == "cuda"
         self.inputs = [torch.zeros(2, batch_size, dtype=torch.long, pin_memory=self.asynchronous)
                        for _ in range(2 if self.asynchronous else 1)]
-        self.turn, self.event = 0, None
+        self.turn, self.event = 0, torch.cuda.Event() if self.asynchronous else None
         self.out = torch.zeros(batch_size, 3, dtype=torch.float32, pin_memory=self.asynchronous)
 
     def send(self, known, tokens, device_inputs):
-        """device_inputs[0, :n] = known (1: the host knows the row's next input, tokens[i]), device_inputs[1, :n] = tokens."""
+        """device_inputs[0, :n] = known (1: the host knows row i's next input, tokens[i]); [1, :n] = tokens."""
         host, n = self.inputs[self.turn], len(tokens)
         self.turn = (self.turn + 1) % len(self.inputs)
         host[:, :n] = torch.tensor([known, tokens], dtype=torch.long)
-        device_inputs[:, :n].copy_(host[:, :n], non_blocking=self.asynchronous)
+        # the whole buffer (what the free rows' columns hold does not matter): a slice [:, :n] is not contiguous, its
+        # copy would go through a pageable temporary, and a copy from pageable memory may wait for the device
+        device_inputs.copy_(host, non_blocking=self.asynchronous)
 
     def fetch(self, sampled, n):
         """Start copying sampled[:n] (what the last step sampled for rows 0..n-1) out; fetched(n) reads it."""
         self.out[:n].copy_(sampled[:n], non_blocking=self.asynchronous)
-        if self.asynchronous:
-            self.event = torch.cuda.Event()
-            self.event.record()
+        if self.event is not None:  # on the stream that copies, whichever device is current
+            self.event.record(torch.cuda.current_stream(sampled.device))
 
     def fetched(self, n, rows):
         """[(token, log-probability under the model, under the sampled distribution)] of `rows` (in their order)
@@ -236,7 +237,7 @@ class DecodeBatch:
         # bound method kept): a batch in a reference cycle would hold its KV cache until the next garbage collection
         self.graphs = graphs() if graphs else None
         self.pool = PromptPool(cache.prompt_slots) if cache.holds_prompts() else None
-        # static_step(batch, rows, keys), or it compiled (nanochat/model/compile.py): a function, not a bound method, too
+        # static_step(batch, rows, keys) or it compiled (nanochat/model/compile.py): a function, not a bound method
         self.step = step or static_step
 
     @property
@@ -309,7 +310,7 @@ class DecodeBatch:
         return self._feed(self.exchange.fetched(n, behind), behind) if behind else []
 
     def _launch(self, n):
-        """Run (or replay) the step over rows 0..n-1 (and the free rows of its shape), the inputs the host knows first."""
+        """Run (or replay) the step over rows 0..n-1 (and its shape's free rows), the inputs the host knows first."""
         self.exchange.send(*self.flight.inputs(), self.host_inputs)
         rows, keys = self.shape(n, self.flight.keys(), self.cache.batch_size, self.cache.key_capacity)
         if self.graphs is None:
@@ -356,15 +357,15 @@ class DecodeBatch:
 
     def retire(self, finished):
         """The rows at indices `finished` leave. The rows in use stay a dense prefix: the last row moves into
-        each hole, with its cache row (smear's prev_embedding included) and its next input, seed and draws; the
+        each hole, with its cache row (smear's prev_embedding included), seed, draws and last sample; the
         row it leaves is released."""
         for i in sorted(finished, reverse=True):
             if self.pool is not None:
                 self.pool.row_finished(self.in_flight[i].request)
             last = len(self.in_flight) - 1
             if i != last:
-                self.cache.copy_rows(torch.tensor([i], device=self.device), torch.tensor([last], device=self.device))
-                for t in (self.next_input, self.seeds, self.draws, self.sampled):  # sampled: a lagging row's next input
+                self.cache.copy_rows(i, last)  # ints: an index tensor made on the device waits for the step in flight
+                for t in (self.seeds, self.draws, self.sampled):  # sampled: a lagging row's next input
                     t[i] = t[last]
             self.flight.remove(i)
             self.cache.release_row(last)

@@ -75,17 +75,16 @@ def cache_bytes(cache):
     return sum(value.nbytes for value in vars(cache).values() if isinstance(value, torch.Tensor))
 
 
-def make_batch(model, shape, plan, stats, weights, step, lag=False):
-    """An empty DecodeBatch of `shape` running the DecodePlan `plan` with the static step `step` (compiled or not),
-    the host one step behind with `lag`; a static one's shapes prepared."""
+def make_batch(model, shape, plan, stats, weights, step):
+    """An empty DecodeBatch of `shape` running the DecodePlan `plan` with the static step `step` (compiled or not);
+    a static one's shapes prepared."""
     if shape.prompt_slots is not None:
         cache = SharedPromptKVCache.for_model(model, shape.rows, shape.prompt_slots, shape.prompt_cap, shape.max_tokens,
                                               shape.num_samples, shape.dtype, plan.static)
     else:
         cache = KVCache.for_model(model, shape.rows, shape.prompt_cap + shape.max_tokens, shape.dtype,
                                   spare_positions=1 if plan.static else 0)
-    batch = DecodeBatch(model, cache, shape.temperature, shape.top_k, stats, plan.shape, plan.graphs, weights, step,
-                        lag)
+    batch = DecodeBatch(model, cache, shape.temperature, shape.top_k, stats, plan.shape, plan.graphs, weights, step)
     if plan.static:
         batch.prepare_shapes()
     return batch
@@ -196,9 +195,8 @@ class Engine:
     per rollout (DecodeWeights). compile (nanochat/model/compile.py's modes; default off): whether the static decode
     step runs compiled (static and graph decode modes only; in graph mode the engine's CUDA graphs capture the
     compiled step), with dynamic shapes (STATIC_STEP_DYNAMIC). prefill_tokens: positions one prefill forward takes at
-    most (several prompts, padded to the longest; 1: one prompt at a time). lag: the host feeds the rows one step
-    behind the device, the same tokens (DecodeBatch.decode_step); None: where the device runs apart from the host
-    (CUDA), where it keeps the device busy while the host works (on a CPU the host is the device: nothing to gain).
+    most (several prompts, padded to the longest; 1: one prompt at a time). lag: the host one step behind the device,
+    the same tokens (DecodeBatch.decode_step); None: on CUDA (a CPU is its own device: nothing to overlap).
     """
 
     def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True, decode="auto",
@@ -251,9 +249,10 @@ class Engine:
     # -- nanochat's API ------------------------------------------------------------
     def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
         """Yield (token_column, token_masks) per step, one entry per row. A row that has ended keeps
-        appearing as <|assistant_end|> with mask 0 until all rows end (nanochat keeps sampling them)."""
+        appearing as <|assistant_end|> with mask 0 until all rows end (nanochat keeps sampling them). No lag: a row
+        admitted while others run (more samples than rows) would skip a column."""
         pad = self.special.assistant_end
-        for events in self._rollout([list(tokens)], num_samples, max_tokens, temperature, top_k, [seed]):
+        for events in self._rollout([list(tokens)], num_samples, max_tokens, temperature, top_k, [seed], lag=False):
             column, masks = [pad] * num_samples, [0] * num_samples
             for row, token, mask in events:
                 column[row.sample], masks[row.sample] = token, mask
@@ -326,14 +325,14 @@ class Engine:
                                 partial(self.rows_for_budget, longest, max_tokens, dtype, num_samples))
         shape = shape_of(rows)
         self.last_stats = RolloutStats(rows_allocated=rows)
-        batch = make_batch(self.model, shape, plan, self.last_stats, self.weights, self.step, self.lag)
+        batch = make_batch(self.model, shape, plan, self.last_stats, self.weights, self.step)
         keep = KeptBatch(shape, batch, cache_bytes(batch.cache), not limit and rows < samples) if plan.static else None
         return batch, keep
 
     @torch.no_grad()
-    def _rollout(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows=None):
+    def _rollout(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows=None, lag=None):
         """The decode loop every API adapts. Yields, per step, the events [(row, token, mask)] of the rows
-        that emitted a token; a row whose `finished` is set has just left the batch (it does so once)."""
+        that emitted a token; a row whose `finished` is set has just left the batch (once). lag: None: the engine's."""
         check_rollout_arguments(prompts, num_samples, temperature)
         longest = max(len(p) for p in prompts)
         if max_tokens is None:
@@ -341,6 +340,7 @@ class Engine:
         # the trainer has changed the weights since the last rollout
         self.weights.refresh(autocast_dtype(self.model.get_device()))
         batch, keep = self._new_batch(len(prompts), longest, num_samples, max_tokens, temperature, top_k, max_rows)
+        batch.lag = self.lag if lag is None else lag  # a kept batch ends each rollout with every row fed
         waiting, pending = deque(range(len(prompts))), deque()  # prompts not prefilled yet; prefilled, being admitted
         new_row = partial(Row, max_tokens=max_tokens, special=self.special, tokenizer=self.tokenizer)
         while batch.in_flight or waiting or pending:

@@ -116,8 +116,8 @@ class RolloutCache(Protocol):
     def keys_read(self, rows: int, keys: int) -> int:
         """Key/value positions per layer a decode_step(rows, keys) reads."""
 
-    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Row dst[i] becomes a copy of row src[i]. dst, src: (N,) long."""
+    def copy_rows(self, dst: int, src: int) -> None:
+        """Row dst becomes a copy of row src."""
 
     def release_row(self, row: int) -> None:
         """Row `row` is free: no step moves it and nothing reads its entries."""

@@ -21,7 +21,7 @@ from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, static_step
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC
 from nanochat.engine.kv_cache import KVCache
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
-from nanochat.model.compile import CompiledFunction
+from nanochat.model.compile import CompiledFunction, generated_kernels
 
 
 @dataclass
@@ -115,6 +115,19 @@ def compiled_decode_step_kernels(model, rows, keys, share_prompts=True, prompt_l
     with torch.no_grad():
         batch.run_step(rows, keys)
     return step.kernels[-1]
+
+
+def compiled_step_graphs():
+    """What a call of each graph of the process's compiled static step launches (GraphKernels or None), in order."""
+    return generated_kernels(static_step, STATIC_STEP_DYNAMIC)
+
+
+def compiled_step_kernels(graphs_before=0):
+    """What a call of the largest graph of the process's compiled static step launches (GraphKernels): among the
+    graphs compiled after the first `graphs_before` (a config's own), or among all where none was (it reused them);
+    None where none was counted."""
+    kernels = compiled_step_graphs()
+    return max((k for k in kernels[graphs_before:] or kernels if k is not None), key=lambda k: k.launches, default=None)
 
 
 META_READ = "Cannot copy out of meta tensor"  # what a read back to the host raises on the meta device

@@ -25,6 +25,9 @@ class GraphKernels(NamedTuple):
     def launches(self):
         return self.generated + self.library
 
+    def asdict(self):
+        return {"generated": self.generated, "library": self.library, "launches": self.launches}
+
     @classmethod
     def of(cls, codes):
         """From the code of a graph's wrappers (the forward's, and a training graph's backward's), or None where no
