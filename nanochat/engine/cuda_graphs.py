@@ -20,7 +20,10 @@ def exact_shape(rows, keys, max_rows, max_keys):
 
 # rows of a static step: powers of two and the halfway points between them, so that at most a third of a
 # step's rows are free ones; keys in multiples of KEY_BUCKET. A 256-row, 256-token rollout uses a few dozen shapes.
-ROW_BUCKETS = sorted({2 ** i for i in range(16)} | {3 * 2 ** i for i in range(15)})
+# Two rows at least (where the cache has two): the compiled step's graph for every other row count does not serve
+# one row (Dynamo specializes a size of 1), so one row alone would cost a graph compiled of its own (~50 s for a d20
+# on an H200) and a capture per key bucket, for a rollout's last few steps
+ROW_BUCKETS = sorted({2 ** i for i in range(1, 16)} | {3 * 2 ** i for i in range(15)})
 KEY_BUCKET = 32
 PROMPT_BUCKET = 64  # a static batch's prompt pool is rounded up to this, so that the next rollout can reuse it
 
@@ -35,7 +38,7 @@ def bucket_shapes(max_rows, max_keys):
 def bucketed_shape(rows, keys, max_rows, max_keys):
     """The static step's shape: the smallest row bucket holding `rows` (at most the cache's rows) and `keys`
     rounded up to a multiple of KEY_BUCKET (at most the cache's keys)."""
-    row_bucket = next(b for b in ROW_BUCKETS if b >= rows) if rows <= ROW_BUCKETS[-1] else rows
+    row_bucket = next(b for b in ROW_BUCKETS if b >= rows) if rows <= ROW_BUCKETS[-1] else rows  # 2 for 1 row
     return min(max_rows, row_bucket), min(max_keys, -(-keys // KEY_BUCKET) * KEY_BUCKET)
 
 

@@ -28,7 +28,7 @@ from nanochat.engine.rows import Row, SpecialIds
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from nanochat.model.compile import compile_plan, maybe_compiled
 
-# The static decode step compiles with dynamic shapes: one graph (and a few specializations) serves every bucketed
+# The static decode step compiles with dynamic shapes: one graph serves every bucketed
 # shape. Compiled once per shape instead, each of a static batch's 100+ shapes would cost a compile of its own
 # (seconds each on a CPU), most of them in the run's first rollout.
 STATIC_STEP_DYNAMIC = True

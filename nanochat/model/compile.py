@@ -1,9 +1,10 @@
 """
 torch.compile for a run's two hot paths, and what compiling them costs.
 
-- The static decode step (nanochat/engine/decode_batch.py's `static_step`): fullgraph, dynamic shapes, so three
-  graphs at most (all, some and one of the batch's rows) serve every bucketed (rows, keys) shape, where one graph per
-  shape would compile each of a static batch's 100+ shapes on its own. On CUDA the engine's own graphs
+- The static decode step (nanochat/engine/decode_batch.py's `static_step`): fullgraph, dynamic shapes, so one
+  graph (a step runs 2 rows at least: nanochat/engine/cuda_graphs.py's ROW_BUCKETS; Inductor may add a copy guarded
+  on all of the batch's rows, from its cache) serves every bucketed (rows, keys) shape, where one graph per shape
+  would compile each of a static batch's 100+ shapes on its own. On CUDA the engine's own graphs
   (nanochat/engine/cuda_graphs.py's GraphedStep) capture the compiled step: it is compiled in Inductor's default mode,
   without Inductor's cudagraphs, so that one owner captures and replays (the engine's graphs already hold every bucket
   in one pool, warmed up on a side stream; "reduce-overhead" would capture a second time inside them).
