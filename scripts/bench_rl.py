@@ -309,8 +309,8 @@ def measure(model, rollout_model, initial_state, tokenizer, task, config, rl, ar
 
 
 def mark_identical_tokens(results, configs):
-    """Whether a config's tokens equal its twin's, if run: a compiled one's uncompiled (a GPU's near-tie may fall
-    otherwise), a graph one's static (the same shapes: on a GPU the same kernels), else eager's; a static one's eager's."""
+    """Whether a config's tokens equal its twin's, if run: a *_nolag one's lagging, a compiled one's uncompiled (a GPU's
+    near-tie may fall otherwise), a graph one's static (same shapes, same kernels), else eager's; a static one's eager's."""
     names = {c.name for c in configs}
     for name, r in results.items():
         base, _, suffix = name.partition("+")

@@ -6,7 +6,7 @@
 #   bash tests/gpu_check.sh [checks|compiled|suite|speedrun|env] [OUT_DIR]   # on the GPU machine (carry gpu_carry)
 #   bash tests/gpu_check.sh checks,compiled [OUT_DIR]   # several stages in one call (560 s, shared by weight)
 #
-# checks (the default), one call of at most 8 minutes in seven parts, each under a timeout, each adding one JSON line
+# checks (the default), one call of at most 8 minutes in eight parts, each under a timeout, each adding one JSON line
 # to OUT_DIR/parts.jsonl as it ends (part, exit, seconds, limit, log), and remaking OUT_DIR/results.tgz (every file,
 # since a device call brings back 8 at most), so that a call stopped at its limit keeps what finished:
 # 1. setup (below);
@@ -20,7 +20,7 @@
 #    and prints `d20 epoch on this GPU ≈ N min` from part 3's step, its rollout rate for the evals and the save
 #    (epoch_d20.json);
 # 5. the bench of part 3 with the host feeding the rows in step with the device (nolag_d20.json), against part 3's
-#    host one step behind (the engine's lag, its default on CUDA): decode ms, the same tokens;
+#    host one step behind (the engine's lag, its default on CUDA): decode ms, tokens_digest equal to part 3's;
 # 6. the same bench with --compile=blocks (blocks_d20.json): each block compiled around its attention, once for
 #    every layer, in rollouts (captured in the engine's graphs) and training: compile seconds, decode ms, train s;
 # 7. the bench of part 3 with 64 trained rows a forward, across questions (train_rows_d20.json), against auto's 16;
@@ -32,7 +32,8 @@
 #    uncompiled graph config, 2 consecutive steps each: compile seconds and graphs per step, decode ms per step
 #    against the bound, tokens compared (compiled_d20.log with TORCH_LOGS=recompiles, compiled_d20.json). Run it
 #    alone, in a call of its own: on the first H100 run, torch 2.11, the d20 step had not finished compiling after
-#    two minutes; on an H200 its first graph took 53 s, of up to 3 (with checks,compiled it gets under four).
+#    two minutes; on an H200 its first graph took 53 s (a batch's shapes now make one graph, or two where Inductor
+#    guards the first on all the batch's rows and the second comes from its cache; with checks,compiled: under four).
 # suite: the whole test suite on the GPU machine, the `cuda` tests run, not skipped: first those alone (but
 #    test_compile's: the compiled stage's; gpu_suite_cuda.log), then the others on 8 workers (gpu_suite.log).
 # speedrun: `bash speedrun.sh` on a fresh base dir (the bootstrap path), timed, with its report (speedrun.log,
@@ -212,7 +213,7 @@ checks)
     step "d20 64 train rows" 75 "$out/train_rows_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --train-rows=64 \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/train_rows_d20.json"
-    # last, with what is left: on an H200 the whole d20 step's first graph took 53 s to compile, of up to 3
+    # last, with what is left: on an H200 the whole d20 step's first graph took 53 s to compile
     step "d20 compiled" 300 "$out/compiled_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_compiled \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/compiled_d20.json"

@@ -123,7 +123,7 @@ def test_compiled_decode_samples_the_eager_tokens_on_generation_fixtures(name, t
 
 # ----------------------------------------------------------------------------- greedy: near-ties
 
-# greedy, at most 3 rows (buckets of 3, 2 and 1 rows) of at most 32 tokens (one key bucket): 3 graphs per dtype
+# greedy, at most 3 rows (buckets of 3 and 2 rows: 2 at least) of at most 32 tokens (one key bucket): 2 graphs a dtype
 GREEDY = dict(num_samples=1, max_tokens=32, temperature=0.0, max_rows=3)
 
 

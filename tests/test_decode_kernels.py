@@ -77,14 +77,17 @@ class Runner:
             triton_poi_fused_add_1.run(buf1, 12288, stream=stream0)
             torch.ops.nanochat.store_rows.default(arg0_1, 0, buf1, arg1_1, buf2, True)
             triton_poi_fused_add_1.run(buf1, 12288, stream=stream0)
+            aten.index_put_(arg0_1, [buf2], buf1, True)
+            buf3 = aten.view.dtype(buf1, torch.int32)
         return (buf1, )
 """
 
 
 def test_launches_are_read_from_a_gpu_wrapper_too():
-    """Triton kernels are launched by `.run(`, one reused kernel counts at each call, and what is only defined (the
-    kernels' sources) or launches nothing (allocations, streams, set_device) does not count."""
-    assert wrapper_calls(GPU_WRAPPER) == (3, 3)
+    """Triton kernels are launched by `.run(`, one reused kernel counts at each call, a fallback written as a bare
+    `aten.` call counts, and what is only defined (the kernels' sources) or launches nothing (allocations, streams,
+    set_device, a dtype view) does not."""
+    assert wrapper_calls(GPU_WRAPPER) == (3, 4)
 
 
 class MatmulCount(TorchDispatchMode):

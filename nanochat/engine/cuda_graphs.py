@@ -19,7 +19,7 @@ def exact_shape(rows, keys, max_rows, max_keys):
 
 
 # rows of a static step: powers of two and the halfway points between them, so that at most a third of a
-# step's rows are free ones; keys in multiples of KEY_BUCKET. A 256-row, 256-token rollout uses a few dozen shapes.
+# step's rows are free ones (but one row's, in a bucket of 2); keys in multiples of KEY_BUCKET. A 256-row, 256-token rollout uses a few dozen shapes.
 # Two rows at least (where the cache has two): the compiled step's graph for every other row count does not serve
 # one row (Dynamo specializes a size of 1), so one row alone would cost a graph compiled of its own (~50 s for a d20
 # on an H200) and a capture per key bucket, for a rollout's last few steps

@@ -107,7 +107,7 @@ def compiled_decode_step_kernels(model, rows, keys, share_prompts=True, prompt_l
                                  temperature=1.0, top_k=50):
     """What one static decode step of `model` (on its device, not meta: Inductor writes code for a real device)
     over `rows` rows reading `keys` keys each launches, compiled by Inductor as the engine compiles it (dynamic
-    shapes): GraphKernels (nanochat/model/compile.py), in the unit of count_decode_step_ops' kernels. Compiles
+    shapes): GraphKernels (nanochat/model/inductor_code.py), in the unit of count_decode_step_ops' kernels. Compiles
     anew in this process (minutes for a d20 on a CPU)."""
     batch = static_batch(model, rows, keys, share_prompts, prompt_len, num_samples, temperature, top_k)
     step = CompiledFunction(static_step, STATIC_STEP_DYNAMIC, announce=False)

@@ -30,8 +30,9 @@ class GraphKernels(NamedTuple):
 
     @classmethod
     def of(cls, codes):
-        """From the code of a graph's wrappers (the forward's, and a training graph's backward's), or None where no
-        code was seen (a graph compiler other than Inductor, or a torch that no longer hands its code over)."""
+        """From the code of the wrappers Inductor wrote while compiling a graph (the forward's; a training graph's
+        backward's too where AOTAutograd compiles it at once, as it does under dynamic shapes, else not), or None where
+        no code was seen (a graph compiler other than Inductor, or a torch that no longer hands its code over)."""
         counts = [wrapper_calls(code) for code in codes]
         return cls(*map(sum, zip(*counts))) if counts else None
 
@@ -40,9 +41,11 @@ class GraphKernels(NamedTuple):
 
 
 # a line of an Inductor wrapper that launches something: `triton_poi_fused_add_0.run(`, `cpp_fused_mul_1(`,
-# `extern_kernels.mm(`, `buf3 = torch.ops.aten.topk.default(`
+# `extern_kernels.mm(`, `buf3 = torch.ops.aten.topk.default(`, `aten.index_put_(` (a fallback written bare)
 _WRAPPER_CALL = re.compile(r"^\s+(?:\w+(?:, \w+)* = )?(?P<callee>[\w.]+?)(?:\.run)?\(", re.M)
 _GENERATED_KERNEL = re.compile(r"^(\w+) = async_compile\.\w+\(", re.M)
+_LIBRARY = ("extern_kernels.", "torch.ops.", "aten.")
+_VIEWS = ("aten.view.dtype",)  # written like a fallback, launches nothing
 
 
 def wrapper_calls(code):
@@ -52,7 +55,7 @@ def wrapper_calls(code):
     start = code.find("def call(")
     callees = [m.group("callee") for m in _WRAPPER_CALL.finditer(code, max(start, 0))] if start >= 0 else []
     generated = sum(callee in generated_names for callee in callees)
-    library = sum(callee.startswith(("extern_kernels.", "torch.ops.")) for callee in callees)
+    library = sum(callee.startswith(_LIBRARY) and callee not in _VIEWS for callee in callees)
     return generated, library
 
 
