@@ -1,7 +1,7 @@
 """
 The rows decoded together: admission into free rows of one KV cache, the static decode step, and retirement.
 
-Flow of one token: the batch's `next_input` (B,) -> the model over a CacheStep of the cache -> logits -> the
+Flow of one token: each row's next input -> the model over a CacheStep of the cache -> logits -> the
 sampler (each row its own random stream) -> `sampled` (B, 3) -> one read by the host -> each Row's `feed` (the
 calculator's protocol, nanochat/engine/rows.py) -> the token it emits becomes its next input. The next step takes
 that input from the host where the host knows it, else from `sampled` on the device: with `lag` the host feeds the
@@ -203,8 +203,8 @@ class DecodeBatch:
     """The rows decoded together, each in a row of one KV cache (a RolloutCache) of B rows.
 
     in_flight: the rows in use (RowsInFlight's rows: what a row is, there); events are [(row, token, mask)] for the
-    rows that emitted a token. Per row of the cache: next_input (B,) the token it feeds next (made by the step from
-    `host_inputs` and `sampled`); seeds, draws (B,) its random stream (sample_next_token). With a cache that holds
+    rows that emitted a token. Per row of the cache: the token it feeds next, made by the step from `host_inputs`
+    and `sampled`; seeds, draws (B,) its random stream (sample_next_token). With a cache that holds
     prompts, each prompt's keys sit once in a prompt slot (`pool`) from its prefill until its last row finishes.
 
     The decode step (`run_step`) is static: it reads and writes only tensors allocated here or in the cache,
@@ -222,7 +222,6 @@ class DecodeBatch:
         self.temperature, self.top_k = temperature, top_k
         B, self.device = cache.batch_size, model.get_device()
         self.flight = RowsInFlight(B)
-        self.next_input = torch.zeros(B, dtype=torch.long, device=self.device)
         self.seeds = torch.zeros(B, dtype=torch.long, device=self.device)
         self.draws = torch.zeros(B, dtype=torch.long, device=self.device)  # tokens each row's stream has drawn
         # the decode step's output per row: (token, its log-probability under the model, under the sampled
@@ -416,7 +415,7 @@ def static_step(batch, rows, keys):
     into batch.sampled, advance the streams of the rows in use. No host read, no shape that depends on data: the
     function that CUDA graphs capture and torch.compile compiles (with dynamic shapes: one graph for every (rows, keys))."""
     known, token = batch.host_inputs[:, :rows]
-    batch.next_input[:rows] = torch.where(known.bool(), token, batch.sampled[:rows, 0].long())
-    logits = run_cached(batch.model, batch.next_input[:rows, None], batch.cache.decode_step(rows, keys))
+    inputs = torch.where(known.bool(), token, batch.sampled[:rows, 0].long())  # (rows,): the host's, else the last sample
+    logits = run_cached(batch.model, inputs[:, None], batch.cache.decode_step(rows, keys))
     batch._draw(logits[:, -1, :], 0, rows)  # (rows, V)
     batch.draws[:rows] += batch.cache.active[:rows]

@@ -53,7 +53,7 @@ def wrapper_calls(code):
     the kernels' own sources come before it)."""
     generated_names = set(_GENERATED_KERNEL.findall(code))
     start = code.find("def call(")
-    callees = [m.group("callee") for m in _WRAPPER_CALL.finditer(code, max(start, 0))] if start >= 0 else []
+    callees = [m.group("callee") for m in _WRAPPER_CALL.finditer(code, start)] if start >= 0 else []
     generated = sum(callee in generated_names for callee in callees)
     library = sum(callee.startswith(_LIBRARY) and callee not in _VIEWS for callee in callees)
     return generated, library
