@@ -31,7 +31,7 @@ from nanochat.engine.kv_cache import cache_geometry
 from nanochat.engine.op_count import compiled_step_graphs, compiled_step_kernels, count_decode_step_ops
 from nanochat.files import atomic_write
 from nanochat.machine import PeakMemory, device_time, load_average, measure_machine
-from nanochat.model.compile import compile_block_regions, compile_plan, maybe_compiled
+from nanochat.model.compile import compile_block_regions, compile_plan
 from nanochat.model.flops import matmul_flops_per_token, rollout_flops, train_flops
 from nanochat.model.gpt import GPT, build_fresh_model
 from nanochat.model.sampling import mix32
@@ -39,7 +39,7 @@ from nanochat.report import text_table
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.config import RLConfig
 from nanochat.rl.plan import resolve_memory, train_rows
-from nanochat.rl.policy_gradient import accumulate_policy_gradient, chunk_logprobs, d20_train_step_kernels
+from nanochat.rl.policy_gradient import accumulate_policy_gradient, compiled_chunk_forward, d20_train_step_kernels
 from nanochat.rl.rollout import QuestionRollout, longest_prompt, step_question_indices
 from nanochat.rl.run import RLRun, make_optimizers, policy_loss_of, sample_rollouts, train_on_rollouts
 from nanochat.tokenizer import Tokenizer
@@ -237,7 +237,7 @@ def bench_run(model, rollout_model, tokenizer, task, config, rl, device, optimiz
                  train_task=task, val_task=None, num_steps=BENCH_STEP + 1, start_step=BENCH_STEP, start_checkpoint=None,
                  checkpoint_dir=None, rank=0, world_size=1, device=device, run_id=None, segments=[], history=[],
                  eval_history=[], micro_rows=train_rows(rl) if config.batched else rl.device_batch_size, lean=config.lean,
-                 forward=maybe_compiled(chunk_logprobs, config.compiled, dynamic=True, required=True))
+                 forward=compiled_chunk_forward(config.compiled, required=True))
 
 
 def bench_step(run, config, force_advantages):

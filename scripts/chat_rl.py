@@ -40,8 +40,8 @@ from nanochat.rl.metrics import reduce_metrics
 from nanochat.rl.progress import (count_no_signal_step, format_step_line, is_eval_step, is_save_step,
                                   no_signal_settings, sample_table, step_record)
 from nanochat.rl.resume import restore_settings
-from nanochat.rl.run import (count_bad_step, meta_data, sample_rollouts, save, saves_settled_on_error, settle_save,
-                             setup_run, train_on_rollouts)
+from nanochat.rl.run import (auto_compile_step, count_bad_step, meta_data, sample_rollouts, save, saves_settled_on_error,
+                             settle_save, setup_run, train_on_rollouts)
 from nanochat.wandb_utils import init_wandb, log_samples_table
 
 
@@ -231,6 +231,7 @@ def train(run, stop):
             run.step_seconds.append(max(t_rollout + t_train - record["compile_s"], 0.0))  # the ETA: compiling is one-off
             print0(format_step_line(run, record, time.time() - run_start))
             count_no_signal_step(run, record)
+            auto_compile_step(run, step, t_rollout, t_train)  # --compile=auto: compile a part from here where it pays
             run.history.append(record)
             wandb_run.log(record)
             if cfg.eval_every > 0 and step % cfg.eval_every == 0:  # a few completions to read, from rank 0's first question

@@ -210,7 +210,7 @@ class Engine:
         self.prefill_tokens = prefill_tokens
         self.lag = model.get_device().type == "cuda" if lag is None else lag
         self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
-        compiles = compile_plan(compile, model.get_device(), self.decode).decode
+        compiles = compile if isinstance(compile, bool) else compile_plan(compile, model.get_device(), self.decode).decode
         self.step = maybe_compiled(static_step, compiles, dynamic=STATIC_STEP_DYNAMIC, required=compile == "on")
         self.kept = []  # KeptBatch-es between rollouts, the latest last (see _new_batch); release() drops them
         self.prompt_floor = 0  # static batches are sized for prompts this long at least (it never shrinks)

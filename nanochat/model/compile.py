@@ -80,7 +80,10 @@ class CompiledFunction:
             return self.fn(*args)
         before, t0 = self.compiles, time.perf_counter()
         try:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
+            # specialize_float: the floats our functions read (softcaps, scales) are constants of the run; traced as
+            # symbols, Inductor's pass that turns them into tensors gave up and had Dynamo trace the whole graph again
+            # (TensorifyScalarRestartAnalysis: the speedrun's training forward traced twice, ~20 s of its compile)
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, specialize_float=True,
                                             accumulated_recompile_limit=4 * RECOMPILE_LIMIT):
                 out = self.compiled(*args)
         except compile_errors() as error:
@@ -192,6 +195,11 @@ def maybe_compiled(fn, on, dynamic, required=False):
     return functools.partial(compiled(fn, dynamic), required=required) if on else fn
 
 
+def compile_seconds(fn, dynamic):
+    """Seconds of the calls that compiled the process's compiled `fn` so far (0.0 if it was never compiled)."""
+    return _COMPILED[(fn, dynamic)].seconds if (fn, dynamic) in _COMPILED else 0.0
+
+
 def generated_kernels(fn, dynamic):
     """What one call of each graph of the process's compiled `fn` so far launches (CompiledFunction's kernels:
     GraphKernels or None; [] if it was never compiled)."""
@@ -232,6 +240,7 @@ class CompilePlan(NamedTuple):
     train: Optional[bool]   # the training pass's forward
     why: str
     blocks: bool = False    # each transformer block's regions around its attention (--compile=blocks), alone
+    measured: bool = False  # auto decided during the run, part by part, from its own timings (compile_rule.py)
 
     @property
     def compiles(self):
@@ -245,6 +254,9 @@ class CompilePlan(NamedTuple):
         """The line a script prints at its start, one entry per part the run has."""
         parts = [f"{name} {'on' if on else 'off'}" for name, on in (("decode step", self.decode),
                                                                     ("training forward", self.train)) if on is not None]
+        if self.measured:
+            return (f"compile: nothing yet; each part timed eagerly over the first steps, then compiled where its "
+                    f"saving pays for its compile ({self.why}; --compile to choose)")
         if self.blocks:
             parts = ["each transformer block around its attention, one compile for every layer (the decode step "
                      "and the training forward around them run as they are)"]
@@ -280,7 +292,7 @@ SFT_CPU_MIN_STEPS = 500
 CPU_DECODE_MIN_STEPS = 300
 
 
-def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min_steps=CPU_MIN_STEPS):
+def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min_steps=CPU_MIN_STEPS, measured=False):
     """The CompilePlan of --compile=`mode` on `device` for a run of `num_steps` steps (None: long) that decodes in
     mode `decode` (cuda_graphs.decode_mode's answer; None: it samples nothing) and, if `trains`, runs a training
     forward. auto: on CUDA nothing, until measured to pay there (on the first H100 runs the d20 static decode step
@@ -291,7 +303,8 @@ def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min
     see run_decode_mode) for a training run of at least CPU_DECODE_MIN_STEPS steps (not for chat_eval's or the SFT
     checks' sampling alone: not measured to pay there); elsewhere (MPS) nothing: not measured. on: both where they
     apply (the decode step only in static and graph modes: the eager step's exact shapes would compile at every new
-    shape)."""
+    shape). measured (chat_rl): auto on a CPU compiles nothing at the start and decides each part during the run from
+    its own timings (nanochat/model/compile_rule.py), in place of the step thresholds."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
 
@@ -309,6 +322,8 @@ def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min
                                   "measures it); --compile=on to compile")
     if device.type != "cpu":
         return plan(False, False, f"auto on {device.type}: not measured there")
+    if measured and trains:
+        return CompilePlan(None if decode is None else False, False, "auto on a CPU", measured=True)
     if not trains:
         return plan(False, False, "auto on a CPU: not the decode step (it applies to --decode=static only; "
                                   "--compile=on to compile it)")
@@ -325,15 +340,16 @@ def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min
     return plan(True, True, why + f" and the static decode step (from {CPU_DECODE_MIN_STEPS})")
 
 
-def run_decode_mode(decode_flag, decode, compile_mode, device, num_steps, dtype="bfloat16"):
+def run_decode_mode(decode_flag, decode, compile_mode, device, num_steps, dtype="bfloat16", measured=False):
     """The decode mode a chat_rl run of num_steps steps uses for --decode=`decode_flag`, whose mode is `decode`
     (cuda_graphs.decode_mode's answer: auto is graph on CUDA, eager elsewhere), except that auto on a CPU is static
     where --compile=`compile_mode` compiles the static step for such a run (compile_plan: auto from
     CPU_DECODE_MIN_STEPS steps, on always) and it trains in bf16 (`dtype`, its rollouts then too): compiled in bf16,
     the static step is the faster one there, uncompiled the exact-shape eager step is; in fp32 the compiled step's
-    gain is too small to pay for its compile (docs/performance.md)."""
+    gain is too small to pay for its compile (docs/performance.md). measured: see compile_plan (the run starts with the
+    uncompiled mode)."""
     if (decode_flag == "auto" and device.type == "cpu" and dtype == "bfloat16"
-            and compile_plan(compile_mode, device, "static", num_steps).decode):
+            and compile_plan(compile_mode, device, "static", num_steps, measured=measured).decode):
         return "static"
     return decode
 
@@ -363,7 +379,7 @@ def resolve_compile(mode, device, *plan_args, **plan_kwargs):
     its own toolchain, and where any fails, none compiles (ranks deciding apart would run different code, and in
     chat_rl different collectives, next)."""
     plan = compile_plan(mode, device, *plan_args, **plan_kwargs)
-    if not plan.compiles:
+    if not plan.compiles and not plan.measured:
         return plan
     reason = check_compiler(device)
     if dist.is_initialized():
@@ -389,7 +405,7 @@ def resolve_compile_flag(args, device, *plan_args, **plan_kwargs):
     that the config records what runs and an engine given it compiles nothing. Returns the CompilePlan; a script
     hands its models to compile_models."""
     plan = resolve_compile(args.compile, device, *plan_args, **plan_kwargs)
-    args.compile = args.compile if plan.compiles else "off"
+    args.compile = args.compile if plan.compiles or plan.measured else "off"
     print0(plan.describe())
     return plan
 

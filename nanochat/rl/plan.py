@@ -91,29 +91,40 @@ def resolve_rollout_dtype(config, model, tokenizer, train_task, device, world_si
 
 def resolve_decode_and_compile(config, device, num_steps):
     """The decode mode and the CompilePlan of a run of num_steps steps in all (printed with why), config.decode and
-    config.compile set to them: compile.run_decode_mode's mode (--decode=auto on a CPU is the static step where it is
-    compiled and the run trains in bf16), compile.compile_plan's plan for it. Decided on the run's whole length, not
-    the steps left, so that a resumed run decodes as it started (--decode and --compile are not restored by
-    --resume; the compiled step may sample another token at a near-tie). Every rank takes the same plan
+    config.compile set to them: compile.run_decode_mode's mode, compile.compile_plan's plan for it (--compile=auto on
+    a CPU: measured during the run, nanochat/model/compile_rule.py; the run starts uncompiled). Decided on the run's
+    whole length, not the steps left, so that a resumed run decodes as it started (--decode and --compile are not
+    restored by --resume; the compiled step may sample another token at a near-tie). Every rank takes the same plan
     (compile.resolve_compile); where it compiles nothing, the mode is the one --decode gives uncompiled. A decode
     step that fails to compile later, at its first call, warns once and runs uncompiled (the same tokens)."""
     uncompiled = check_decode_flag(config.decode, device)
-    decode = run_decode_mode(config.decode, uncompiled, config.compile, device, num_steps, config.dtype)
-    compiling = resolve_compile_flag(config, device, decode, num_steps)
+    decode = run_decode_mode(config.decode, uncompiled, config.compile, device, num_steps, config.dtype, measured=True)
+    compiling = resolve_compile_flag(config, device, decode, num_steps, measured=True)
     config.decode = decode if compiling.decode else uncompiled
     return compiling
+
+
+def measured_parts(compiling, decode_flag, rollout_dtype):
+    """The parts --compile=auto decides during the run (compiling.measured): the training forward; the decode step
+    where the compiled static step can take the rollouts' place (--decode=auto, decoding in bf16: in fp32 its gain
+    was measured too small to pay; or --decode=static)."""
+    if not compiling.measured:
+        return ()
+    decodes = decode_flag == "static" or (decode_flag == "auto" and rollout_dtype == "bfloat16")
+    return ("train", "decode") if decodes else ("train",)
 
 
 def resolve_compute_plan(config, model, tokenizer, train_task, device, world_size, num_steps, rows):
     """The dtypes, the decode mode and what is compiled, in the order each depends on the last: training's dtype
     (the compiled decode step follows it), then the decode mode and compiling, then the rollouts' dtype.
-    Returns the CompilePlan."""
+    Returns (the CompilePlan, the parts auto decides during the run: measured_parts)."""
     requested = resolve_training_dtype(config, model, tokenizer, train_task, device, rows)
+    decode_flag = config.decode
     compiling = resolve_decode_and_compile(config, device, num_steps)
     resolve_rollout_dtype(config, model, tokenizer, train_task, device, world_size, requested,
                           compiled_decode=bool(compiling.decode))
     compile_models(compiling, model)  # after the rollout dtype's timing, which would compile them for each dtype
-    return compiling
+    return compiling, measured_parts(compiling, decode_flag, config.rollout_dtype)
 
 
 def resolve_memory(config, model, device, optimizers, rows, compiled_training=False):

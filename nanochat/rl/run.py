@@ -19,14 +19,17 @@ from nanochat.checkpoints.store import new_run_id
 from nanochat.common import (UserError, any_rank, autocast_context, collective_device, get_base_dir, is_out_of_memory,
                              print0, release_cached_memory, require)
 from nanochat.engine.engine import Engine
-from nanochat.model.compile import CompileClock, compile_models, maybe_compiled
+from nanochat.engine.decode_batch import static_step
+from nanochat.engine.engine import STATIC_STEP_DYNAMIC
+from nanochat.model.compile import CompileClock, compile_models, compile_seconds
+from nanochat.model.compile_rule import AutoCompile, CompileLedger, PartRule, part_key
 from nanochat.model.precision import ortho_dtype
 from nanochat.optim.loss_scale import loss_scale_for, scaled_forward
 from nanochat.optim.optimizers import guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.rl.config import RLConfig
 from nanochat.rl.objective import PolicyLoss, step_counts
 from nanochat.rl.plan import describe_engine, resolve_compute_plan, resolve_memory, train_rows
-from nanochat.rl.policy_gradient import TrainStats, accumulate_policy_gradient, chunk_logprobs
+from nanochat.rl.policy_gradient import TrainStats, accumulate_policy_gradient, chunk_logprobs, compiled_chunk_forward
 from nanochat.rl.progress import RolloutLog, drop_rollouts_after
 from nanochat.rl.resume import prepare_output_dir, restore_optimizers, start_new_run
 from nanochat.rl.rollout import (Sampling, StepRollouts, has_signal, longest_prompt, question_indices_at, question_seed,
@@ -69,6 +72,9 @@ class RLRun:
     loss_scale: object = None              # --dtype=float16: the dynamic loss scale (nanochat/optim/loss_scale.py)
     data_position: int = 0                 # the next step's first question's position in the walk over the split
     step_seconds: list = field(default_factory=list)   # this process's timings, for the ETA, compiling left out
+    auto_compile: AutoCompile = None       # --compile=auto decided during the run (compile_rule.py), or None
+    compile_marks: dict = None             # each part's compile seconds when the step's rollouts began
+    tokenizer: object = None               # the engine's, for another engine (auto_compile_step)
     eval_seconds: list = field(default_factory=list)
 
     @property
@@ -147,7 +153,8 @@ def setup_run(config, resume, rank, world_size, device):
     train_task, val_task = make_task(config.task, "train"), make_task(config.task, "test")
     rows = train_rows(config)  # per training forward
     num_steps = run_length(config, train_task)
-    compiling = resolve_compute_plan(config, model, tokenizer, train_task, device, world_size, num_steps, rows)
+    compiling, measured = resolve_compute_plan(config, model, tokenizer, train_task, device, world_size, num_steps, rows)
+    auto_compile = auto_compile_of(config, model, measured, num_steps, start_step, meta if resume else None, rank)
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], config.output_tag)
     optimizers = make_optimizers(config, model)
     segments = [{"start_step": 0, "world_size": world_size}]  # the world size of each part of the run
@@ -158,13 +165,14 @@ def setup_run(config, resume, rank, world_size, device):
     reference = load_reference(start, device, config.model_generation) if config.kl_coef > 0 else None
     if reference is not None:
         compile_models(compiling, reference)
-    resolve_memory(config, model, device, optimizers, rows, compiled_training=compiling.train)
-    engine = Engine(model, tokenizer, max_rows=config.max_rows or None, memory_budget_gb=config.memory_budget_gb,
-                    decode=config.decode, compile=config.compile if compiling.decode else "off")
+    resolve_memory(config, model, device, optimizers, rows, compiled_training=compiling.train or "train" in measured)
+    decode_compiled = auto_compile.compiled_now("decode") if auto_compile else compiling.decode
+    engine = make_engine(config, model, tokenizer, "static" if decode_compiled else config.decode,
+                         bool(decode_compiled), (train_task, val_task))
     describe_engine(engine, compiling, config, rows)
-    if engine.decode != "eager":  # one static batch for the run, its graphs captured once: sized for every prompt
-        engine.reserve_prompt_length(longest_prompt(tokenizer, train_task, val_task))
+    if engine.decode != "eager":
         print0(f"rollouts: static batch sized for prompts of up to {engine.prompt_floor} tokens (the task's longest)")
+    train_compiled = compiling.train or bool(auto_compile and auto_compile.compiled_now("train"))
     if not config.resume:  # last: --overwrite clears the old run only once everything else has loaded
         prepare_output_dir(checkpoint_dir, config.overwrite, rank == 0)
     elif rank == 0:  # the run's samples, if it kept them, continue from the resumed step
@@ -181,12 +189,57 @@ def setup_run(config, resume, rank, world_size, device):
         history=list(meta.get("history", [])) if config.resume else [],
         eval_history=[tuple(e) for e in meta.get("eval_history", [])] if config.resume else [],
         last_saved=start_step - 1 if config.resume else None, micro_rows=rows,
-        forward=scaled_forward(maybe_compiled(chunk_logprobs, compiling.train, dynamic=True,
-                                              required=config.compile == "on"), loss_scale),
-        loss_scale=loss_scale,
+        forward=scaled_forward(compiled_chunk_forward(train_compiled, required=config.compile == "on"), loss_scale),
+        loss_scale=loss_scale, auto_compile=auto_compile, tokenizer=tokenizer,
         # without --dynamic-sampling always start_step * --examples-per-step; with it, what the resumed step left
         data_position=meta.get("data_position", start_step * config.examples_per_step) if config.resume else 0,
         rollout_log=RolloutLog(checkpoint_dir, rank, resumed=bool(config.resume)) if config.save_rollouts else None)
+
+
+def make_engine(config, model, tokenizer, decode, compiled, tasks):
+    """The run's rollout engine in decode mode `decode`, its static step compiled or not; a static batch is sized
+    for every prompt of `tasks` (one batch for the run, its graphs captured once)."""
+    engine = Engine(model, tokenizer, max_rows=config.max_rows or None, memory_budget_gb=config.memory_budget_gb,
+                    decode=decode, compile=compiled)
+    if engine.decode != "eager":
+        engine.reserve_prompt_length(longest_prompt(tokenizer, *tasks))
+    return engine
+
+
+def auto_compile_of(config, model, parts, num_steps, start_step, meta, rank):
+    """The AutoCompile of a run whose --compile=auto measures `parts` (plan.measured_parts), or None; resumed (meta),
+    it takes the run's decisions so far. Each part's key names the dtype it computes in."""
+    if not parts:
+        return None
+    dtypes = {"train": config.dtype, "decode": config.rollout_dtype}
+    rules = {part: PartRule(part_key(part, model, dtypes[part]), model.config.n_layer) for part in parts}
+    return AutoCompile(rules, num_steps, CompileLedger(), start_step=start_step,
+                       state=(meta or {}).get("compile_auto"), records=rank == 0)
+
+
+def _part_compile_seconds():  # what each part has compiled so far, in seconds
+    return {"train": compile_seconds(chunk_logprobs, True), "decode": compile_seconds(static_step, STATIC_STEP_DYNAMIC)}
+
+
+def auto_compile_step(run, step, t_rollout, t_train):
+    """--compile=auto measuring (run.auto_compile): the step's seconds of each part, compiling left out, to the rule;
+    its decisions (rank 0's) said and made from the next step on."""
+    if run.auto_compile is None:
+        return
+    now = _part_compile_seconds()
+    spent = {part: now[part] - run.compile_marks[part] for part in now}
+    seconds = {"train": max(t_train - spent["train"], 0.0), "decode": max(t_rollout - spent["decode"], 0.0)}
+    switches = run.auto_compile.observe(step, seconds, spent, run.reduce_device, run.world_size)
+    for line in run.auto_compile.said:
+        print0(line)
+    run.auto_compile.said.clear()
+    for part, on in switches:
+        if part == "train":
+            run.forward = scaled_forward(compiled_chunk_forward(on), run.loss_scale)
+        else:  # the kept static batch of the engine left behind is freed with it
+            run.engine.release(keep_from_now_on=False)
+            run.engine = make_engine(run.config, run.model, run.tokenizer, "static" if on else run.config.decode, on,
+                                     (run.train_task, run.val_task))
 
 
 def with_fewer_rows_on_oom(attempt, rows, message, rows_in_use=None, free_memory=None):
@@ -237,6 +290,7 @@ def sample_rollouts(run, step, position=None):
     of questions whose samples differ in reward, up to --dynamic-sampling-rounds more draws (every rank draws as
     many: the count is agreed). Returns StepRollouts."""
     cfg = run.config
+    run.compile_marks = _part_compile_seconds()  # the step's compiling of each part, for --compile=auto
     position = step * cfg.examples_per_step if position is None else position
     drawn = sample_draw(run, step, position, 0)
     if cfg.dynamic_sampling:  # the agreement below is a collective: the last checkpoint committed first, after the
@@ -338,7 +392,8 @@ def meta_data(run, step):
             "user_config": vars(run.config), "start_checkpoint": run.start_checkpoint, "history": run.history,
             "eval_history": run.eval_history, "run_id": run.run_id, "world_size": run.world_size,
             "segments": run.segments, "loss_scale": run.loss_scale.state_dict() if run.loss_scale else None,
-            "data_position": run.data_position}
+            "data_position": run.data_position,
+            "compile_auto": run.auto_compile.state() if run.auto_compile else None}
 
 
 def save(run, step):
