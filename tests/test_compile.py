@@ -48,7 +48,7 @@ from nanochat.model.compile import (CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, RECOMPI
 from nanochat.model.gpt import GPT
 from nanochat.rl import plan as rl_plan
 from nanochat.rl import progress as rl_progress
-from nanochat.rl import run as rl_run
+from nanochat.rl import policy_gradient
 from nanochat.rl.objective import pass_denominators
 from nanochat.rl.policy_gradient import chunk_logprobs
 
@@ -793,7 +793,7 @@ def test_chat_rl_decodes_with_the_static_step_where_it_compiles_it(dtype, rollou
         asked.append((fn.__name__, on))
         return fn
     monkeypatch.setattr(nc_engine, "maybe_compiled", recording)
-    monkeypatch.setattr(rl_run, "maybe_compiled", recording)
+    monkeypatch.setattr(policy_gradient, "maybe_compiled", recording)
     monkeypatch.setenv("NANOCHAT_CPU_BF16", "avx512-bf16")
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1", "--save-every=-1", "--overwrite", "--compile=on", f"--dtype={dtype}",
                                   f"--rollout-dtype={rollout_dtype}"])
@@ -814,8 +814,8 @@ def test_chat_rl_decodes_with_the_static_step_where_it_compiles_it(dtype, rollou
 
 @pytest.mark.parametrize("compiler", ["works", "fails"])
 def test_a_long_cpu_runs_auto_decode_is_static_only_where_compiling_works(compiler, monkeypatch):
-    """--decode=auto --compile=auto for a CPU run of 467 steps: the static step, compiled; where torch.compile does
-    not work (stubbed to fail, as Inductor does without a C++ compiler), one warning, nothing compiled and the eager
+    """--decode=auto --compile=auto for a CPU run of 467 steps: nothing compiled at the start, each part measured
+    during the run (the eager step first; tests/test_compile_rule.py); where torch.compile does not work (stubbed to fail, as Inductor does without a C++ compiler), one warning, nothing compiled and the eager
     step (uncompiled, the faster one on a CPU)."""
     if compiler == "fails":
         def no_compiler(self, graph_module, example_inputs):
@@ -826,8 +826,9 @@ def test_a_long_cpu_runs_auto_decode_is_static_only_where_compiling_works(compil
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = rl_plan.resolve_decode_and_compile(args, torch.device("cpu"), 467)
-    if compiler == "works":
-        assert plan[:2] == (True, True) and (args.decode, args.compile) == ("static", "auto") and not caught
+    if compiler == "works":  # nothing at the start: the run measures each part first (compile_rule.py)
+        assert plan[:2] == (False, False) and plan.measured and (args.decode, args.compile) == ("eager", "auto")
+        assert not caught
     else:
         assert plan[:2] == (False, False) and (args.decode, args.compile) == ("eager", "off")
         assert len(caught) == 1 and "torch.compile does not work on cpu here" in str(caught[0].message)

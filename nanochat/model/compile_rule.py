@@ -28,15 +28,16 @@ PARTS = ("train", "decode")
 PART_NAMES = {"train": "training forward", "decode": "decode step"}
 PROBE_STEPS = 2   # eager steps timed (after the run's first, a warm-up) before deciding
 CHECK_STEPS = 2   # compiled steps timed (after the one that compiled) before the part is kept or given back
-# compiled seconds / eager seconds of a part, before this machine measured its own (docs/performance.md): the training
-# forward 1.03 s against 1.23 s a step (AMX Xeon, the speedrun's d4, bf16); the static decode step compiled against the
-# eager exact-shape step, 3.00 s a step against 3.81 (AVX512-BF16 EPYC, d4, bf16 rollouts; the saving is all rollout)
-PRIOR_RATIO = {"train": 0.84, "decode": 0.8}
-# a cold compile's seconds per transformer layer, before this machine measured its own: the speedrun's d4 training
-# forward (forward and backward graphs) 46-107 s on 2-core CPUs, the d4 static decode step's graphs ~35 s each
-PRIOR_COLD_SECONDS_PER_LAYER = {"train": 25.0, "decode": 20.0}
-# a compile whose graphs are in Inductor's cache (tracing again, Inductor's code loaded): measured 7-25 s where the
-# cold compile took 35-112 s
+# compiled seconds / eager seconds of a part, before this machine measured its own (docs/performance.md, the compile
+# benchmark: the speedrun's d4 and RL workload, bf16, a 2-core AVX512-BF16 EPYC, medians of 97 steps): the training
+# phase 0.467 s a step compiled against 0.61-0.63 eagerly; the rollouts with the compiled static decode step 0.38 s
+# against 0.58-0.64 with the eager exact-shape step (an Intel Xeon in fp32 measured 0.74 for training)
+PRIOR_RATIO = {"train": 0.76, "decode": 0.62}
+# a cold compile's seconds per transformer layer, before this machine measured its own: the same d4's training forward
+# (forward and backward, one graph) 48 s; its static decode step's graphs 32 s a batch, and an eval's batch as many
+PRIOR_COLD_SECONDS_PER_LAYER = {"train": 12.0, "decode": 16.0}
+# a compile whose graphs are in Inductor's cache (Dynamo traces again; AOTAutograd's and Inductor's work is loaded):
+# the same d4's training forward 2.7 s warm against 48 s cold, its decode step's graphs 8 s against 32 (22-25%)
 PRIOR_WARM_FRACTION = 0.25
 LEDGER_FILE = "nanochat_compile_ledger.json"
 STATUSES = ("eager", "compiled", "kept", "back", "never")
@@ -91,7 +92,8 @@ def part_key(part, model, dtype):
 class PartRule:
     """One part's measurements and where it stands: eager (timed), compiled (switched, being timed or kept), back
     (given back to eager after it ran slower compiled), or never (the decision was not to compile)."""
-    key: str
+    part: str                 # one of PARTS
+    key: str                  # part_key's
     layers: int
     status: str = "eager"
     switched_at: int = None   # the first step run compiled
@@ -99,6 +101,7 @@ class PartRule:
     eager: list = field(default_factory=list)
     compiled: list = field(default_factory=list)
     compile_s: float = 0.0
+    recorded: str = None      # the ledger's field of this run's compile: cold_s, or warm_s (the cache had its graphs)
 
     def expected_compile_seconds(self, ledger):
         """(seconds, how they are known): the graphs' own warm figure where the ledger has them, else cold."""
@@ -107,11 +110,11 @@ class PartRule:
             return entry["warm_s"], "in Inductor's cache, measured"
         if "cold_s" in entry:
             return PRIOR_WARM_FRACTION * entry["cold_s"], "in Inductor's cache"
-        return PRIOR_COLD_SECONDS_PER_LAYER[self.key.split("|")[0]] * self.layers, "cold, estimated"
+        return PRIOR_COLD_SECONDS_PER_LAYER[self.part] * self.layers, "cold, estimated"
 
     def expected_ratio(self, ledger):
         entry = ledger.get(self.key) or {}
-        return entry.get("ratio", PRIOR_RATIO[self.key.split("|")[0]])
+        return entry.get("ratio", PRIOR_RATIO[self.part])
 
 
 class AutoCompile:
@@ -150,6 +153,9 @@ class AutoCompile:
         [(part, compiled)] to make from step + 1 on. Under a process group (world_size > 1) rank 0's decisions."""
         decided = []
         for part, rule in self.parts.items():
+            if rule.status == "kept" and compile_seconds.get(part, 0.0) > 0 and rule.recorded:
+                rule.compile_s += compile_seconds[part]  # graphs compiled after the check (an eval's batch): the
+                self._record(rule, {rule.recorded: round(rule.compile_s, 2)})  # compile's cost all the same
             if step == self.start_step or rule.status in ("never", "back", "kept"):
                 continue  # the first step warms up (allocations, the engine's first batch); decided parts are done
             if rule.status == "eager":
@@ -175,6 +181,10 @@ class AutoCompile:
                 switches.append((part, rule.status == "compiled"))
         return switches
 
+    def _record(self, rule, figures):
+        if self.records:
+            self.ledger.record(rule.key, **figures)
+
     def _decide(self, part, rule, step):
         eager = statistics.median(rule.eager)
         cost, known = rule.expected_compile_seconds(self.ledger)
@@ -189,11 +199,9 @@ class AutoCompile:
 
     def _check(self, part, rule, step):
         eager, compiled = statistics.median(rule.eager), statistics.median(rule.compiled)
-        if self.records:
-            entry = self.ledger.get(rule.key) or {}
-            figures = {"ratio": round(compiled / eager, 4) if eager > 0 else 1.0}
-            figures["warm_s" if "cold_s" in entry else "cold_s"] = round(rule.compile_s, 2)
-            self.ledger.record(rule.key, **figures)
+        rule.recorded = "warm_s" if "cold_s" in (self.ledger.get(rule.key) or {}) else "cold_s"
+        self._record(rule, {"ratio": round(compiled / eager, 4) if eager > 0 else 1.0,
+                            rule.recorded: round(rule.compile_s, 2)})
         rule.status = "kept" if compiled < eager else "back"
         self.said.append(f"compile: auto: {PART_NAMES[part]} {compiled:.2f} s a step compiled against {eager:.2f} s "
                          f"eagerly (compiled in {rule.compile_s:.0f} s): "

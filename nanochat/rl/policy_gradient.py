@@ -104,16 +104,21 @@ def chunk_logprobs(model, rows, prompts, prompt_lengths, row_prompt, row_index, 
 
 def one_graph_forward(forward):
     """`forward` (chunk_logprobs compiled) given a chunk of one question's rows in the several-prompts form too (its
-    prompt as the only one, its length, every row's index 0; rows and prompt contiguous, as the several-prompts
-    form's padded copies are): both forms compute the same hidden states, and Dynamo, which guards on row_prompt
-    being None and on the inputs' strides, then traces one graph for both instead of compiling each (~45 s a graph
-    for the speedrun's d4 on a 2-core CPU)."""
+    prompt as the only one, its length, every row's index 0), and every input as a tensor of its own, dense: Dynamo
+    guards on row_prompt being None, on strides (a (1, P) slice of a question's inputs is "contiguous" to torch,
+    strides and all) and on the sizes of a view's base (nonzero's row and position are views of one (N, 2) tensor,
+    whose 2 it tied to two prompts' 2) and on a size of 1 (one prompt), so each would be another graph to compile
+    (~45 s each for the speedrun's d4 on a 2-core CPU). Both forms compute the same hidden states."""
     def call(model, rows, prompts, prompt_lengths, row_prompt, *rest, **kwargs):
         if prompts is not None and row_prompt is None and rows.size(1) > 0:
             prompt_lengths = torch.full((1,), prompts.size(1), dtype=torch.long, device=prompts.device)
             row_prompt = torch.zeros(rows.size(0), dtype=torch.long, device=rows.device)
-            rows, prompts = rows.contiguous(), prompts.contiguous()
-        return forward(model, rows, prompts, prompt_lengths, row_prompt, *rest, **kwargs)
+        inputs = [None if t is None else t.new_empty(t.shape).copy_(t) for t in (rows, prompts, prompt_lengths,
+                                                                              row_prompt, *rest)]
+        if inputs[3] is not None:  # the prompts' count, 1 or more: Dynamo would specialize 1 (a graph of its own)
+            torch._dynamo.decorators.mark_unbacked(inputs[1], 0)
+            torch._dynamo.decorators.mark_unbacked(inputs[2], 0)
+        return forward(model, *inputs, **kwargs)
     return call
 
 

@@ -73,7 +73,8 @@ class RLRun:
     data_position: int = 0                 # the next step's first question's position in the walk over the split
     step_seconds: list = field(default_factory=list)   # this process's timings, for the ETA, compiling left out
     auto_compile: AutoCompile = None       # --compile=auto decided during the run (compile_rule.py), or None
-    compile_marks: dict = None             # each part's compile seconds when the step's rollouts began
+    compile_marks: dict = field(default_factory=dict)  # parts' compile seconds at the rollouts' start; "seen": at the
+    #                                                    last step's end (auto_compile_step)
     tokenizer: object = None               # the engine's, for another engine (auto_compile_step)
     eval_seconds: list = field(default_factory=list)
 
@@ -212,7 +213,7 @@ def auto_compile_of(config, model, parts, num_steps, start_step, meta, rank):
     if not parts:
         return None
     dtypes = {"train": config.dtype, "decode": config.rollout_dtype}
-    rules = {part: PartRule(part_key(part, model, dtypes[part]), model.config.n_layer) for part in parts}
+    rules = {part: PartRule(part, part_key(part, model, dtypes[part]), model.config.n_layer) for part in parts}
     return AutoCompile(rules, num_steps, CompileLedger(), start_step=start_step,
                        state=(meta or {}).get("compile_auto"), records=rank == 0)
 
@@ -226,10 +227,13 @@ def auto_compile_step(run, step, t_rollout, t_train):
     its decisions (rank 0's) said and made from the next step on."""
     if run.auto_compile is None:
         return
-    now = _part_compile_seconds()
-    spent = {part: now[part] - run.compile_marks[part] for part in now}
+    now, seen = _part_compile_seconds(), run.compile_marks.get("seen", {})
+    spent = {part: now[part] - run.compile_marks[part] for part in now}  # in the step: not the part's step time
     seconds = {"train": max(t_train - spent["train"], 0.0), "decode": max(t_rollout - spent["decode"], 0.0)}
-    switches = run.auto_compile.observe(step, seconds, spent, run.reduce_device, run.world_size)
+    # the compile's cost: since the last step's end, an eval's graphs of the part included
+    compiled = {part: now[part] - seen.get(part, run.compile_marks[part]) for part in now}
+    switches = run.auto_compile.observe(step, seconds, compiled, run.reduce_device, run.world_size)
+    run.compile_marks["seen"] = now
     for line in run.auto_compile.said:
         print0(line)
     run.auto_compile.said.clear()
@@ -290,7 +294,7 @@ def sample_rollouts(run, step, position=None):
     of questions whose samples differ in reward, up to --dynamic-sampling-rounds more draws (every rank draws as
     many: the count is agreed). Returns StepRollouts."""
     cfg = run.config
-    run.compile_marks = _part_compile_seconds()  # the step's compiling of each part, for --compile=auto
+    run.compile_marks = {**_part_compile_seconds(), "seen": run.compile_marks.get("seen", {})}  # see auto_compile_step
     position = step * cfg.examples_per_step if position is None else position
     drawn = sample_draw(run, step, position, 0)
     if cfg.dynamic_sampling:  # the agreement below is a collective: the last checkpoint committed first, after the
