@@ -18,7 +18,7 @@ from nanochat.checkpoints.errors import (CorruptCheckpointError, MissingMetaErro
 from nanochat.common import SettingError, UserError, cleanup_after_error, get_rank
 from nanochat.engine.cuda_graphs import DECODE_MODES
 from nanochat.engine.memory_budget import AUTO, FIXED_GB, FRACTION, NoMemoryForRolloutsError, parse_budget
-from nanochat.model.compile import COMPILE_MODES, CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, SFT_CPU_MIN_STEPS, CompileFailed
+from nanochat.model.compile import COMPILE_MODES, SFT_CPU_MIN_STEPS, CompileFailed
 from nanochat.rl.plan import AUTO_TRAIN_ROWS
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
 from nanochat.tokenizer import TokenizerError
@@ -94,9 +94,10 @@ def add_compile_flag(parser):
     compile_plan), those of them the script runs."""
     parser.add_argument("--compile", type=str, default="auto", choices=COMPILE_MODES,
                         help=f"torch.compile the static decode step and the training forward, where the script runs "
-                             f"them: auto (on CUDA nothing yet: not measured to pay there; on a CPU the training forward, for runs long enough to "
-                             f"pay for compiling: chat_rl {CPU_MIN_STEPS} steps, chat_sft {SFT_CPU_MIN_STEPS}; and "
-                             f"chat_rl's static decode step from {CPU_DECODE_MIN_STEPS} steps), on (an "
+                             f"them: auto (on CUDA nothing yet: not measured to pay there; on a CPU, chat_rl: each "
+                             f"part timed eagerly over the first steps, then compiled where its saving over the steps "
+                             f"left pays for its compile; chat_sft: the training forward for runs of "
+                             f"{SFT_CPU_MIN_STEPS} steps or more), on (an "
                              f"error where compiling is unavailable), off, or blocks (instead: each transformer "
                              f"block around its attention, one compile for every layer)")
 

@@ -32,7 +32,6 @@ from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_
                           run_main)
 from nanochat.common import GracefulStop, compute_cleanup, compute_init, get_dist_info, print0, wait_for_all_ranks
 from nanochat.engine.cuda_graphs import check_decode_flag
-from nanochat.model.compile import CPU_DECODE_MIN_STEPS
 from nanochat.report import get_report, log_chat_rl
 from nanochat.rl.config import RLConfig
 from nanochat.rl.evaluation import evaluate_pass_at_k
@@ -115,8 +114,8 @@ def parse_args(argv):
     p.add_argument("--max-rows", type=int, default=0,
                    help="max rows decoded together in one rollout batch (0 = as many as --memory-budget-gb allows)")
     add_memory_budget_flag(p)
-    add_decode_flag(p, auto_note=f"; on a CPU, training in bf16, static where --compile compiles it: auto from "
-                                 f"{CPU_DECODE_MIN_STEPS} steps, on always")
+    add_decode_flag(p, auto_note="; on a CPU, in bf16, static where --compile compiles it: on always, auto once "
+                                 "measured to pay")
     add_compile_flag(p)
     # optimization
     add_optimizer_flags(p)
