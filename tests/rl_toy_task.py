@@ -37,6 +37,19 @@ class HalfSilentParity(ParityTask):
         return 0.0 if index % 2 else super().reward(conversation, response_text)
 
 
+class FourSilentQuestions(ParityTask):
+    """ParityTask cut to 4 train questions, none of which ever earns anything: with --dynamic-sampling and
+    --examples-per-step=4 every draw of a step walks the whole split, so each draw after the first samples every
+    question again (the draws never find a signal, so all --dynamic-sampling-rounds are drawn)."""
+
+    def __init__(self, split="train"):
+        super().__init__(split)
+        self.questions = self.questions[:4]
+
+    def reward(self, conversation, response_text):
+        return 0.0
+
+
 class ScriptedParity(ParityTask):
     """ParityTask graded from a hand-written table instead of the text: the k-th grading of question i (counted
     per process) is outcome(i, k), whatever the model wrote: here OUTCOMES[i][k % 4] (4 samples), and 0 for questions

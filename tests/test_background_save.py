@@ -53,6 +53,16 @@ def test_host_copy_is_fixed_at_the_call_and_reuses_fitting_buffers():
     assert mixed[0].data_ptr() != buffers[0].data_ptr() and mixed[1].data_ptr() == buffers[1].data_ptr()
 
 
+def test_host_copy_keeps_each_tensors_dtype_when_a_buffer_has_another():
+    """A buffer of the last snapshot is written over only by a tensor of its shape and dtype: copied into a buffer of
+    another dtype, a tensor would be saved cast (an fp64 or bf16 tensor where an fp32 one of its shape was)."""
+    _, buffers = host_copy({"w": torch.randn(4, 3)})
+    values = torch.randn(4, 3, dtype=torch.float64)
+    again, reused = host_copy({"w": values}, buffers)
+    assert again["w"].dtype == torch.float64 and torch.equal(again["w"], values)
+    assert reused[0].data_ptr() != buffers[0].data_ptr()
+
+
 def test_the_files_are_a_synchronous_saves_of_the_tensors_when_the_save_began(tmp_path):
     sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
     model, shard, meta = state(1), optimizer_shard(1), {"step": 3, "history": [{"reward": 0.5}]}
@@ -114,6 +124,36 @@ def test_the_next_save_commits_the_last_one_first(tmp_path):
     saver.finish()
     assert order == [2, 3] and list_steps(tmp_path) == [2, 3]
     assert same(load_checkpoint(str(tmp_path), 3, "cpu")[0], state(3))
+
+
+def test_a_save_started_while_the_last_one_is_written_leaves_both_steps_as_they_were(tmp_path, monkeypatch):
+    """The next save waits for the last one before it copies its own tensors: the host buffers it copies into are the
+    last snapshot's, which the writer thread may still be reading. Here step 2's writer is held until step 3's save
+    waits for it (its start() calls finish()), so a copy made before that wait went into step 2's buffers, and step 2's
+    files held step 3's tensors; back-to-back saves of a fast step did just that. Both steps load as each step held."""
+    release, real_stage = threading.Event(), store.stage
+
+    def held_stage(path, write_fn, sweep_stale=False):
+        if "_000002" in os.path.basename(path):
+            release.wait(timeout=10)
+        return real_stage(path, write_fn, sweep_stale)
+    monkeypatch.setattr(store, "stage", held_stage)
+    saver = BackgroundSaver()
+    real_finish = saver.finish
+
+    def finish():  # step 2's writer goes on once the next save (or the end) waits for it
+        release.set()
+        real_finish()
+    saver.finish = finish
+    saver.start(str(tmp_path), 2, state(2), optimizer_shard(2), {"step": 2})
+    assert saver.pending and not saver.written
+    saver.start(str(tmp_path), 3, state(3), optimizer_shard(3), {"step": 3})  # the same shapes: buffers reused
+    saver.finish()
+    assert list_steps(tmp_path) == [2, 3]
+    for step in (2, 3):
+        model, shard, meta = load_checkpoint(str(tmp_path), step, "cpu", load_optimizer=True, rank=0)
+        assert same(model, state(step)), f"step {step}'s model file holds other tensors than step {step}'s"
+        assert same(shard, optimizer_shard(step)) and meta["step"] == step, f"step {step}'s optimizer shard or meta"
 
 
 def test_a_run_alone_trains_on_while_its_save_is_written_and_commits_it_once_written(sft, base_dir, monkeypatch, capsys):

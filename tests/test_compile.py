@@ -814,24 +814,32 @@ def test_chat_rl_decodes_with_the_static_step_where_it_compiles_it(dtype, rollou
 
 @pytest.mark.parametrize("compiler", ["works", "fails"])
 def test_a_long_cpu_runs_auto_decode_is_static_only_where_compiling_works(compiler, monkeypatch):
-    """--decode=auto --compile=auto for a CPU run of 467 steps: nothing compiled at the start, each part measured
-    during the run (the eager step first; tests/test_compile_rule.py); where torch.compile does not work (stubbed to fail, as Inductor does without a C++ compiler), one warning, nothing compiled and the eager
-    step (uncompiled, the faster one on a CPU)."""
+    """--decode=auto for a CPU run of 467 steps. --compile=auto: nothing compiled at the start and the compiler not
+    probed, whether it works or not (stubbed to fail, as Inductor does without a C++ compiler): the run measures each
+    part first (tests/test_compile_rule.py), and a part that then fails to compile warns once and runs eagerly
+    (test_a_failed_compile_warns_once_and_runs_eagerly). --compile=on: the static step, compiled, where compiling
+    works; else the one-line error."""
     if compiler == "fails":
         def no_compiler(self, graph_module, example_inputs):
             raise RuntimeError("Compiler: cc is not found")
         monkeypatch.setattr(nc_compile._CountingInductor, "__call__", no_compiler)
         monkeypatch.setattr(nc_compile, "_COMPILED", {})  # the probe is made afresh, and fails
+    probes = []
+    real_check = nc_compile.check_compiler
+    monkeypatch.setattr(nc_compile, "check_compiler", lambda device: probes.append(device) or real_check(device))
     args = SimpleNamespace(decode="auto", compile="auto", dtype="bfloat16")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = rl_plan.resolve_decode_and_compile(args, torch.device("cpu"), 467)
-    if compiler == "works":  # nothing at the start: the run measures each part first (compile_rule.py)
-        assert plan[:2] == (False, False) and plan.measured and (args.decode, args.compile) == ("eager", "auto")
-        assert not caught
+    assert plan[:2] == (False, False) and plan.measured and (args.decode, args.compile) == ("eager", "auto")
+    assert not caught and probes == []
+    args = SimpleNamespace(decode="auto", compile="on", dtype="bfloat16")
+    if compiler == "works":
+        plan = rl_plan.resolve_decode_and_compile(args, torch.device("cpu"), 467)
+        assert plan[:2] == (True, True) and (args.decode, args.compile) == ("static", "on") and len(probes) == 1
     else:
-        assert plan[:2] == (False, False) and (args.decode, args.compile) == ("eager", "off")
-        assert len(caught) == 1 and "torch.compile does not work on cpu here" in str(caught[0].message)
+        with pytest.raises(nc_compile.CompileFailed, match="torch.compile does not work on cpu here"):
+            rl_plan.resolve_decode_and_compile(args, torch.device("cpu"), 467)
 
 
 AGREE_ON_COMPILING = """

@@ -119,14 +119,14 @@ def test_a_part_slower_compiled_goes_back_to_eager_and_the_next_run_does_not_com
     assert feed(again, range(10), 2.0, 2.4)[0] == [] and again.parts["train"].status == "never"
 
 
-def test_a_resumed_run_takes_its_decisions_so_far():
+def test_a_resumed_run_takes_its_decisions_so_far(tmp_path):
     """compile_auto as a checkpoint records it: a part switched at or before the resumed step is compiled from the
     resume on (nothing more to time), one given back stays eager, one decided against stays so; a switch after the
     resumed step (a checkpoint of step 4 written before the switch at 5 took effect) is measured anew."""
     state = {"train": {"status": "kept", "switched_at": 3, "back_at": None},
              "decode": {"status": "back", "switched_at": 3, "back_at": 6}}
     auto = AutoCompile({"train": PartRule("train", KEY, 4), "decode": PartRule("decode", KEY.replace("train", "decode"), 4)}, 100,
-                       CompileLedger.__new__(CompileLedger), start_step=7, state=state)
+                       CompileLedger(str(tmp_path / "ledger.json")), start_step=7, state=state)
     assert auto.compiled_now("train") and not auto.compiled_now("decode")
     assert auto.state() == {"train": {"status": "kept", "switched_at": 3, "back_at": None},
                             "decode": {"status": "back", "switched_at": 3, "back_at": 6}}
@@ -258,3 +258,20 @@ def test_the_measured_plan_is_chat_rls_auto_on_a_cpu_only():
         assert compile_plan(*args, measured=True) == compile_plan(*args)
     no_training = ("auto", cpu, "static", 467)
     assert compile_plan(*no_training, trains=False, measured=True) == compile_plan(*no_training, trains=False)
+
+
+def test_a_run_compiling_from_its_start_records_its_compile_for_a_later_auto_run(tmp_path):
+    """--compile=on: the parts compiled from the start are not timed or given back, but what their compiles cost (the
+    step's and an eval's graphs after it) goes to the ledger, cold the first time and warm once the ledger has them,
+    so that a later auto run knows the graphs are in Inductor's cache."""
+    path = str(tmp_path / "ledger.json")
+    first = AutoCompile({"train": PartRule("train", KEY, 4)}, 100, CompileLedger(path), compiled=("train",))
+    assert first.compiled_now("train")
+    assert first.observe(0, {"train": 9.0}, {"train": 40.0}) == []
+    assert first.observe(1, {"train": 1.0}, {"train": 0.0}) == []
+    assert first.observe(50, {"train": 1.0}, {"train": 8.0}) == []  # an eval's graphs compiled since step 49
+    assert json.loads(open(path).read()) == {KEY: {"cold_s": 48.0}} and first.take_said() == []
+    second = AutoCompile({"train": PartRule("train", KEY, 4)}, 100, CompileLedger(path), compiled=("train",))
+    second.observe(0, {"train": 3.0}, {"train": 2.5})
+    assert json.loads(open(path).read()) == {KEY: {"cold_s": 48.0, "warm_s": 2.5}}
+    assert PartRule("train", KEY, 4).expected_compile_seconds(CompileLedger(path)) == (2.5, "in Inductor's cache, measured")

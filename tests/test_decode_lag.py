@@ -128,3 +128,16 @@ def test_nanochats_generate_never_lags(tiny_tokenizer):
     columns = [list(Engine(model, tiny_tokenizer, decode="static", max_rows=3, lag=lag).generate(
         prompt, num_samples=8, max_tokens=20, temperature=1.0, top_k=0, seed=5)) for lag in (False, True)]
     assert columns[1] == columns[0] and len(columns[0]) > 2
+
+
+def test_an_engine_lags_by_default_on_cuda_and_not_on_a_cpu(tiny_tokenizer):
+    """lag=None resolves by the model's device: on CUDA the host runs a step behind (issue 49's overlap), on a CPU it
+    does not (a CPU is its own device: nothing to overlap). A default turned to False everywhere passed every CPU
+    test; here a model that says it is on CUDA (its get_device; nothing is allocated there, the engine is only
+    built) gets the lag, and an explicit lag wins either way."""
+    cpu_model, cuda_model = bigram_model(tiny_tokenizer), bigram_model(tiny_tokenizer)
+    cuda_model.get_device = lambda: torch.device("cuda")
+    assert Engine(cuda_model, tiny_tokenizer, decode="eager").lag is True
+    assert Engine(cuda_model, tiny_tokenizer, decode="eager", lag=False).lag is False
+    assert Engine(cpu_model, tiny_tokenizer).lag is False
+    assert Engine(cpu_model, tiny_tokenizer, lag=True).lag is True

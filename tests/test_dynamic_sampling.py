@@ -33,6 +33,31 @@ def test_draws_walk_on_through_the_split_and_sample_anew():
     assert question_seed(5, 7) == question_seed(5, 7, 0) != question_seed(5, 7, 1)  # draw 0: the seeds of before
 
 
+def test_seeds_differ_across_draws():
+    """Every draw of a question in a step has its own seed (draw 0 keeps a run's seeds without dynamic sampling)."""
+    for step, index in ((0, 0), (3, 1), (5, 7)):
+        seeds = [question_seed(step, index, draw) for draw in range(4)]
+        assert seeds[0] == question_seed(step, index) and len(set(seeds)) == 4, seeds
+
+
+def test_a_question_drawn_again_in_a_step_samples_anew(sft, base_dir):
+    """A split of 4 questions without signal, 4 questions a draw, 2 more draws: step 0 samples each question 3
+    times. Each time is a new draw (seeded with question_seed(step, i, draw)), so its samples differ from the other
+    draws'; with the draw left out of the seed a question drawn again repeated its samples to the token, and no test
+    drew a question twice in a step. The samples are read from --save-rollouts, in draw order."""
+    flags = [f if not f.startswith("--task=") else "--task=rl_toy_task:FourSilentQuestions" for f in TINY_RL_FLAGS]
+    chat_rl.main(flags + ["--num-steps=1", "--dynamic-sampling", "--dynamic-sampling-rounds=2", "--save-rollouts"])
+    path = base_dir / "chatrl_checkpoints" / "d2" / "rollouts_rank0.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    # 3 draws of questions 0-3 in order, 4 samples each
+    assert [(line["question"], line["sample"]) for line in lines] == [(q, j) for _ in range(3) for q in range(4)
+                                                                      for j in range(4)]
+    for question in range(4):
+        draws = [tuple(line["text"] for line in lines[16 * d + 4 * question:16 * d + 4 * question + 4])
+                 for d in range(3)]
+        assert len(set(draws)) == 3, f"question {question}'s samples repeat across the step's draws: {draws}"
+
+
 def trained_rows(out):
     return [int(m) for m in re.findall(r"trained (\d+)/\d+ rows", out)]
 

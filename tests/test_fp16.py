@@ -26,6 +26,7 @@ from nanochat.optim.optimizers import guarded_step
 from nanochat.rl import run as rl_run
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.evaluation import sample_outcomes
+from nanochat.rl.objective import PolicyLoss
 from nanochat.rl.policy_gradient import accumulate_policy_gradient, chunk_logprobs
 from scripts import chat_rl
 
@@ -120,6 +121,87 @@ def test_an_fp16_overflow_skips_the_step_and_backs_the_scale_off():
     gnorm, stepped = guarded_step(model, optimizers, 1.0, 0.5, loss_scale=sane)
     assert stepped and math.isfinite(gnorm) and not sane.overflowed and sane.overflow_note(8) is None
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def scaled_gradients(model, true, scale):
+    """Every parameter's gradient set to `true` (one tensor a parameter) times the scale S, as a backward of S * loss
+    leaves it."""
+    for p, g in zip(model.parameters(), true):
+        p.grad = g * scale
+
+
+def test_the_returned_grad_norm_is_the_unscaled_gradients():
+    """guarded_step returns (and chat_rl logs as gnorm) the norm of the gradient itself, not of S times it: a norm
+    taken before the unscale was S = 1024 times too large in every fp16 step line, and no test read the number. The
+    expected norm is computed here, in float64, from the gradient before it was scaled."""
+    model = random_model(tiny_config()).train()
+    optimizers = model.setup_optimizers(recipe="2026-07")
+    gen = torch.Generator().manual_seed(1)
+    true = [torch.randn(p.shape, generator=gen) * 1e-3 for p in model.parameters()]
+    want = math.sqrt(sum(float(g.double().pow(2).sum()) for g in true))
+    loss_scale = LossScale(init_scale=2.0 ** 10)
+    scaled_gradients(model, true, loss_scale.scale)
+    gnorm, stepped = guarded_step(model, optimizers, 1.0, 0.5, loss_scale=loss_scale)
+    assert stepped
+    assert gnorm == pytest.approx(want, rel=1e-5), f"grad norm {gnorm}, the unscaled gradient's {want}"
+
+
+def test_a_non_finite_loss_skips_the_step_and_holds_the_scale():
+    """A nan loss with finite gradients (one rank's objective, say) is a bad step, not an overflow: the step is
+    skipped, and the scale and its count of good steps stay as they were (LossScale.hold), where an overflow would
+    halve S and restart the count (update(found_inf=True)). Treated as an overflow, the step line said "overflow" and
+    --max-bad-steps never counted it. With a growth interval of 3, S doubles after the third good step: the skipped
+    step counts for nothing either way."""
+    model = random_model(tiny_config()).train()
+    optimizers = model.setup_optimizers(recipe="2026-07")
+    loss_scale = LossScale(init_scale=2.0 ** 12, growth_interval=3)
+    true = [torch.full_like(p, 1e-3) for p in model.parameters()]
+    scaled_gradients(model, true, loss_scale.scale)
+    assert guarded_step(model, optimizers, 1.0, 0.5, loss_scale=loss_scale)[1]
+    assert (loss_scale.scale, loss_scale.growth_tracker) == (4096.0, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaled_gradients(model, true, loss_scale.scale)
+    gnorm, stepped = guarded_step(model, optimizers, 1.0, float("nan"), loss_scale=loss_scale)
+    assert not stepped and math.isfinite(gnorm)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())  # cleared either way
+    assert (loss_scale.scale, loss_scale.growth_tracker, loss_scale.overflowed) == (4096.0, 1, False), \
+        f"after a nan loss: scale {loss_scale.scale}, good steps {loss_scale.growth_tracker}, " \
+        f"overflowed {loss_scale.overflowed}; want 4096.0, 1, False (held)"
+    assert loss_scale.record() == {"loss_scale": 4096.0, "overflow": 0.0}
+    assert loss_scale.overflow_note(2) is None  # so count_bad_step counts it towards --max-bad-steps
+    for scale in (4096.0, 8192.0):  # good steps 2 and 3: the third doubles S
+        scaled_gradients(model, true, loss_scale.scale)
+        assert guarded_step(model, optimizers, 1.0, 0.5, loss_scale=loss_scale)[1]
+    assert (loss_scale.scale, loss_scale.growth_tracker) == (8192.0, 0)
+
+
+def test_fp16_with_a_kl_penalty_scales_the_policy_and_not_the_reference():
+    """--dtype=float16 with --kl-coef: the chunk forward that multiplies the gradient by S also runs the frozen
+    reference model, under no_grad, whose log-probabilities carry no gradient: a hook registered on them raises
+    ("cannot register a hook on a tensor that doesn't require gradient"), so every fp16 run with a KL penalty crashed
+    at its first step. The penalty's gradient, scaled and unscaled, is the plain one: to the bit in fp32 (S a power
+    of 2), and in fp16 up to fp16's roundings."""
+    model = random_model(tiny_config()).train()
+    reference = random_model(tiny_config(), seed=1).requires_grad_(False)
+
+    def gradient(dtype, loss_scale):
+        model.zero_grad(set_to_none=True)
+        stats = accumulate_policy_gradient(model, [question_batch()], 4, 1, CPU, autocast_context(CPU, dtype),
+                                           loss=PolicyLoss(kl_coef=0.5), reference=reference,
+                                           forward=scaled_forward(chunk_logprobs, loss_scale))
+        if loss_scale is not None:
+            loss_scale.unscale_(model)
+        return stats, [p.grad.clone() for p in model.parameters()]
+    plain_stats, plain = gradient(torch.float32, None)
+    scaled_stats, scaled = gradient(torch.float32, LossScale())
+    assert plain_stats.kl_ref > 0 and scaled_stats.kl_ref == plain_stats.kl_ref  # the reference differs: a penalty
+    assert all(torch.equal(a, b) for a, b in zip(plain, scaled))
+    fp16_stats, fp16 = gradient(torch.float16, LossScale())
+    assert math.isfinite(fp16_stats.kl_ref) and fp16_stats.kl_ref > 0
+    error = math.sqrt(sum(float((a - b).pow(2).sum()) for a, b in zip(plain, fp16)))
+    norm = math.sqrt(sum(float(a.pow(2).sum()) for a in plain))
+    assert norm > 0 and error < 0.05 * norm, (error, norm)
 
 
 # ----------------------------------------------------------------------------- chat_rl in fp16

@@ -457,6 +457,29 @@ def test_scale_initial_lr_starts_every_group_at_the_fraction():
     assert [g["initial_lr"] for g in groups] == [g["lr"] for g in groups]
 
 
+@pytest.mark.parametrize("recipe", ["2026-01", "2026-07"])
+def test_guarded_step_sets_every_groups_lr_to_its_initial_lr_times_lrm(recipe):
+    """The schedule reaches the optimizers only through guarded_step: each group steps at its initial_lr (the lr
+    after --init-lr-frac) times the step's multiplier. At multiplier 0 (nanochat's last step) nothing moves, weight
+    decay included (it is lr * wd); at 0.25 every group's lr is a quarter of its initial one. A step that kept the
+    initial lr ran the whole run at full lr, the schedule only in the log."""
+    from helpers import random_model, tiny_config
+
+    from nanochat.optim.optimizers import guarded_step, scale_initial_lr
+    model = random_model(tiny_config()).train()
+    optimizers = scale_initial_lr(model.setup_optimizers(recipe=recipe), 0.5)
+    initial = [[group["lr"] for group in opt.param_groups] for opt in optimizers]
+    before = [p.detach().clone() for p in model.parameters()]
+    for lrm in (0.0, 0.25):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 1e-3)
+        assert guarded_step(model, optimizers, lrm, 1.0)[1]
+        assert [[group["lr"] for group in opt.param_groups] for opt in optimizers] == [
+            [lr * lrm for lr in lrs] for lrs in initial]
+        if lrm == 0.0:
+            assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "moved at lr multiplier 0"
+
+
 def test_lr_multiplier_decays_linearly_to_zero():
     assert [lr_multiplier(s, 4) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
 

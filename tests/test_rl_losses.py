@@ -89,3 +89,22 @@ def test_each_loss_has_its_own_clip_defaults_and_flags_override_them():
     got = config("--loss=gspo", "--ppo-epochs=2", "--clip-high=0.001")
     assert (got.clip_low, got.clip_high) == (3e-4, 0.001)
     assert (config().clip_low, config().clip_high) == (0.2, 0.2)  # nanochat's run: PPO's defaults, never used
+
+
+# each loss's clip band where --clip-low/--clip-high are not given, written from docs/flags.md and its sources, not
+# read from LOSS_CLIPS: pg PPO's 0.2/0.2 (Schulman et al. 2017); gspo 3e-4/4e-4 (the GSPO paper, v2 section 5.1);
+# cispo no floor (clip-low 1: MiniMax-M1 bounds the weight above only) and DAPO's clip-higher 0.28 above
+DOCUMENTED_CLIPS = {"pg": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
+
+
+@pytest.mark.parametrize("loss", DOCUMENTED_CLIPS)
+def test_the_run_s_policy_loss_clips_at_the_documented_band_or_the_user_s(loss):
+    """The PolicyLoss a run trains with (run.policy_loss_of of its config) carries its loss's documented band, and a
+    user's --clip-low/--clip-high in its place. Guards two bugs that passed the config-level test: policy_loss_of not
+    passing the clips on (PolicyLoss's own 0.2/0.2 then clipped gspo and cispo, whatever the flags said), and cispo's
+    default band changed to 0.2/0.28."""
+    config = lambda *flags: RLConfig.from_flags(chat_rl.parse_args(["--device-type=cpu", *flags]))  # noqa: E731
+    policy_loss = policy_loss_of(config(f"--loss={loss}", "--ppo-epochs=2"))
+    assert (policy_loss.loss, policy_loss.clip_low, policy_loss.clip_high) == (loss, *DOCUMENTED_CLIPS[loss])
+    policy_loss = policy_loss_of(config(f"--loss={loss}", "--ppo-epochs=2", "--clip-low=0.05", "--clip-high=0.4"))
+    assert (policy_loss.clip_low, policy_loss.clip_high) == (0.05, 0.4)

@@ -385,8 +385,8 @@ def resolve_compile(mode, device, *plan_args, **plan_kwargs):
     its own toolchain, and where any fails, none compiles (ranks deciding apart would run different code, and in
     chat_rl different collectives, next)."""
     plan = compile_plan(mode, device, *plan_args, **plan_kwargs)
-    if not plan.compiles and not plan.measured:
-        return plan
+    if not plan.compiles:  # a measured plan too: most such runs never compile, and a part that fails to compile
+        return plan        # later warns once and runs eagerly (CompiledFunction)
     reason = check_compiler(device)
     if dist.is_initialized():
         works = torch.tensor([int(reason is None)], device=collective_device(device))

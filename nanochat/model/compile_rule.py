@@ -82,10 +82,11 @@ class CompileLedger:
 
 def part_key(part, model, dtype):
     """What a part's compiled graphs and their speed depend on: the part, the model's shape and generation, the dtype,
-    torch's version (Inductor's cache is keyed on the graph and torch; the machine is the cache's own)."""
+    the device's type, torch's version (Inductor's cache is keyed on the graph and torch; the machine is the cache's
+    own)."""
     c = model.config
     return (f"{part}|{model.generation.name}|L{c.n_layer} C{c.n_embd} H{c.n_head}/{c.n_kv_head} V{c.vocab_size}"
-            f"|{dtype}|torch {torch.__version__}")
+            f"|{dtype}|{model.get_device().type}|torch {torch.__version__}")
 
 
 @dataclass
@@ -123,10 +124,13 @@ class AutoCompile:
     Its lines (why each decision) are in `said` until the caller prints them. records: whether this process writes
     the ledger (rank 0)."""
 
-    def __init__(self, parts, num_steps, ledger, start_step=0, state=None, records=True):
+    def __init__(self, parts, num_steps, ledger, start_step=0, state=None, records=True, compiled=()):
+        """compiled: parts compiled from the start whatever they measure (--compile=on): only their compile's seconds
+        are recorded, for a later auto run to find."""
         self.parts, self.num_steps, self.ledger, self.start_step = parts, num_steps, ledger, start_step
         self.records, self.said = records, []
-        for part, saved in (state or {}).items():  # --resume: the run's decisions so far
+        state = {**(state or {}), **{part: {"switched_at": start_step} for part in compiled}}
+        for part, saved in state.items():  # --resume: the run's decisions so far
             rule = self.parts.get(part)
             if rule is None:
                 continue
@@ -137,6 +141,13 @@ class AutoCompile:
                 rule.status = "kept"  # compiled before the resume: compiled from its start on, nothing left to time
             elif saved.get("status") == "never":
                 rule.status = "never"
+            if rule.status == "kept" and ledger is not None:  # compiling from the start: from the cache if the ledger
+                rule.recorded = "warm_s" if "cold_s" in (ledger.get(rule.key) or {}) else "cold_s"  # has seen it
+
+    def take_said(self):
+        """The lines said since the last call (why each decision), once."""
+        said, self.said = self.said, []
+        return said
 
     def compiled_now(self, part):
         """Whether `part` runs compiled at the run's (re)start."""

@@ -73,8 +73,8 @@ class RLRun:
     data_position: int = 0                 # the next step's first question's position in the walk over the split
     step_seconds: list = field(default_factory=list)   # this process's timings, for the ETA, compiling left out
     auto_compile: AutoCompile = None       # --compile=auto decided during the run (compile_rule.py), or None
-    compile_marks: dict = field(default_factory=dict)  # parts' compile seconds at the rollouts' start; "seen": at the
-    #                                                    last step's end (auto_compile_step)
+    compile_marks: dict = field(default_factory=lambda: {"seen": _part_compile_seconds()})  # parts' compile seconds
+    #                           at the rollouts' start; "seen": at the last step's end (or the run's start)
     tokenizer: object = None               # the engine's, for another engine (auto_compile_step)
     eval_seconds: list = field(default_factory=list)
 
@@ -155,7 +155,7 @@ def setup_run(config, resume, rank, world_size, device):
     rows = train_rows(config)  # per training forward
     num_steps = run_length(config, train_task)
     compiling, measured = resolve_compute_plan(config, model, tokenizer, train_task, device, world_size, num_steps, rows)
-    auto_compile = auto_compile_of(config, model, measured, num_steps, start_step, meta if resume else None, rank)
+    auto_compile = auto_compile_of(config, model, measured, compiling, num_steps, start_step, resume and meta, rank)
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], config.output_tag)
     optimizers = make_optimizers(config, model)
     segments = [{"start_step": 0, "world_size": world_size}]  # the world size of each part of the run
@@ -167,7 +167,7 @@ def setup_run(config, resume, rank, world_size, device):
     if reference is not None:
         compile_models(compiling, reference)
     resolve_memory(config, model, device, optimizers, rows, compiled_training=compiling.train or "train" in measured)
-    decode_compiled = auto_compile.compiled_now("decode") if auto_compile else compiling.decode
+    decode_compiled = compiling.decode or bool(auto_compile and auto_compile.compiled_now("decode"))
     engine = make_engine(config, model, tokenizer, "static" if decode_compiled else config.decode,
                          bool(decode_compiled), (train_task, val_task))
     describe_engine(engine, compiling, config, rows)
@@ -207,15 +207,16 @@ def make_engine(config, model, tokenizer, decode, compiled, tasks):
     return engine
 
 
-def auto_compile_of(config, model, parts, num_steps, start_step, meta, rank):
-    """The AutoCompile of a run whose --compile=auto measures `parts` (plan.measured_parts), or None; resumed (meta),
-    it takes the run's decisions so far. Each part's key names the dtype it computes in."""
-    if not parts:
+def auto_compile_of(config, model, parts, compiling, num_steps, start_step, meta, rank):
+    """The AutoCompile of a run whose --compile=auto measures `parts` (plan.measured_parts; resumed: meta's decisions),
+    or that compiles from its start (--compile=on: the CompilePlan `compiling`), recording its compiles' cost; or None."""
+    compiled = () if parts else tuple(p for p, on in (("train", compiling.train), ("decode", compiling.decode)) if on)
+    if not parts and not compiled:
         return None
     dtypes = {"train": config.dtype, "decode": config.rollout_dtype}
-    rules = {part: PartRule(part, part_key(part, model, dtypes[part]), model.config.n_layer) for part in parts}
+    rules = {part: PartRule(part, part_key(part, model, dtypes[part]), model.config.n_layer) for part in parts + compiled}
     return AutoCompile(rules, num_steps, CompileLedger(), start_step=start_step,
-                       state=(meta or {}).get("compile_auto"), records=rank == 0)
+                       state=(meta or {}).get("compile_auto"), records=rank == 0, compiled=compiled)
 
 
 def _part_compile_seconds():  # what each part has compiled so far, in seconds
@@ -227,16 +228,15 @@ def auto_compile_step(run, step, t_rollout, t_train):
     its decisions (rank 0's) said and made from the next step on."""
     if run.auto_compile is None:
         return
-    now, seen = _part_compile_seconds(), run.compile_marks.get("seen", {})
+    now, seen = _part_compile_seconds(), run.compile_marks["seen"]
     spent = {part: now[part] - run.compile_marks[part] for part in now}  # in the step: not the part's step time
     seconds = {"train": max(t_train - spent["train"], 0.0), "decode": max(t_rollout - spent["decode"], 0.0)}
     # the compile's cost: since the last step's end, an eval's graphs of the part included
-    compiled = {part: now[part] - seen.get(part, run.compile_marks[part]) for part in now}
+    compiled = {part: now[part] - seen[part] for part in now}
     switches = run.auto_compile.observe(step, seconds, compiled, run.reduce_device, run.world_size)
     run.compile_marks["seen"] = now
-    for line in run.auto_compile.said:
+    for line in run.auto_compile.take_said():
         print0(line)
-    run.auto_compile.said.clear()
     for part, on in switches:
         if part == "train":
             run.forward = scaled_forward(compiled_chunk_forward(on), run.loss_scale)
@@ -294,7 +294,7 @@ def sample_rollouts(run, step, position=None):
     of questions whose samples differ in reward, up to --dynamic-sampling-rounds more draws (every rank draws as
     many: the count is agreed). Returns StepRollouts."""
     cfg = run.config
-    run.compile_marks = {**_part_compile_seconds(), "seen": run.compile_marks.get("seen", {})}  # see auto_compile_step
+    run.compile_marks = {**_part_compile_seconds(), "seen": run.compile_marks["seen"]}  # see auto_compile_step
     position = step * cfg.examples_per_step if position is None else position
     drawn = sample_draw(run, step, position, 0)
     if cfg.dynamic_sampling:  # the agreement below is a collective: the last checkpoint committed first, after the
@@ -397,7 +397,7 @@ def meta_data(run, step):
             "eval_history": run.eval_history, "run_id": run.run_id, "world_size": run.world_size,
             "segments": run.segments, "loss_scale": run.loss_scale.state_dict() if run.loss_scale else None,
             "data_position": run.data_position,
-            "compile_auto": run.auto_compile.state() if run.auto_compile else None}
+            "compile_auto": run.auto_compile.state() if run.auto_compile and run.config.compile == "auto" else None}
 
 
 def save(run, step):
