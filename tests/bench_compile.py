@@ -1,8 +1,8 @@
 """
 The compile benchmark (run by hand, not by pytest): chat_rl's speedrun workload end to end with --compile=off, auto and
-on, each on a cold Inductor cache (a fresh TORCHINDUCTOR_CACHE_DIR) and again warm (the cache the cold run filled),
-compiling included, and auto again in on's warm cache (whose ledger on wrote); one JSON on stdout. From the same runs, the end-to-end seconds of a 467-step run (a GSM8K epoch's
-length) are estimated for each mode: the run's seconds outside its steps, its compiling, and 467 steady steps.
+on, on a cold Inductor cache (a fresh TORCHINDUCTOR_CACHE_DIR), on again warm (the cache its cold run filled), and auto
+in on's warm cache (whose ledger on wrote), compiling included; one JSON on stdout. From the same runs, the seconds of a
+467-step run (a GSM8K epoch's length) are estimated for each mode: the run's wall time plus 367 more steady steps.
 
     python tests/bench_compile.py --base-dir=$NANOCHAT_BASE_DIR > compile_bench.json   # a speedrun's SFT model there
 

@@ -204,9 +204,9 @@ class AutoCompile:
         saving = eager * (1 - ratio) * steps_left
         pays = saving > cost
         rule.status = "compiled" if pays else "never"
-        self.said.append(f"compile: auto: {PART_NAMES[part]} {eager:.2f} s a step eagerly, compiled expected x{ratio:.2f}: "
-                         f"{saving:.0f} s saved over {steps_left} steps against a {cost:.0f} s compile ({known}): "
-                         + (f"compiling it from step {step + 1}" if pays else "not compiled"))
+        self.said.append(f"compile: auto: {PART_NAMES[part]} {eager:.2f} s a step eagerly, compiled expected "
+                         f"x{ratio:.2f}: {saving:.0f} s saved over {steps_left} steps against a {cost:.0f} s "
+                         f"compile ({known}): " + (f"compiling it from step {step + 1}" if pays else "not compiled"))
 
     def _check(self, part, rule, step):
         eager, compiled = statistics.median(rule.eager), statistics.median(rule.compiled)

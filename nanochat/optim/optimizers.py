@@ -130,9 +130,9 @@ def guarded_step(model, optimizers, lrm, loss, device="cpu", loss_scale=None):
     backpropagated with: they are unscaled first, and the scale is updated from the same check across ranks, so a
     gradient that overflowed on one rank skips the step on every rank and backs the scale off everywhere.
     Returns (this rank's grad norm, unscaled; stepped)."""
-    gnorm = grad_norm(model)
     if loss_scale is not None:
         loss_scale.unscale_(model)
+    gnorm = grad_norm(model)
     loss_finite, grad_finite = all_ranks_finite_each([[loss], [gnorm]], device)
     stepped = loss_finite and grad_finite
     if loss_scale is not None:
