@@ -133,6 +133,25 @@ MUTATIONS = [
              ("tests/test_rollout.py::test_rank_strided_data_covers_each_question_once_per_epoch",
               "tests/test_dynamic_sampling.py::test_draws_walk_on_through_the_split_and_sample_anew"),
              "ranks take blocks of questions instead of nanochat's strides"),
+    Mutation("pass-denominator-without-passes", "nanochat/rl/objective.py",
+             "return valid_per_pass.repeat_interleave(device_batch_size) * (num_passes * examples_per_rank)",
+             "return valid_per_pass.repeat_interleave(device_batch_size) * examples_per_rank",
+             ("tests/test_rl_objective.py::test_train_step_gradient_equals_hand_assembled_objective",),
+             "nanochat's pass denominator without its number of passes"),
+    Mutation("cispo-weight-differentiated", "nanochat/rl/objective.py",
+             "weight = torch.clamp(ratio, 1 - clip_low, 1 + clip_high).detach()",
+             "weight = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)",
+             ("tests/test_rl_losses.py::test_later_epoch_equals_the_reference",),
+             "CISPO's clipped ratio differentiated (it must only weigh)"),
+    Mutation("sampler-logprobs-of-the-tempered-distribution", "nanochat/rl/rollout.py",
+             "sampler_logprobs=[c.logprobs for c in completions]",
+             "sampler_logprobs=[c.sampling_logprobs for c in completions]",
+             ("tests/test_sampler_gap.py::test_rollouts_record_the_models_logprobs_not_the_tempered_samplers",),
+             "the gap measured against the top-k/temperature distribution, not the model's"),
+    Mutation("saved-rollout-successes-are-calls", "nanochat/rl/progress.py",
+             '"tool_successes": c.tool_successes}', '"tool_successes": c.tool_calls}',
+             ("tests/test_saved_rollouts.py::test_each_field_comes_from_its_own_source",),
+             "--save-rollouts' tool_successes read from the calls"),
     # ------------------------------------------------------------------ the optimizers and the schedule
     Mutation("warmup-off-by-one", "nanochat/optim/optimizers.py",
              "        return (step + 1) / warmup_steps\n", "        return step / warmup_steps\n",
@@ -150,7 +169,8 @@ MUTATIONS = [
              "--init-lr-frac applied to the first step only: the schedule multiplies the full lr"),
     Mutation("lrm-not-applied", "nanochat/optim/optimizers.py",
              'group["lr"] = group["initial_lr"] * lrm', 'group["lr"] = group["initial_lr"]',
-             ("tests/test_optim.py::test_guarded_step_sets_every_groups_lr_to_its_initial_lr_times_lrm",),
+             ("tests/test_optim.py::test_guarded_step_sets_every_groups_lr_to_its_initial_lr_times_lrm",
+              "tests/test_golden_trace.py::test_chat_rl_matches_the_golden_trace"),
              "the schedule's multiplier never reaches the optimizers"),
     Mutation("adamw-decay-without-lr", "nanochat/optim/adamw.py",
              "p.mul_(1 - lr * weight_decay)", "p.mul_(1 - weight_decay)",
@@ -160,12 +180,21 @@ MUTATIONS = [
              "return max(1.0, rows / cols) ** 0.5", "return max(1.0, cols / rows) ** 0.5",
              ("tests/test_optim.py::test_muon_matches_reference",),
              "Muon's shape-scaled lr boosting wide matrices instead of tall ones"),
+    Mutation("loss-scale-grows-late", "nanochat/optim/loss_scale.py",
+             "if successful == self.growth_interval:", "if successful > self.growth_interval:",
+             ("tests/test_fp16.py::test_the_scale_follows_grad_scalers_update_kernel",),
+             "the fp16 scale doubles one good step late"),
     # ------------------------------------------------------------------ checkpoints
     Mutation("keep-last-one-more", "nanochat/checkpoints/pruning.py",
              "keep = [steps[-(keep_last - 1):] if keep_last > 1 else []]",
              "keep = [steps[-keep_last:] if keep_last > 1 else []]",
              ("tests/test_checkpoint.py::test_prune_keeps_the_last_steps_and_removes_only_this_ranks_files",),
              "--keep-last=N keeps N + 1 steps"),
+    Mutation("shard-of-another-run-accepted", "nanochat/checkpoints/optimizer_shards.py",
+             'if run_id is not None and data.get("run_id") != run_id:',
+             'if run_id is None and data.get("run_id") != run_id:',
+             ("tests/test_checkpoint.py::test_a_shard_that_is_not_the_steps_is_named",),
+             "--resume loads another run's optimizer shard without a word"),
     Mutation("host-copy-ignores-dtype", "nanochat/checkpoints/background.py",
              "fits = old is not None and old.shape == value.shape and old.dtype == value.dtype",
              "fits = old is not None and old.shape == value.shape",
@@ -183,6 +212,10 @@ MUTATIONS = [
              ("tests/test_engine.py::test_failed_tool_call_forces_nothing",
               "tests/test_engine.py::test_row_runs_the_tool_state_machine"),
              "a call the calculator refused counted as a success"),
+    Mutation("tool-call-state-kept", "nanochat/engine/rows.py",
+             "        self.python_tokens = None\n        if text is not None:", "        if text is not None:",
+             ("tests/test_engine.py::test_a_row_leaves_its_tool_call_at_python_end",),
+             "a row stays in its tool call after <|python_end|>: later tokens join the expression"),
     Mutation("forced-token-trained", "nanochat/engine/rows.py",
              "token, mask = (self.forced.popleft(), 0) if self.forced else (sampled_token, 1)",
              "token, mask = (self.forced.popleft(), 1) if self.forced else (sampled_token, 1)",
@@ -213,6 +246,22 @@ def restore(mutation, before):
         path.write_text(now.replace(mutation.mutated, mutation.original))
     elif now != before:
         raise RuntimeError(f"{mutation.file} changed while mutated and the mutant text is gone: check it by hand")
+
+
+def git(*args):
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+
+def commit_warning(mutation, head_before):
+    """A warning where a commit was made while the mutation was in place (someone else committing the working tree),
+    louder where that commit holds the mutated file: the mutant may be in it."""
+    head = git("rev-parse", "HEAD")
+    if head == head_before:
+        return None
+    if git("diff", "--name-only", head_before, head, "--", mutation.file):
+        return (f"WARNING: commit {head[:9]} was made while {mutation.file} was mutated and changes that file: the "
+                f"mutant may be committed (see `git diff HEAD -- {mutation.file}`)")
+    return f"note: commit {head[:9]} was made while {mutation.file} was mutated (it does not touch that file)"
 
 
 def run_tests(tests):
@@ -250,7 +299,7 @@ def main(argv):
     rows = []
     for m in chosen:
         print(f"{m.name}: {m.why}", flush=True)
-        before = None
+        before, head = None, git("rev-parse", "HEAD")
         try:
             if not baseline:
                 before = apply(m)
@@ -260,6 +309,9 @@ def main(argv):
         finally:
             if before is not None:
                 restore(m, before)
+                warning = commit_warning(m, head)
+                if warning:
+                    print("  " + warning, flush=True)
         result = "stale" if returncode == -1 else verdict(returncode, baseline)
         print(f"  {result} in {seconds:.0f} s: {first}", flush=True)
         rows.append((m.name, result, first))

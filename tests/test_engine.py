@@ -228,6 +228,24 @@ def test_row_runs_the_tool_state_machine(tiny_tokenizer):
     assert short.finished and not short.out.ended and short.out.tokens == [x, x]
 
 
+def test_a_row_leaves_its_tool_call_at_python_end(tiny_tokenizer):
+    """After a call's <|python_end|> the row is out of the call: what follows, the forced output and the text after
+    it, is no expression, and a later <|python_end|> without its own <|python_start|> is plain text. A row that
+    stayed in its call ran the calculator again on everything since the first call's start, a call the model never
+    made (counted, and its output forced into the completion where it succeeded)."""
+    tok = tiny_tokenizer
+    sp = SpecialIds(tok)
+    row = Row(request=0, sample=0, max_tokens=100, special=sp, tokenizer=tok)
+    x = tok.encode("x")[0]
+    for t in [sp.python_start, *tok.encode("2+3"), sp.python_end]:
+        row.feed(t)
+    forced = [sp.output_start, *tok.encode("5"), sp.output_end]
+    assert [row.feed(x) for _ in forced] == [(t, 0) for t in forced]
+    after = [*tok.encode("2+3"), sp.python_end, x, x]
+    assert [row.feed(t) for t in after] == [(t, 1) for t in after]  # plain text: nothing forced
+    assert (row.out.tool_calls, row.out.tool_successes) == (1, 1)
+
+
 def test_the_kv_cache_takes_the_models_compute_dtype_not_its_stored_embeddings():
     """Issue 35: a nanochat CUDA checkpoint stores its embeddings in bf16; a cache for an fp32 model (fp32 matmul
     weights) is fp32 whatever the first parameter's dtype, and the smear state keeps the embeddings' dtype."""

@@ -142,6 +142,36 @@ def test_gap_is_zero_through_calculator_calls_and_early_ends(decode, tiny_tokeni
     assert stats.sampler_gap_max <= 4e-6 and stats.sampler_k3 <= 1e-11
 
 
+def test_rollouts_record_the_models_logprobs_not_the_tempered_samplers(tiny_tokenizer):
+    """A rollout's batch (rl/rollout.py's sample_questions, what chat_rl trains on) holds, for each sampled target,
+    its log-probability under the model at T=1 over the whole vocabulary, the trainer's side of the gap, not the one
+    under the tempered top-k distribution it was drawn from. Sampled at T=0.7, top-k 5 (where the two differ by
+    tenths), a helpers.BigramModel's log-softmax of the row's previous token, computed here, is the expected
+    value; the gap tests above build their batches themselves, so a rollout passing the other list went unseen."""
+    from nanochat.rl.rollout import Sampling, sample_questions
+    model = BigramModel(tiny_tokenizer)
+
+    class Questions:  # QUESTIONS as a task
+        def __getitem__(self, i):
+            return {"messages": [{"role": "user", "content": QUESTIONS[i]}, {"role": "assistant", "content": ""}]}
+
+        def reward(self, conversation, text):
+            return float(len(text) % 2)
+    rollouts = sample_questions(Engine(model, tiny_tokenizer), Questions(), [0, 1, 2], [3, 4, 5],
+                                Sampling(num_samples=4, max_new_tokens=16, temperature=0.7, top_k=5))
+    checked = 0
+    for rollout in rollouts:
+        batch = rollout.batch
+        known = batch.targets >= 0  # (R, T)
+        with torch.no_grad():
+            want = torch.log_softmax(model.table[batch.inputs], -1).gather(-1, batch.targets.clamp(min=0)[..., None])
+        got, want = batch.sampler_logprobs[known], want.squeeze(-1)[known]
+        assert torch.isnan(batch.sampler_logprobs[~known]).all()
+        assert (got - want).abs().max() <= FP32_GAP_BOUND, (got - want).abs().max()
+        checked += int(known.sum())
+    assert checked > 50
+
+
 # ----------------------------------------------------------------------------- the corrections
 
 def two_row_batch(model, sampler_shift):

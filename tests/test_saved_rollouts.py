@@ -5,12 +5,15 @@ the file (tests/test_resume.py) runs a random model whose samples are all cut an
 by one went unnoticed."""
 
 import json
+from types import SimpleNamespace
 
+import torch
 from test_decode_lag import BIGRAM_PROMPTS, bigram_model
 
 from nanochat.engine.engine import Engine
-from nanochat.rl.progress import RolloutLog
-from nanochat.rl.rollout import Sampling, sample_questions
+from nanochat.engine.rows import Completion
+from nanochat.rl.progress import RolloutLog, rollout_lines
+from nanochat.rl.rollout import QuestionRollout, Sampling, sample_questions
 
 MAX_NEW_TOKENS = 12
 NUM_SAMPLES = 6
@@ -44,8 +47,8 @@ def completed_calls(tokens, start, end):
 def test_each_saved_record_is_what_its_sample_was(tiny_tokenizer, tmp_path):
     tok = tiny_tokenizer
     special = {name: tok.encode_special(f"<|{name}|>") for name in ("python_start", "python_end", "output_start")}
-    indices = [0, 1, 3]
-    rollouts = sample_questions(Engine(bigram_model(tok), tok), PromptTask(), indices, [11, 12, 13],
+    indices = list(range(len(BIGRAM_PROMPTS)))
+    rollouts = sample_questions(Engine(bigram_model(tok), tok), PromptTask(), indices, [1, 2, 3, 4, 5],
                                 Sampling(num_samples=NUM_SAMPLES, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0,
                                          top_k=0))
     log = RolloutLog(str(tmp_path), rank=0, resumed=False)
@@ -77,3 +80,20 @@ def test_each_saved_record_is_what_its_sample_was(tiny_tokenizer, tmp_path):
     assert any(line["length"] == 0 for line in lines) and len({line["length"] for line in lines}) > 3
     assert sum(line["tool_calls"] > 0 for line in lines) >= 2 and sum(line["tool_successes"] for line in lines) >= 2
     assert len({line["reward"] for line in lines}) > 1 and any(line["advantage"] != 0 for line in lines)
+
+
+def test_each_field_comes_from_its_own_source():
+    """Hand-made rollouts whose every field differs from every other (a call that failed: 2 calls, 1 success; a row
+    that ended and one cut; rewards and advantages apart), against records written out by hand: a field read from
+    its neighbour (successes from calls, the sample from the question) is seen, which sampled rollouts, whose calls
+    all succeed, would not show."""
+    batch = SimpleNamespace(advantages=torch.tensor([0.25, -0.25]))  # the one field of QuestionBatch a record reads
+    rollout = QuestionRollout(index=9, completions=[Completion([5, 6, 7], [1, 0, 1], ended=True, tool_calls=2,
+                                                               tool_successes=1),
+                                                    Completion([8] * 5, [1] * 5, ended=False)],
+                              texts=["abc", "ddddd"], rewards=[0.75, 0.25], batch=batch)
+    assert [json.loads(line) for line in rollout_lines(4, [rollout]).splitlines()] == [
+        {"step": 4, "question": 9, "sample": 0, "text": "abc", "reward": 0.75, "advantage": 0.25, "length": 3,
+         "ended": True, "tool_calls": 2, "tool_successes": 1},
+        {"step": 4, "question": 9, "sample": 1, "text": "ddddd", "reward": 0.25, "advantage": -0.25, "length": 5,
+         "ended": False, "tool_calls": 0, "tool_successes": 0}]
