@@ -275,3 +275,23 @@ def test_a_run_compiling_from_its_start_records_its_compile_for_a_later_auto_run
     second.observe(0, {"train": 3.0}, {"train": 2.5})
     assert json.loads(open(path).read()) == {KEY: {"cold_s": 48.0, "warm_s": 2.5}}
     assert PartRule("train", KEY, 4).expected_compile_seconds(CompileLedger(path)) == (2.5, "in Inductor's cache, measured")
+
+
+def test_the_engine_decodes_in_the_resolved_mode_unless_auto_switched_before_the_resume(tmp_path):
+    """--compile=on keeps --decode's mode (graph on CUDA: the engine's CUDA graphs capture the compiled step); auto,
+    resumed after it switched the decode step, starts on the compiled static step; otherwise the resolved mode,
+    uncompiled."""
+    from nanochat.model.compile import CompilePlan
+    from nanochat.rl.plan import engine_decode
+    ledger = CompileLedger(str(tmp_path / "ledger.json"))
+    on = CompilePlan(True, True, "--compile=on")
+    recording_on = AutoCompile({"decode": PartRule("decode", KEY, 4)}, 100, ledger, compiled=("decode",))
+    assert engine_decode("graph", on, recording_on) == ("graph", True)
+    assert engine_decode("static", on, recording_on) == ("static", True)
+    measured = CompilePlan(False, False, "auto on a CPU", measured=True)
+    switched = AutoCompile({"decode": PartRule("decode", KEY, 4)}, 100, ledger, start_step=7,
+                           state={"decode": {"status": "kept", "switched_at": 3, "back_at": None}})
+    assert engine_decode("eager", measured, switched) == ("static", True)
+    fresh = AutoCompile({"decode": PartRule("decode", KEY, 4)}, 100, ledger)
+    assert engine_decode("eager", measured, fresh) == ("eager", False)
+    assert engine_decode("eager", CompilePlan(False, False, "--compile=off"), None) == ("eager", False)

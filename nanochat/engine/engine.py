@@ -192,7 +192,7 @@ class Engine:
     (SharedPromptKVCache: more rows fit, fewer bytes read per token); without, each row holds a copy, as
     nanochat does. Row r of a prompt with seed s samples with its own stream row_seed(s, r), so its output
     does not depend on the batch it shares. Under bf16/fp16 autocast the forwards use the matmul weights cast once
-    per rollout (DecodeWeights). compile (nanochat/model/compile.py's modes; default off): whether the static decode
+    per rollout (DecodeWeights). compile (compile.py's modes, or a caller's True/False): whether the static decode
     step runs compiled (static and graph decode modes only; in graph mode the engine's CUDA graphs capture the
     compiled step), with dynamic shapes (STATIC_STEP_DYNAMIC). prefill_tokens: positions one prefill forward takes at
     most (several prompts, padded to the longest; 1: one prompt at a time). lag: the host one step behind the device,

@@ -113,6 +113,10 @@ class PartRule:
             return PRIOR_WARM_FRACTION * entry["cold_s"], "in Inductor's cache"
         return PRIOR_COLD_SECONDS_PER_LAYER[self.part] * self.layers, "cold, estimated"
 
+    def ledger_field(self, ledger):
+        """Where this run's compile seconds go: warm_s if the ledger has its cold compile (the graphs are cached)."""
+        return "warm_s" if "cold_s" in (ledger.get(self.key) or {}) else "cold_s"
+
     def expected_ratio(self, ledger):
         entry = ledger.get(self.key) or {}
         return entry.get("ratio", PRIOR_RATIO[self.part])
@@ -141,8 +145,8 @@ class AutoCompile:
                 rule.status = "kept"  # compiled before the resume: compiled from its start on, nothing left to time
             elif saved.get("status") == "never":
                 rule.status = "never"
-            if rule.status == "kept" and ledger is not None:  # compiling from the start: from the cache if the ledger
-                rule.recorded = "warm_s" if "cold_s" in (ledger.get(rule.key) or {}) else "cold_s"  # has seen it
+            if rule.status == "kept" and ledger is not None:  # compiling from the start
+                rule.recorded = rule.ledger_field(ledger)
 
     def take_said(self):
         """The lines said since the last call (why each decision), once."""
@@ -210,7 +214,7 @@ class AutoCompile:
 
     def _check(self, part, rule, step):
         eager, compiled = statistics.median(rule.eager), statistics.median(rule.compiled)
-        rule.recorded = "warm_s" if "cold_s" in (self.ledger.get(rule.key) or {}) else "cold_s"
+        rule.recorded = rule.ledger_field(self.ledger)
         self._record(rule, {"ratio": round(compiled / eager, 4) if eager > 0 else 1.0,
                             rule.recorded: round(rule.compile_s, 2)})
         rule.status = "kept" if compiled < eager else "back"

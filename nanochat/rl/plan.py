@@ -14,6 +14,7 @@ from nanochat.engine.cuda_graphs import DECODE_DESCRIPTIONS, check_decode_flag
 from nanochat.engine.engine import Engine
 from nanochat.engine.memory_budget import FIXED_GB, resolve_memory_budget
 from nanochat.model.compile import compile_models, resolve_compile_flag, run_decode_mode
+from nanochat.model.compile_rule import AutoCompile, CompileLedger, PartRule, part_key
 from nanochat.model.head import HEAD_CHUNK_TOKENS
 from nanochat.model.precision import MARGIN, PREFERENCE, fastest_rollout_dtype, fastest_training_dtype, rank0_choice
 
@@ -148,3 +149,23 @@ def describe_engine(engine, compiling, config, rows):
     print0(f"rollouts: {engine.decode} decode step ({how}; --decode to choose)")
     print0(f"training: {rows} trained rows per forward, of one question or several "
            f"({'--train-rows' if config.train_rows else 'auto'}; the same gradient for any count)")
+
+
+def engine_decode(decode, compiling, auto_compile):
+    """(decode mode, compiled) of the run's engine at its start: --decode's resolved mode, compiled where the plan says
+    (--compile=on: graph stays graph on CUDA); the static step, compiled, where --compile=auto switched to it before
+    the resumed step (a CPU run, whose mode was the eager step)."""
+    switched = not compiling.decode and auto_compile is not None and auto_compile.compiled_now("decode")
+    return ("static", True) if switched else (decode, bool(compiling.decode))
+
+
+def auto_compile_of(config, model, parts, compiling, num_steps, start_step, meta, rank):
+    """The AutoCompile of a run whose --compile=auto measures `parts` (plan.measured_parts; resumed: meta's decisions),
+    or that compiles from its start (--compile=on: the CompilePlan `compiling`), recording its compiles' cost; or None."""
+    compiled = () if parts else tuple(p for p, on in (("train", compiling.train), ("decode", compiling.decode)) if on)
+    if not parts and not compiled:
+        return None
+    dtypes = {"train": config.dtype, "decode": config.rollout_dtype}
+    rules = {part: PartRule(part, part_key(part, model, dtypes[part]), model.config.n_layer) for part in parts + compiled}
+    return AutoCompile(rules, num_steps, CompileLedger(), start_step=start_step,
+                       state=(meta or {}).get("compile_auto"), records=rank == 0, compiled=compiled)

@@ -22,13 +22,14 @@ from nanochat.engine.engine import Engine
 from nanochat.engine.decode_batch import static_step
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC
 from nanochat.model.compile import CompileClock, compile_models, compile_seconds
-from nanochat.model.compile_rule import AutoCompile, CompileLedger, PartRule, part_key
+from nanochat.model.compile_rule import AutoCompile
 from nanochat.model.precision import ortho_dtype
 from nanochat.optim.loss_scale import loss_scale_for, scaled_forward
 from nanochat.optim.optimizers import guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.rl.config import RLConfig
 from nanochat.rl.objective import PolicyLoss, step_counts
-from nanochat.rl.plan import describe_engine, resolve_compute_plan, resolve_memory, train_rows
+from nanochat.rl.plan import (auto_compile_of, describe_engine, engine_decode, resolve_compute_plan, resolve_memory,
+                              train_rows)
 from nanochat.rl.policy_gradient import TrainStats, accumulate_policy_gradient, chunk_logprobs, compiled_chunk_forward
 from nanochat.rl.progress import RolloutLog, drop_rollouts_after
 from nanochat.rl.resume import prepare_output_dir, restore_optimizers, start_new_run
@@ -167,9 +168,8 @@ def setup_run(config, resume, rank, world_size, device):
     if reference is not None:
         compile_models(compiling, reference)
     resolve_memory(config, model, device, optimizers, rows, compiled_training=compiling.train or "train" in measured)
-    decode_compiled = compiling.decode or bool(auto_compile and auto_compile.compiled_now("decode"))
-    engine = make_engine(config, model, tokenizer, "static" if decode_compiled else config.decode,
-                         bool(decode_compiled), (train_task, val_task))
+    engine = make_engine(config, model, tokenizer, *engine_decode(config.decode, compiling, auto_compile),
+                         (train_task, val_task))
     describe_engine(engine, compiling, config, rows)
     if engine.decode != "eager":
         print0(f"rollouts: static batch sized for prompts of up to {engine.prompt_floor} tokens (the task's longest)")
@@ -205,18 +205,6 @@ def make_engine(config, model, tokenizer, decode, compiled, tasks):
     if engine.decode != "eager":
         engine.reserve_prompt_length(longest_prompt(tokenizer, *tasks))
     return engine
-
-
-def auto_compile_of(config, model, parts, compiling, num_steps, start_step, meta, rank):
-    """The AutoCompile of a run whose --compile=auto measures `parts` (plan.measured_parts; resumed: meta's decisions),
-    or that compiles from its start (--compile=on: the CompilePlan `compiling`), recording its compiles' cost; or None."""
-    compiled = () if parts else tuple(p for p, on in (("train", compiling.train), ("decode", compiling.decode)) if on)
-    if not parts and not compiled:
-        return None
-    dtypes = {"train": config.dtype, "decode": config.rollout_dtype}
-    rules = {part: PartRule(part, part_key(part, model, dtypes[part]), model.config.n_layer) for part in parts + compiled}
-    return AutoCompile(rules, num_steps, CompileLedger(), start_step=start_step,
-                       state=(meta or {}).get("compile_auto"), records=rank == 0, compiled=compiled)
 
 
 def _part_compile_seconds():  # what each part has compiled so far, in seconds
