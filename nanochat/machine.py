@@ -142,3 +142,50 @@ def measure_machine(device, dtypes, matmul_size):
     bandwidth = memory_bandwidth(device)
     print0(f"memory bandwidth (device copy): {bandwidth / 1e9:.1f} GB/s")
     return info, peaks, bandwidth
+
+
+def covered_length(intervals, start, end):
+    """How much of [start, end) at least one of `intervals` ((begin, end) pairs, in any order, overlapping or not)
+    covers: a GPU's busy time in a window, its kernels being the intervals (overlapping kernels count once)."""
+    covered, reach = 0, start
+    for begin, finish in sorted(intervals):
+        begin, finish = max(begin, reach), min(finish, end)
+        if finish > begin:
+            covered += finish - begin
+            reach = finish
+    return covered
+
+
+def profile_split(prof, phases):
+    """Where each phase of a torch.profiler run (a record_function range named in `phases`, which ends once the device
+    has finished its work) spent its time: {phase: {wall_s, gpu_busy_s, gaps_s, gpu_ops}}. gpu_busy_s is the union of
+    the GPU's kernels and copies in it; gaps_s = wall_s - gpu_busy_s, the time the GPU waited on the host (launches, Python,
+    syncs): a launch-bound step is mostly gaps. On a CPU the GPU lists are empty (everything is gaps)."""
+    events = list(prof.profiler.kineto_results.events())
+    span = lambda e: (e.start_ns(), e.start_ns() + e.duration_ns())  # noqa: E731
+    gpu = [span(e) for e in events if e.device_type() != torch.autograd.DeviceType.CPU
+           and not e.is_user_annotation() and e.name() not in phases]
+    split = {}
+    for name in phases:
+        ranges = [span(e) for e in events if e.name() == name and e.device_type() == torch.autograd.DeviceType.CPU]
+        if not ranges:
+            continue
+        start, end = min(r[0] for r in ranges), max(r[1] for r in ranges)
+        busy = covered_length(gpu, start, end)
+        split[name] = {"wall_s": (end - start) / 1e9, "gpu_busy_s": busy / 1e9, "gaps_s": (end - start - busy) / 1e9,
+                       "gpu_ops": sum(start <= b < end for b, _ in gpu)}
+    return split
+
+
+def profile_phases(fn, device, phases, rows):
+    """fn() once unprofiled (compiles, captures, caches), then again under torch.profiler, the device's kernels too:
+    (profile_split of its phases, a line saying it, and the table of the `rows` ops with the most self device time)."""
+    fn()
+    cuda = [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + cuda) as prof:
+        fn()
+    split = profile_split(prof, phases)
+    line = "; ".join(f"{phase} {s['wall_s']:.2f}s = device busy {s['gpu_busy_s']:.2f}s ({s['gpu_ops']} kernels and "
+                     f"copies) + gaps {s['gaps_s']:.2f}s" for phase, s in split.items())
+    table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=rows)
+    return split, line + "\n" + table

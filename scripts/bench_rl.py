@@ -8,7 +8,7 @@ against eager's / static's), *_compiled (torch.compile), *_blocks (--compile=blo
 behind the device); each as is and "+early" (rows end at random lengths).
   python -m scripts.bench_rl                                   # CPU or 1 GPU: random-init d4, vocab 8192
   python -m scripts.bench_rl --source=sft --task=arithmetic    # a trained checkpoint from $NANOCHAT_BASE_DIR
-  python -m scripts.bench_rl --configs=batched_bf16 --profile=batched_bf16   # where rollout time goes
+  python -m scripts.bench_rl --configs=batched_bf16 --profile=batched_bf16   # where a step's time goes
 """
 
 import copy
@@ -30,7 +30,7 @@ from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import cache_geometry
 from nanochat.engine.op_count import compiled_step_graphs, compiled_step_kernels, count_decode_step_ops
 from nanochat.files import atomic_write
-from nanochat.machine import PeakMemory, device_time, load_average, measure_machine
+from nanochat.machine import PeakMemory, device_time, load_average, measure_machine, profile_phases
 from nanochat.model.compile import compile_block_regions, compile_plan
 from nanochat.model.flops import matmul_flops_per_token, rollout_flops, train_flops
 from nanochat.model.gpt import GPT, build_fresh_model
@@ -97,7 +97,7 @@ def parse_args(argv):
     add("--early-stop-mean", type=float, default=64.0, help="mean completion length of the +early runs (0: none)")
     add("--no-signal-fractions", default="0,0.25,0.5,0.75,1", help="batched_fp32's training, these fractions silenced")
     add("--peak-matmul-size", type=int, default=2048, help="n of the n x n matmul timed for the FLOP/s peak")
-    add("--profile", default="", choices=("",) + tuple(CONFIGS), metavar="CONFIG", help="then profile a rollout of CONFIG")
+    add("--profile", default="", choices=("",) + tuple(CONFIGS), metavar="CONFIG", help="then profile a step of CONFIG (after one unprofiled)")
     add("--profile-rows", type=int, default=25, help="rows of each profile table")
     args, rest = p.parse_known_args(argv)
     flags = parse_chat_rl_args(rest)
@@ -247,16 +247,17 @@ def bench_step(run, config, force_advantages):
         opt.register_step_pre_hook(lambda *_: optimizer_seconds.append(-device_time(run.device))),
         opt.register_step_post_hook(lambda *_: optimizer_seconds.append(device_time(run.device))))]
     t0 = device_time(run.device)
-    rollouts, calls = step_rollouts(run, config)
-    t1 = device_time(run.device)
+    with torch.profiler.record_function("rollout"):  # each phase ends once the device is done (--profile's split)
+        rollouts, calls = step_rollouts(run, config)
+        t1 = device_time(run.device)
     digest = hashlib.sha1(repr([r.batch.inputs.tolist() for r in rollouts]).encode()).hexdigest()[:16]
     if force_advantages:
         rollouts = [dataclasses.replace(r, batch=dataclasses.replace(r.batch, advantages=(
             1 - 2 * (torch.arange(len(r.batch.advantages)) % 2)).to(r.batch.advantages))) for r in rollouts]
-    trained = train_on_rollouts(run, rollouts, BENCH_STEP).first
-    t2 = device_time(run.device)
-    for hook in hooks:
-        hook.remove()
+    with torch.profiler.record_function("training"):
+        trained = train_on_rollouts(run, rollouts, BENCH_STEP).first
+        t2 = device_time(run.device)
+    any(hook.remove() for hook in hooks)
     compiles, compile_seconds = run.compile_clock.lap()
     optimizer_s = sum(optimizer_seconds)
     return {**engine_work(run.model, calls, run.config.max_new_tokens), "tokens_digest": digest, "compiles": compiles,
@@ -297,8 +298,8 @@ def measure(model, rollout_model, initial_state, tokenizer, task, config, rl, ar
     r.update(kv_bytes_per_decoded_token=kv_bytes / max(r["row_steps"], 1), decode_weight_bytes=weight_bytes,
              decode_ms_per_step=1000 * r["rollout_seconds"] / forwards,
              bytes_per_decode_step=weight_bytes + kv_bytes / forwards)
-    r["bandwidth_bound_ms"] = 1000 * r["bytes_per_decode_step"] / bandwidth
-    r["decode_x_bound"] = r["decode_ms_per_step"] / r["bandwidth_bound_ms"]
+    r.update(bandwidth_bound_ms=(bound := 1000 * r["bytes_per_decode_step"] / bandwidth),
+             decode_x_bound=r["decode_ms_per_step"] / bound)
     with torch.device("meta"):  # a static decode step at the run's largest shape: the same count on any machine
         ops = count_decode_step_ops(GPT(model.config, model.generation), max(r["max_batch_rows"], 1), rl.max_new_tokens,
                                     share_prompts=config.lean, num_samples=rl.num_samples)
@@ -434,15 +435,14 @@ def run(args, configs, device):
             ("train s (all rows)", "all_rows_seconds", ".2f")], first="no-signal"))
     atomic_write(args.output, json.dumps(report(), indent=2))
     print0(f"\nwrote {args.output} (memory: {memory.method})")
-    if args.profile:  # where a rollout's time goes, by torch op
+    if args.profile:  # where a step's time goes: the GPU's kernels against its waits on the host, and by torch op
         model.load_state_dict(initial_state)
         config = CONFIGS[args.profile]
-        profile_run = bench_run(model, model, tokenizer, task, config, rl, device, optimize=False)
-        cuda = [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + cuda) as prof:
-            step_rollouts(profile_run, config)
-        print0(f"\ntorch.profiler, rollout of {config.name} (self time per op):\n"
-               + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+        profile_run = bench_run(model, model, tokenizer, task, config, rl, device)
+        split, text = profile_phases(lambda: bench_step(profile_run, config, args.force_advantages), device,
+                                     ("rollout", "training"), args.profile_rows)
+        print0(f"\nprofiled step of {config.name}: {text}")
+        atomic_write(args.output, json.dumps({**report(), "profile_split": {config.name: split}}, indent=2))
     return report()
 
 

@@ -6,7 +6,7 @@
 #   bash tests/gpu_check.sh [checks|compiled|suite|speedrun|env] [OUT_DIR]   # on the GPU machine (carry gpu_carry)
 #   bash tests/gpu_check.sh checks,compiled [OUT_DIR]   # several stages in one call (560 s, shared by weight)
 #
-# checks (the default), one call of at most 8 minutes in eight parts, each under a timeout, each adding one JSON line
+# checks (the default), one call of at most 8 minutes in nine parts, each under a timeout, each adding one JSON line
 # to OUT_DIR/parts.jsonl as it ends (part, exit, seconds, limit, log), and remaking OUT_DIR/results.tgz (every file,
 # since a device call brings back 8 at most), so that a call stopped at its limit keeps what finished:
 # 1. setup (below);
@@ -16,6 +16,9 @@
 # 3. the d20 bench (nanochat's January-2026 d20 shapes, random weights, GSM8K prompts, 16 questions x 16 samples x
 #    256 tokens, rows to the cap, advantages forced to +-1 so the whole batch trains), the graph decode step, 3
 #    consecutive steps: chat_rl's own step (bench_d20.json, written after each config);
+# 3b. the step of part 3 profiled (torch.profiler, after one step unprofiled): per phase, rollout and training, the
+#    GPU's busy time (the union of its kernels and copies) against the gaps in which it waited on the host, and the ops
+#    with the most GPU time (profile_d20.json's profile_split, profile_d20.log);
 # 4. the epoch estimate: scripts/bench_epoch.py times a d20 save both ways (written whole, and in the background)
 #    and prints `d20 epoch on this GPU ≈ N min` from part 3's step, its rollout rate for the evals and the save
 #    (epoch_d20.json);
@@ -198,6 +201,10 @@ checks)
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph \
         --early-stop-mean=0 --no-signal-fractions= --repeat=3 --force-advantages --output="$out/bench_d20.json"
     bench_rc=$?
+    # where part 3's step goes: the GPU busy (kernels and copies) against its waits on the host (launch gaps), per phase
+    step "d20 profile" 100 "$out/profile_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --profile=batched_bf16_graph \
+        --early-stop-mean=0 --no-signal-fractions= --repeat=1 --force-advantages --output="$out/profile_d20.json"
     step "epoch estimate" 60 "$out/epoch_d20.log" \
         "$python" -m scripts.bench_epoch --bench="$out/bench_d20.json" --device-type=cuda --output="$out/epoch_d20.json"
     # the host in step with the device (issue 49's lag off): what lagging gains
