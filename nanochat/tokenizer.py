@@ -8,6 +8,8 @@ so a tokenizer trained by nanochat can be copied in unchanged and ours can be us
 
 Vocabulary layout: the 256 byte tokens and the merges (ids 0 .. n-1, in merge order), then the nine
 special tokens of SPECIAL_TOKENS (ids n .. n+8, in that order).
+
+nanochat's names are here too: RustBPETokenizer (this module's Tokenizer), get_tokenizer, get_token_bytes.
 """
 
 import os
@@ -87,15 +89,19 @@ def _load_encoding(path):
 
 
 class Tokenizer:
-    """A tiktoken Encoding plus nanochat's special tokens and chat rendering."""
+    """A tiktoken Encoding plus nanochat's special tokens and chat rendering (nanochat's RustBPETokenizer).
 
-    def __init__(self, enc):
+    bos_token: the special token that starts a sequence, as nanochat's constructor takes it (always "<|bos|>" in a
+    nanochat tokenizer)."""
+
+    def __init__(self, enc, bos_token="<|bos|>"):
         missing = [s for s in SPECIAL_TOKENS if s not in enc.special_tokens_set]
         if missing:
             raise TokenizerError(f"tokenizer {enc.name!r} lacks the special tokens {', '.join(missing)}, "
                                  "so it is not a nanochat tokenizer")
         self.enc = enc
         self._special_ids = {s: enc.encode_single_token(s) for s in SPECIAL_TOKENS}  # the encode_special cache
+        self.bos_token_id = self.encode_special(bos_token)
 
     # ---------------------------------------------------------------- construction and files
 
@@ -160,7 +166,7 @@ class Tokenizer:
             raise ValueError(f"{text!r} is not a special token; they are {', '.join(SPECIAL_TOKENS)}") from None
 
     def get_bos_token_id(self):
-        return self._special_ids["<|bos|>"]
+        return self.bos_token_id
 
     # ---------------------------------------------------------------- text
 
@@ -201,7 +207,7 @@ class Tokenizer:
             mask.extend([m] * len(token_ids))
 
         sp = self._special_ids
-        add(sp["<|bos|>"], 0)
+        add(self.bos_token_id, 0)
         for i, message in enumerate(messages):
             content = message["content"]
             if message["role"] == "user":
@@ -273,3 +279,16 @@ def _merge_system_message(messages):
 def get_tokenizer():
     """The tokenizer in $NANOCHAT_BASE_DIR/tokenizer (see `python -m scripts.tok_train`)."""
     return Tokenizer.from_directory(os.path.join(get_base_dir(), "tokenizer"))
+
+
+RustBPETokenizer = Tokenizer  # nanochat's name for the same class (trained with rustbpe, encoding with tiktoken)
+
+
+def get_token_bytes(device="cpu"):
+    """(vocab_size,) int32 on `device`: the byte length of every token id, read from
+    $NANOCHAT_BASE_DIR/tokenizer/token_bytes.pt (Tokenizer.save writes it, and so does nanochat's tok_train)."""
+    path = os.path.join(get_base_dir(), "tokenizer", "token_bytes.pt")
+    if not os.path.isfile(path):
+        raise TokenizerError(f"no token_bytes.pt at {path}; train a tokenizer (python -m scripts.tok_train) or copy "
+                             "your nanochat tokenizer directory there", path)
+    return torch.load(path, map_location=device)

@@ -13,9 +13,14 @@ One rollout, top-down through the modules:
     calculator.py           the calculator itself
     agreement.py, op_count.py   diagnostics: where two decodes part, and the kernels a step launches
 
-`from nanochat.engine import Engine` is nanochat's import path.
+`from nanochat.engine import Engine, KVCache, sample_next_token, use_calculator` is nanochat's import path (its
+engine.py); what differs from nanochat's objects is in docs/layout.md, "nanochat's names". sample_next_token here is
+nanochat's signature (logits, rng, temperature, top_k), not nanochat.model.sampling's (logits, seeds, steps, ...).
 """
 
+from nanochat.engine.calculator import use_calculator
 from nanochat.engine.engine import Engine
+from nanochat.engine.kv_cache import KVCache
+from nanochat.model.sampling import sample_with_generator as sample_next_token
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "KVCache", "sample_next_token", "use_calculator"]

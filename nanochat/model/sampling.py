@@ -4,6 +4,9 @@ Sampling with per-row random streams: one piece of code for the engine and the m
 Each row draws its randomness from a counter-based hash of (row seed, step, candidate) instead of a shared
 torch.Generator. A row's tokens then depend only on its own seed and logits, never on which other rows share
 its batch or in what order rows were admitted, and no per-row Python work is needed.
+
+sample_with_generator is nanochat's `sample_next_token(logits, rng, ...)` over the same streams, its row seeds
+drawn from the generator.
 """
 
 import torch
@@ -80,3 +83,18 @@ def sample_with_logprobs(logits, seeds, steps, temperature=1.0, top_k=None):
     chosen = values.gather(-1, choice).squeeze(-1)  # (B,)
     chosen_scaled = chosen if scaled is values else scaled.gather(-1, choice).squeeze(-1)
     return tokens, chosen - log_normalizer, chosen_scaled - torch.logsumexp(scaled, dim=-1)
+
+
+def sample_with_generator(logits, rng, temperature=1.0, top_k=None):
+    """nanochat's `sample_next_token(logits, rng, temperature, top_k)`: logits (B, V), rng a torch.Generator ->
+    (B, 1) int64. The same distribution as sample_next_token (argmax at temperature 0, else softmax over the top k
+    at temperature T), drawn through this module's per-row streams: each row's seed comes from `rng`, so a seeded
+    generator gives reproducible tokens, though not the ones nanochat's torch.multinomial draws from that state.
+    Greedy decoding leaves `rng` untouched, as nanochat's does."""
+    B = logits.size(0)
+    if temperature == 0.0:
+        seeds = torch.zeros(B, dtype=torch.long, device=logits.device)  # argmax reads no randomness
+    else:
+        seeds = torch.randint(0, 1 << 32, (B,), generator=rng, device=rng.device).to(logits.device)
+    steps = torch.zeros(B, dtype=torch.long, device=logits.device)  # a fresh seed per call: step 0 of its stream
+    return sample_next_token(logits, seeds, steps, temperature, top_k)[:, None]

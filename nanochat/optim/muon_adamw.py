@@ -175,3 +175,6 @@ class MuonAdamW(torch.optim.Optimizer):
             work.wait()
             if params is not None:
                 copy_gathered_matrices(params, recv)
+
+
+DistMuonAdamW = MuonAdamW  # nanochat's name for the distributed form; here one class serves one process and many
