@@ -4,6 +4,7 @@ memory bandwidth (the bound of a memory-bound decode step), the peak memory of a
 of the machine and its load (so that a figure can be told apart from the machine it was measured on).
 """
 
+import collections
 import ctypes
 import gc
 import math
@@ -162,12 +163,10 @@ def profile_split(prof, phases):
     the GPU's kernels and copies in it; gaps_s = wall_s - gpu_busy_s, the time the GPU waited on the host (launches, Python,
     syncs): a launch-bound step is mostly gaps. On a CPU the GPU lists are empty (everything is gaps)."""
     events = list(prof.profiler.kineto_results.events())
-    span = lambda e: (e.start_ns(), e.start_ns() + e.duration_ns())  # noqa: E731
-    gpu = [span(e) for e in events if e.device_type() != torch.autograd.DeviceType.CPU
-           and not e.is_user_annotation() and e.name() not in phases]
+    gpu = [_span(e) for e in _device_events(events, phases)]
     split = {}
     for name in phases:
-        ranges = [span(e) for e in events if e.name() == name and e.device_type() == torch.autograd.DeviceType.CPU]
+        ranges = [_span(e) for e in events if e.name() == name and e.device_type() == torch.autograd.DeviceType.CPU]
         if not ranges:
             continue
         start, end = min(r[0] for r in ranges), max(r[1] for r in ranges)
@@ -177,9 +176,31 @@ def profile_split(prof, phases):
     return split
 
 
+def _span(event):
+    return event.start_ns(), event.start_ns() + event.duration_ns()
+
+
+def _device_events(events, phases):  # the GPU's kernels and copies (not the annotations that mirror the phases there)
+    return [e for e in events if e.device_type() != torch.autograd.DeviceType.CPU and not e.is_user_annotation()
+            and e.name() not in phases]
+
+
+def top_device_ops(prof, rows):
+    """The `rows` kernel names with the most GPU time in a profile (the CPU's ops on a CPU, nested ones counted in
+    each), as text: read from the profiler's raw events, since its per-op table takes minutes over a GPU step's
+    few hundred thousand kernels."""
+    events = list(prof.profiler.kineto_results.events())
+    chosen = _device_events(events, ()) or [e for e in events if not e.is_user_annotation()]
+    seconds, calls = collections.Counter(), collections.Counter()
+    for e in chosen:
+        seconds[e.name()] += e.duration_ns() / 1e9
+        calls[e.name()] += 1
+    return "\n".join(f"{s:9.3f} s {calls[name]:8d} x  {name[:110]}" for name, s in seconds.most_common(rows))
+
+
 def profile_phases(fn, device, phases, rows):
     """fn() once unprofiled (compiles, captures, caches), then again under torch.profiler, the device's kernels too:
-    (profile_split of its phases, a line saying it, and the table of the `rows` ops with the most self device time)."""
+    (profile_split of its phases, a line saying it, and the `rows` ops with the most device time)."""
     fn()
     cuda = [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + cuda) as prof:
@@ -187,5 +208,4 @@ def profile_phases(fn, device, phases, rows):
     split = profile_split(prof, phases)
     line = "; ".join(f"{phase} {s['wall_s']:.2f}s = device busy {s['gpu_busy_s']:.2f}s ({s['gpu_ops']} kernels and "
                      f"copies) + gaps {s['gaps_s']:.2f}s" for phase, s in split.items())
-    table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=rows)
-    return split, line + "\n" + table
+    return split, line + "\n" + top_device_ops(prof, rows)
