@@ -19,7 +19,7 @@ from nanochat.common import SettingError, UserError, cleanup_after_error, get_ra
 from nanochat.engine.cuda_graphs import DECODE_MODES
 from nanochat.engine.memory_budget import AUTO, FIXED_GB, FRACTION, NoMemoryForRolloutsError, parse_budget
 from nanochat.model.compile import COMPILE_MODES, SFT_CPU_MIN_STEPS, CompileFailed
-from nanochat.rl.plan import AUTO_TRAIN_ROWS
+from nanochat.rl.plan import AUTO_TRAIN_ROWS, OTHER_AUTO_TRAIN_ROWS
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
 from nanochat.tokenizer import TokenizerError
 from nanochat.wandb_utils import WandbStartError
@@ -83,8 +83,8 @@ def add_train_rows_flag(parser):
     """--train-rows: trained rows per training forward (read it with train_rows)."""
     parser.add_argument("--train-rows", type=int, default=0,
                         help=f"trained rows per training forward, taken from one question or several in turn (0 = "
-                             f"auto: {AUTO_TRAIN_ROWS}, or --device-batch-size if larger). The gradient is the same "
-                             "for any value: each row keeps the denominator of its --device-batch-size pass. More "
+                             f"auto: {AUTO_TRAIN_ROWS['cuda']} on CUDA, {OTHER_AUTO_TRAIN_ROWS} elsewhere, or "
+                             "--device-batch-size if larger). The gradient is the same for any value: each row keeps the denominator of its --device-batch-size pass. More "
                              "rows make larger matmuls and fewer forwards (on a GPU, fewer and fuller kernels) and "
                              "need more memory; halved on out-of-memory")
 

@@ -236,7 +236,7 @@ def bench_run(model, rollout_model, tokenizer, task, config, rl, device, optimiz
                  policy_loss=policy_loss_of(rl), reference=copy.deepcopy(model).requires_grad_(False) if rl.kl_coef else None,
                  train_task=task, val_task=None, num_steps=BENCH_STEP + 1, start_step=BENCH_STEP, start_checkpoint=None,
                  checkpoint_dir=None, rank=0, world_size=1, device=device, run_id=None, segments=[], history=[],
-                 eval_history=[], micro_rows=train_rows(rl) if config.batched else rl.device_batch_size, lean=config.lean,
+                 eval_history=[], micro_rows=train_rows(rl, device.type) if config.batched else rl.device_batch_size, lean=config.lean,
                  forward=compiled_chunk_forward(config.compiled, required=True))
 
 
@@ -400,7 +400,7 @@ def run(args, configs, device):
                       num_params=model.num_params(), matmul_flops_per_token=matmul_flops_per_token(model))
     print0(f"model: {model_info}")
     initial_state, memory = {k: v.detach().clone() for k, v in model.state_dict().items()}, PeakMemory(device)
-    resolve_memory(rl, model, device, make_optimizers(rl, model), train_rows(rl))  # once for every config, as chat_rl
+    resolve_memory(rl, model, device, make_optimizers(rl, model), train_rows(rl, device.type))  # once for every config, as chat_rl
     results, skipping, train_kernels = {}, None, None  # the same anywhere, so not in a GPU's (scarce) time
     report = lambda: {"machine": {**info, "load_average_after": load_average()}, "model": model_info,  # noqa: E731
                       "settings": {**vars(args), "rl": {**vars(rl), **PER_CONFIG}}, "peak_flops": peaks,

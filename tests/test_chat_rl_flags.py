@@ -181,16 +181,19 @@ def test_train_rows_changes_the_forwards_not_the_weights(sft, base_dir, monkeypa
         chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1", "--train-rows=-1"])
 
 
-def test_train_rows_auto_is_16_or_the_pass_if_larger():
-    """--train-rows=0 (auto): AUTO_TRAIN_ROWS (16, measured on an H100 and a CPU), or --device-batch-size if larger;
-    a number as given, more than a question's rows too (a forward spans questions)."""
-    def rows(**flags):
-        return train_rows(argparse.Namespace(**{"train_rows": 0, "device_batch_size": 8, "num_samples": 16, **flags}))
-    assert AUTO_TRAIN_ROWS == 16
-    assert rows() == 16
+def test_train_rows_auto_is_the_devices_or_the_pass_if_larger():
+    """--train-rows=0 (auto): AUTO_TRAIN_ROWS of the device type (64 on CUDA, measured on an H200; 16 on a CPU and
+    elsewhere), or --device-batch-size if larger; a number as given, more than a question's rows too (a forward spans
+    questions)."""
+    def rows(device_type="cpu", **flags):
+        args = argparse.Namespace(**{"train_rows": 0, "device_batch_size": 8, "num_samples": 16, **flags})
+        return train_rows(args, device_type)
+    assert AUTO_TRAIN_ROWS == {"cuda": 64, "cpu": 16}
+    assert rows() == 16 and rows("cuda") == 64 and rows("mps") == 16
     assert rows(device_batch_size=32, num_samples=64) == 32  # never fewer than the pass
+    assert rows("cuda", device_batch_size=128, num_samples=128) == 128
     assert rows(num_samples=8) == 16 and rows(device_batch_size=4, num_samples=12) == 16
-    assert rows(train_rows=4) == 4 and rows(train_rows=64) == 64
+    assert rows(train_rows=4) == 4 and rows("cuda", train_rows=4) == 4 and rows(train_rows=64) == 64
 
 
 # ----------------------------------------------------------------------------- resume

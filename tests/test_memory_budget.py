@@ -123,3 +123,27 @@ def test_the_decode_weights_reserve_is_what_decode_weights_holds():
         storages = [t.untyped_storage() for t in list(weights.copies) + list(weights.fused or [])]
         held = {s.data_ptr(): s.nbytes() for s in storages}  # a q/k/v copy is a view of its concatenation
         assert memory_budget.decode_weight_bytes(model, dtype) == sum(held.values()) > 0
+
+
+def test_cudas_auto_train_rows_give_way_when_their_reserve_would_cut_the_rollout(free_memory, capsys):
+    """nanochat's d20 (102,400 bytes a bf16 cached token; a row 256 + 2 x 300 / 16 = 293.5 tokens): with 70 GiB free,
+    64 trained rows a forward reserve a 63.9 GiB training peak, leaving 0.9 x (70 - 0.9 - 63.9) = 4.7 GiB, ~171 rows:
+    the step's 256 rollout rows would need two passes, so auto takes 16 rows (a 21.8 GiB reserve, 42.6 GiB of KV).
+    With 135 GiB free (an H200) 64 stay; rows given by --train-rows are never changed; off CUDA nothing is reserved."""
+    from nanochat.rl.plan import resolve_memory
+    with torch.device("meta"):
+        d20 = GPT(GPTConfig(sequence_len=2048, vocab_size=65536, n_layer=20, n_head=10, n_kv_head=10, n_embd=1280))
+
+    def rows_and_budget(free_gib, train_rows=0, device="cuda", rows=64):
+        free_memory[0] = free_gib * GiB
+        config = SimpleNamespace(memory_budget_gb="auto", max_new_tokens=256, rollout_dtype="bfloat16", num_samples=16,
+                                 train_rows=train_rows, device_batch_size=8)
+        rows = resolve_memory(config, d20, torch.device(device), [], rows, rollout_rows=256, prompt_tokens=300)
+        return rows, round(config.memory_budget_gb, 1)
+
+    assert rows_and_budget(70) == (16, 42.6)
+    assert "training: 16 trained rows per forward, not 64: a forward of 64 would leave too little memory for a " \
+           "step's 256 rollout rows at once" in capsys.readouterr().out
+    assert rows_and_budget(135) == (64, 63.2)
+    assert rows_and_budget(70, train_rows=64) == (64, 4.7)
+    assert rows_and_budget(70, device="cpu", rows=16) == (16, 4.0)

@@ -11,16 +11,24 @@ import torch
 
 from nanochat.common import UserError, compute_dtype, dtype_name, print0
 from nanochat.engine.cuda_graphs import DECODE_DESCRIPTIONS, check_decode_flag
-from nanochat.engine.engine import Engine
+from nanochat.engine.engine import Engine, rows_in_budget
+from nanochat.engine.kv_cache import cache_geometry
 from nanochat.engine.memory_budget import FIXED_GB, resolve_memory_budget
 from nanochat.model.compile import compile_models, resolve_compile_flag, run_decode_mode
 from nanochat.model.compile_rule import AutoCompile, CompileLedger, PartRule, part_key
 from nanochat.model.head import HEAD_CHUNK_TOKENS
 from nanochat.model.precision import MARGIN, PREFERENCE, fastest_rollout_dtype, fastest_training_dtype, rank0_choice
 
-# trained rows per training forward under --train-rows=0 (auto), on every device: twice nanochat's --device-batch-size gives
-# larger, fuller matmuls for the same rows, and trained them faster on a GPU and on a CPU (docs/performance.md)
-AUTO_TRAIN_ROWS = 16
+# trained rows per training forward under --train-rows=0 (auto), by device type: more rows than nanochat's
+# --device-batch-size make larger, fuller matmuls and fewer forwards for the same rows. On CUDA 64: on an H200 (d20,
+# 256 rows of 256 sampled tokens) 64 trained them in 1.36 s against 2.49 s with 16, whose pass was two-thirds waits on
+# the host; elsewhere 16, 7-14% faster than 8 on a CPU (docs/performance.md)
+AUTO_TRAIN_ROWS = {"cuda": 64, "cpu": 16}
+OTHER_AUTO_TRAIN_ROWS = 16  # MPS and any other device: a CPU's choice until measured there
+
+
+def auto_train_rows(device_type):
+    return AUTO_TRAIN_ROWS.get(device_type, OTHER_AUTO_TRAIN_ROWS)
 
 
 def check_train_rows(args):
@@ -29,13 +37,13 @@ def check_train_rows(args):
         raise UserError(f"--train-rows must be >= 0 (0 = auto), got {args.train_rows}")
 
 
-def train_rows(args):
-    """Trained rows per training forward: --train-rows, else (0, auto) AUTO_TRAIN_ROWS (--device-batch-size if
-    larger). A forward may hold rows of several questions (nanochat.rl.policy_gradient.accumulate_policy_gradient cuts
-    the step's trained rows, in question order, into forwards of this many), so it is not capped at --num-samples.
-    The same on every device (see AUTO_TRAIN_ROWS)."""
+def train_rows(args, device_type):
+    """Trained rows per training forward on a device of device_type: --train-rows, else (0, auto) the device's
+    AUTO_TRAIN_ROWS (--device-batch-size if larger). A forward may hold rows of several questions
+    (nanochat.rl.policy_gradient.accumulate_policy_gradient cuts the step's trained rows, in question order, into
+    forwards of this many), so it is not capped at --num-samples."""
     check_train_rows(args)
-    return args.train_rows or max(args.device_batch_size, AUTO_TRAIN_ROWS)
+    return args.train_rows or max(args.device_batch_size, auto_train_rows(device_type))
 
 
 def phase_dtype(phase, device, requested, measure):
@@ -128,18 +136,33 @@ def resolve_compute_plan(config, model, tokenizer, train_task, device, world_siz
     return compiling, measured_parts(compiling, decode_flag, config.rollout_dtype)
 
 
-def resolve_memory(config, model, device, optimizers, rows, compiled_training=False):
+def resolve_memory(config, model, device, optimizers, rows, compiled_training=False, rollout_rows=0, prompt_tokens=0):
     """config.memory_budget_gb in GiB: the KV caches' budget once the model and optimizer state are in memory and a
     training forward of `rows` rows is reserved: rows of up to ceil(rows / --num-samples) + 1 questions (a forward
     spans questions), their prompts at most the model's sequence length, and the head's logits one chunk at a time
-    (whole when training is compiled: nanochat/model/head.py)."""
-    head_tokens = None if compiled_training else min(rows * config.max_new_tokens, HEAD_CHUNK_TOKENS)
-    config.memory_budget_gb, budget_line = resolve_memory_budget(
-        config.memory_budget_gb, model, device, optimizers, rows=rows,
-        completion_tokens=config.max_new_tokens, prompt_tokens=model.config.sequence_len,
-        rollout_dtype=getattr(torch, config.rollout_dtype), prompts=-(-rows // config.num_samples) + 1,
-        head_tokens=head_tokens)
-    print0(budget_line or f"KV cache budget: {config.memory_budget_gb:g} GiB (--memory-budget-gb)")
+    (whole when training is compiled: nanochat/model/head.py). Where `rows` are auto's CUDA rows and the auto budget
+    they leave cannot hold a step's rollout_rows rows at once (prompts of prompt_tokens), the rows fall back to the
+    other devices' auto: a rollout cut in two passes costs more than the larger forwards save (an H200's d20 figures,
+    docs/performance.md). Returns the rows per training forward."""
+    def budget(rows):
+        head_tokens = None if compiled_training else min(rows * config.max_new_tokens, HEAD_CHUNK_TOKENS)
+        return resolve_memory_budget(
+            config.memory_budget_gb, model, device, optimizers, rows=rows,
+            completion_tokens=config.max_new_tokens, prompt_tokens=model.config.sequence_len,
+            rollout_dtype=getattr(torch, config.rollout_dtype), prompts=-(-rows // config.num_samples) + 1,
+            head_tokens=head_tokens)
+    gb, line = budget(rows)
+    smaller = max(config.device_batch_size, OTHER_AUTO_TRAIN_ROWS)
+    if line and not config.train_rows and smaller < rows and rollout_rows:
+        per_token = cache_geometry(model).bytes_per_token(getattr(torch, config.rollout_dtype))
+        if rows_in_budget(per_token, gb * 2 ** 30, prompt_tokens, config.max_new_tokens, config.num_samples,
+                          share_prompts=True, at_least=0) < rollout_rows:
+            print0(f"training: {smaller} trained rows per forward, not {rows}: a forward of {rows} would leave too "
+                   f"little memory for a step's {rollout_rows} rollout rows at once")
+            rows, (gb, line) = smaller, budget(smaller)
+    config.memory_budget_gb = gb
+    print0(line or f"KV cache budget: {config.memory_budget_gb:g} GiB (--memory-budget-gb)")
+    return rows
 
 
 def describe_engine(engine, compiling, config, rows):

@@ -153,7 +153,7 @@ def setup_run(config, resume, rank, world_size, device):
         config.keep_last = (meta.get("user_config", {}).get("keep_last") if config.resume else None) or 0
     start = meta.get("start_checkpoint")
     train_task, val_task = make_task(config.task, "train"), make_task(config.task, "test")
-    rows = train_rows(config)  # per training forward
+    rows = train_rows(config, device.type)  # per training forward
     num_steps = run_length(config, train_task)
     compiling, measured = resolve_compute_plan(config, model, tokenizer, train_task, device, world_size, num_steps, rows)
     auto_compile = auto_compile_of(config, model, measured, compiling, num_steps, start_step, resume and meta, rank)
@@ -167,7 +167,9 @@ def setup_run(config, resume, rank, world_size, device):
     reference = load_reference(start, device, config.model_generation) if config.kl_coef > 0 else None
     if reference is not None:
         compile_models(compiling, reference)
-    resolve_memory(config, model, device, optimizers, rows, compiled_training=compiling.train or "train" in measured)
+    rows = resolve_memory(config, model, device, optimizers, rows, compiled_training=compiling.train or "train" in measured,
+                          rollout_rows=config.examples_per_step // world_size * config.num_samples,
+                          prompt_tokens=longest_prompt(tokenizer, train_task) if device.type == "cuda" else 0)
     engine = make_engine(config, model, tokenizer, *engine_decode(config.decode, compiling, auto_compile),
                          (train_task, val_task))
     describe_engine(engine, compiling, config, rows)
