@@ -10,7 +10,7 @@ from helpers import BF16_MIN_AGREEMENT, BF16_NEAR_TIE, FP32_GAP_BOUND, random_mo
 
 from nanochat import machine
 from nanochat.common import UserError
-from nanochat.engine.agreement import greedy_agreement
+from greedy_agreement import greedy_agreement
 from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import KVCache, forward_cached
 from scripts import bench_rl

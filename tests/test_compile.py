@@ -34,11 +34,12 @@ from test_static_decode import ENDING_KWARGS, ENDING_PROMPTS, DeviceOnly, ending
 
 from nanochat.checkpoints.loading import build_model, load_model
 from nanochat.cli import error_line
-from nanochat.engine.agreement import greedy_agreement
+from greedy_agreement import greedy_agreement
 from nanochat.engine.cuda_graphs import DecodePlan, GraphedStep, bucket_shapes, bucketed_shape, decode_plan
 from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, static_step
 from nanochat.engine.decode_weights import DecodeWeights
-from nanochat.engine.engine import STATIC_STEP_DYNAMIC, BatchShape, Engine, make_batch
+from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine, make_batch
+from nanochat.engine.scheduler import BatchShape
 from nanochat.engine.op_count import count_decode_step_ops
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from nanochat.model import compile as nc_compile

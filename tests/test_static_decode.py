@@ -18,7 +18,8 @@ from nanochat.checkpoints.loading import build_model
 from nanochat.engine.cuda_graphs import (KEY_BUCKET, ROW_BUCKETS, DecodePlan, GraphedStep, bucket_shapes,
                                          bucketed_shape, capture_cuda_graph, decode_mode, decode_plan, exact_shape)
 from nanochat.engine.decode_batch import DecodeBatch, RolloutStats
-from nanochat.engine.engine import KEEP_BATCHES, Engine
+from nanochat.engine.engine import Engine
+from nanochat.engine.scheduler import KEEP_BATCHES
 from nanochat.engine.kv_cache import KVCache
 from nanochat.engine.op_count import CountOps, OpCount, count_decode_step_ops
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache

@@ -3,6 +3,7 @@ The batched rollout engine: prompts in, sampled completions out, with the calcul
 
 One rollout, top-down through the modules:
     engine.py               Engine: nanochat's generate / generate_batch, and generate_many for rollouts
+    scheduler.py            the static batches kept between rollouts, and a rollout's prompts on their way in
     memory_budget.py        how much memory the rollout's KV caches may take, decided once per run
     decode_batch.py         the rows decoded together: admission, the static decode step, retirement
     kv_cache.py             the cache each row keeps its own keys and values in, and the RolloutCache contract
@@ -11,7 +12,7 @@ One rollout, top-down through the modules:
     cuda_graphs.py          the step's shapes, and its CUDA graphs (captured once, replayed)
     rows.py                 one sample in flight, and the calculator tool's protocol
     calculator.py           the calculator itself
-    agreement.py, op_count.py   diagnostics: where two decodes part, and the kernels a step launches
+    op_count.py             a diagnostic: the kernels a step launches, counted on the meta device
 
 `from nanochat.engine import Engine, KVCache, sample_next_token, use_calculator` is nanochat's import path (its
 engine.py); what differs from nanochat's objects is in docs/layout.md, "nanochat's names". sample_next_token here is

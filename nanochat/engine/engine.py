@@ -4,6 +4,7 @@ rollouts), built from rooms of its own:
 
 - nanochat/engine/rows.py: one sample in flight (Row, Completion) and the calculator tool's protocol;
 - nanochat/engine/decode_batch.py: the rows decoded together (admit, the static step, retire) and the prompt pool;
+- nanochat/engine/scheduler.py: the static batches kept between rollouts, and a rollout's prompts on their way in;
 - nanochat/engine/kv_cache.py, nanochat/engine/shared_prompt_cache.py: the caches behind one interface (RolloutCache);
 - nanochat/model/attention.py: the contract between the model and a cache (CacheStep);
 - nanochat/engine/cuda_graphs.py: the step's shapes, its CUDA graphs and the decode modes;
@@ -14,9 +15,7 @@ token ids in, token ids and masks out. Sampling (per-row random streams) is nano
 """
 
 import math
-from collections import deque
 from functools import partial
-from typing import NamedTuple, Optional
 
 import torch
 
@@ -25,6 +24,7 @@ from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch, RolloutSta
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.kv_cache import KVCache, cache_geometry
 from nanochat.engine.rows import Row, SpecialIds
+from nanochat.engine.scheduler import Admission, BatchShape, KeptBatch, KeptBatches, cache_bytes
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from nanochat.model.compile import compile_plan, maybe_compiled
 
@@ -32,12 +32,6 @@ from nanochat.model.compile import compile_plan, maybe_compiled
 # shape. Compiled once per shape instead, each of a static batch's 100+ shapes would cost a compile of its own
 # (seconds each on a CPU), most of them in the run's first rollout.
 STATIC_STEP_DYNAMIC = True
-# Static batches kept between rollouts at most, within the budget together (see Engine._new_batch): chat_rl's evals
-# sample another shape than its steps, and with one batch kept each eval would replace the training batch and the
-# next step make it again, its CUDA graphs captured anew each way, every eval.
-KEEP_BATCHES = 2
-
-
 def prompt_slots(rows, num_samples, num_prompts):
     """Prompts held at once with shared prompts: the ones the rows are on, plus room for prompts whose last rows
     are still running while the next ones start."""
@@ -47,32 +41,6 @@ def prompt_slots(rows, num_samples, num_prompts):
 def autocast_dtype(device):
     """The dtype autocast runs matmuls in on `device` now; None outside autocast."""
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-
-
-class BatchShape(NamedTuple):
-    """What a rollout's DecodeBatch is made for; a kept batch serves a rollout of the same shape."""
-    rows: int
-    prompt_slots: Optional[int]  # prompts held at once by a cache that stores them apart (None: rows copy them)
-    prompt_cap: int              # the longest prompt it holds
-    max_tokens: int
-    num_samples: int
-    dtype: torch.dtype           # of the KV cache
-    temperature: float           # the sampler's settings (a captured step holds them as they were)
-    top_k: Optional[int]
-
-
-class KeptBatch(NamedTuple):
-    """A static batch kept between rollouts, the shape it was made for, its cache's bytes, and whether its rows were
-    what the memory budget left (fewer than the rollout's samples) rather than every sample (see Engine._new_batch)."""
-    shape: BatchShape
-    batch: DecodeBatch
-    nbytes: int
-    budget_bound: bool
-
-
-def cache_bytes(cache):
-    """The bytes of a rollout cache's tensors (a static cache holds all it will ever use)."""
-    return sum(value.nbytes for value in vars(cache).values() if isinstance(value, torch.Tensor))
 
 
 def make_batch(model, shape, plan, stats, weights, step):
@@ -98,78 +66,6 @@ def rows_in_budget(bytes_per_token, budget_bytes, prompt_len, max_tokens, num_sa
     if not share_prompts:
         return max(at_least, int(budget_tokens // (prompt_len + max_tokens)))
     return max(at_least, int((budget_tokens - prompt_len) // (max_tokens + 2 * prompt_len / num_samples)))
-
-
-def serves(kept, shape, limit, samples):
-    """Whether the KeptBatch `kept` serves a rollout of `shape` (what the rollout's batch would be made for, given
-    the kept batch's rows) with `samples` rows to sample and at most `limit` rows at once (None: no limit). Its rows
-    must be those the rollout asks for: every sample (or `limit`, when given), or, for a batch made with what the
-    budget left, still fewer than every sample."""
-    rows = kept.shape.rows
-    if kept.shape != shape:
-        return False
-    return rows == min(limit, samples) if limit else rows == samples or (kept.budget_bound and rows < samples)
-
-
-def take_kept_batch(kept, shape_of, limit, samples):
-    """The first of the KeptBatch-es `kept` that serves the rollout (see serves; `shape_of(rows)` is the shape the
-    rollout's batch would have with that many rows), taken out of `kept` (it is in use until the rollout ends, and
-    kept again then), or None."""
-    for i, candidate in enumerate(kept):
-        if serves(candidate, shape_of(candidate.shape.rows), limit, samples):
-            return kept.pop(i)
-    return None
-
-
-def rows_beside_kept(kept, budget_bytes, limit, samples, rows_for_budget):
-    """The rows of a new batch beside the KeptBatch-es `kept`, dropping from `kept` (oldest first) those whose
-    room it needs: with at most KEEP_BATCHES kept at once, the rows the budget less the kept batches holds
-    (`limit`, when given, if it fits there), once that is at least half of what the whole budget would hold.
-    `rows_for_budget(bytes, at_least=1)` is how many rows that many bytes hold. In chat_rl the first eval, before
-    any step, takes the whole budget; step 0's batch displaces it, and the next eval's batch, made beside the
-    step's, serves every eval after: two eval batches and one step batch a run."""
-    del kept[:max(0, len(kept) - (KEEP_BATCHES - 1))]  # room for this one among those kept
-    whole = min(limit or rows_for_budget(budget_bytes), samples)
-    while True:
-        room = rows_for_budget(budget_bytes - sum(k.nbytes for k in kept), at_least=0)
-        rows = max(1, min(limit or room, samples))
-        if not kept or (rows <= room and 2 * rows >= whole):  # room 0: nothing fits beside them
-            return rows
-        del kept[0]  # the oldest; its memory is free before the new cache is allocated
-
-
-def next_prefill(waiting, prompts, room, limit=PREFILL_TOKENS):
-    """The requests of the next prefill, taken from the front of the deque `waiting`: at most `room`, and (one at
-    least) as many as fit `limit` positions padded to the longest of them."""
-    requests = [waiting.popleft()]
-    longest = len(prompts[requests[0]])
-    while waiting and len(requests) < room:
-        longest = max(longest, len(prompts[waiting[0]]))
-        if longest * (len(requests) + 1) > limit:
-            break
-        requests.append(waiting.popleft())
-    return requests
-
-
-def admit_rows(batch, pending, waiting, prompts, seeds, num_samples, new_row, prefill_tokens=PREFILL_TOKENS):
-    """Fill the batch's free rows: first with the samples of the prompts in the deque `pending` (PrefilledPrompts
-    whose samples are not all admitted yet), then with those of the prompts it prefills from the deque `waiting` (of
-    indices into `prompts` and `seeds`), several in one forward of at most `prefill_tokens` positions (and as many as
-    DecodeBatch.prefill_room says), while its prompt pool has a free slot. `new_row(request, sample)` makes a sample's Row. Returns the events of the rows
-    admitted; `pending` keeps the prompts whose samples are not all admitted yet."""
-    events = []
-    while batch.free_rows > 0 and (pending or waiting):
-        if not pending:
-            if not batch.can_take_prompt():
-                break  # every pool slot holds a prompt whose rows still run: wait for one to finish
-            requests = next_prefill(waiting, prompts, batch.prefill_room(num_samples), prefill_tokens)
-            pending.extend(batch.prefill(requests, [prompts[r] for r in requests], [seeds[r] for r in requests],
-                                         num_samples))
-        prompt = pending[0]
-        events += batch.admit(prompt, [new_row(prompt.request, s) for s in prompt.next_samples(batch.free_rows)])
-        if prompt.fully_admitted:
-            pending.popleft()
-    return events
 
 
 def check_rollout_arguments(prompts, num_samples, temperature):
@@ -212,7 +108,7 @@ class Engine:
         self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
         compiles = compile if isinstance(compile, bool) else compile_plan(compile, model.get_device(), self.decode).decode
         self.step = maybe_compiled(static_step, compiles, dynamic=STATIC_STEP_DYNAMIC, required=compile == "on")
-        self.kept = []  # KeptBatch-es between rollouts, the latest last (see _new_batch); release() drops them
+        self.kept = KeptBatches()  # between rollouts (see _new_batch); release() drops them
         self.prompt_floor = 0  # static batches are sized for prompts this long at least (it never shrinks)
         self.keeps_between_rollouts = True  # the static batch and the decode weights; release() may turn it off
         self.weights = DecodeWeights(model)
@@ -227,7 +123,7 @@ class Engine:
     @property
     def kept_batch(self):
         """The static batch kept last (by the last rollout that ran to its end), or None."""
-        return self.kept[-1].batch if self.kept else None
+        return self.kept.latest
 
     def release(self, keep_from_now_on=True):
         """Drop what is kept between rollouts: the static batch (its KV cache and CUDA graphs, captured over the
@@ -242,9 +138,7 @@ class Engine:
         """Drop the static batches kept from earlier rollouts (not the decode weights), all of them or all but the
         latest (in chat_rl's training, the step's own: an eval's goes), e.g. after an out-of-memory. Returns how
         many it dropped."""
-        keep = self.kept[-1:] if keep_latest else []
-        dropped, self.kept = len(self.kept) - len(keep), keep
-        return dropped
+        return self.kept.drop(keep_latest)
 
     # -- nanochat's API ------------------------------------------------------------
     def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
@@ -315,14 +209,14 @@ class Engine:
             return BatchShape(rows, prompt_slots(rows, num_samples, num_prompts) if self.share_prompts else None,
                               longest, max_tokens, num_samples, dtype, temperature, top_k)
 
-        self.kept = [k for k in self.kept if k.shape.prompt_cap >= longest]  # made for shorter prompts: never again
-        kept = take_kept_batch(self.kept, shape_of, limit, samples)
+        self.kept.forget_shorter(longest)
+        kept = self.kept.take(shape_of, limit, samples)
         if kept is not None:
             self.last_stats = RolloutStats(rows_allocated=kept.shape.rows)
             kept.batch.begin_rollout(self.last_stats)
             return kept.batch, kept
-        rows = rows_beside_kept(self.kept, self.memory_budget_gb * (1 << 30), limit, samples,
-                                partial(self.rows_for_budget, longest, max_tokens, dtype, num_samples))
+        rows = self.kept.rows_beside(self.memory_budget_gb * (1 << 30), limit, samples,
+                                     partial(self.rows_for_budget, longest, max_tokens, dtype, num_samples))
         shape = shape_of(rows)
         self.last_stats = RolloutStats(rows_allocated=rows)
         batch = make_batch(self.model, shape, plan, self.last_stats, self.weights, self.step)
@@ -341,15 +235,16 @@ class Engine:
         self.weights.refresh(autocast_dtype(self.model.get_device()))
         batch, keep = self._new_batch(len(prompts), longest, num_samples, max_tokens, temperature, top_k, max_rows)
         batch.lag = self.lag if lag is None else lag  # a kept batch ends each rollout with every row fed
-        waiting, pending = deque(range(len(prompts))), deque()  # prompts not prefilled yet; prefilled, being admitted
-        new_row = partial(Row, max_tokens=max_tokens, special=self.special, tokenizer=self.tokenizer)
-        while batch.in_flight or waiting or pending:
+        admission = Admission(prompts, seeds, num_samples,
+                              partial(Row, max_tokens=max_tokens, special=self.special, tokenizer=self.tokenizer),
+                              self.prefill_tokens)
+        while batch.in_flight or admission.open:
             events = batch.decode_step()
-            events += admit_rows(batch, pending, waiting, prompts, seeds, num_samples, new_row, self.prefill_tokens)
+            events += admission.admit(batch)
             if events:
                 yield events
         if not self.keeps_between_rollouts:
             self.weights.clear()
         elif keep is not None:  # every row retired and every prompt slot freed: ready for the next rollout
-            self.kept.append(keep)
+            self.kept.keep(keep)
 

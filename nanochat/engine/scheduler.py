@@ -1,0 +1,161 @@
+"""
+What a rollout's batch is made of and fed with, apart from the decoding itself (the two jobs of nano-vllm's
+Scheduler): KeptBatches, the static batches kept between rollouts within the memory budget, so that a run makes its
+batch and captures its CUDA graphs once; and Admission, a rollout's prompts on their way into the batch (waiting for
+a prefill, then their samples waiting for free rows).
+"""
+
+from collections import deque
+from typing import NamedTuple, Optional
+
+import torch
+
+from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch
+
+# Static batches kept between rollouts at most, within the budget together: chat_rl's evals sample another shape
+# than its steps, and with one batch kept each eval would replace the training batch and the next step make it
+# again, its CUDA graphs captured anew each way, every eval.
+KEEP_BATCHES = 2
+
+
+class BatchShape(NamedTuple):
+    """What a rollout's DecodeBatch is made for; a kept batch serves a rollout of the same shape."""
+    rows: int
+    prompt_slots: Optional[int]  # prompts held at once by a cache that stores them apart (None: rows copy them)
+    prompt_cap: int              # the longest prompt it holds
+    max_tokens: int
+    num_samples: int
+    dtype: torch.dtype           # of the KV cache
+    temperature: float           # the sampler's settings (a captured step holds them as they were)
+    top_k: Optional[int]
+
+
+class KeptBatch(NamedTuple):
+    """A static batch kept between rollouts, the shape it was made for, its cache's bytes, and whether its rows were
+    what the memory budget left (fewer than the rollout's samples) rather than every sample (see Engine._new_batch)."""
+    shape: BatchShape
+    batch: DecodeBatch
+    nbytes: int
+    budget_bound: bool
+
+
+def cache_bytes(cache):
+    """The bytes of a rollout cache's tensors (a static cache holds all it will ever use)."""
+    return sum(value.nbytes for value in vars(cache).values() if isinstance(value, torch.Tensor))
+
+
+def serves(kept, shape, limit, samples):
+    """Whether the KeptBatch `kept` serves a rollout of `shape` (what the rollout's batch would be made for, given
+    the kept batch's rows) with `samples` rows to sample and at most `limit` rows at once (None: no limit). Its rows
+    must be those the rollout asks for: every sample (or `limit`, when given), or, for a batch made with what the
+    budget left, still fewer than every sample."""
+    rows = kept.shape.rows
+    if kept.shape != shape:
+        return False
+    return rows == min(limit, samples) if limit else rows == samples or (kept.budget_bound and rows < samples)
+
+
+class KeptBatches:
+    """The static batches kept between rollouts (KeptBatch-es, the latest last): at most KEEP_BATCHES, their caches
+    within the memory budget together. A batch in use by a rollout is out of the pool until the rollout ends."""
+
+    def __init__(self):
+        self.batches = []
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __getitem__(self, index):
+        return self.batches[index]
+
+    @property
+    def latest(self):
+        """The batch kept last (by the last rollout that ran to its end), or None."""
+        return self.batches[-1].batch if self.batches else None
+
+    def keep(self, kept):
+        self.batches.append(kept)
+
+    def drop(self, keep_latest=False):
+        """Drop every kept batch, or all but the latest. Returns how many it dropped."""
+        keep = self.batches[-1:] if keep_latest else []
+        dropped, self.batches = len(self.batches) - len(keep), keep
+        return dropped
+
+    def forget_shorter(self, prompt_cap):
+        """Drop the batches made for prompts shorter than prompt_cap: no rollout can use them again (the engine's
+        prompt capacity never shrinks)."""
+        self.batches = [k for k in self.batches if k.shape.prompt_cap >= prompt_cap]
+
+    def take(self, shape_of, limit, samples):
+        """The first kept batch that serves the rollout (see serves; `shape_of(rows)` is the shape the rollout's batch
+        would have with that many rows), taken out of the pool (in use until the rollout ends), or None."""
+        for i, candidate in enumerate(self.batches):
+            if serves(candidate, shape_of(candidate.shape.rows), limit, samples):
+                return self.batches.pop(i)
+        return None
+
+    def rows_beside(self, budget_bytes, limit, samples, rows_for_budget):
+        """The rows of a new batch beside the kept ones, dropping (oldest first) those whose room it needs: with at
+        most KEEP_BATCHES kept at once, the rows the budget less the kept batches holds (`limit`, when given, if it
+        fits there), once that is at least half of what the whole budget would hold. `rows_for_budget(bytes,
+        at_least=1)` is how many rows that many bytes hold. In chat_rl the first eval, before any step, takes the
+        whole budget; step 0's batch displaces it, and the next eval's batch, made beside the step's, serves every
+        eval after: two eval batches and one step batch a run."""
+        del self.batches[:max(0, len(self.batches) - (KEEP_BATCHES - 1))]  # room for this one among those kept
+        whole = min(limit or rows_for_budget(budget_bytes), samples)
+        while True:
+            room = rows_for_budget(budget_bytes - sum(k.nbytes for k in self.batches), at_least=0)
+            rows = max(1, min(limit or room, samples))
+            if not self.batches or (rows <= room and 2 * rows >= whole):  # room 0: nothing fits beside them
+                return rows
+            del self.batches[0]  # the oldest; its memory is free before the new cache is allocated
+
+
+class Admission:
+    """A rollout's prompts on their way into its batch: `waiting`, the indices (into prompts and seeds) of those not
+    prefilled yet, and `pending`, the PrefilledPrompts whose samples are not all admitted yet. new_row(request,
+    sample) makes a sample's Row; one prefill forward takes at most prefill_tokens positions."""
+
+    def __init__(self, prompts, seeds, num_samples, new_row, prefill_tokens=PREFILL_TOKENS):
+        self.prompts, self.seeds, self.num_samples = prompts, seeds, num_samples
+        self.new_row, self.prefill_tokens = new_row, prefill_tokens
+        self.waiting, self.pending = deque(range(len(prompts))), deque()
+
+    @property
+    def open(self):
+        """Whether some prompt still has samples to admit."""
+        return bool(self.waiting or self.pending)
+
+    def next_prefill(self, room):
+        """The requests of the next prefill, taken from the front of `waiting`: at most `room`, and (one at least) as
+        many as fit prefill_tokens positions padded to the longest of them."""
+        requests = [self.waiting.popleft()]
+        longest = len(self.prompts[requests[0]])
+        while self.waiting and len(requests) < room:
+            longest = max(longest, len(self.prompts[self.waiting[0]]))
+            if longest * (len(requests) + 1) > self.prefill_tokens:
+                break
+            requests.append(self.waiting.popleft())
+        return requests
+
+    def admit(self, batch):
+        """Fill the batch's free rows: first with the samples of the pending prompts, then with those of the prompts
+        it prefills from `waiting` (several in one forward, as many as DecodeBatch.prefill_room says), while its
+        prompt pool has a free slot. Returns the events of the rows admitted."""
+        events = []
+        while batch.free_rows > 0 and self.open:
+            if not self.pending:
+                if not batch.can_take_prompt():
+                    break  # every pool slot holds a prompt whose rows still run: wait for one to finish
+                requests = self.next_prefill(batch.prefill_room(self.num_samples))
+                self.pending.extend(batch.prefill(requests, [self.prompts[r] for r in requests],
+                                                  [self.seeds[r] for r in requests], self.num_samples))
+            prompt = self.pending[0]
+            events += batch.admit(prompt, [self.new_row(prompt.request, s) for s in prompt.next_samples(batch.free_rows)])
+            if prompt.fully_admitted:
+                self.pending.popleft()
+        return events
