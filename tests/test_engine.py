@@ -4,6 +4,7 @@ import pytest
 import torch
 from helpers import ScriptedModel, prompt_of, random_model, tiny_config
 
+from nanochat.engine.calculator import CALCULATOR_FORMATS, format_result
 from nanochat.engine.engine import Engine
 from nanochat.engine.rows import Row, SpecialIds
 
@@ -257,3 +258,22 @@ def test_the_kv_cache_takes_the_models_compute_dtype_not_its_stored_embeddings()
     cache = KVCache.for_model(model, 2, 8)
     assert cache.dtype == torch.float32 and cache.prev_embedding.dtype == torch.bfloat16
     assert geometry.bytes_per_token(torch.bfloat16) == 2 * 2 * geometry.n_kv_head * geometry.head_dim * 2
+
+
+def test_the_calculator_format_writes_integral_floats_as_nanochat_or_as_ints(tiny_tokenizer):
+    """--calculator-format: "str" (nanochat's) writes 10/2 as 5.0, "int" as 5 (GSM8K's SFT data writes 5; nanochat
+    PR #786); only an exact integral float loses its .0: 1e20 (beyond 2**53) stays 1e+20, 2.5 and ints as str."""
+    assert [format_result(v, "int") for v in (10.0, -4.0, 2.5, 7, 2.0 ** 53 - 1, 2.0 ** 53, 1e20, float("inf"))] == [
+        "10", "-4", "2.5", "7", "9007199254740991", "9007199254740992.0", "1e+20", "inf"]
+    assert [format_result(v) for v in (10.0, 2.5, 7, 1e20)] == ["10.0", "2.5", "7", "1e+20"]  # str(), as nanochat
+    tok = tiny_tokenizer
+    sp = SpecialIds(tok)
+    forced = {}
+    for style in CALCULATOR_FORMATS:
+        row = Row(request=0, sample=0, max_tokens=100, special=sp, tokenizer=tok, calculator_format=style)
+        for t in [sp.python_start, *tok.encode("10/2"), sp.python_end]:
+            row.feed(t)
+        forced[style] = tok.decode([row.feed(sp.assistant_end)[0] for _ in range(len(row.forced))])
+    assert forced == {"str": "<|output_start|>5.0<|output_end|>", "int": "<|output_start|>5<|output_end|>"}
+    with pytest.raises(ValueError, match="calculator_format must be one of str, int, got 'float'"):
+        Engine(random_model(tiny_config()), tok, calculator_format="float")

@@ -19,6 +19,7 @@ from functools import partial
 
 import torch
 
+from nanochat.engine.calculator import CALCULATOR_FORMATS
 from nanochat.engine.cuda_graphs import PROMPT_BUCKET, decode_mode, decode_plan
 from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch, RolloutStats, static_step
 from nanochat.engine.decode_weights import DecodeWeights
@@ -68,6 +69,12 @@ def rows_in_budget(bytes_per_token, budget_bytes, prompt_len, max_tokens, num_sa
     return max(at_least, int((budget_tokens - prompt_len) // (max_tokens + 2 * prompt_len / num_samples)))
 
 
+def check_calculator_format(style):
+    if style not in CALCULATOR_FORMATS:
+        raise ValueError(f"calculator_format must be one of {', '.join(CALCULATOR_FORMATS)}, got {style!r}")
+    return style
+
+
 def check_rollout_arguments(prompts, num_samples, temperature):
     """A ValueError naming what is wrong with a rollout's arguments, before anything is allocated for it."""
     if num_samples < 1:
@@ -93,10 +100,11 @@ class Engine:
     compiled step), with dynamic shapes (STATIC_STEP_DYNAMIC). prefill_tokens: positions one prefill forward takes at
     most (several prompts, padded to the longest; 1: one prompt at a time). lag: the host one step behind the device,
     the same tokens (DecodeBatch.decode_step); None: on CUDA (a CPU is its own device: nothing to overlap).
+    calculator_format: how a tool result is written ("str", nanochat's; "int": calculator.format_result).
     """
 
     def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True, decode="auto",
-                 compile="off", prefill_tokens=PREFILL_TOKENS, lag=None):
+                 compile="off", prefill_tokens=PREFILL_TOKENS, lag=None, calculator_format="str"):
         self.model = model
         self.tokenizer = tokenizer
         self.special = SpecialIds(tokenizer)
@@ -104,6 +112,7 @@ class Engine:
         self.memory_budget_gb = memory_budget_gb
         self.share_prompts = share_prompts
         self.prefill_tokens = prefill_tokens
+        self.calculator_format = check_calculator_format(calculator_format)
         self.lag = model.get_device().type == "cuda" if lag is None else lag
         self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
         compiles = compile if isinstance(compile, bool) else compile_plan(compile, model.get_device(), self.decode).decode
@@ -236,7 +245,8 @@ class Engine:
         batch, keep = self._new_batch(len(prompts), longest, num_samples, max_tokens, temperature, top_k, max_rows)
         batch.lag = self.lag if lag is None else lag  # a kept batch ends each rollout with every row fed
         admission = Admission(prompts, seeds, num_samples,
-                              partial(Row, max_tokens=max_tokens, special=self.special, tokenizer=self.tokenizer),
+                              partial(Row, max_tokens=max_tokens, special=self.special, tokenizer=self.tokenizer,
+                                      calculator_format=self.calculator_format),
                               self.prefill_tokens)
         while batch.in_flight or admission.open:
             events = batch.decode_step()

@@ -46,11 +46,12 @@ class Row:
     its max_tokens-th step.
     """
 
-    def __init__(self, request, sample, max_tokens, special, tokenizer):
+    def __init__(self, request, sample, max_tokens, special, tokenizer, calculator_format="str"):
         self.request = request         # index of the prompt this row belongs to
         self.sample = sample           # index among that prompt's samples
         self.max_tokens = max_tokens
         self.special, self.tokenizer = special, tokenizer
+        self.calculator_format = calculator_format  # how a tool result is written (calculator.CALCULATOR_FORMATS)
         self.out = Completion([], [])
         self.forced = deque()          # tool output still to emit
         self.python_tokens = None      # the tool call being collected, when not None
@@ -93,7 +94,7 @@ class Row:
     def _run_calculator(self):
         sp = self.special
         self.out.tool_calls += 1
-        text = format_result(use_calculator(self.tokenizer.decode(self.python_tokens)))
+        text = format_result(use_calculator(self.tokenizer.decode(self.python_tokens)), self.calculator_format)
         self.python_tokens = None
         if text is not None:
             self.out.tool_successes += 1
