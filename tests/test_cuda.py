@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from helpers import HAS_CUDA, PYTHONPATH, REPO, TINY_RL_FLAGS, random_model, tiny_config
+from helpers import HAS_CUDA, PYTHONPATH, REPO, TINY_RL_FLAGS, make_sft_checkpoint, random_model, tiny_config
 
 from nanochat.checkpoints.loading import load_model
 from nanochat.common import to_device
@@ -93,24 +93,47 @@ def test_to_device_queues_the_copy_instead_of_waiting_for_the_gpu():
     assert torch.equal(queued.cpu(), host) and torch.equal(plain.cpu(), host)
 
 
-def test_a_real_out_of_memory_in_rollouts_is_backed_off(sft, base_dir):
-    """With all but ~160 MB of the GPU taken and a memory budget that lets the engine try every row at once, the
-    rollout's cache does not fit: chat_rl halves the rows, says so, and finishes the step with the same rewards
-    as a run that never ran out (rows do not change what is sampled)."""
+# The out-of-memory test's model: wide enough that its KV cache, not the run's fixed allocations (CUDA context,
+# cuBLAS workspaces, streams), decides what fits. 4 layers x 4 KV heads x 128 channels x keys and values: 8 KiB a
+# bf16 token (16 in fp32), so 256 rows of ~1,090 positions take ~2.3 GB (4.5 in fp32), 64 rows ~0.6 GB (1.1).
+OOM_MODEL = dict(sequence_len=1152, n_layer=4, n_head=4, n_kv_head=4, n_embd=512)
+OOM_HEADROOM = 2 ** 30  # what the ballast leaves the rollout: less than every row needs, more than a few rows do
+
+
+def test_a_real_out_of_memory_in_rollouts_is_backed_off(base_dir, tiny_tokenizer):
+    """A ballast leaves the rollout 1 GiB of the GPU (taken when the rollout starts, so the run's own fixed
+    allocations are made by then, and given back when it returns, so training has the GPU), and a memory budget
+    lets the engine try every row at once: 256 rows of 1,024 new tokens do not fit, chat_rl halves the rows, says
+    so, and finishes the step with the same rewards as a run that never ran out (rows do not change what is
+    sampled). (The first form of this test took the ballast before the run started, with 160 MB left: the run's
+    fixed allocations since left too little for one row, and the CUDA runtime could not make a stream on an H200.)"""
+    make_sft_checkpoint(base_dir, tiny_tokenizer.get_vocab_size(), **OOM_MODEL)
     flags = CUDA_RL_FLAGS + ["--num-steps=1", "--num-samples=64", "--device-batch-size=64", "--examples-per-step=4",
-                             "--max-new-tokens=64", "--memory-budget-gb=1000"]
-    reference = run([sys.executable, "-m", "scripts.chat_rl", *flags, "--max-rows=16"], base_dir)
-    # the ballast is sized in the child once its own CUDA context exists: measured here, the free memory still
-    # counted the room that context takes, and the ballast itself ran out of memory
-    code = ("import torch; torch.cuda.init(); torch.empty(1, device='cuda'); "
-            "free, _ = torch.cuda.mem_get_info(); "
-            "ballast = torch.empty(max(0, free - 160 * 2 ** 20), dtype=torch.uint8, device='cuda'); "
-            "from nanochat.cli import run_main; from scripts import chat_rl; "
-            f"run_main(chat_rl.main, {flags + ['--overwrite']!r})")
+                             "--max-new-tokens=1024", "--memory-budget-gb=1000"]
+    reference = run([sys.executable, "-m", "scripts.chat_rl", *flags, "--max-rows=64"], base_dir)
+    code = f"""
+import torch
+from nanochat.cli import run_main
+from nanochat.rl import run as rl_run
+from scripts import chat_rl
+
+sample_questions = rl_run.sample_questions
+
+def with_ballast(*args, **kwargs):  # each attempt of the rollout finds OOM_HEADROOM free, whatever came before
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    ballast = torch.empty(max(0, free - {OOM_HEADROOM}), dtype=torch.uint8, device="cuda")
+    try:
+        return sample_questions(*args, **kwargs)
+    finally:
+        del ballast
+
+rl_run.sample_questions = with_ballast
+run_main(chat_rl.main, {flags + ['--overwrite']!r})
+"""
     out = run([sys.executable, "-c", code], base_dir)
-    assert "out of memory during rollouts: retrying with --max-rows=" in out
+    assert "out of memory during rollouts: retrying with --max-rows=128" in out
     reward = lambda text: [line.split("Average reward: ")[1].split(" ")[0] for line in text.splitlines() if "Average reward" in line]
-    assert reward(out) == reward(reference)
+    assert reward(out) == reward(reference) and reward(out)
 
 
 def test_chat_sft_and_chat_eval_run_on_cuda_and_the_checkpoint_loads_on_the_cpu(base_dir):
