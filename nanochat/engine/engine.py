@@ -85,7 +85,31 @@ def check_rollout_arguments(prompts, num_samples, temperature):
         raise ValueError("every prompt needs at least one token (render_for_completion starts with <|bos|>)")
 
 
-class Engine:
+class NanochatGenerate:
+    """nanochat's one-prompt API (generate, generate_batch), over the engine's batched rollout (_rollout,
+    generate_many)."""
+
+    def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
+        """Yield (token_column, token_masks) per step, one entry per row. A row that has ended keeps
+        appearing as <|assistant_end|> with mask 0 until all rows end (nanochat keeps sampling them). No lag: a row
+        admitted while others run (more samples than rows) would skip a column."""
+        pad = self.special.assistant_end
+        for events in self._rollout([list(tokens)], num_samples, max_tokens, temperature, top_k, [seed], lag=False):
+            column, masks = [pad] * num_samples, [0] * num_samples
+            for row, token, mask in events:
+                column[row.sample], masks[row.sample] = token, mask
+            yield column, masks
+
+    def generate_batch(self, tokens, num_samples=1, **kwargs):
+        """(results, masks): per row, prompt + generated tokens (terminal token excluded), and masks
+        (0 for the prompt, then 1 sampled / 0 forced)."""
+        completions = self.generate_many([tokens], num_samples=num_samples, **kwargs)[0]
+        results = [list(tokens) + c.tokens for c in completions]
+        masks = [[0] * len(tokens) + c.masks for c in completions]
+        return results, masks
+
+
+class Engine(NanochatGenerate):
     """KV-cached sampling with the calculator tool.
 
     `generate`/`generate_batch` are nanochat's one-prompt API. `generate_many` is the batched rollout API:
@@ -149,27 +173,6 @@ class Engine:
         many it dropped."""
         return self.kept.drop(keep_latest)
 
-    # -- nanochat's API ------------------------------------------------------------
-    def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
-        """Yield (token_column, token_masks) per step, one entry per row. A row that has ended keeps
-        appearing as <|assistant_end|> with mask 0 until all rows end (nanochat keeps sampling them). No lag: a row
-        admitted while others run (more samples than rows) would skip a column."""
-        pad = self.special.assistant_end
-        for events in self._rollout([list(tokens)], num_samples, max_tokens, temperature, top_k, [seed], lag=False):
-            column, masks = [pad] * num_samples, [0] * num_samples
-            for row, token, mask in events:
-                column[row.sample], masks[row.sample] = token, mask
-            yield column, masks
-
-    def generate_batch(self, tokens, num_samples=1, **kwargs):
-        """(results, masks): per row, prompt + generated tokens (terminal token excluded), and masks
-        (0 for the prompt, then 1 sampled / 0 forced)."""
-        completions = self.generate_many([tokens], num_samples=num_samples, **kwargs)[0]
-        results = [list(tokens) + c.tokens for c in completions]
-        masks = [[0] * len(tokens) + c.masks for c in completions]
-        return results, masks
-
-    # -- batched rollouts ------------------------------------------------------------
     def generate_many(self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42,
                       seeds=None, max_rows=None, progress=None):
         """Sample `num_samples` completions for each prompt. Returns a list (per prompt) of lists (per
