@@ -237,18 +237,7 @@ class GPT(nn.Module):
             "h": nn.ModuleList([Block(config, i, gen) for i in range(config.n_layer)]),
         })
         self.lm_head = nn.Linear(config.n_embd, vocab, bias=False)
-        if gen.lambdas:
-            self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
-            self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
-        if gen.smear:
-            self.smear_gate = nn.Linear(SMEAR_GATE_CHANNELS, 1, bias=False)
-            self.smear_lambda = nn.Parameter(torch.zeros(1))
-        if gen.backout:
-            self.backout_lambda = nn.Parameter(torch.full((1,), 0.2))
-        if gen.value_embeds:
-            kv_dim = config.n_kv_head * (config.n_embd // config.n_head)
-            self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(vocab, kv_dim) for i in range(config.n_layer)
-                                               if has_value_embedding(gen, i, config.n_layer)})
+        add_generation_parameters(self, config, gen, vocab)
         self.rotary_len = ROTARY_OVERSIZE * config.sequence_len
         # not in the state dict (recomputed by init_weights, e.g. after building on the meta device)
         cos, sin = self._rotary_tables()
@@ -373,21 +362,44 @@ class GPT(nn.Module):
             x = x - self.backout_lambda * x_backout
         return norm(x)
 
-    @torch.no_grad()
     def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):
-        """Naive reference sampler: a full forward per token, no KV cache. tokens: list of ints; yields
-        max_tokens token ids (it does not stop at any special token). Sampling is the engine's
-        (nanochat.model.sampling.sample_next_token, row 0's stream of `seed`), so Engine.generate with one sample
-        must produce the same tokens as long as no tool output is forced."""
-        device = self.get_device()
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)  # (1, T)
-        seeds = row_seeds(seed, [0], device)  # (1,)
-        for step in range(max_tokens):
-            logits = self.forward(ids)[:, -1, :]  # (1, V)
-            steps = torch.full((1,), step, dtype=torch.long, device=device)
-            token = sample_next_token(logits, seeds, steps, temperature, top_k)  # (1,)
-            ids = torch.cat([ids, token[:, None]], dim=1)
-            yield int(token.item())
+        """nanochat's naive reference sampler (naive_generate): yields max_tokens token ids after `tokens`."""
+        return naive_generate(self, tokens, max_tokens, temperature, top_k, seed)
+
+
+def add_generation_parameters(model, config, gen, vocab):
+    """The parameters a nanochat generation adds to the transformer and head, registered after them as nanochat
+    does (state_dict() lists keys in its order): the per-layer residual lambdas, smear's gate, backout's lambda, the
+    value embeddings of the layers that have one."""
+    if gen.lambdas:
+        model.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
+        model.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
+    if gen.smear:
+        model.smear_gate = nn.Linear(SMEAR_GATE_CHANNELS, 1, bias=False)
+        model.smear_lambda = nn.Parameter(torch.zeros(1))
+    if gen.backout:
+        model.backout_lambda = nn.Parameter(torch.full((1,), 0.2))
+    if gen.value_embeds:
+        kv_dim = config.n_kv_head * (config.n_embd // config.n_head)
+        model.value_embeds = nn.ModuleDict({str(i): nn.Embedding(vocab, kv_dim) for i in range(config.n_layer)
+                                            if has_value_embedding(gen, i, config.n_layer)})
+
+
+@torch.no_grad()
+def naive_generate(model, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):
+    """Naive reference sampler: a full forward per token, no KV cache. tokens: list of ints; yields max_tokens token
+    ids (it does not stop at any special token). Sampling is the engine's (nanochat.model.sampling.sample_next_token,
+    row 0's stream of `seed`), so Engine.generate with one sample must produce the same tokens as long as no tool
+    output is forced."""
+    device = model.get_device()
+    ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)  # (1, T)
+    seeds = row_seeds(seed, [0], device)  # (1,)
+    for step in range(max_tokens):
+        logits = model.forward(ids)[:, -1, :]  # (1, V)
+        steps = torch.full((1,), step, dtype=torch.long, device=device)
+        token = sample_next_token(logits, seeds, steps, temperature, top_k)  # (1,)
+        ids = torch.cat([ids, token[:, None]], dim=1)
+        yield int(token.item())
 
 
 @torch.no_grad()
