@@ -1,14 +1,14 @@
 """
-The command-line layer shared by the scripts: the argument parser, the flags several scripts declare,
-and `run_main`, which turns a UserError into one line on stderr.
+The command-line layer shared by the scripts: the argument parser (chat_rl's built from RLConfig's fields), the flags
+several scripts declare (from their settings, nanochat/settings.py), and `run_main`, which turns a UserError into one
+line on stderr.
 
-This is the one library module that names flags and scripts. Library errors carry facts (the path, the
-available steps or tags, what was found); HINTS below adds, per error type, which flag to change or which
-script to run. A SettingError (a bad value of a function argument such as device_type) is shown under
-the name of its flag (--device-type).
-"""
+Library errors carry facts (the path, the available steps or tags, what was found); HINTS below adds, per error type,
+which flag to change or which script to run. A SettingError (a bad value of a function argument such as device_type)
+is shown under the name of its flag (--device-type)."""
 
 import argparse
+import dataclasses
 import os
 import sys
 import traceback
@@ -16,10 +16,10 @@ import traceback
 from nanochat.checkpoints.errors import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
                                          RankLostError, UnknownStepError, UnknownTagError)
 from nanochat.common import SettingError, UserError, cleanup_after_error, get_rank
-from nanochat.engine.cuda_graphs import DECODE_MODES
-from nanochat.engine.memory_budget import AUTO, FIXED_GB, FRACTION, NoMemoryForRolloutsError, parse_budget
-from nanochat.model.compile import COMPILE_MODES, SFT_CPU_MIN_STEPS, CompileFailed
-from nanochat.rl.plan import AUTO_TRAIN_ROWS, OTHER_AUTO_TRAIN_ROWS
+from nanochat.engine.memory_budget import NoMemoryForRolloutsError
+from nanochat.model.compile import CompileFailed
+from nanochat.rl.config import GROUPS, RLConfig
+from nanochat.settings import SHARED
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
 from nanochat.tokenizer import TokenizerError
 from nanochat.wandb_utils import WandbStartError
@@ -39,87 +39,77 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UserError(f"{message} (see --help)")
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """--help with each flag's default after its help, where the help does not say it and there is one to show."""
+
+    def _get_help_string(self, action):
+        shown = action.default not in (None, False, "", argparse.SUPPRESS) and "default" not in action.help
+        return f"{action.help} (default: %(default)s)" if shown else action.help
+
+
 # -----------------------------------------------------------------------------
-# flags several scripts share
+# flags, declared from their settings (nanochat/settings.py; chat_rl's: nanochat/rl/config.py)
+
+def add_settings(parser, settings):
+    """A flag for each of `settings` (name -> Setting), in their order. Returns the parser."""
+    for name, setting in settings.items():
+        parser.add_argument(flag_name(name), **setting.argparse_kwargs())
+    return parser
+
+
+def add_shared(parser, *names):
+    return add_settings(parser, {name: SHARED[name] for name in names})
+
+
+def rl_parser(description="RL on GSM8K (or --task) with on-policy policy gradients"):
+    """chat_rl's parser, built from RLConfig's fields: their defaults and help, in --help's groups (GROUPS)."""
+    parser = ArgumentParser(description=description, formatter_class=DefaultsShown)
+    groups = {title: parser.add_argument_group(title) for title in GROUPS}
+    for field in dataclasses.fields(RLConfig):
+        setting = field.metadata["setting"]
+        add_settings(groups[setting.group], {field.name: setting})
+    return parser
+
+
+def parse_rl_args(argv):
+    """chat_rl's flags parsed (an argparse Namespace; RLConfig.from_flags checks them)."""
+    return rl_parser().parse_args(argv)
+
 
 def add_debug_flag(parser):
     """--debug, in every script: run_main then re-raises a UserError, so the full traceback is shown.
     run_main reads it through this same declaration (see debug_requested). Returns the parser."""
-    parser.add_argument("--debug", action="store_true", help="show full tracebacks instead of one-line errors")
-    return parser
+    return add_shared(parser, "debug")
 
 
 def add_runtime_flags(parser, wandb_run=True):
     """--run (with wandb_run), --device-type and --dtype: where and in what precision a training script runs."""
-    if wandb_run:
-        parser.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' disables wandb)")
-    parser.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
-    parser.add_argument("--dtype", type=str, default=None,
-                        help="auto|float32|bfloat16 compute dtype (autocast; chat_rl also float16, with dynamic loss "
-                             "scaling); default: $NANOCHAT_DTYPE, else auto: bfloat16 on a GPU (in chat_rl float16 on "
-                             "one without native bf16, before SM 80), on a CPU bfloat16 only where it is native "
-                             "(AVX512-BF16, AMX) and, in chat_rl, measured faster at the start")
+    return add_shared(parser, *(("run",) if wandb_run else ()), "device_type", "dtype")
 
 
-def add_decode_flag(parser, auto_note=""):
-    """--decode: how the rollout engine runs its decode step (nanochat.engine.engine.decode_mode). Uncompiled, the tokens
-    are the same in every mode; only the speed differs (compiled, a near-tie may fall the other way). auto_note: what
-    the script's auto does besides (its help)."""
-    parser.add_argument("--decode", type=str, default="auto", choices=DECODE_MODES,
-                        help=f"decode step of rollouts: auto (graph on CUDA, eager elsewhere{auto_note}), eager (exact "
-                             "shapes), static (bucketed shapes, eagerly), graph (bucketed shapes replayed from CUDA graphs)")
+def add_decode_flag(parser):
+    """--decode: how the rollout engine runs its decode step (settings.decode_setting)."""
+    return add_shared(parser, "decode")
 
 
 def add_memory_budget_flag(parser):
-    """--memory-budget-gb: the KV cache the rollout batches in memory at once may use; resolve it with
-    nanochat.engine.memory_budget.resolve_memory_budget before building the Engine, which takes GiB."""
-    parser.add_argument("--memory-budget-gb", type=parse_budget, default=AUTO,
-                        help=f"KV-cache memory (GiB) the rollout batches in memory at once (a step's, an eval's kept beside it) may use together; auto (the default): on CUDA {FRACTION:g} of "
-                             f"the memory free after the model, optimizer state and a training-peak reserve (stated "
-                             f"at the start), elsewhere {FIXED_GB:g}")
-
-
-def add_train_rows_flag(parser):
-    """--train-rows: trained rows per training forward (read it with train_rows)."""
-    parser.add_argument("--train-rows", type=int, default=0,
-                        help=f"trained rows per training forward, taken from one question or several in turn (0 = "
-                             f"auto: {AUTO_TRAIN_ROWS['cuda']} on CUDA, {OTHER_AUTO_TRAIN_ROWS} elsewhere, or "
-                             "--device-batch-size if larger). The gradient is the same for any value: each row keeps the denominator of its --device-batch-size pass. More "
-                             "rows make larger matmuls and fewer forwards (on a GPU, fewer and fuller kernels) and "
-                             "need more memory; halved on out-of-memory")
+    """--memory-budget-gb: the KV cache the rollout batches in memory at once may use."""
+    return add_shared(parser, "memory_budget_gb")
 
 
 def add_compile_flag(parser):
-    """--compile: whether the static decode step and the training pass run compiled (nanochat/model/compile.py's
-    compile_plan), those of them the script runs."""
-    parser.add_argument("--compile", type=str, default="auto", choices=COMPILE_MODES,
-                        help=f"torch.compile the static decode step and the training forward, where the script runs "
-                             f"them: auto (on CUDA nothing yet: not measured to pay there; on a CPU, chat_rl: each "
-                             f"part timed eagerly over the first steps, then compiled where its saving over the steps "
-                             f"left pays for its compile; chat_sft: the training forward for runs of "
-                             f"{SFT_CPU_MIN_STEPS} steps or more), on (an "
-                             f"error where compiling is unavailable), off, or blocks (instead: each transformer "
-                             f"block around its attention, one compile for every layer)")
+    """--compile: whether the static decode step and the training pass run compiled."""
+    return add_shared(parser, "compile")
 
 
 def add_optimizer_flags(parser):
     """The learning-rate flags chat_rl and chat_sft share (nanochat's defaults; --init-lr-frac differs)."""
-    parser.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW lr for the token embedding")
-    parser.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW lr for lm_head")
-    parser.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr for the transformer matrices")
-    parser.add_argument("--weight-decay", type=float, default=0.0, help="Muon weight decay")
-    parser.add_argument("--recipe", type=str, default="2026-01", choices=("2026-01", "2026-07"),
-                        help="optimizer recipe: 2026-01 (nanochat of January 2026: AdamW + Muon) or 2026-07 "
-                             "(nanochat of July 2026: MuonAdamW with per-group betas and weight decay)")
+    return add_shared(parser, "embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "recipe")
 
 
 def add_model_generation_flag(parser):
     """--model-generation, for every script that loads a checkpoint (see nanochat/model/generations.py)."""
-    from nanochat.model.generations import VE_ERA_WITH_NEW_META
-    parser.add_argument("--model-generation", type=str, default=None, choices=VE_ERA_WITH_NEW_META,
-                        help="which forward a value-embedding checkpoint with nanochat's 2026-01-31+ meta layout was "
-                             "trained with (its files cannot tell): ve (to 2026-03-01), ve_mar2 (03-02..03-03), "
-                             "ve_late (03-04..03-08, the default); every other checkpoint's generation is detected")
+    return add_shared(parser, "model_generation")
 
 
 # -----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from nanochat.cli import ArgumentParser, flag_name, run_main
+from nanochat.cli import ArgumentParser, flag_name, parse_rl_args, run_main
 from nanochat.common import (autocast_context, compute_cleanup, compute_init, cpu_has_native_bf16, dtype_name,
                              get_base_dir, get_dist_info, print0, require)
 from nanochat.engine.decode_weights import matmul_modules
@@ -43,7 +43,6 @@ from nanochat.rl.policy_gradient import accumulate_policy_gradient, compiled_chu
 from nanochat.rl.rollout import QuestionRollout, longest_prompt, step_question_indices
 from nanochat.rl.run import RLRun, make_optimizers, policy_loss_of, sample_rollouts, train_on_rollouts
 from nanochat.tokenizer import Tokenizer
-from scripts.chat_rl import parse_args as parse_chat_rl_args
 from tasks.gsm8k import GSM8K
 from tasks.registry import make_task
 
@@ -77,7 +76,7 @@ ENGINE_WORK = ("prefill_tokens", "decode_forwards", "row_steps", "kv_positions_r
 
 
 def parse_args(argv):
-    """The benchmark's flags, and chat_rl's (every other flag, scripts/chat_rl.py's parser) as args.rl: an RLConfig."""
+    """The benchmark's flags, and chat_rl's (every other flag, nanochat.cli.rl_parser's) as args.rl: an RLConfig."""
     p = ArgumentParser(description="Benchmark one chat_rl step, several ways", epilog="Every other flag is chat_rl's (--task, "
                        "--examples-per-step, --num-samples, ...: its --help) but --dtype, --rollout-dtype, --decode: per config.")
     add = p.add_argument
@@ -100,7 +99,7 @@ def parse_args(argv):
     add("--profile", default="", choices=("",) + tuple(CONFIGS), metavar="CONFIG", help="then profile a step of CONFIG (after one unprofiled)")
     add("--profile-rows", type=int, default=25, help="rows of each profile table")
     args, rest = p.parse_known_args(argv)
-    flags = parse_chat_rl_args(rest)
+    flags = parse_rl_args(rest)
     given = [flag_name(name) for name, default in PER_CONFIG.items() if getattr(flags, name) != default]
     require(not given, f"{', '.join(given)}: bench_rl sets them per configuration (choose those with --configs)")
     args.rl = RLConfig.from_flags(flags)

@@ -27,9 +27,7 @@ import sys
 import time
 
 from nanochat.checkpoints.store import update_meta
-from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
-                          add_model_generation_flag, add_optimizer_flags, add_runtime_flags, add_train_rows_flag,
-                          run_main)
+from nanochat.cli import parse_rl_args, run_main
 from nanochat.common import GracefulStop, compute_cleanup, compute_init, get_dist_info, print0, wait_for_all_ranks
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.report import get_report, log_chat_rl
@@ -42,114 +40,6 @@ from nanochat.rl.resume import restore_settings
 from nanochat.rl.run import (auto_compile_step, count_bad_step, meta_data, sample_rollouts, save, saves_settled_on_error,
                              settle_save, setup_run, train_on_rollouts)
 from nanochat.wandb_utils import init_wandb, log_samples_table
-
-
-def add_algorithm_flags(p):
-    """The RL algorithm's options; each default is nanochat's (see README, Algorithm options)."""
-    p.add_argument("--loss-norm", type=str, default="pass",
-                   help="denominator of each token's term: pass (nanochat: valid tokens per pass of --device-batch-size "
-                        "rows), token (DAPO: all the step's tokens), sequence (mean per sequence, then over sequences), "
-                        "constant (Dr. GRPO: num_samples * max_new_tokens per question)")
-    p.add_argument("--advantage-std", action="store_true",
-                   help="divide each question's advantages by its reward std + 1e-4 (GRPO)")
-    p.add_argument("--mask-truncated", action="store_true",
-                   help="rows cut at --max-new-tokens carry no gradient and count in no denominator (overlong filtering)")
-    p.add_argument("--ppo-epochs", type=int, default=1,
-                   help="optimizer steps per batch of rollouts; epochs after the first use the clipped ratio (PPO)")
-    p.add_argument("--loss", type=str, default="pg",
-                   help="the term of PPO epochs after the first: pg (PPO's clipped ratio), gspo (sequence-level ratio) or "
-                        "cispo (clipped, detached ratio weighing logp); the first epoch is on-policy: the policy gradient")
-    p.add_argument("--clip-low", type=float, default=None,
-                   help="ratio clipped below at 1 - clip-low (default by --loss: pg 0.2, gspo 3e-4, cispo 1 = no floor)")
-    p.add_argument("--clip-high", type=float, default=None,
-                   help="ratio clipped above at 1 + clip-high (default by --loss: pg 0.2, gspo 4e-4, cispo 0.28; DAPO: 0.28)")
-    p.add_argument("--kl-coef", type=float, default=0.0,
-                   help="weight of the k3 KL penalty to the starting model (0 = none; > 0 loads a second copy)")
-    p.add_argument("--rollout-correction", type=str, default="none",
-                   help="correct for the gap between the sampler's and the trainer's log-probabilities: none (nanochat), "
-                        "token-tis (each token's term times min(ratio, cap)) or sequence-mask (drop rows whose "
-                        "sequence ratio leaves [1/cap, cap]); ratio = exp(logp_trainer - logp_sampler), whole vocabulary")
-    p.add_argument("--rollout-correction-cap", type=float, default=2.0,
-                   help="the cap of --rollout-correction (> 1)")
-    p.add_argument("--dynamic-sampling", action="store_true",
-                   help="draw more questions until the step has --examples-per-step whose samples differ in reward "
-                        "(DAPO), or --dynamic-sampling-rounds more draws; the step trains those (nanochat: off)")
-    p.add_argument("--dynamic-sampling-rounds", type=int, default=3,
-                   help="with --dynamic-sampling: draws of --examples-per-step questions a step may add")
-
-
-def parse_args(argv):
-    p = ArgumentParser(description="RL on GSM8K (or --task) with on-policy policy gradients")
-    # logging and runtime
-    add_runtime_flags(p)
-    p.add_argument("--rollout-dtype", type=str, default="auto",
-                   help="dtype of rollouts and evals: auto (float32 with --dtype=float32, float16 where training is "
-                        "float16; else bfloat16 on a GPU, and on a CPU/MPS bfloat16 only where the run's rollout, timed "
-                        "shortened at the start, is 1.2x faster, or as --dtype where the decode step is compiled; kept "
-                        "on --resume), float32, bfloat16 or float16")
-    # model to start from, and where the run is written
-    p.add_argument("--source", type=str, default="sft",
-                   help="checkpoint family to start from: base|mid|sft|rl (rl: a new run from an RL checkpoint)")
-    p.add_argument("--model-tag", type=str, default=None, help="model tag (subdirectory) to load; default: the largest d<N>")
-    p.add_argument("--model-step", type=int, default=None, help="checkpoint step to load; default: the last one")
-    add_model_generation_flag(p)
-    p.add_argument("--output-tag", type=str, default=None,
-                   help="write the run to chatrl_checkpoints/<tag>; default: the model tag (d<depth> without "
-                        "--model-tag), or <model tag>_cont with --source=rl")
-    # data
-    p.add_argument("--task", type=str, default="gsm8k",
-                   help="task to train and evaluate on: gsm8k, arithmetic, or package.module:ClassName")
-    p.add_argument("--num-epochs", type=int, default=1, help="epochs over the task's train split")
-    p.add_argument("--num-steps", type=int, default=-1, help="override the number of steps (-1 = from epochs)")
-    # batch sizes and sampling
-    p.add_argument("--device-batch-size", type=int, default=8,
-                   help="rows per pass: nanochat's micro-batch, whose valid tokens each row's loss denominator counts "
-                        "(forwards take --train-rows rows); also eval samples per question")
-    add_train_rows_flag(p)
-    p.add_argument("--examples-per-step", type=int, default=16, help="questions per optimizer step, summed over ranks")
-    p.add_argument("--num-samples", type=int, default=16, help="completions sampled per question")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="completion length cap in tokens")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-k", type=int, default=50, help="top-k sampling (0 = whole vocabulary)")
-    p.add_argument("--max-rows", type=int, default=0,
-                   help="max rows decoded together in one rollout batch (0 = as many as --memory-budget-gb allows)")
-    add_memory_budget_flag(p)
-    add_decode_flag(p, auto_note="; on a CPU, in bf16, static where --compile compiles it: on always, auto once "
-                                 "measured to pay")
-    add_compile_flag(p)
-    # optimization
-    add_optimizer_flags(p)
-    p.add_argument("--init-lr-frac", type=float, default=0.05, help="every lr is multiplied by this at the start")
-    p.add_argument("--lr-schedule", type=str, default="linear",
-                   help="lr multiplier over the run, after any warm-up: linear (nanochat: from 1 down to --final-lr-frac "
-                        "at the last step), constant (1), or cosine (half a cosine from 1 down to --final-lr-frac)")
-    p.add_argument("--warmup-steps", type=int, default=0,
-                   help="steps whose lr multiplier rises linearly, (step + 1) / warmup-steps, before the schedule")
-    p.add_argument("--final-lr-frac", type=float, default=0.0,
-                   help="the lr multiplier the linear and cosine schedules reach at the end (0 = nanochat's decay to 0)")
-    add_algorithm_flags(p)
-    # eval and checkpoints
-    p.add_argument("--eval-every", type=int, default=60, help="pass@k eval period in steps (-1 = never)")
-    p.add_argument("--eval-examples", type=int, default=400, help="test questions used by the eval")
-    p.add_argument("--save-every", type=int, default=60, help="checkpoint period in steps (-1 = only the last step)")
-    p.add_argument("--keep-last", type=int, default=None,
-                   help="after each save, remove this run's older checkpoints beyond the last N (0 = keep all, as "
-                        "nanochat; the default, except that --resume keeps the run's own value unless given)")
-    p.add_argument("--save-rollouts", action="store_true",
-                   help="append every sample (question, text, reward, advantage, length, tool calls) as a JSON line to "
-                        "chatrl_checkpoints/<tag>/rollouts_rank<r>.jsonl, one file per rank, each step's lines whole")
-    # robustness
-    p.add_argument("--resume", type=str, nargs="?", const="latest", default="",
-                   help="continue an RL run: --resume (the latest), --resume=TAG (its last step) or --resume=TAG:STEP")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing chatrl_checkpoints/<tag> run (without it, the run is refused)")
-    p.add_argument("--max-bad-steps", type=int, default=5,
-                   help="abort after this many consecutive steps with a non-finite loss or gradient")
-    p.add_argument("--no-signal-steps", type=int, default=10,
-                   help="warn when this many consecutive steps trained no row (every advantage 0: nothing to learn "
-                        "from); 0 = never")
-    add_debug_flag(p)
-    return p.parse_args(argv)
 
 
 def evaluate(run, step):
@@ -174,7 +64,7 @@ def evaluate(run, step):
 
 
 def main(argv):
-    config = RLConfig.from_flags(parse_args(argv))
+    config = RLConfig.from_flags(parse_rl_args(argv))
     world_size = get_dist_info()[3]
     resume = None
     if config.resume:  # the run's own settings, checked against this run's ranks

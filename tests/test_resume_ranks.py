@@ -18,6 +18,7 @@ from nanochat.checkpoints.optimizer_shards import gather_optimizer_states, split
 from nanochat.cli import run_main
 from nanochat.rl import progress as rl_progress
 from nanochat.rl import run as rl_run
+from nanochat.rl.config import RLConfig
 from scripts import chat_rl
 
 # 16 questions, 4 a step: --num-steps=4 is one epoch. Every reward is written down (see RecordedParityTask).
@@ -214,9 +215,8 @@ def test_re_split_states_gather_back_to_the_saved_one_bit_for_bit(recipe):
 
 def test_no_signal_settings_are_named_and_a_normal_run_has_none():
     """Each setting that makes every advantage 0 has its own line; nanochat's defaults have none."""
-    args = chat_rl.parse_args([])
-    assert rl_progress.no_signal_settings(args) == []
-    lines = rl_progress.no_signal_settings(chat_rl.parse_args(["--temperature=0", "--top-k=1", "--num-samples=1"]))
+    assert rl_progress.no_signal_settings(RLConfig()) == []
+    lines = rl_progress.no_signal_settings(RLConfig(temperature=0, top_k=1, num_samples=1, device_batch_size=1))
     assert [line.split(":")[1].strip() for line in lines] == ["--temperature=0 samples greedily", "--top-k=1 always "
                                                               "takes the most likely token", "--num-samples=1"]
 

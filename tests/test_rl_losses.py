@@ -14,7 +14,6 @@ from nanochat.rl.config import RLConfig
 from nanochat.rl.objective import LOSS_CLIPS, PolicyLoss
 from nanochat.rl.policy_gradient import accumulate_policy_gradient
 from nanochat.rl.run import policy_loss_of
-from scripts import chat_rl
 
 
 def moved(scale):
@@ -81,14 +80,13 @@ def test_at_ratio_one_the_gradient_is_the_policy_gradient(name):
 
 
 def test_each_loss_has_its_own_clip_defaults_and_flags_override_them():
-    config = lambda *flags: RLConfig.from_flags(chat_rl.parse_args(["--device-type=cpu", *flags]))  # noqa: E731
     for loss, (low, high) in LOSS_CLIPS.items():
-        got = config(f"--loss={loss}", "--ppo-epochs=2")
+        got = RLConfig(loss=loss, ppo_epochs=2)
         assert (got.clip_low, got.clip_high) == (low, high)
         assert policy_loss_of(got).loss == loss
-    got = config("--loss=gspo", "--ppo-epochs=2", "--clip-high=0.001")
+    got = RLConfig(loss="gspo", ppo_epochs=2, clip_high=0.001)
     assert (got.clip_low, got.clip_high) == (3e-4, 0.001)
-    assert (config().clip_low, config().clip_high) == (0.2, 0.2)  # nanochat's run: PPO's defaults, never used
+    assert (RLConfig().clip_low, RLConfig().clip_high) == (0.2, 0.2)  # nanochat's run: PPO's defaults, never used
 
 
 # each loss's clip band where --clip-low/--clip-high are not given, written from docs/flags.md and its sources, not
@@ -103,8 +101,7 @@ def test_the_run_s_policy_loss_clips_at_the_documented_band_or_the_user_s(loss):
     user's --clip-low/--clip-high in its place. Guards two bugs that passed the config-level test: policy_loss_of not
     passing the clips on (PolicyLoss's own 0.2/0.2 then clipped gspo and cispo, whatever the flags said), and cispo's
     default band changed to 0.2/0.28."""
-    config = lambda *flags: RLConfig.from_flags(chat_rl.parse_args(["--device-type=cpu", *flags]))  # noqa: E731
-    policy_loss = policy_loss_of(config(f"--loss={loss}", "--ppo-epochs=2"))
+    policy_loss = policy_loss_of(RLConfig(loss=loss, ppo_epochs=2))
     assert (policy_loss.loss, policy_loss.clip_low, policy_loss.clip_high) == (loss, *DOCUMENTED_CLIPS[loss])
-    policy_loss = policy_loss_of(config(f"--loss={loss}", "--ppo-epochs=2", "--clip-low=0.05", "--clip-high=0.4"))
+    policy_loss = policy_loss_of(RLConfig(loss=loss, ppo_epochs=2, clip_low=0.05, clip_high=0.4))
     assert (policy_loss.clip_low, policy_loss.clip_high) == (0.05, 0.4)

@@ -1,90 +1,142 @@
 """
-chat_rl's run configuration: its flags as one dataclass whose construction checks them (RLConfig), and the
-output tag a new run writes to.
+chat_rl's run configuration: its settings as one table (SETTINGS: each flag's default, help and --help group, written
+once), RLConfig, the frozen dataclass derived from it whose construction checks every value, and the output tag a new
+run writes to. nanochat.cli builds chat_rl's parser from RLConfig's fields; RLConfig() is nanochat's run.
 
 Every check is a one-line UserError naming the flag and a value that works (nanochat would, for example, train
-on zero samples when --num-samples < --device-batch-size). What a run resolves later (the dtypes, the decode
-mode, compiling, the memory budget: nanochat/rl/plan.py; the output tag, --keep-last) is written back into the
-config, which every checkpoint then records as its "user_config", so that --resume continues the run it was.
+on zero samples when --num-samples < --device-batch-size). Nothing changes a config once it is built: what a run
+resolves at its start (the dtypes, the decode mode, compiling, the memory budget, the output tag, --keep-last) is
+its RunPlan (nanochat/rl/plan.py), and every checkpoint records the config with the plan's values in their place as
+its "user_config", so that --resume continues the run it was.
 """
 
 import dataclasses
 import os
-from dataclasses import dataclass
 
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS
 from nanochat.common import DTYPES, UserError, requested_dtype, require
 from nanochat.optim.optimizers import LR_SCHEDULES, check_optimizer_flags
 from nanochat.rl.objective import LOSS_CLIPS, LOSS_NORMS, LOSSES, ROLLOUT_CORRECTIONS
-from nanochat.rl.plan import check_train_rows
+from nanochat.rl.plan import AUTO_TRAIN_ROWS, OTHER_AUTO_TRAIN_ROWS
+from nanochat.settings import SHARED, Setting, dataclass_of, decode_setting
 from tasks.registry import resolve_task_class
 
+# the groups of chat_rl's --help, in its order
+MODEL, ROLLOUTS, OPTIMIZATION = "model and data", "rollouts", "optimization"
+ALGORITHM = "algorithm options (each default is nanochat's; docs/flags.md)"
+CHECKPOINTS, PERFORMANCE, LOGGING = "evaluation and checkpoints", "precision and performance", "logging and runtime"
+GROUPS = (MODEL, ROLLOUTS, OPTIMIZATION, ALGORITHM, CHECKPOINTS, PERFORMANCE, LOGGING)
 
-@dataclass
+
+def flag(group, default, help, **argparse):
+    return Setting(default, help, group=group, **argparse)
+
+
+def shared(name, group):
+    return SHARED[name].shown_in(group)
+
+
+# chat_rl's settings in the order a checkpoint records them (its user_config); each default is nanochat's where
+# nanochat has the flag (but --dtype: auto, which is nanochat's bf16 on a GPU)
+SETTINGS = dict(
+    run=shared("run", LOGGING),
+    device_type=shared("device_type", LOGGING),
+    dtype=shared("dtype", PERFORMANCE),  # None (not given) -> $NANOCHAT_DTYPE or auto
+    rollout_dtype=flag(PERFORMANCE, "auto", "dtype of rollouts and evals: auto (float32 with --dtype=float32, float16 "
+                       "where training is float16; else bfloat16 on a GPU, and on a CPU/MPS bfloat16 only where the "
+                       "run's rollout, timed shortened at the start, is 1.2x faster, or as --dtype where the decode step "
+                       "is compiled; kept on --resume), float32, bfloat16 or float16"),
+    source=flag(MODEL, "sft", "checkpoint family to start from: base|mid|sft|rl (rl: a new run from an RL checkpoint)"),
+    model_tag=flag(MODEL, None, "model tag (subdirectory) to load; default: the largest d<N>"),
+    model_step=flag(MODEL, None, "checkpoint step to load; default: the last one", type=int),
+    model_generation=shared("model_generation", MODEL),
+    output_tag=flag(CHECKPOINTS, None, "write the run to chatrl_checkpoints/<tag>; default: the model tag (d<depth> "
+                    "without --model-tag), or <model tag>_cont with --source=rl"),
+    task=flag(MODEL, "gsm8k", "task to train and evaluate on: gsm8k, arithmetic, or package.module:ClassName"),
+    num_epochs=flag(MODEL, 1, "epochs over the task's train split"),
+    num_steps=flag(MODEL, -1, "override the number of steps (-1 = from epochs)"),
+    device_batch_size=flag(ROLLOUTS, 8, "rows per pass: nanochat's micro-batch, whose valid tokens each row's loss "
+                           "denominator counts (forwards take --train-rows rows); also eval samples per question"),
+    train_rows=flag(PERFORMANCE, 0, f"trained rows per training forward, taken from one question or several in turn "
+                    f"(0 = auto: {AUTO_TRAIN_ROWS['cuda']} on CUDA, {OTHER_AUTO_TRAIN_ROWS} elsewhere, or "
+                    "--device-batch-size if larger). The gradient is the same for any value: each row keeps the "
+                    "denominator of its --device-batch-size pass. More rows make larger matmuls and fewer forwards (on "
+                    "a GPU, fewer and fuller kernels) and need more memory; halved on out-of-memory"),
+    examples_per_step=flag(ROLLOUTS, 16, "questions per optimizer step, summed over ranks"),
+    num_samples=flag(ROLLOUTS, 16, "completions sampled per question"),
+    max_new_tokens=flag(ROLLOUTS, 256, "completion length cap in tokens"),
+    temperature=flag(ROLLOUTS, 1.0, "sampling temperature (0 = greedy)"),
+    top_k=flag(ROLLOUTS, 50, "top-k sampling (0 = whole vocabulary)"),
+    max_rows=flag(PERFORMANCE, 0, "max rows decoded together in one rollout batch (0 = as many as --memory-budget-gb "
+                  "allows)"),
+    memory_budget_gb=shared("memory_budget_gb", PERFORMANCE),  # "auto" or GiB
+    decode=decode_setting(auto_note="; on a CPU, in bf16, static where --compile compiles it: on always, auto once "
+                          "measured to pay").shown_in(PERFORMANCE),
+    compile=shared("compile", PERFORMANCE),
+    embedding_lr=shared("embedding_lr", OPTIMIZATION),
+    unembedding_lr=shared("unembedding_lr", OPTIMIZATION),
+    matrix_lr=shared("matrix_lr", OPTIMIZATION),
+    weight_decay=shared("weight_decay", OPTIMIZATION),
+    recipe=shared("recipe", OPTIMIZATION),
+    init_lr_frac=flag(OPTIMIZATION, 0.05, "every lr is multiplied by this at the start"),
+    lr_schedule=flag(OPTIMIZATION, "linear", "lr multiplier over the run, after any warm-up: linear (nanochat: from 1 "
+                     "down to --final-lr-frac at the last step), constant (1), or cosine (half a cosine from 1 down to "
+                     "--final-lr-frac)"),
+    warmup_steps=flag(OPTIMIZATION, 0, "steps whose lr multiplier rises linearly, (step + 1) / warmup-steps, before "
+                      "the schedule"),
+    final_lr_frac=flag(OPTIMIZATION, 0.0, "the lr multiplier the linear and cosine schedules reach at the end (0 = "
+                       "nanochat's decay to 0)"),
+    loss_norm=flag(ALGORITHM, "pass", "denominator of each token's term: pass (nanochat: valid tokens per pass of "
+                   "--device-batch-size rows), token (DAPO: all the step's tokens), sequence (mean per sequence, then "
+                   "over sequences), constant (Dr. GRPO: num_samples * max_new_tokens per question)"),
+    advantage_std=flag(ALGORITHM, False, "divide each question's advantages by its reward std + 1e-4 (GRPO)"),
+    mask_truncated=flag(ALGORITHM, False, "rows cut at --max-new-tokens carry no gradient and count in no denominator "
+                        "(overlong filtering)"),
+    ppo_epochs=flag(ALGORITHM, 1, "optimizer steps per batch of rollouts; epochs after the first use the clipped ratio "
+                    "(PPO)"),
+    loss=flag(ALGORITHM, "pg", "the term of PPO epochs after the first: pg (PPO's clipped ratio), gspo (sequence-level "
+              "ratio) or cispo (clipped, detached ratio weighing logp); the first epoch is on-policy: the policy "
+              "gradient"),
+    clip_low=flag(ALGORITHM, None, "ratio clipped below at 1 - clip-low (default by --loss: pg 0.2, gspo 3e-4, cispo 1 "
+                  "= no floor)", type=float),  # None (not given) -> the loss's default (LOSS_CLIPS)
+    clip_high=flag(ALGORITHM, None, "ratio clipped above at 1 + clip-high (default by --loss: pg 0.2, gspo 4e-4, cispo "
+                   "0.28; DAPO: 0.28)", type=float),
+    kl_coef=flag(ALGORITHM, 0.0, "weight of the k3 KL penalty to the starting model (0 = none; > 0 loads a second "
+                 "copy)"),
+    rollout_correction=flag(ALGORITHM, "none", "correct for the gap between the sampler's and the trainer's "
+                            "log-probabilities: none (nanochat), token-tis (each token's term times min(ratio, cap)) or "
+                            "sequence-mask (drop rows whose sequence ratio leaves [1/cap, cap]); ratio = "
+                            "exp(logp_trainer - logp_sampler), whole vocabulary"),
+    rollout_correction_cap=flag(ALGORITHM, 2.0, "the cap of --rollout-correction (> 1)"),
+    dynamic_sampling=flag(ALGORITHM, False, "draw more questions until the step has --examples-per-step whose samples "
+                          "differ in reward (DAPO), or --dynamic-sampling-rounds more draws; the step trains those "
+                          "(nanochat: off)"),
+    dynamic_sampling_rounds=flag(ALGORITHM, 3, "with --dynamic-sampling: draws of --examples-per-step questions a step "
+                                 "may add"),
+    eval_every=flag(CHECKPOINTS, 60, "pass@k eval period in steps (-1 = never)"),
+    eval_examples=flag(CHECKPOINTS, 400, "test questions used by the eval"),
+    save_every=flag(CHECKPOINTS, 60, "checkpoint period in steps (-1 = only the last step)"),
+    keep_last=flag(CHECKPOINTS, None, "after each save, remove this run's older checkpoints beyond the last N (0 = keep "
+                   "all, as nanochat; the default, except that --resume keeps the run's own value unless given)",
+                   type=int),
+    save_rollouts=flag(CHECKPOINTS, False, "append every sample (question, text, reward, advantage, length, tool calls) "
+                       "as a JSON line to chatrl_checkpoints/<tag>/rollouts_rank<r>.jsonl, one file per rank, each "
+                       "step's lines whole"),
+    resume=flag(CHECKPOINTS, "", "continue an RL run: --resume (the latest), --resume=TAG (its last step) or "
+                "--resume=TAG:STEP", nargs="?", const="latest"),
+    overwrite=flag(CHECKPOINTS, False, "replace an existing chatrl_checkpoints/<tag> run (without it, the run is "
+                   "refused)"),
+    max_bad_steps=flag(LOGGING, 5, "abort after this many consecutive steps with a non-finite loss or gradient"),
+    no_signal_steps=flag(LOGGING, 10, "warn when this many consecutive steps trained no row (every advantage 0: nothing "
+                         "to learn from); 0 = never"),
+    debug=shared("debug", LOGGING),
+)
+
+
+@dataclass_of(SETTINGS, frozen=False)  # until the run's plan is apart from it
 class RLConfig:
-    """chat_rl's flags, in the order `--help` lists them (scripts/chat_rl.py holds each one's help)."""
-    # logging and runtime
-    run: str
-    device_type: str
-    dtype: str                  # None (not given) -> $NANOCHAT_DTYPE or auto; then what training computes in
-    rollout_dtype: str
-    # model to start from, and where the run is written
-    source: str
-    model_tag: str
-    model_step: int
-    model_generation: str
-    output_tag: str
-    # data
-    task: str
-    num_epochs: int
-    num_steps: int
-    # batch sizes and sampling
-    device_batch_size: int
-    train_rows: int
-    examples_per_step: int
-    num_samples: int
-    max_new_tokens: int
-    temperature: float
-    top_k: int
-    max_rows: int
-    memory_budget_gb: object    # "auto", a fraction string or GiB; resolved to GiB
-    decode: str
-    compile: str
-    # optimization
-    embedding_lr: float
-    unembedding_lr: float
-    matrix_lr: float
-    weight_decay: float
-    recipe: str
-    init_lr_frac: float
-    lr_schedule: str
-    warmup_steps: int
-    final_lr_frac: float
-    # the algorithm's options (each default is nanochat's)
-    loss_norm: str
-    advantage_std: bool
-    mask_truncated: bool
-    ppo_epochs: int
-    loss: str
-    clip_low: float                 # None (not given) -> the loss's default (LOSS_CLIPS)
-    clip_high: float
-    kl_coef: float
-    rollout_correction: str
-    rollout_correction_cap: float
-    dynamic_sampling: bool
-    dynamic_sampling_rounds: int
-    # eval and checkpoints
-    eval_every: int
-    eval_examples: int
-    save_every: int
-    keep_last: int
-    save_rollouts: bool
-    # robustness
-    resume: str
-    overwrite: bool
-    max_bad_steps: int
-    no_signal_steps: int
-    debug: bool
+    """chat_rl's settings (SETTINGS), checked on construction; frozen. RLConfig() is nanochat's run on GSM8K;
+    RLConfig(task="arithmetic", device_type="cpu") another."""
 
     @classmethod
     def from_flags(cls, namespace):
@@ -98,7 +150,8 @@ class RLConfig:
         return dataclasses.replace(self, **{k: v for k, v in saved.items() if k in known})
 
     def __post_init__(self):
-        self.dtype = requested_dtype(self.dtype, float16=True)  # float16: with dynamic loss scaling (optim/loss_scale.py)
+        # the two values construction settles: --dtype not given, and the clip band of the loss where not given
+        object.__setattr__(self, "dtype", requested_dtype(self.dtype, float16=True))  # float16: optim/loss_scale.py
         require(self.rollout_dtype in DTYPES,
                 f"--rollout-dtype must be auto, float32, bfloat16 or float16, got {self.rollout_dtype!r}")
         require(self.source in CHECKPOINT_DIRS, f"--source must be {', '.join(CHECKPOINT_DIRS)}, got {self.source!r}")
@@ -120,7 +173,7 @@ class RLConfig:
         for name in ("device_batch_size", "examples_per_step", "num_samples", "max_new_tokens", "num_epochs",
                      "eval_examples"):
             require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        check_train_rows(self)
+        require(self.train_rows >= 0, f"--train-rows must be >= 0 (0 = auto), got {self.train_rows}")
         require(self.num_samples % self.device_batch_size == 0,
                 f"--num-samples ({self.num_samples}) must be a multiple of --device-batch-size ({self.device_batch_size}); "
                 f"e.g. --device-batch-size={largest_divisor_at_most(self.num_samples, self.device_batch_size)}")
@@ -150,8 +203,8 @@ class RLConfig:
                 "--loss=gspo weighs whole sequences and --rollout-correction=token-tis single tokens; use "
                 "--rollout-correction=sequence-mask (or none) with gspo")
         default_low, default_high = LOSS_CLIPS[self.loss]
-        self.clip_low = default_low if self.clip_low is None else self.clip_low
-        self.clip_high = default_high if self.clip_high is None else self.clip_high
+        object.__setattr__(self, "clip_low", default_low if self.clip_low is None else self.clip_low)
+        object.__setattr__(self, "clip_high", default_high if self.clip_high is None else self.clip_high)
         require(0 <= self.clip_low <= 1,
                 f"--clip-low must be in [0, 1] (the ratio is clipped at 1 - clip-low; 1: no floor), got {self.clip_low}")
         require(self.clip_high >= 0, f"--clip-high must be >= 0, got {self.clip_high}")

@@ -1,0 +1,103 @@
+"""
+The scripts' settings, each written once: its default, its help and how argparse reads it (type=, choices=). A
+setting's name is its flag's with underscores (device_type <- --device-type, nanochat.cli.flag_name).
+
+chat_rl's settings are a table in nanochat/rl/config.py, RLConfig's fields derived from it; the settings several
+scripts share are SHARED below, which that table and nanochat.cli's add_* helpers (chat_sft, chat_eval, bench_eval,
+chat_cli) both take. Checks that argparse cannot make are the config's (RLConfig's construction) or the function's
+that takes the value (a SettingError, shown under the flag's name).
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+from nanochat.engine.cuda_graphs import DECODE_MODES
+from nanochat.engine.memory_budget import AUTO, FIXED_GB, FRACTION, parse_budget
+from nanochat.model.compile import COMPILE_MODES, SFT_CPU_MIN_STEPS
+from nanochat.model.generations import VE_ERA_WITH_NEW_META
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One flag: its default and help, and how argparse reads it. A bool whose default is False is a switch
+    (store_true); any other value is read with `type` (default: the default's own type; str for a None default)."""
+    default: object
+    help: str
+    type: object = None
+    choices: tuple = None
+    nargs: str = None     # with const: --resume alone means --resume=latest
+    const: object = None
+    group: str = None     # the heading chat_rl's --help shows it under
+
+    def shown_in(self, group):
+        return dataclasses.replace(self, group=group)
+
+    def argparse_kwargs(self):
+        """add_argument's keyword arguments for this setting."""
+        if self.default is False:
+            return {"action": "store_true", "help": self.help}
+        kwargs = {"type": self.type or (str if self.default is None else type(self.default)), "default": self.default,
+                  "help": self.help}
+        return kwargs | {k: v for k, v in (("choices", self.choices), ("nargs", self.nargs), ("const", self.const))
+                         if v is not None}
+
+
+def decode_setting(auto_note=""):
+    """--decode: how the rollout engine runs its decode step (nanochat.engine.cuda_graphs.decode_mode). Uncompiled, the
+    tokens are the same in every mode; only the speed differs (compiled, a near-tie may fall the other way).
+    auto_note: what the script's auto does besides (its help)."""
+    return Setting("auto", f"decode step of rollouts: auto (graph on CUDA, eager elsewhere{auto_note}), eager (exact "
+                           "shapes), static (bucketed shapes, eagerly), graph (bucketed shapes replayed from CUDA graphs)",
+                   choices=DECODE_MODES)
+
+
+# the settings several scripts share, by name
+SHARED = dict(
+    run=Setting("dummy", "wandb run name ('dummy' disables wandb)"),
+    device_type=Setting("", "cuda|cpu|mps (empty = autodetect)"),
+    dtype=Setting(None, "auto|float32|bfloat16 compute dtype (autocast; chat_rl also float16, with dynamic loss "
+                        "scaling); default: $NANOCHAT_DTYPE, else auto: bfloat16 on a GPU (in chat_rl float16 on "
+                        "one without native bf16, before SM 80), on a CPU bfloat16 only where it is native "
+                        "(AVX512-BF16, AMX) and, in chat_rl, measured faster at the start"),
+    model_generation=Setting(None, "which forward a value-embedding checkpoint with nanochat's 2026-01-31+ meta layout "
+                                   "was trained with (its files cannot tell): ve (to 2026-03-01), ve_mar2 "
+                                   "(03-02..03-03), ve_late (03-04..03-08, the default); every other checkpoint's "
+                                   "generation is detected", choices=VE_ERA_WITH_NEW_META),
+    # the KV cache the rollout batches in memory at once may use: resolve it with
+    # nanochat.engine.memory_budget.resolve_memory_budget before building the Engine, which takes GiB
+    memory_budget_gb=Setting(AUTO, f"KV-cache memory (GiB) the rollout batches in memory at once (a step's, an eval's "
+                                   f"kept beside it) may use together; auto (the default): on CUDA {FRACTION:g} of the "
+                                   f"memory free after the model, optimizer state and a training-peak reserve (stated "
+                                   f"at the start), elsewhere {FIXED_GB:g}", type=parse_budget),
+    decode=decode_setting(),
+    # whether the static decode step and the training pass run compiled (nanochat/model/compile.py's compile_plan),
+    # those of them the script runs
+    compile=Setting("auto", f"torch.compile the static decode step and the training forward, where the script runs "
+                            f"them: auto (on CUDA nothing yet: not measured to pay there; on a CPU, chat_rl: each "
+                            f"part timed eagerly over the first steps, then compiled where its saving over the steps "
+                            f"left pays for its compile; chat_sft: the training forward for runs of "
+                            f"{SFT_CPU_MIN_STEPS} steps or more), on (an error where compiling is unavailable), off, "
+                            f"or blocks (instead: each transformer block around its attention, one compile for every "
+                            f"layer)", choices=COMPILE_MODES),
+    # the learning-rate flags of chat_rl and chat_sft (nanochat's defaults; --init-lr-frac differs)
+    embedding_lr=Setting(0.2, "AdamW lr for the token embedding"),
+    unembedding_lr=Setting(0.004, "AdamW lr for lm_head"),
+    matrix_lr=Setting(0.02, "Muon lr for the transformer matrices"),
+    weight_decay=Setting(0.0, "Muon weight decay"),
+    recipe=Setting("2026-01", "optimizer recipe: 2026-01 (nanochat of January 2026: AdamW + Muon) or 2026-07 (nanochat "
+                              "of July 2026: MuonAdamW with per-group betas and weight decay)",
+                   choices=("2026-01", "2026-07")),
+    # in every script: run_main then re-raises a UserError, so the full traceback is shown
+    debug=Setting(False, "show full tracebacks instead of one-line errors"),
+)
+
+
+def dataclass_of(settings, frozen=True):
+    """A class decorator: the class as a dataclass (frozen unless told) whose fields are `settings` (name -> Setting), in their
+    order, each defaulting to its setting's default and holding the setting in its metadata ("setting")."""
+    def make(cls):
+        cls.__annotations__ = {name: object if s.default is None else type(s.default) for name, s in settings.items()}
+        for name, s in settings.items():
+            setattr(cls, name, dataclasses.field(default=s.default, metadata={"setting": s}))
+        return dataclass(frozen=frozen)(cls)
+    return make
