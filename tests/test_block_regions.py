@@ -15,7 +15,8 @@ from test_static_decode import ENDING_KWARGS, ENDING_PROMPTS, ending_model, logp
 from nanochat.engine.cuda_graphs import DecodePlan, GraphedStep, bucketed_shape
 from nanochat.engine.decode_batch import RolloutStats
 from nanochat.engine.decode_weights import DecodeWeights
-from nanochat.engine.engine import BatchShape, Engine, make_batch
+from nanochat.engine.engine import Engine, make_batch
+from nanochat.engine.scheduler import BatchShape
 from nanochat.model import compile as nc_compile
 from nanochat.model.compile import CompiledFunction, compile_block_regions, compile_plan
 from nanochat.model.gpt import EAGER_REGIONS, BlockRegions

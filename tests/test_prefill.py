@@ -1,14 +1,14 @@
 """Prompts prefilled several at a time (DecodeBatch.prefill): right-padded to the longest in one forward, each
 prompt's keys, values, smear state and first-token logits are those of a forward of it alone."""
 
-from collections import deque
 
 import pytest
 import torch
 from helpers import prompt_of, random_model, tiny_config
 
 from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch, RolloutStats
-from nanochat.engine.engine import Engine, next_prefill
+from nanochat.engine.engine import Engine
+from nanochat.engine.scheduler import Admission
 from nanochat.engine.kv_cache import KVCache, forward_cached
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 
@@ -53,13 +53,13 @@ def test_each_prompt_of_a_batched_prefill_is_as_if_prefilled_alone(generation, s
 
 def test_next_prefill_takes_the_room_and_the_token_limit():
     prompts = [[0] * n for n in (4, 6, 5, 20, 3, 40)]
-    waiting = deque(range(6))
-    assert next_prefill(waiting, prompts, room=2, limit=30) == [0, 1]             # the room
-    assert next_prefill(waiting, prompts, room=9, limit=30) == [2]                # 2 prompts padded to 20 > 30 positions
-    assert next_prefill(waiting, prompts, room=9, limit=30) == [3]
-    assert next_prefill(waiting, prompts, room=9, limit=30) == [4]                # [3, 40] padded: 80 > 30
-    assert next_prefill(waiting, prompts, room=9, limit=30) == [5]                # alone, even past the limit
-    assert not waiting
+    admission = Admission(prompts, seeds=range(6), num_samples=1, new_row=None, prefill_tokens=30)
+    assert admission.next_prefill(room=2) == [0, 1]             # the room
+    assert admission.next_prefill(room=9) == [2]                # 2 prompts padded to 20 > 30 positions
+    assert admission.next_prefill(room=9) == [3]
+    assert admission.next_prefill(room=9) == [4]                # [3, 40] padded: 80 > 30
+    assert admission.next_prefill(room=9) == [5]                # alone, even past the limit
+    assert not admission.waiting and not admission.open
 
 
 def test_rollouts_prefill_prompts_together_and_sample_as_one_by_one(tiny_tokenizer):

@@ -251,15 +251,6 @@ class DecodeBatch:
         """A kept batch starts another rollout: its work is counted in `stats` from now on."""
         self.stats = stats
 
-    def can_take_prompt(self):
-        """False while every prompt slot holds a prompt whose rows still run."""
-        return self.pool is None or self.pool.has_room()
-
-    def prefill_room(self, num_samples):
-        """How many prompts the next prefill may take: the free prompt slots (a prompt holds one while its rows run),
-        or without a pool, as many as fill the free rows (a prefilled prompt's own cache waits for its rows)."""
-        return self.pool.free_slots() if self.pool is not None else -(-self.free_rows // num_samples)
-
     def prefill(self, requests, prompts, seeds, num_samples):
         """Run `prompts` (lists of ids) through the model in one forward (prefill_forward), each once for all its
         samples; in a cache that holds prompts each prompt's keys go to a free prompt slot. Returns the
@@ -319,17 +310,6 @@ class DecodeBatch:
         self.flight.stepped()
         self.stats.count_step(n, self.cache.keys_read(rows, keys))
 
-    def prepare_shapes(self):
-        """A new static batch, before its first rollout: with graphs, every shape its steps can take is warmed up
-        and captured now, largest first (as vLLM does), so that rollouts only replay; without, the shapes are only
-        counted (what a graph run would capture). Counted in stats.captures."""
-        shapes = bucket_shapes(self.cache.batch_size, self.cache.key_capacity)
-        if self.graphs is None:
-            self.stats.captures += len(shapes)
-            return
-        for rows, keys in shapes:  # each warm-up runs every row free: nothing moves, nothing is read back
-            self.stats.captures += self.graphs.prepare((rows, keys), lambda: self.run_step(rows, keys))
-
     def run_step(self, rows, keys):
         """The static decode step (static_step) over rows 0..rows-1 and keys 0..keys-1, as this batch runs it."""
         with self.weights.in_use(), autocast_cache_off():  # one guard state for warm-ups, captures and plain steps
@@ -368,6 +348,18 @@ class DecodeBatch:
                     t[i] = t[last]
             self.flight.remove(i)
             self.cache.release_row(last)
+
+
+def prepare_shapes(batch):
+    """A new static batch, before its first rollout: with graphs, every shape its steps can take is warmed up and
+    captured now, largest first (as vLLM does), so that rollouts only replay; without, the shapes are only counted
+    (what a graph run would capture). Counted in stats.captures."""
+    shapes = bucket_shapes(batch.cache.batch_size, batch.cache.key_capacity)
+    if batch.graphs is None:
+        batch.stats.captures += len(shapes)
+        return
+    for rows, keys in shapes:  # each warm-up runs every row free: nothing moves, nothing is read back
+        batch.stats.captures += batch.graphs.prepare((rows, keys), lambda: batch.run_step(rows, keys))
 
 
 def prefilled_prompts(prefill, requests, prompts, seeds, num_samples, pool, cache):

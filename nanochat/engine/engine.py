@@ -21,7 +21,7 @@ import torch
 
 from nanochat.engine.calculator import CALCULATOR_FORMATS
 from nanochat.engine.cuda_graphs import PROMPT_BUCKET, decode_mode, decode_plan
-from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch, RolloutStats, static_step
+from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch, RolloutStats, prepare_shapes, static_step
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.kv_cache import KVCache, cache_geometry
 from nanochat.engine.rows import Row, SpecialIds
@@ -55,7 +55,7 @@ def make_batch(model, shape, plan, stats, weights, step):
                                   spare_positions=1 if plan.static else 0)
     batch = DecodeBatch(model, cache, shape.temperature, shape.top_k, stats, plan.shape, plan.graphs, weights, step)
     if plan.static:
-        batch.prepare_shapes()
+        prepare_shapes(batch)
     return batch
 
 

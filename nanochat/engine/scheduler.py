@@ -144,14 +144,14 @@ class Admission:
 
     def admit(self, batch):
         """Fill the batch's free rows: first with the samples of the pending prompts, then with those of the prompts
-        it prefills from `waiting` (several in one forward, as many as DecodeBatch.prefill_room says), while its
+        it prefills from `waiting` (several in one forward, as many as prefill_room says), while its
         prompt pool has a free slot. Returns the events of the rows admitted."""
         events = []
         while batch.free_rows > 0 and self.open:
             if not self.pending:
-                if not batch.can_take_prompt():
-                    break  # every pool slot holds a prompt whose rows still run: wait for one to finish
-                requests = self.next_prefill(batch.prefill_room(self.num_samples))
+                if batch.pool is not None and not batch.pool.has_room():
+                    break  # every prompt slot holds a prompt whose rows still run: wait for one to finish
+                requests = self.next_prefill(prefill_room(batch, self.num_samples))
                 self.pending.extend(batch.prefill(requests, [self.prompts[r] for r in requests],
                                                   [self.seeds[r] for r in requests], self.num_samples))
             prompt = self.pending[0]
@@ -159,3 +159,9 @@ class Admission:
             if prompt.fully_admitted:
                 self.pending.popleft()
         return events
+
+
+def prefill_room(batch, num_samples):
+    """How many prompts the batch's next prefill may take: its free prompt slots (a prompt holds one while its rows
+    run), or without a pool, as many as fill its free rows (a prefilled prompt's own cache waits for its rows)."""
+    return batch.pool.free_slots() if batch.pool is not None else -(-batch.free_rows // num_samples)
