@@ -88,7 +88,73 @@ def _load_encoding(path):
                              mergeable_ranks=state["mergeable_ranks"], special_tokens=state["special_tokens"])
 
 
-class Tokenizer:
+class ChatFormat:
+    """nanochat's chat format over a tokenizer's encode and special tokens: a conversation rendered for training
+    (ids and the mask of what the assistant produces) or as a prompt to sample its answer from."""
+
+    def render_conversation(self, conversation, max_tokens=2048):
+        """Tokenize a conversation for training: (ids, mask), two lists of equal length <= max_tokens.
+
+        mask is 1 on the tokens the assistant produces (its text, tool calls and <|assistant_end|>), 0 on
+        everything else: <|bos|>, user turns, <|assistant_start|> and tool outputs (the engine inserts those)."""
+        messages = _merge_system_message(conversation["messages"])
+        ids, mask = [], []
+
+        def add(token_ids, m):
+            token_ids = [token_ids] if isinstance(token_ids, int) else token_ids
+            ids.extend(token_ids)
+            mask.extend([m] * len(token_ids))
+
+        sp = self._special_ids
+        add(self.bos_token_id, 0)
+        for i, message in enumerate(messages):
+            content = message["content"]
+            if message["role"] == "user":
+                if not isinstance(content, str):
+                    raise UserError(f"message {i} (user) content must be a string, got {type(content).__name__}")
+                add(sp["<|user_start|>"], 0)
+                add(self.encode(content), 0)
+                add(sp["<|user_end|>"], 0)
+                continue
+            add(sp["<|assistant_start|>"], 0)
+            if isinstance(content, str):
+                add(self.encode(content), 1)
+            elif isinstance(content, list):
+                for part in content:
+                    kind, value = part["type"], self.encode(part["text"])
+                    if kind == "text":
+                        add(value, 1)
+                    elif kind == "python":
+                        add(sp["<|python_start|>"], 1)
+                        add(value, 1)
+                        add(sp["<|python_end|>"], 1)
+                    elif kind == "python_output":
+                        add(sp["<|output_start|>"], 0)
+                        add(value, 0)
+                        add(sp["<|output_end|>"], 0)
+                    else:
+                        raise UserError(f"message {i} has a part of unknown type {kind!r}; use text, python or python_output")
+            else:
+                raise UserError(f"message {i} (assistant) content must be a string or a list of parts, got {type(content).__name__}")
+            add(sp["<|assistant_end|>"], 1)
+        return ids[:max_tokens], mask[:max_tokens]
+
+    def render_for_completion(self, conversation):
+        """The prompt for sampling an answer: the conversation without its last (assistant) message,
+        rendered, then <|assistant_start|>."""
+        messages = conversation["messages"]
+        if not messages or messages[-1]["role"] != "assistant":
+            raise UserError("render_for_completion needs a conversation that ends with an assistant message "
+                            "(the reference answer, which is dropped)")
+        ids, _ = self.render_conversation(dict(conversation, messages=messages[:-1]))
+        return ids + [self._special_ids["<|assistant_start|>"]]
+
+    def visualize_tokenization(self, ids, mask):
+        """A debugging view: each token as [text], with trained-on tokens (mask 1) marked by a leading '*'."""
+        return "".join(f"{'*' if m else ''}[{self.id_to_token(t)}]" for t, m in zip(ids, mask))
+
+
+class Tokenizer(ChatFormat):
     """A tiktoken Encoding plus nanochat's special tokens and chat rendering (nanochat's RustBPETokenizer).
 
     bos_token: the special token that starts a sequence, as nanochat's constructor takes it (always "<|bos|>" in a
@@ -190,69 +256,6 @@ class Tokenizer:
 
     def decode(self, ids):
         return self.enc.decode(ids)
-
-    # ---------------------------------------------------------------- conversations
-
-    def render_conversation(self, conversation, max_tokens=2048):
-        """Tokenize a conversation for training: (ids, mask), two lists of equal length <= max_tokens.
-
-        mask is 1 on the tokens the assistant produces (its text, tool calls and <|assistant_end|>), 0 on
-        everything else: <|bos|>, user turns, <|assistant_start|> and tool outputs (the engine inserts those)."""
-        messages = _merge_system_message(conversation["messages"])
-        ids, mask = [], []
-
-        def add(token_ids, m):
-            token_ids = [token_ids] if isinstance(token_ids, int) else token_ids
-            ids.extend(token_ids)
-            mask.extend([m] * len(token_ids))
-
-        sp = self._special_ids
-        add(self.bos_token_id, 0)
-        for i, message in enumerate(messages):
-            content = message["content"]
-            if message["role"] == "user":
-                if not isinstance(content, str):
-                    raise UserError(f"message {i} (user) content must be a string, got {type(content).__name__}")
-                add(sp["<|user_start|>"], 0)
-                add(self.encode(content), 0)
-                add(sp["<|user_end|>"], 0)
-                continue
-            add(sp["<|assistant_start|>"], 0)
-            if isinstance(content, str):
-                add(self.encode(content), 1)
-            elif isinstance(content, list):
-                for part in content:
-                    kind, value = part["type"], self.encode(part["text"])
-                    if kind == "text":
-                        add(value, 1)
-                    elif kind == "python":
-                        add(sp["<|python_start|>"], 1)
-                        add(value, 1)
-                        add(sp["<|python_end|>"], 1)
-                    elif kind == "python_output":
-                        add(sp["<|output_start|>"], 0)
-                        add(value, 0)
-                        add(sp["<|output_end|>"], 0)
-                    else:
-                        raise UserError(f"message {i} has a part of unknown type {kind!r}; use text, python or python_output")
-            else:
-                raise UserError(f"message {i} (assistant) content must be a string or a list of parts, got {type(content).__name__}")
-            add(sp["<|assistant_end|>"], 1)
-        return ids[:max_tokens], mask[:max_tokens]
-
-    def render_for_completion(self, conversation):
-        """The prompt for sampling an answer: the conversation without its last (assistant) message,
-        rendered, then <|assistant_start|>."""
-        messages = conversation["messages"]
-        if not messages or messages[-1]["role"] != "assistant":
-            raise UserError("render_for_completion needs a conversation that ends with an assistant message "
-                            "(the reference answer, which is dropped)")
-        ids, _ = self.render_conversation(dict(conversation, messages=messages[:-1]))
-        return ids + [self._special_ids["<|assistant_start|>"]]
-
-    def visualize_tokenization(self, ids, mask):
-        """A debugging view: each token as [text], with trained-on tokens (mask 1) marked by a leading '*'."""
-        return "".join(f"{'*' if m else ''}[{self.id_to_token(t)}]" for t, m in zip(ids, mask))
 
 
 def _merge_system_message(messages):
