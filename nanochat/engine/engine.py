@@ -129,13 +129,9 @@ class Engine(NanochatGenerate):
 
     def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True, decode="auto",
                  compile="off", prefill_tokens=PREFILL_TOKENS, lag=None, calculator_format="str"):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.special = SpecialIds(tokenizer)
-        self.max_rows = max_rows
-        self.memory_budget_gb = memory_budget_gb
-        self.share_prompts = share_prompts
-        self.prefill_tokens = prefill_tokens
+        self.model, self.tokenizer, self.special = model, tokenizer, SpecialIds(tokenizer)
+        self.max_rows, self.memory_budget_gb = max_rows, memory_budget_gb
+        self.share_prompts, self.prefill_tokens = share_prompts, prefill_tokens
         self.calculator_format = check_calculator_format(calculator_format)
         self.lag = model.get_device().type == "cuda" if lag is None else lag
         self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
