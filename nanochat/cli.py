@@ -4,8 +4,9 @@ several scripts declare (from their settings, nanochat/settings.py), and `run_ma
 line on stderr.
 
 Library errors carry facts (the path, the available steps or tags, what was found); HINTS below adds, per error type,
-which flag to change or which script to run. A SettingError (a bad value of a function argument such as device_type)
-is shown under the name of its flag (--device-type)."""
+which flag to change or which script to run, and LINES writes the whole line of an error whose flags sit inside its
+sentence. A SettingError (a bad value of a function argument such as device_type) is shown under the name of its flag
+(--device-type)."""
 
 import argparse
 import dataclasses
@@ -16,9 +17,12 @@ import traceback
 from nanochat.checkpoints.errors import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
                                          RankLostError, UnknownStepError, UnknownTagError)
 from nanochat.common import SettingError, UserError, cleanup_after_error, get_rank
+from nanochat.engine.cuda_graphs import GraphsNeedCudaError
 from nanochat.engine.memory_budget import NoMemoryForRolloutsError
 from nanochat.model.compile import CompileFailed
 from nanochat.rl.config import GROUPS, RLConfig
+from nanochat.rl.resume import ResumeError, RunExistsError
+from nanochat.rl.run import NoStartCheckpointError, NonFiniteStepsError
 from nanochat.settings import SHARED
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
 from nanochat.tokenizer import TokenizerError
@@ -135,6 +139,33 @@ HINTS = {
     CompileFailed: "use --compile=off (or auto, which falls back to eager with a warning)",
     BandNotReachedError: "allow more steps (a larger --num-steps) or lower the band of --stop-at-pass1",
     NoMemoryForRolloutsError: "pass --memory-budget-gb=N to choose the KV cache's size, or lower --device-batch-size",
+    RunExistsError: "continue it with --resume, replace it with --overwrite, or choose another --model-tag",
+    NonFiniteStepsError: "lower the learning rates or use --dtype=float32",
+}
+
+
+def resume_line(e):
+    """A ResumeError's line: the flag (with its value where the value's form is the problem), the facts, the fix."""
+    others = [s for s in e.steps if s != e.step]
+    if e.fix == "saved step":
+        fix = f" (e.g. --resume={e.tag}:{e.steps[-1]})"
+    elif e.fix == "another step" and others:
+        fix = (f"; resume another saved step (--resume={e.tag}:{others[-1]}; saved: {', '.join(map(str, others))}) or "
+               f"start a new run with --overwrite")
+    else:
+        fix = {None: "", "new run": "; start one without --resume", "overwrite": "; start a new run with --overwrite",
+               "another step": "; no other step of this run is saved: start a new run with --overwrite"}[e.fix]
+    return f"--resume{'=' + e.spec if e.spec else ''}: {e}{fix}"
+
+
+# error type -> its whole line, written from its facts: errors whose flags sit inside the sentence
+LINES = {
+    ResumeError: resume_line,
+    GraphsNeedCudaError: lambda e: (f"--decode {e.problem} (torch sees no CUDA device, or --device-type chose another); "
+                                    f"use --decode=static (the same step, run eagerly) or --decode=auto"),
+    NoStartCheckpointError: lambda e: ("--kl-coef > 0 needs the checkpoint the run started from, and this run's meta "
+                                       "does not record it (written before --kl-coef existed); resume it with its own "
+                                       "flags or start a new run"),
 }
 
 
@@ -144,8 +175,11 @@ def flag_name(setting):
 
 
 def error_line(e):
-    """What run_main prints for the UserError e (without 'error: '): its message, under the flag's name
-    for a SettingError, followed by the hint HINTS has for its type (or the nearest base type), if any."""
+    """What run_main prints for the UserError e (without 'error: '): the line LINES writes for its type; else its
+    message, under the flag's name for a SettingError, followed by the hint HINTS has for its type (or the nearest
+    base type), if any."""
+    if type(e) in LINES:
+        return LINES[type(e)](e)
     message = f"{flag_name(e.setting)} {e.problem}" if isinstance(e, SettingError) else str(e)
     hint = next((HINTS[cls] for cls in type(e).__mro__ if cls in HINTS), None)
     if hint is None:

@@ -2,11 +2,17 @@
 which script to run; --debug, declared once, shows the traceback instead."""
 
 import pytest
+import torch
 
 from nanochat import cli
+from nanochat.checkpoints.errors import CheckpointError
 from nanochat.checkpoints.loading import find_checkpoint
 from nanochat.checkpoints.store import load_checkpoint
 from nanochat.common import UserError, compute_init, requested_dtype
+from nanochat.engine.cuda_graphs import check_decode_flag
+from nanochat.engine.memory_budget import parse_budget
+from nanochat.rl.resume import Resume, prepare_output_dir, resolve_resume
+from nanochat.rl.run import NonFiniteStepsError, load_reference
 from nanochat.tokenizer import get_tokenizer
 from nanochat.wandb_utils import WandbStartError
 from tasks.gsm8k import find_local_dir
@@ -49,7 +55,52 @@ CASES = {
     "bad dtype": (lambda base: requested_dtype("fp8"), "error: --dtype must be auto, float32 or bfloat16, got 'fp8'"),
     "unknown device": (lambda base: compute_init("tpu"),
                        "error: --device-type 'tpu' is unknown; use cuda, cpu or mps (or leave it empty to autodetect)"),
+    # chat_rl's, below its config (issue 60: their flags were in the library's messages)
+    "bad budget": (lambda base: parse_budget("0"), "error: --memory-budget-gb must be auto or a number of GiB > 0, got '0'"),
+    "graph off CUDA": (lambda base: check_decode_flag("graph", torch.device("cpu")),
+                       "error: --decode is graph, which replays CUDA graphs, and this run is on cpu (torch sees no CUDA "
+                       "device, or --device-type chose another); use --decode=static (the same step, run eagerly) or "
+                       "--decode=auto"),
+    "no RL run to resume": (lambda base: resolve_resume("latest"), "; start one without --resume"),
+    "resume no RL run of that tag": (lambda base: rl_run_dir(base) and resolve_resume("d3"), "; available: d2"),
+    "resume step not a number": (lambda base: rl_run_dir(base, {"model_000001.pt": b""}) and resolve_resume("d2:x"),
+                                 "error: --resume=d2:x: the step after ':' must be a number"),
+    "resume a step not saved": (lambda base: rl_run_dir(base, {"model_000001.pt": b""}) and resolve_resume("d2:7"),
+                                "error: --resume=d2:7: run 'd2' has no step 7; saved steps: 1 (e.g. --resume=d2:1)"),
+    "resume a run with no step": (lambda base: rl_run_dir(base) and resolve_resume("d2"),
+                                  "has no saved step; start a new run with --overwrite"),
+    "resume an unreadable step": (lambda base: unreadable(rl_run_dir(base, {"model_000001.pt": b"", "model_000002.pt": b""})),
+                                  "error: --resume: a fault; resume another saved step (--resume=d2:1; saved: 1) or "
+                                  "start a new run with --overwrite"),
+    "resume the only step, unreadable": (lambda base: unreadable(rl_run_dir(base, {"model_000002.pt": b""})),
+                                         "error: --resume: a fault; no other step of this run is saved: start a new run "
+                                         "with --overwrite"),
+    "another run in the output dir": (lambda base: prepare_output_dir(rl_run_dir(base, {"model_000001.pt": b""}), False, True),
+                                      "already holds an RL run (1 files); continue it with --resume, replace it with "
+                                      "--overwrite, or choose another --model-tag"),
+    "no start checkpoint for the KL penalty": (lambda base: load_reference(None, "cpu", None),
+                                               "error: --kl-coef > 0 needs the checkpoint the run started from, and this "
+                                               "run's meta does not record it (written before --kl-coef existed); resume it "
+                                               "with its own flags or start a new run"),
+    "non-finite steps": (lambda base: raise_(NonFiniteStepsError(2, "none saved yet")),
+                         "error: 2 consecutive steps had a non-finite loss or gradient; stopping (last good checkpoint: "
+                         "none saved yet); lower the learning rates or use --dtype=float32"),
 }
+
+
+def rl_run_dir(base, files=()):
+    """$base/chatrl_checkpoints/d2 holding `files` {name: bytes}."""
+    d = base / "chatrl_checkpoints" / "d2"
+    d.mkdir(parents=True)
+    for name, data in dict(files).items():
+        (d / name).write_bytes(data)
+    return str(d)
+
+
+def unreadable(directory):
+    """A checkpoint fault while --resume reads step 2 of the run in `directory`."""
+    with Resume("d2", 2, directory, {}).errors():
+        raise CheckpointError("a fault", directory)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanochat.cli import error_line
-from nanochat.common import UserError
+from nanochat.common import SettingError, UserError
 from nanochat.engine import memory_budget
 from nanochat.engine.engine import Engine
 from nanochat.engine.memory_budget import GiB, parse_budget, plan_budget, resolve_memory_budget
@@ -94,8 +94,10 @@ def test_no_memory_left_is_one_line_naming_the_flag(free_memory):
 
 @pytest.mark.parametrize("text", ["0", "-1", "nan", "lots"])
 def test_a_bad_budget_is_refused(text):
-    with pytest.raises(UserError, match="--memory-budget-gb must be auto or a number of GiB > 0"):
+    """A SettingError of memory_budget_gb (the facts); the command line shows it under the flag's name."""
+    with pytest.raises(SettingError, match="^memory_budget_gb must be auto or a number of GiB > 0") as refused:
         parse_budget(text)
+    assert error_line(refused.value) == f"--memory-budget-gb must be auto or a number of GiB > 0, got {text!r}"
     assert parse_budget("auto") == memory_budget.AUTO and parse_budget("2.5") == 2.5
 
 

@@ -159,12 +159,18 @@ def decode_plan(mode):
     return DecodePlan(bucketed_shape, GraphedStep if mode == "graph" else None, True)
 
 
+class GraphsNeedCudaError(SettingError):
+    """The decode mode graph on a device that is not CUDA (nanochat.cli's line adds which flags to change)."""
+
+    def __init__(self, decode, device_type):
+        super().__init__("decode", f"is {decode}, which replays CUDA graphs, and this run is on {device_type}")
+        self.decode, self.device_type = decode, device_type
+
+
 def check_decode_flag(decode, device):
     """--decode against the device compute_init chose, before anything is built (a model load can take minutes):
     graph replays CUDA graphs, so it needs CUDA (cuda_graphs.decode_mode's rule). Returns the mode that runs."""
     try:
         return decode_mode(decode, device)
     except ValueError:
-        raise SettingError("decode", f"is {decode}, which replays CUDA graphs, and this run is on {device.type} (torch "
-                                     f"sees no CUDA device, or --device-type chose another); use --decode=static (the "
-                                     f"same step, run eagerly) or --decode=auto") from None
+        raise GraphsNeedCudaError(decode, device.type) from None

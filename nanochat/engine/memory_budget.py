@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.common import UserError
+from nanochat.common import SettingError, UserError
 from nanochat.engine.decode_weights import fusable_attention, qkv_weights
 
 AUTO = "auto"
@@ -47,7 +47,7 @@ LOGIT_BYTES_PER_ENTRY = 6 * 4
 
 
 def parse_budget(text):
-    """--memory-budget-gb's value: AUTO, or a number of GiB > 0 (else a UserError naming the flag)."""
+    """--memory-budget-gb's value: AUTO, or a number of GiB > 0 (else a SettingError, shown under the flag)."""
     if text == AUTO:
         return AUTO
     try:
@@ -55,7 +55,7 @@ def parse_budget(text):
     except ValueError:
         value = None
     if value is None or not value > 0:  # not a number, or <= 0, or nan
-        raise UserError(f"--memory-budget-gb must be auto or a number of GiB > 0, got {text!r}")
+        raise SettingError("memory_budget_gb", f"must be auto or a number of GiB > 0, got {text!r}")
     return value
 
 

@@ -229,12 +229,27 @@ class RLConfig:
         require(self.no_signal_steps >= 0,
                 f"--no-signal-steps must be >= 0 (0 = never warn), got {self.no_signal_steps}")
 
-    def check_ranks(self, world_size):
-        """A new run's questions of a step must split evenly over the ranks (a resumed run's are checked against its
-        own --examples-per-step, see nanochat/rl/resume.py)."""
-        require(self.examples_per_step % world_size == 0,
-                f"--examples-per-step ({self.examples_per_step}) must be divisible by the number of ranks ({world_size}); "
-                f"use a multiple of {world_size}")
+    def check_ranks(self, world_size, resumed=None):
+        """A step's questions must split evenly over the ranks: a new run's, or those of `resumed`, the tag of the run
+        --resume continues, whose --examples-per-step its saved settings put back (nanochat/rl/resume.py)."""
+        per_step = self.examples_per_step
+        if per_step % world_size == 0:
+            return
+        if resumed is None:
+            raise UserError(f"--examples-per-step ({per_step}) must be divisible by the number of ranks ({world_size}); "
+                            f"use a multiple of {world_size}")
+        raise UserError(f"--resume: run {resumed} takes {per_step} questions a step (its --examples-per-step), which "
+                        f"{world_size} ranks cannot share evenly; resume it on a number of ranks that divides {per_step} "
+                        f"(e.g. torchrun --nproc_per_node={largest_divisor_at_most(per_step, world_size)})")
+
+    def run_length(self, questions):
+        """The run's number of steps on a train split of `questions` questions: --num-steps, or --num-epochs over it."""
+        num_steps = self.num_steps if self.num_steps > 0 else (questions // self.examples_per_step) * self.num_epochs
+        require(num_steps >= 1, f"the {self.task} train split has {questions} questions, fewer than --examples-per-step "
+                                f"({self.examples_per_step}); lower --examples-per-step or pass --num-steps")
+        require(self.warmup_steps < num_steps, f"--warmup-steps ({self.warmup_steps}) must be fewer than the run's "
+                                               f"{num_steps} steps")
+        return num_steps
 
 
 def largest_divisor_at_most(n, limit):

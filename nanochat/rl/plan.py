@@ -9,7 +9,7 @@ it started. Decisions that are measured (a dtype on a CPU) are measured on rank 
 
 import torch
 
-from nanochat.common import UserError, compute_dtype, dtype_name, print0
+from nanochat.common import compute_dtype, dtype_name, print0
 from nanochat.engine.cuda_graphs import DECODE_DESCRIPTIONS, check_decode_flag
 from nanochat.engine.engine import Engine, rows_in_budget
 from nanochat.engine.kv_cache import cache_geometry
@@ -31,18 +31,11 @@ def auto_train_rows(device_type):
     return AUTO_TRAIN_ROWS.get(device_type, OTHER_AUTO_TRAIN_ROWS)
 
 
-def check_train_rows(args):
-    """A negative --train-rows is a one-line error."""
-    if args.train_rows < 0:
-        raise UserError(f"--train-rows must be >= 0 (0 = auto), got {args.train_rows}")
-
-
 def train_rows(args, device_type):
     """Trained rows per training forward on a device of device_type: --train-rows, else (0, auto) the device's
     AUTO_TRAIN_ROWS (--device-batch-size if larger). A forward may hold rows of several questions
     (nanochat.rl.policy_gradient.accumulate_policy_gradient cuts the step's trained rows, in question order, into
-    forwards of this many), so it is not capped at --num-samples."""
-    check_train_rows(args)
+    forwards of this many), so it is not capped at --num-samples. args: a checked config (--train-rows >= 0)."""
     return args.train_rows or max(args.device_batch_size, auto_train_rows(device_type))
 
 

@@ -13,14 +13,33 @@ from nanochat.checkpoints.layout import CHECKPOINT_DIRS
 from nanochat.checkpoints.loading import find_checkpoint, load_model
 from nanochat.checkpoints.optimizer_shards import optimizer_states_for_resume
 from nanochat.checkpoints.store import list_steps, list_tags, load_meta, make_checkpoint_dir
-from nanochat.common import UserError, get_base_dir, print0, require
-from nanochat.rl.config import largest_divisor_at_most, resolve_output_tag
+from nanochat.common import UserError, get_base_dir, print0
+from nanochat.rl.config import resolve_output_tag
 
 # flags that do not define the run: --resume keeps them as given (the rest it restores from the checkpoint)
 RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows", "memory_budget_gb", "max_bad_steps",
                  "output_tag", "decode", "compile", "keep_last", "no_signal_steps",  # a resumed run writes to its own directory
                  "train_rows",  # the same gradient for any value: the machine's memory decides
                  "save_rollouts")  # what is written beside the run, not what it computes
+
+
+class ResumeError(UserError):
+    """What --resume names cannot be continued. The message states the facts (the runs, the saved steps); nanochat.cli
+    adds the flag (with the value given, `spec`, where its form is the problem) and the fix: `fix` is "new run" (start
+    one without resuming), "overwrite" (start a new run over it), "saved step" (name one of `steps`, run `tag`'s saved
+    steps) or "another step" (resume one of `steps` but `step`, or start over); None: the facts say it."""
+
+    def __init__(self, facts, fix=None, spec=None, tag=None, step=None, steps=()):
+        super().__init__(facts)
+        self.fix, self.spec, self.tag, self.step, self.steps = fix, spec, tag, step, list(steps)
+
+
+class RunExistsError(UserError):
+    """A new run's directory holds another run (nanochat.cli adds the flags that continue, replace or avoid it)."""
+
+    def __init__(self, checkpoint_dir, files):
+        super().__init__(f"{checkpoint_dir} already holds an RL run ({len(files)} files)")
+        self.checkpoint_dir, self.files = checkpoint_dir, files
 
 
 def resolve_resume(spec):
@@ -30,29 +49,20 @@ def resolve_resume(spec):
     if not tag:
         tags = list_tags(rl_root) if os.path.isdir(rl_root) else []
         if not tags:
-            raise UserError(f"--resume: no RL run in {rl_root}; start one without --resume")
+            raise ResumeError(f"no RL run in {rl_root}", fix="new run")
         tag = max(tags, key=lambda t: os.path.getmtime(os.path.join(rl_root, t)))
     directory = os.path.join(rl_root, tag)
     if not os.path.isdir(directory):
-        raise UserError(f"--resume: no RL run {tag!r} in {rl_root}; available: {', '.join(list_tags(rl_root)) or 'none'}")
+        raise ResumeError(f"no RL run {tag!r} in {rl_root}; available: {', '.join(list_tags(rl_root)) or 'none'}")
     if step and not step.isdigit():
-        raise UserError(f"--resume={spec}: the step after ':' must be a number")
+        raise ResumeError("the step after ':' must be a number", spec=spec)
     steps = list_steps(directory)  # checked here: the loader's own error would point at --model-step
     if not steps:
-        raise UserError(f"--resume: the RL run {tag!r} in {rl_root} has no saved step; start a new run with --overwrite")
+        raise ResumeError(f"the RL run {tag!r} in {rl_root} has no saved step", fix="overwrite")
     if step and int(step) not in steps:
-        raise UserError(f"--resume={spec}: run {tag!r} has no step {int(step)}; saved steps: "
-                        f"{', '.join(map(str, steps))} (e.g. --resume={tag}:{steps[-1]})")
+        raise ResumeError(f"run {tag!r} has no step {int(step)}; saved steps: {', '.join(map(str, steps))}",
+                          fix="saved step", spec=spec, tag=tag, steps=steps)
     return tag, int(step) if step else steps[-1]
-
-
-def resume_hint(tag, step, steps):
-    """What to do about a checkpoint of run `tag` that cannot be resumed at `step` (steps: the saved ones)."""
-    others = [s for s in steps if s != step]
-    if not others:
-        return "no other step of this run is saved: start a new run with --overwrite"
-    return (f"resume another saved step (--resume={tag}:{others[-1]}; saved: {', '.join(map(str, others))}) "
-            f"or start a new run with --overwrite")
 
 
 @dataclass
@@ -65,12 +75,13 @@ class Resume:
 
     @contextlib.contextmanager
     def errors(self):
-        """A checkpoint that cannot be read: one line naming --resume's fix (the loader's would name --model-step,
-        which --resume does not read)."""
+        """A checkpoint that cannot be read: a ResumeError, whose fix is --resume's (the loader's would name
+        --model-step, which --resume does not read)."""
         try:
             yield
         except CheckpointError as e:
-            raise UserError(f"--resume: {e}; {resume_hint(self.tag, self.step, list_steps(self.checkpoint_dir))}") from e
+            raise ResumeError(str(e), fix="another step", tag=self.tag, step=self.step,
+                              steps=list_steps(self.checkpoint_dir)) from e
 
 
 def restore_settings(config, world_size):
@@ -87,12 +98,8 @@ def restore_settings(config, world_size):
     changed = sorted(k for k, v in saved.items() if getattr(config, k, v) != v)
     if changed:
         print0(f"--resume: using the run's saved settings for {', '.join(changed)}")
-    per_step = saved.get("examples_per_step", config.examples_per_step)
-    require(per_step % world_size == 0,
-            f"--resume: run {tag} takes {per_step} questions a step (its --examples-per-step), which {world_size} ranks "
-            f"cannot share evenly; resume it on a number of ranks that divides {per_step} (e.g. torchrun "
-            f"--nproc_per_node={largest_divisor_at_most(per_step, world_size)})")
     config = config.restored(saved)
+    config.check_ranks(world_size, resumed=tag)
     config.output_tag = tag
     return config, resume
 
@@ -134,8 +141,7 @@ def prepare_output_dir(checkpoint_dir, overwrite, master):
     if not old:
         return
     if not overwrite:
-        raise UserError(f"{checkpoint_dir} already holds an RL run ({len(old)} files); continue it with --resume, "
-                        f"replace it with --overwrite, or choose another --model-tag")
+        raise RunExistsError(checkpoint_dir, old)
     if master:
         for f in old:
             os.remove(os.path.join(checkpoint_dir, f))

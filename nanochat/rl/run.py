@@ -17,7 +17,7 @@ from nanochat.checkpoints.loading import load_model
 from nanochat.checkpoints.pruning import prune_checkpoints, remove_extra_shards
 from nanochat.checkpoints.store import new_run_id
 from nanochat.common import (UserError, any_rank, autocast_context, collective_device, get_base_dir, is_out_of_memory,
-                             print0, release_cached_memory, require)
+                             print0, release_cached_memory)
 from nanochat.engine.engine import Engine
 from nanochat.engine.decode_batch import static_step
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC
@@ -95,12 +95,26 @@ class RLRun:
         return autocast_context(self.device, getattr(torch, self.config.rollout_dtype if rollouts else self.config.dtype))
 
 
+class NoStartCheckpointError(UserError):
+    """A KL penalty for a resumed run whose meta, written before the penalty existed, names no starting checkpoint."""
+
+    def __init__(self):
+        super().__init__("a KL penalty needs the checkpoint the run started from, and this run's meta does not record it")
+
+
+class NonFiniteStepsError(UserError):
+    """Too many consecutive steps had a non-finite loss or gradient (nanochat.cli adds what to change)."""
+
+    def __init__(self, steps, last_saved):
+        super().__init__(f"{steps} consecutive steps had a non-finite loss or gradient; stopping (last good checkpoint: "
+                         f"{last_saved})")
+
+
 def load_reference(start, device, generation):
     """The frozen model of --kl-coef's penalty: the checkpoint the run started from (start: its source, tag and
     step, as recorded in the run's meta), so a resumed run is penalized towards the same model."""
     if start is None:
-        raise UserError("--kl-coef > 0 needs the checkpoint the run started from, and this run's meta does not record "
-                        "it (written before --kl-coef existed); resume it with its own flags or start a new run")
+        raise NoStartCheckpointError()
     reference, _, _ = load_model(start["source"], device, phase="eval", model_tag=start["model_tag"], step=start["step"],
                                  generation=generation)
     reference.requires_grad_(False)
@@ -108,14 +122,8 @@ def load_reference(start, device, generation):
 
 
 def run_length(config, train_task):
-    """The run's number of steps: --num-steps, or the epochs over the train split."""
-    num_steps = (config.num_steps if config.num_steps > 0
-                 else (len(train_task) // config.examples_per_step) * config.num_epochs)
-    if num_steps < 1:
-        raise UserError(f"the {config.task} train split has {len(train_task)} questions, fewer than --examples-per-step "
-                        f"({config.examples_per_step}); lower --examples-per-step or pass --num-steps")
-    require(config.warmup_steps < num_steps, f"--warmup-steps ({config.warmup_steps}) must be fewer than the run's "
-                                             f"{num_steps} steps")
+    """The run's number of steps: --num-steps, or the epochs over the train split (RLConfig.run_length)."""
+    num_steps = config.run_length(len(train_task))
     print0(f"Calculated number of steps: {num_steps}")
     return num_steps
 
@@ -377,8 +385,7 @@ def count_bad_step(run, step, result):
     if run.consecutive_bad >= run.config.max_bad_steps:
         run.saver.finish()  # alone, the last save may still be in flight (settle_save): the one to name
         where = f"step {run.last_saved} in {run.checkpoint_dir}" if run.last_saved is not None else "none saved yet"
-        raise UserError(f"{run.consecutive_bad} consecutive steps had a non-finite loss or gradient; stopping "
-                        f"(last good checkpoint: {where}); lower the learning rates or use --dtype=float32")
+        raise NonFiniteStepsError(run.consecutive_bad, where)
 
 
 def meta_data(run, step):
