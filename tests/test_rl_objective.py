@@ -1,13 +1,20 @@
-"""The RL objective and batch assembly against hand-computed numbers."""
+"""The RL objective and batch assembly against hand-computed numbers; the training pass's default (on-policy) term
+against nanochat's chat_rl loop, written out as nanochat writes it; the options' terms at the point where they reduce
+to it."""
 
+import copy
 import math
 from contextlib import nullcontext
 
+import pytest
 import torch
-from helpers import TableModel
+import torch.nn.functional as F
+from helpers import TableModel, random_model, tiny_config
 
 from nanochat.rl.advantages import advantages_from_rewards, make_question_batch
-from nanochat.rl.objective import pass_objective, token_logprobs_and_entropy
+from nanochat.rl.objective import (PolicyLoss, k3_kl, kl_penalty, on_policy_objective, pass_denominators,
+                                   pass_objective, ppo_objective, rollout_correction_weights, sampler_gap,
+                                   token_logprobs_and_entropy)
 from nanochat.rl.policy_gradient import accumulate_policy_gradient
 
 PAD = 99
@@ -102,3 +109,103 @@ def test_micro_batches_give_the_same_gradient_as_whole_passes():
                                    autocast=nullcontext(), micro_batch_rows=micro)
         grads.append(model.table.grad)
     assert torch.allclose(grads[0], grads[1], atol=1e-7)
+
+
+def nanochat_pass_objectives(logp, targets, advantages, device_batch_size, examples_per_rank):
+    """nanochat's chat_rl (3c3a3d7), its training loop's lines for one question: logp (R, T) of the targets, 0 where
+    target == -1 (cross_entropy's ignore_index); yields each pass's pg_obj."""
+    num_passes = logp.size(0) // device_batch_size
+    for pass_idx in range(num_passes):
+        b0, b1 = pass_idx * device_batch_size, (pass_idx + 1) * device_batch_size
+        pg_obj = (logp[b0:b1] * advantages[b0:b1].unsqueeze(-1)).sum()
+        num_valid = (targets[b0:b1] >= 0).sum().clamp(min=1)
+        yield pg_obj / (num_valid * num_passes * examples_per_rank)
+
+
+def test_on_policy_term_is_nanochats_pass_objective_in_fp64():
+    """on_policy_objective over a question's sampled tokens, with each row's A / D (pass_denominators), is the sum of
+    nanochat's pass objectives: value and gradient, in float64 (one pass without a sampled token)."""
+    torch.manual_seed(0)
+    targets = torch.randint(0, 50, (6, 5))
+    targets[torch.rand(6, 5) < 0.3] = -1
+    targets[4:] = -1  # the last pass has no target
+    logp = (-torch.rand(6, 5, dtype=torch.float64) * 3).requires_grad_(True)
+    advantages = torch.randn(6, dtype=torch.float64)
+    valid = targets >= 0
+    weights = advantages / pass_denominators(targets, 2, 3).double()  # (R,) A / D
+    ours = on_policy_objective(logp[valid], weights[valid.nonzero()[:, 0]])
+    (ours_grad,) = torch.autograd.grad(ours, logp)
+    theirs = sum(nanochat_pass_objectives(torch.where(valid, logp, 0.0), targets, advantages, 2, 3))
+    (theirs_grad,) = torch.autograd.grad(theirs, logp)
+    assert math.isclose(ours.item(), theirs.item(), rel_tol=1e-14)
+    torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-14, atol=1e-16)
+
+
+def test_first_epoch_gradient_is_nanochats_loop_on_a_tiny_gpt():
+    """accumulate_policy_gradient at nanochat's defaults (fp32; prompts once per forward, zero-advantage rows skipped,
+    the chunked head; forwards of one pass or across questions) against nanochat's loop on a float64 copy of the
+    model, logits as GPT.logits computes them: per pass, logp = -cross_entropy(reduction='none'), pg_obj, loss =
+    -pg_obj, backward. Gradients agree to fp32's rounding (~1e-7 here); a wrong denominator or a lost row is O(1)."""
+    V, B = 64, 2
+    questions = [([5, 6, 7], [([8, 9, 10], [1, 1, 1]), ([11], [1]), ([12, 13, 14, 15], [1, 0, 0, 1]), ([16, 17], [1, 1])],
+                  [1.0, 0.0, 0.0, 1.0]),
+                 ([20, 21], [([22], [1]), ([23, 24, 25], [1, 1, 1]), ([26, 27], [0, 1]), ([28, 29, 30, 31, 32], [1] * 5)],
+                  [0.0, 0.0, 1.0, 0.0]),
+                 ([40], [([41, 42], [1, 1]), ([43], [1]), ([44], [1]), ([45, 46], [1, 0])], [1.0] * 4)]  # all alike: A = 0
+    batches = [make_question_batch(prompt, completions, rewards, 0) for prompt, completions, rewards in questions]
+    model = random_model(tiny_config(sequence_len=32, vocab_size=V), seed=3)
+    reference = copy.deepcopy(model).double()
+    softcap = reference.generation.softcap
+    for batch in batches:
+        logits = softcap * torch.tanh(F.linear(reference.hidden_states(batch.inputs), reference.lm_head.weight)[..., :V]
+                                      / softcap)
+        logp = -F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=-1,
+                                reduction="none").view_as(batch.inputs)  # (R, T)
+        for pg_obj in nanochat_pass_objectives(logp, batch.targets, batch.advantages.double(), B, len(batches)):
+            loss = -pg_obj
+            loss.backward(retain_graph=True)
+    for micro_batch_rows in (None, 8):
+        model.zero_grad(set_to_none=True)
+        accumulate_policy_gradient(model, batches, device_batch_size=B, examples_per_rank=len(batches), device="cpu",
+                                   autocast=nullcontext(), micro_batch_rows=micro_batch_rows)
+        for (name, p), want in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad.double(), want.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("loss", ["pg", "cispo"])
+def test_ppo_term_at_ratio_1_has_the_on_policy_gradient(loss):
+    """The terms composed onto the on-policy one reduce to it where they should: a PPO epoch's term (pg, cispo)
+    against the policy that sampled (ratio 1) has its gradient, A / D per token; a correction weight of 1 and a
+    reference equal to the policy (k3 = 0, no gradient) change nothing."""
+    torch.manual_seed(1)
+    logp = (-torch.rand(7, dtype=torch.float64) * 3).requires_grad_(True)
+    advantages, denominators = torch.randn(7, dtype=torch.float64), torch.randint(1, 9, (7,)).double()
+    row_index = torch.tensor([0, 0, 1, 1, 1, 2, 2])
+    (on_policy,) = torch.autograd.grad(on_policy_objective(logp, advantages / denominators), logp)
+    policy_loss = PolicyLoss(loss=loss, clip_low=0.2, clip_high=0.28)
+    ppo, clipped = ppo_objective(policy_loss, logp, logp.detach(), advantages, denominators, row_index, 3,
+                                 correction=torch.ones(7, dtype=torch.float64))
+    penalty = kl_penalty(0.5, k3_kl(logp, logp.detach()), denominators)
+    (ppo_grad,) = torch.autograd.grad(ppo - penalty, logp)
+    torch.testing.assert_close(ppo_grad, on_policy, rtol=1e-14, atol=0.0)
+    assert not clipped.any() and penalty.item() == 0.0
+
+
+def test_rollout_correction_weights_hand_computed():
+    """token-tis caps each known token's exp(logp - sampler logp) at the cap (unknown: 1); sequence-mask keeps a row
+    whose summed gap lies within +-log(cap), else drops all its tokens; each counts the tokens it changed."""
+    logp = torch.tensor([-1.0, -2.0, -0.5, -1.5, -3.0], dtype=torch.float64)
+    sampler = torch.tensor([-1.0, -2.0 - math.log(3), -1.5, float("nan"), -2.0], dtype=torch.float64)
+    gap, known = sampler_gap(logp, sampler)  # 0, log 3, 1, (unknown) 0, -1
+    assert known.tolist() == [True, True, True, False, True] and gap[3] == 0.0
+    row_index = torch.tensor([0, 0, 1, 1, 2])
+    weights, changed = rollout_correction_weights(PolicyLoss(rollout_correction="token-tis", correction_cap=2.0), gap,
+                                                  known, row_index, 3, logp.dtype)
+    torch.testing.assert_close(weights, torch.tensor([1.0, 2.0, 2.0, 1.0, math.exp(-1)], dtype=torch.float64))
+    assert int(changed) == 2
+    # the rows' summed gaps: log 3 = 1.099, 1 and -1; log 3.5 = 1.253 keeps them all, log 2.9 = 1.065 drops row 0
+    for cap, kept in ((3.5, [1, 1, 1, 1, 1]), (2.9, [0, 0, 1, 1, 1])):
+        weights, changed = rollout_correction_weights(PolicyLoss(rollout_correction="sequence-mask", correction_cap=cap),
+                                                      gap, known, row_index, 3, logp.dtype)
+        assert weights.tolist() == kept and int(changed) == kept.count(0)
+    assert rollout_correction_weights(PolicyLoss(), gap, known, row_index, 3, logp.dtype)[0] is None

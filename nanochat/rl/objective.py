@@ -28,14 +28,21 @@ W is the number of ranks: the optimizers average gradients over ranks, so a rank
                     sequence-mask  a row's terms dropped when prod_t w_t leaves [1/cap, cap]
 Whatever the options, the first epoch measures the gap on the trained tokens: mean and max |logp_t - s_t| and the
 k3 estimate of KL(sampler || trainer), mean of exp(d) - d - 1 with d = logp_t - s_t.
+
+The training pass (nanochat/rl/policy_gradient.py) sums these over each forward's sampled tokens: on_policy_objective
+(the first epoch: nanochat's term) or ppo_objective (a later PPO epoch), the rollout correction's weights
+(rollout_correction_weights) multiplying either, minus kl_penalty.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from nanochat.model.head import logprobs_and_entropy
+from nanochat.rl.advantages import QuestionBatch
 
 
 def pass_objective(logp, targets, advantages, num_passes, examples_per_rank, num_valid=None):
@@ -172,6 +179,26 @@ def row_denominators(targets, loss_norm, device_batch_size, examples_per_rank, c
     raise ValueError(f"loss_norm must be one of {', '.join(LOSS_NORMS)}, got {loss_norm!r}")
 
 
+@dataclass
+class QuestionRows:
+    """One question's rows as the objective sees them (see QuestionRows.of)."""
+    index: int                  # its place in the step's batches (and in an epoch's kept per-question tensors)
+    batch: QuestionBatch
+    targets: torch.Tensor       # (R, T) trainable targets (trainable_targets: truncated rows masked under mask_truncated)
+    denominators: torch.Tensor  # (R,) D of each row (row_denominators)
+    weights: torch.Tensor       # (R,) A / D
+    advantages: torch.Tensor    # (R,) A: the batch's
+
+    @classmethod
+    def of(cls, index, batch, loss, device_batch_size, examples_per_rank, counts):
+        """The rows of `batch`, the index-th question of the step, under `loss` (counts: see row_denominators)."""
+        targets = trainable_targets(batch, loss.mask_truncated)  # (R, T)
+        denominators = row_denominators(targets, loss.loss_norm, device_batch_size, examples_per_rank, counts,
+                                        counted_rows(batch, loss.mask_truncated).sum(), loss.max_new_tokens)  # (R,)
+        weights = batch.advantages / denominators.to(batch.advantages.dtype)
+        return cls(index, batch, targets, denominators, weights, batch.advantages)
+
+
 def clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high):
     """PPO's clipped surrogate per sampled token (to be maximised), all (N,):
     min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A) with rho = exp(logp - old_logp).
@@ -235,3 +262,64 @@ def later_epoch_terms(loss, logp, old_logp, advantages, row_index, num_rows):
     else:
         term, _, clipped = clipped_surrogate(logp, old_logp, advantages, loss.clip_low, loss.clip_high)
     return term, clipped
+
+
+# A forward's terms, summed over its N sampled tokens (to be maximised), as the training pass composes them. Every
+# argument is (N,) unless said otherwise; denominators are the tokens' rows' D (row_denominators).
+def on_policy_objective(logp, weights, correction=None):
+    """nanochat's term, sum_t logp_t * A_t / D_t: the first epoch's, where the policy is the one that sampled (PPO's
+    ratio is 1, so the clipped surrogate's gradient is this one's). weights: A / D of each token's row, divided on
+    the host; correction: the rollout correction's weights, or None (nanochat: none)."""
+    if correction is not None:
+        weights = weights * correction
+    return (logp * weights).sum()
+
+
+def ppo_objective(loss, logp, old_logp, advantages, denominators, row_index, num_rows, correction=None):
+    """A PPO epoch after the first: sum_t term_t / D_t, loss.loss's term against the first epoch's log-probabilities
+    old_logp (later_epoch_terms), each times its correction weight (the first epoch's; None: none). row_index: each
+    token's row among the forward's num_rows. Returns (the sum, the tokens whose value the clip changed (N,) bool)."""
+    term, clipped = later_epoch_terms(loss, logp, old_logp, advantages, row_index, num_rows)
+    if correction is not None:
+        term = term * correction
+    return (term / denominators).sum(), clipped
+
+
+def kl_penalty(kl_coef, kl, denominators):
+    """What the KL penalty takes off the objective: kl_coef * sum_t k3_t / D_t, kl the k3 of each token (k3_kl)."""
+    return kl_coef * (kl / denominators).sum()
+
+
+def sampler_gap(logp, sampler_logp):
+    """(gap, known), both (N,): the trainer's log-probability minus the sampler's, 0 where the sampler's is unknown
+    (nan), and where it is known."""
+    known = ~torch.isnan(sampler_logp)
+    return torch.where(known, logp - sampler_logp, torch.zeros_like(logp)), known
+
+
+def rollout_correction_weights(loss, gap, known, row_index, num_rows, dtype):
+    """The weight of each token under loss.rollout_correction, from its sampler_gap (the weights in `dtype` where
+    they are 0 or 1), and how many tokens it changed (a 0-dim tensor); weights None without a correction.
+    token-tis: min(exp(gap), cap), 1 where unknown; sequence-mask: 1 where the summed gap of the token's row (its
+    index among the forward's num_rows) lies within +-log(cap), else 0."""
+    if loss.rollout_correction == "token-tis":
+        weights = torch.where(known, torch.exp(gap).clamp(max=loss.correction_cap), torch.ones_like(gap))
+        return weights, (known & (gap > math.log(loss.correction_cap))).sum()
+    if loss.rollout_correction == "sequence-mask":
+        row_log_ratio = torch.zeros(num_rows, device=gap.device, dtype=gap.dtype).index_add_(0, row_index, gap)
+        kept = (row_log_ratio.abs() <= math.log(loss.correction_cap))[row_index]  # (N,)
+        return kept.to(dtype), (~kept).sum()
+    return None, torch.zeros((), device=gap.device)
+
+
+def sampler_gap_sums(gap, known, corrected, sums=None):
+    """The first epoch's measure of the gap, as (5,) sums kept on the device: tokens with a sampler log-probability,
+    sum and max of |gap|, sum of k3 = exp(gap) - gap - 1, tokens the rollout correction changed. gap, known: one
+    forward's sampler_gap; corrected: its changed tokens (0-dim); sums: the earlier forwards' (None: none)."""
+    absolute = gap.abs()  # 0 where unknown: neutral for the sum and the max
+    values = torch.stack([known.sum().to(gap.dtype), absolute.sum(), F.pad(absolute, (0, 1)).max(),  # N may be 0
+                          (torch.expm1(gap) - gap).clamp(min=0).sum(),  # k3 >= 0; expm1 keeps tiny gaps exact
+                          corrected.to(gap.dtype)])
+    if sums is None:
+        return values
+    return torch.cat([sums[:2] + values[:2], torch.maximum(sums[2:3], values[2:3]), sums[3:] + values[3:]])

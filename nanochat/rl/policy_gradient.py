@@ -5,22 +5,24 @@ row attends to its own prompt's keys, then its own), the sampled tokens' log-pro
 head, the objective of nanochat/rl/objective.py summed and backpropagated forward by forward (gradients accumulate;
 the optimizer steps elsewhere), and what the pass saw (TrainStats). count_train_step_ops counts the kernels of such a
 pass on the meta device.
+
+Each forward's objective (_backward_chunk) is nanochat's on-policy term by default, the sum over its sampled tokens of
+logp * A / D; each option is a function of its own composed onto it: a rollout correction's weights multiply it, a PPO
+epoch after the first replaces it by its clipped term, the KL penalty is subtracted.
 """
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from nanochat.common import to_device
 from nanochat.engine.op_count import count_meta_ops
 from nanochat.model.compile import maybe_compiled
 from nanochat.model.gpt import GPT, GPTConfig
-from nanochat.rl.advantages import QuestionBatch, synthetic_question_batches
-from nanochat.rl.objective import (PolicyLoss, counted_rows, k3_kl, later_epoch_terms, row_denominators, step_counts,
-                                   trainable_targets)
+from nanochat.rl.advantages import synthetic_question_batches
+from nanochat.rl.objective import (PolicyLoss, QuestionRows, k3_kl, kl_penalty, on_policy_objective, ppo_objective,
+                                   rollout_correction_weights, sampler_gap, sampler_gap_sums, step_counts)
 
 
 @dataclass
@@ -141,9 +143,9 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
     collective, so compute it once per step with step_counts and pass it). reference: the frozen model of
     the KL penalty (needed when loss.kl_coef > 0).
     first_epoch: None in a step's first epoch: the policy is the one that sampled (ratio 1), the term is
-    A * logp / D, and the returned stats keep the sampled tokens' log-probabilities (and the reference's).
-    In a later PPO epoch, the first epoch's TrainStats: its log-probabilities are the old policy's and the
-    term is the clipped surrogate (clipped_surrogate) / D.
+    A * logp / D (on_policy_objective), and the returned stats keep the sampled tokens' log-probabilities (and the
+    reference's). In a later PPO epoch, the first epoch's TrainStats: its log-probabilities are the old policy's and
+    the term is loss.loss's clipped one / D (ppo_objective).
     Only work that can change the gradient is done:
       - rows whose advantage is 0 (every row of a question whose samples were all rewarded alike) are not
         run at all (skip_zero_advantage; with kl_coef > 0 they are, as the penalty gives them a gradient);
@@ -163,29 +165,15 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
         raise ValueError("kl_coef > 0 needs the reference model (reference=...)")
     if loss.loss_norm != "pass" and counts is None:
         counts = step_counts(batches, loss.mask_truncated, device)
-    micro = micro_batch_rows or device_batch_size
-    correct = loss.rollout_correction != "none"
-    tally = _Tally(old_logprobs=[] if first else first_epoch.old_logprobs,
-                   ref_logprobs=([] if use_kl else None) if first else first_epoch.ref_logprobs,
-                   correction_weights=([] if correct else None) if first else first_epoch.correction_weights)
+    tally = _Tally.of_epoch(first_epoch, use_kl, loss.rollout_correction != "none")
     trained = []  # (question, row) of every row to run, in question order
     for q, batch in enumerate(batches):
-        question_targets = trainable_targets(batch, loss.mask_truncated)  # (R, T)
-        denominators = row_denominators(question_targets, loss.loss_norm, device_batch_size, examples_per_rank, counts,
-                                        counted_rows(batch, loss.mask_truncated).sum(), loss.max_new_tokens)  # (R,)
-        weights = batch.advantages / denominators.to(batch.advantages.dtype)  # (R,)
-        R = question_targets.size(0)
-        rows = _trained_rows(question_targets, weights, any_weight=use_kl) if skip_zero_advantage else list(range(R))
-        tally.rows_total += R
-        tally.rows_trained += len(rows)
-        if first:  # the sampled tokens' log-probabilities, at their (row, position) in the question's (R, T)
-            tally.old_logprobs.append(torch.zeros(question_targets.shape, device=device))
-            if use_kl:
-                tally.ref_logprobs.append(torch.zeros(question_targets.shape, device=device))
-            if correct:
-                tally.correction_weights.append(torch.ones(question_targets.shape, device=device))
-        question = _Question(q, batch, question_targets, denominators, weights)
+        question = QuestionRows.of(q, batch, loss, device_batch_size, examples_per_rank, counts)
+        R = question.targets.size(0)
+        rows = _trained_rows(question.targets, question.weights, any_weight=use_kl) if skip_zero_advantage else list(range(R))
+        tally.add_question(question.targets, len(rows), first, device)
         trained += [(question, r) for r in rows]
+    micro = micro_batch_rows or device_batch_size
     for lo in range(0, len(trained), micro):
         chunk = _Chunk.of(trained[lo:lo + micro], share_prompt)
         _backward_chunk(model, chunk, loss, first, reference, device, autocast, tally, forward)
@@ -196,16 +184,6 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
 
 
 @dataclass
-class _Question:
-    """One question's rows as the objective sees them (see accumulate_policy_gradient)."""
-    index: int                  # its place in the step's batches (and in the epoch's stored log-probabilities)
-    batch: QuestionBatch
-    targets: torch.Tensor       # (R, T) trainable targets (truncated rows masked under mask_truncated)
-    denominators: torch.Tensor  # (R,) D of each row
-    weights: torch.Tensor       # (R,) A / D
-
-
-@dataclass
 class _Chunk:
     """One forward's rows, laid out on the host: up to micro_batch_rows rows of one or several questions, in
     question order. With share_prompt (and every prompt at least a token, its rows longer than it) the chunk's
@@ -213,7 +191,7 @@ class _Chunk:
     its prompt, right-padded; the kept positions (B, L) are each row's prompt's last position then its own (from
     offset P - 1 in its question's (R, T)). Otherwise each row is whole (offset 0), right-padded. Padding carries
     no target and is never seen by a real token (attention is causal)."""
-    parts: list              # [(_Question, rows (n,) long: its rows here)], in order
+    parts: list              # [(QuestionRows, rows (n,) long: its rows here)], in order
     inputs: tuple            # (rows, prompts, prompt_lengths, row_prompt): chunk_logprobs' inputs (None: unused)
     targets: torch.Tensor    # (B, L) the sampled tokens at the kept positions, -1 elsewhere
     offsets: torch.Tensor    # (B,) where each row's kept positions start in its question's (R, T)
@@ -221,7 +199,7 @@ class _Chunk:
 
     @classmethod
     def of(cls, trained, share_prompt):
-        """The chunk of `trained`: [(_Question, row)], grouped by question in order."""
+        """The chunk of `trained`: [(QuestionRows, row)], grouped by question in order."""
         parts = []
         for question, r in trained:
             if parts and parts[-1][0] is question:
@@ -251,23 +229,6 @@ class _Chunk:
         targets = [q.targets[rows][:, int(offset):] for (q, rows), offset in zip(parts, offsets[counts.cumsum(0) - 1])]
         return cls(parts, model_inputs, _right_padded(targets, -1), offsets, row_in_question)
 
-    def row_values(self, name):
-        """(B,) each row's entry of its question's per-row tensor `name` (denominators, weights)."""
-        return torch.cat([getattr(question, name)[rows] for question, rows in self.parts])
-
-    def sampler_logprobs(self):
-        """(B, L) the sampler's log-probability of each kept target (nan where unknown), or None: none known."""
-        if all(q.batch.sampler_logprobs is None for q, _ in self.parts):
-            return None
-        known = lambda q, rows: (q.batch.sampler_logprobs[rows] if q.batch.sampler_logprobs is not None  # noqa: E731
-                                 else torch.full((len(rows), q.targets.size(1)), float("nan")))
-        start = 0
-        values = []
-        for question, rows in self.parts:
-            values.append(known(question, rows)[:, int(self.offsets[start]):])
-            start += len(rows)
-        return _right_padded(values, float("nan"))
-
 
 def _right_padded(tensors, value):
     """(n_i, L_i) tensors -> (sum n_i, max L_i), each right-padded with `value`."""
@@ -293,18 +254,35 @@ class _Tally:
     kl_ref_sum: float = 0.0
     sampler: list = None  # device sums over the chunks: tokens, |d| sum, |d| max, k3 sum, corrected tokens
 
+    @classmethod
+    def of_epoch(cls, first_epoch, use_kl, correct):
+        """A first epoch's tally (first_epoch None) keeps its tokens' values for the later epochs, which read them."""
+        if first_epoch is not None:
+            return cls(first_epoch.old_logprobs, first_epoch.ref_logprobs, first_epoch.correction_weights)
+        return cls(old_logprobs=[], ref_logprobs=[] if use_kl else None, correction_weights=[] if correct else None)
+
+    def add_question(self, targets, rows_trained, first, device):
+        """Count a question's rows (targets (R, T)); in the first epoch, room for what is kept of its tokens, at
+        their (row, position) in its (R, T)."""
+        self.rows_total += targets.size(0)
+        self.rows_trained += rows_trained
+        if first:
+            self.old_logprobs.append(torch.zeros(targets.shape, device=device))
+            if self.ref_logprobs is not None:
+                self.ref_logprobs.append(torch.zeros(targets.shape, device=device))
+            if self.correction_weights is not None:
+                self.correction_weights.append(torch.ones(targets.shape, device=device))
+
+    def add_chunk(self, objective, entropy, tokens):
+        """A forward's objective and mean entropy (kept on the device) over its `tokens` sampled tokens."""
+        self.chunk_sums.append(torch.stack([objective.detach().float(), entropy.float()]))
+        self.chunk_tokens.append(tokens)
+        self.tokens += tokens
+
     def add_gap(self, gap, known, corrected):
         """gap: (N,) trainer minus sampler log-probabilities of a chunk's tokens (0 where `known` is False: the
         sampler's is missing); corrected: how many the rollout correction changed. Kept on the device."""
-        absolute = gap.abs()  # 0 where unknown: neutral for the sum and the max
-        values = torch.stack([known.sum().to(gap.dtype), absolute.sum(), F.pad(absolute, (0, 1)).max(),  # N may be 0
-                              (torch.expm1(gap) - gap).clamp(min=0).sum(),  # k3 >= 0; expm1 keeps tiny gaps exact
-                              corrected.to(gap.dtype)])
-        if self.sampler is None:
-            self.sampler = values
-        else:
-            self.sampler = torch.cat([self.sampler[:2] + values[:2], torch.maximum(self.sampler[2:3], values[2:3]),
-                                      self.sampler[3:] + values[3:]])
+        self.sampler = sampler_gap_sums(gap, known, corrected, self.sampler)
 
     def stats(self, first, use_kl):
         """TrainStats of the epoch: the device sums are read here, once."""
@@ -329,93 +307,114 @@ class _Tally:
                           corrected_fraction=per_sampled(corrected))
 
 
-def _sampler_gap(logp, sampler, row_index, num_rows, loss, tally):
-    """Tally the gap between the trainer's log-probabilities logp (N,) (detached) and the sampler's (N,) of the
-    same tokens (nan where unknown), and return the rollout correction's weights (N,), or None without one.
-    row_index (N,): each token's row among the chunk's num_rows."""
-    known = ~torch.isnan(sampler)
-    gap = torch.where(known, logp - sampler, torch.zeros_like(logp))
-    if loss.rollout_correction == "token-tis":
-        weights = torch.where(known, torch.exp(gap).clamp(max=loss.correction_cap), torch.ones_like(gap))
-        changed = (known & (gap > math.log(loss.correction_cap))).sum()
-    elif loss.rollout_correction == "sequence-mask":
-        row_log_ratio = torch.zeros(num_rows, device=logp.device, dtype=gap.dtype).index_add_(0, row_index, gap)
-        kept = (row_log_ratio.abs() <= math.log(loss.correction_cap))[row_index]  # (N,)
-        weights = kept.to(logp.dtype)
-        changed = (~kept).sum()
-    else:
-        weights, changed = None, torch.zeros((), device=logp.device)
-    tally.add_gap(gap, known, changed)
-    return weights
+class _Tokens:
+    """A forward's N sampled tokens (row-major over its (B, L)) on the device: its arguments, and each token's place in
+    its question's rows, worked out on the host (the batches live there): a chunk reads nothing back from the device."""
+
+    def __init__(self, chunk, device):
+        valid = chunk.targets >= 0  # (B, L)
+        row_host, position_host = valid.nonzero(as_tuple=True)  # (N,): each token's row and position
+        self.chunk, self.device, self.row_host = chunk, device, row_host
+        self.count, self.num_rows = row_host.numel(), valid.size(0)
+        # every host tensor goes over with to_device: queued, so the host can run ahead of the GPU into the next chunk
+        self.row_index = to_device(row_host, device)
+        inputs = [None if x is None else to_device(x, device) for x in chunk.inputs]
+        self.forward_inputs = (*inputs, self.row_index, to_device(position_host, device),
+                               to_device(chunk.targets[valid], device))  # chunk_logprobs' arguments after the model
+        # each question's tokens are a contiguous span of the N (rows in question order, tokens row-major), and their
+        # places in its (R, T): one copy to the device for the chunk, sliced per question
+        ends = valid.sum(1).cumsum(0)[torch.tensor([len(rows) for _, rows in chunk.parts]).cumsum(0) - 1].tolist()
+        self.places = (chunk.row_in_question[row_host], position_host + chunk.offsets[row_host])  # on the host
+        places = [to_device(x, device) for x in self.places]
+        self.spans = [(question.index, slice(lo, hi), (places[0][lo:hi], places[1][lo:hi]))
+                      for (question, _), lo, hi in zip(chunk.parts, [0] + ends[:-1], ends)]
+
+    def per_row(self, name, dtype):
+        """(N,) each token's row's entry of QuestionRows.`name` (weights, denominators, advantages), in dtype."""
+        per_row = torch.cat([getattr(question, name)[rows] for question, rows in self.chunk.parts])  # (B,)
+        return to_device(per_row[self.row_host], self.device).to(dtype)
+
+    def sampler_logprobs(self):
+        """(N,) the sampler's log-probability of each token (nan where unknown), or None: none known."""
+        stored = [question.batch.sampler_logprobs for question, _ in self.chunk.parts]  # per question (R, T), or None
+        if all(values is None for values in stored):
+            return None
+        rows, positions = self.places
+        return to_device(torch.cat([torch.full((span.stop - span.start,), float("nan")) if values is None
+                                    else values[rows[span], positions[span]]
+                                    for values, (_, span, _) in zip(stored, self.spans)]), self.device)
+
+    def gather(self, stored):
+        """(N,) the tokens' entries of per-question (R, T) tensors (the epoch's kept values)."""
+        values = [stored[q][where] for q, _, where in self.spans]
+        return values[0] if len(values) == 1 else torch.cat(values)
+
+    def store(self, stored, values):
+        """Write values (N,) at the tokens' places in per-question (R, T) tensors."""
+        for q, span, where in self.spans:
+            stored[q][where] = values[span]
 
 
 def _backward_chunk(model, chunk, loss, first, reference, device, autocast, tally, forward):
-    """Forward and backward the rows of `chunk` (a _Chunk), adding their terms to the model's gradient and to the
-    tally. Which positions carry a target is worked out on the host (the batches live there), so the chunk reads
-    nothing back from the device: its sums stay on the device until the epoch ends."""
-    valid = chunk.targets >= 0  # (B, L)
-    row_host, position_host = valid.nonzero(as_tuple=True)  # (N,): each target's row and position, row-major
-    num_tokens = row_host.numel()
-    # every host tensor goes over with to_device: queued, so the host can run ahead of the GPU into the next chunk
-    row_index, position = to_device(row_host, device), to_device(position_host, device)
-    inputs = [None if x is None else to_device(x, device) for x in chunk.inputs]
-    sampled = to_device(chunk.targets[valid], device)  # (N,)
+    """Forward and backward the rows of `chunk` (a _Chunk), adding their terms (nanochat/rl/objective.py) to the
+    model's gradient and to the tally: nanochat's on-policy term in the first epoch, a PPO epoch's after it, either
+    times the rollout correction's weights if there is one, minus the KL penalty if kl_coef > 0."""
+    tokens = _Tokens(chunk, device)
     with autocast:  # the log-probabilities are computed in fp32 inside, whatever autocast says
-        logp, entropy = forward(model, *inputs, row_index, position, sampled)  # (N,)
-    # each question's tokens are a contiguous span of the N (rows in question order, tokens row-major), and their
-    # places in its (R, T): one copy to the device for the chunk, sliced per question
-    ends = valid.sum(1).cumsum(0)[torch.tensor([len(rows) for _, rows in chunk.parts]).cumsum(0) - 1].tolist()
-    places = (to_device(chunk.row_in_question[row_host], device),
-              to_device(position_host + chunk.offsets[row_host], device))
-    spans = [(question.index, slice(lo, hi), (places[0][lo:hi], places[1][lo:hi]))
-             for (question, _), lo, hi in zip(chunk.parts, [0] + ends[:-1], ends)]
-
-    def gathered(stored):  # (N,) the chunk's tokens' entries of per-question (R, T) tensors
-        values = [stored[q][where] for q, _, where in spans]
-        return values[0] if len(values) == 1 else torch.cat(values)
-
-    per_token = lambda name: to_device(chunk.row_values(name)[row_host], device)  # noqa: E731  (B,) -> (N,)
-    token_denominators = per_token("denominators").to(logp.dtype)
-    if first:
-        # on-policy: the ratio is 1, so the clipped surrogate's gradient is A * grad logp (nanochat's term)
-        token_weights = per_token("weights").to(logp.dtype)
-        sampler_logprobs = chunk.sampler_logprobs()
-        if sampler_logprobs is not None:
-            sampler = to_device(sampler_logprobs[valid], device)  # (N,)
-            correction = _sampler_gap(logp.detach(), sampler, row_index, valid.size(0), loss, tally)
-            if correction is not None:
-                token_weights = token_weights * correction
-                for q, span, where in spans:
-                    tally.correction_weights[q][where] = correction[span]
-        pg_objective = (logp * token_weights).sum()
-        for q, span, where in spans:
-            tally.old_logprobs[q][where] = logp.detach()[span]
+        logp, entropy = forward(model, *tokens.forward_inputs)  # (N,) the sampled tokens' log-probabilities
+    correction = _correction_weights(logp, tokens, loss, first, tally)  # (N,), or None (nanochat: no correction)
+    if first:  # on-policy: sum of logp * A / D over the tokens, nanochat's objective
+        objective = on_policy_objective(logp, tokens.per_row("weights", logp.dtype), correction)
+        tokens.store(tally.old_logprobs, logp.detach())  # the old policy's, for PPO's later epochs
     else:
-        old_logp = gathered(tally.old_logprobs)
-        advantages = torch.cat([question.batch.advantages[rows] for question, rows in chunk.parts])  # (B,)
-        token_advantages = to_device(advantages[row_host], device).to(logp.dtype)
-        surrogate, clipped = later_epoch_terms(loss, logp, old_logp, token_advantages, row_index, valid.size(0))
-        if tally.correction_weights is not None:  # the first epoch's correction of the sampler's tokens holds
-            surrogate = surrogate * gathered(tally.correction_weights)
-        pg_objective = (surrogate / token_denominators).sum()
-        with torch.no_grad():
-            tally.clipped = tally.clipped + clipped.sum()
-            log_ratio = logp - old_logp
-            tally.approx_kl_sum = tally.approx_kl_sum + (torch.expm1(log_ratio) - log_ratio).sum()
-    objective = pg_objective
+        objective = _ppo_objective(logp, tokens, loss, correction, tally)
     if loss.kl_coef > 0:
-        if first:
+        if first:  # the reference's log-probabilities, kept for the later epochs
             with torch.no_grad(), autocast:
-                ref_logp = forward(reference, *inputs, row_index, position, sampled)[0]
-            for q, span, where in spans:
-                tally.ref_logprobs[q][where] = ref_logp[span]
-        kl = k3_kl(logp, gathered(tally.ref_logprobs))  # (N,): the reference as stored (fp32), in every epoch alike
-        objective = pg_objective - loss.kl_coef * (kl / token_denominators).sum()
-        tally.kl_ref_sum = tally.kl_ref_sum + kl.detach().sum()
+                ref_logp = forward(reference, *tokens.forward_inputs)[0]
+            tokens.store(tally.ref_logprobs, ref_logp)
+        objective = objective - _kl_penalty(logp, tokens, loss, tally)
     (-objective).backward()
-    tally.chunk_sums.append(torch.stack([objective.detach().float(), entropy.float()]))
-    tally.chunk_tokens.append(num_tokens)
-    tally.tokens += num_tokens
+    tally.add_chunk(objective, entropy, tokens.count)
+
+
+def _correction_weights(logp, tokens, loss, first, tally):
+    """(N,) the rollout correction's weight of each token, or None (no correction, or no sampler log-probability
+    known). The first epoch measures the gap to the sampler (tallied, with or without a correction) and keeps the
+    weights; a later epoch reuses them: the policy that sampled is the first epoch's."""
+    if not first:
+        return None if tally.correction_weights is None else tokens.gather(tally.correction_weights)
+    sampler = tokens.sampler_logprobs()
+    if sampler is None:
+        return None
+    gap, known = sampler_gap(logp.detach(), sampler)
+    weights, changed = rollout_correction_weights(loss, gap, known, tokens.row_index, tokens.num_rows, logp.dtype)
+    tally.add_gap(gap, known, changed)
+    if weights is not None:
+        tokens.store(tally.correction_weights, weights)
+    return weights
+
+
+def _ppo_objective(logp, tokens, loss, correction, tally):
+    """ppo_objective of the tokens against the first epoch's log-probabilities (the old policy's); tallies the tokens
+    the clip changed and the k3 estimate of KL(old || current)."""
+    old_logp = tokens.gather(tally.old_logprobs)
+    objective, clipped = ppo_objective(loss, logp, old_logp, tokens.per_row("advantages", logp.dtype),
+                                       tokens.per_row("denominators", logp.dtype), tokens.row_index, tokens.num_rows,
+                                       correction)
+    with torch.no_grad():
+        tally.clipped = tally.clipped + clipped.sum()
+        log_ratio = logp - old_logp
+        tally.approx_kl_sum = tally.approx_kl_sum + (torch.expm1(log_ratio) - log_ratio).sum()
+    return objective
+
+
+def _kl_penalty(logp, tokens, loss, tally):
+    """kl_penalty of the tokens against the reference's log-probabilities as kept (fp32), in every epoch alike;
+    tallies the k3 KL."""
+    kl = k3_kl(logp, tokens.gather(tally.ref_logprobs))  # (N,)
+    tally.kl_ref_sum = tally.kl_ref_sum + kl.detach().sum()
+    return kl_penalty(loss.kl_coef, kl, tokens.per_row("denominators", logp.dtype))
 
 
 # nanochat's d20 (January 2026): the shapes count_train_step_ops counts at by default
