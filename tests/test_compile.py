@@ -40,7 +40,7 @@ from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, static_step
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine, make_batch
 from nanochat.engine.scheduler import BatchShape
-from nanochat.engine.op_count import count_decode_step_ops
+from nanochat.diagnostics.op_count import count_decode_step_ops
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from nanochat.model import compile as nc_compile
 from nanochat.model.compile import (CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, RECOMPILE_LIMIT, SFT_CPU_MIN_STEPS,

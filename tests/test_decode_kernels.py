@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nanochat.engine.decode_batch import DecodeBatch
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.engine import Engine
-from nanochat.engine.op_count import count_decode_step_ops
+from nanochat.diagnostics.op_count import count_decode_step_ops
 from nanochat.model.compile import CompiledFunction
 from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.model.inductor_code import GraphKernels, wrapper_calls

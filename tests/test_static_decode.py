@@ -21,7 +21,7 @@ from nanochat.engine.decode_batch import DecodeBatch, RolloutStats
 from nanochat.engine.engine import Engine
 from nanochat.engine.scheduler import KEEP_BATCHES
 from nanochat.engine.kv_cache import KVCache
-from nanochat.engine.op_count import CountOps, OpCount, count_decode_step_ops
+from nanochat.diagnostics.op_count import CountOps, OpCount, count_decode_step_ops
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from nanochat.model.gpt import GPT
 

@@ -17,7 +17,8 @@ from nanochat.model.head import logprobs_and_entropy, sampled_logprobs_and_entro
 from nanochat.rl import policy_gradient
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.objective import PolicyLoss
-from nanochat.rl.policy_gradient import _Tally, accumulate_policy_gradient, count_train_step_ops
+from nanochat.diagnostics.train_count import count_train_step_ops
+from nanochat.rl.policy_gradient import _Tally, accumulate_policy_gradient
 
 PAD = 0
 VOCAB = 300  # padded to 320 rows: the head's crop matters

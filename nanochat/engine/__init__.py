@@ -12,7 +12,6 @@ One rollout, top-down through the modules:
     cuda_graphs.py          the step's shapes, and its CUDA graphs (captured once, replayed)
     rows.py                 one sample in flight, and the calculator tool's protocol
     calculator.py           the calculator itself
-    op_count.py             a diagnostic: the kernels a step launches, counted on the meta device
 
 `from nanochat.engine import Engine, KVCache, sample_next_token, use_calculator` is nanochat's import path (its
 engine.py); what differs from nanochat's objects is in docs/layout.md, "nanochat's names". sample_next_token here is

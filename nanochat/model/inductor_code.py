@@ -1,6 +1,6 @@
 """
 What a graph Inductor compiled launches per call, read from the code Inductor wrote for it (GraphKernels), in the
-unit of the eager count of the meta device (nanochat/engine/op_count.py): how compiling a step is judged.
+unit of the eager count of the meta device (nanochat/diagnostics/op_count.py): how compiling a step is judged.
 """
 
 import contextlib
@@ -12,7 +12,7 @@ class GraphKernels(NamedTuple):
     """What one call of a compiled graph launches, counted in the code Inductor wrote for it (its wrapper's calls):
     `generated`, the calls of kernels Inductor generated (fused Triton kernels on a GPU, C++ loops on a CPU; one reused
     by 20 layers counts 20), and `library`, its calls into libraries and ATen (matmuls, attention, top-k, the
-    engine's own operators). Both in the unit of the eager count of the meta device (nanochat/engine/op_count.py),
+    engine's own operators). Both in the unit of the eager count of the meta device (nanochat/diagnostics/op_count.py),
     which counts every kernel an eager step runs.
 
     Not Inductor's own counter (torch._inductor.metrics.generated_kernel_count): on a CPU it counts the loop nests

@@ -3,24 +3,20 @@ The training pass of one step on one rank: the step's trained rows, in question 
 of up to micro_batch_rows rows that may span questions (each forward's prompts run once, right-padded together; each
 row attends to its own prompt's keys, then its own), the sampled tokens' log-probabilities from the model's chunked
 head, the objective of nanochat/rl/objective.py summed and backpropagated forward by forward (gradients accumulate;
-the optimizer steps elsewhere), and what the pass saw (TrainStats). count_train_step_ops counts the kernels of such a
-pass on the meta device.
+the optimizer steps elsewhere), and what the pass saw (TrainStats). nanochat/diagnostics/train_count.py counts the
+kernels of such a pass on the meta device.
 
 Each forward's objective (_backward_chunk) is nanochat's on-policy term by default, the sum over its sampled tokens of
 logp * A / D; each option is a function of its own composed onto it: a rollout correction's weights multiply it, a PPO
 epoch after the first replaces it by its clipped term, the KL penalty is subtracted.
 """
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from nanochat.common import to_device
-from nanochat.engine.op_count import count_meta_ops
 from nanochat.model.compile import maybe_compiled
-from nanochat.model.gpt import GPT, GPTConfig
-from nanochat.rl.advantages import synthetic_question_batches
 from nanochat.rl.objective import (PolicyLoss, QuestionRows, k3_kl, kl_penalty, on_policy_objective, ppo_objective,
                                    rollout_correction_weights, sampler_gap, sampler_gap_sums, step_counts)
 
@@ -415,34 +411,3 @@ def _kl_penalty(logp, tokens, loss, tally):
     kl = k3_kl(logp, tokens.gather(tally.ref_logprobs))  # (N,)
     tally.kl_ref_sum = tally.kl_ref_sum + kl.detach().sum()
     return kl_penalty(loss.kl_coef, kl, tokens.per_row("denominators", logp.dtype))
-
-
-# nanochat's d20 (January 2026): the shapes count_train_step_ops counts at by default
-D20_CONFIG = dict(sequence_len=2048, vocab_size=65536, n_layer=20, n_head=10, n_kv_head=10, n_embd=1280,
-                  window_pattern="SSSL")
-
-
-def count_train_step_ops(model=None, questions=16, rows=16, prompt_len=100, completion_len=256, rows_per_forward=16):
-    """The OpCount (nanochat/engine/op_count.py) of one training step's pass, accumulate_policy_gradient (eager,
-    fp32, nanochat's objective, every row trained), of `model` moved to the meta device (default: a d20,
-    D20_CONFIG) over synthetic_question_batches, rows_per_forward rows a forward. The pass runs on meta to its end,
-    where TrainStats reads its sums back to the host: the count stops there."""
-    if model is None:
-        with torch.device("meta"):
-            model = GPT(GPTConfig(**D20_CONFIG))
-    model = model.to("meta").train()
-    batches = synthetic_question_batches(questions, rows, prompt_len, completion_len, model.config.vocab_size)
-    meta = torch.device("meta")
-    no_autocast = contextlib.nullcontext()
-    count, stopped_in = count_meta_ops(lambda: accumulate_policy_gradient(model, batches, rows, questions, meta,
-                                                                          no_autocast, micro_batch_rows=rows_per_forward))
-    if "stats" not in stopped_in:  # only _Tally.stats, at the pass's end, reads back: a read anywhere else cut it short
-        raise RuntimeError(f"the counted training pass read back to the host before its end, in {' < '.join(stopped_in)}")
-    model.zero_grad(set_to_none=True)
-    return count
-
-
-def d20_train_step_kernels(rows_per_forward=(16, 64)):
-    """{rows per forward: kernels} of one d20 training step (count_train_step_ops at its defaults: 16 questions x 16
-    rows, prompts ~100 tokens, completions 256; eager, on meta): bench_rl's `train_step_kernels`."""
-    return {n: count_train_step_ops(rows_per_forward=n).kernels for n in rows_per_forward}

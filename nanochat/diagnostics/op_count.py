@@ -1,6 +1,6 @@
 """
 How many aten ops, and how many of them kernels, one static decode step (count_decode_step_ops) or any pass run on
-the meta device (count_meta_ops: nanochat/rl/policy_gradient.py's count_train_step_ops counts a training step)
+the meta device (count_meta_ops: train_count.py's count_train_step_ops counts a training step's pass)
 dispatches: the floor a GPU's launch overhead puts under a step (a replayed CUDA graph still runs every kernel),
 counted without running anything.
 
