@@ -221,6 +221,22 @@ MUTATIONS = [
              "token, mask = (self.forced.popleft(), 1) if self.forced else (sampled_token, 1)",
              ("tests/test_engine.py::test_tool_call_forces_calculator_output",),
              "the calculator's forced output carries mask 1: the policy is trained on it"),
+    # ------------------------------------------------------------------ issue 61's
+    Mutation("geo-mask-sum-not-mean", "nanochat/rl/objective.py",
+             "            row_log_ratio = row_log_ratio / known_tokens.clamp(min=1)\n",
+             "            row_log_ratio = row_log_ratio\n",
+             ("tests/test_rl_reference.py::test_the_geometric_mask_keeps_a_long_row_the_product_mask_drops_and_the_token_mask_drops_tokens",),
+             "the geometric mask compounds the gap like the product mask"),
+    Mutation("sequence-masks-one-side", "nanochat/rl/objective.py",
+             "        kept = (row_log_ratio.abs() <= band)[row_index]",
+             "        kept = (row_log_ratio <= band)[row_index]",
+             ("tests/test_rl_reference.py::test_the_geometric_mask_keeps_a_long_row_the_product_mask_drops_and_the_token_mask_drops_tokens",),
+             "a row whose ratio is below 1/cap is kept"),
+    Mutation("token-mask-one-side", "nanochat/rl/objective.py",
+             "        kept = gap.abs() <= band",
+             "        kept = gap <= band",
+             ("tests/test_rl_reference.py::test_the_geometric_mask_keeps_a_long_row_the_product_mask_drops_and_the_token_mask_drops_tokens",),
+             "a token whose ratio is below 1/cap is kept"),
 ]
 
 

@@ -25,6 +25,8 @@ row i, sampled token t (mask 1) of row i, and D_i the row's denominator:
     term) of each token times
         token-tis       min(w_it, cap)
         sequence-mask   1 if |sum_t log w_it| <= log(cap) over row i's sampled tokens, else 0
+        geo-mask        1 if |mean_t log w_it| <= log(cap) over row i's sampled tokens, else 0
+        token-mask      1 if |log w_it| <= log(cap), else 0
     In a PPO epoch after the first the weights are the first epoch's (logp under the policy that sampled).
 """
 
@@ -108,6 +110,7 @@ def reference_objective(table, loss_norm="pass", mask_truncated=False, advantage
         log_w = [float((logp_of(sampling_table, prev, token) - logp_of(sampler_table, prev, token)).detach())
                  for prev, token in pairs] if rollout_correction != "none" else [0.0] * len(pairs)  # plain floats: no grad
         row_kept = abs(sum(log_w)) <= math.log(correction_cap)
+        row_kept_geo = abs(sum(log_w) / len(log_w)) <= math.log(correction_cap)
         if old_table is not None and loss == "gspo":  # the row's ratio: the geometric mean of its tokens'
             s = torch.exp(sum(logp_of(table, prev, token) - logp_of(old_table, prev, token) for prev, token in pairs)
                           / len(pairs))
@@ -132,9 +135,11 @@ def reference_objective(table, loss_norm="pass", mask_truncated=False, advantage
             if rollout_correction == "token-tis":
                 term = term * min(math.exp(lw), correction_cap)
                 corrected += int(lw > math.log(correction_cap) and (advantage != 0 or kl_coef > 0))
-            elif rollout_correction == "sequence-mask":
-                term = term * float(row_kept)
-                corrected += int(not row_kept and (advantage != 0 or kl_coef > 0))
+            elif rollout_correction in ("sequence-mask", "geo-mask", "token-mask"):
+                kept = {"sequence-mask": row_kept, "geo-mask": row_kept_geo,
+                        "token-mask": abs(lw) <= math.log(correction_cap)}[rollout_correction]
+                term = term * float(kept)
+                corrected += int(not kept and (advantage != 0 or kl_coef > 0))
             if kl_coef:
                 log_ratio = logp_of(ref_table, prev, token) - logp
                 term = term - kl_coef * (torch.exp(log_ratio) - log_ratio - 1)
@@ -237,6 +242,11 @@ CORRECTION_CASES = {
     "sequence-mask, pass": dict(rollout_correction="sequence-mask", correction_cap=1.5),
     "sequence-mask, sequence, kl": dict(rollout_correction="sequence-mask", correction_cap=1.5, loss_norm="sequence",
                                         kl_coef=0.3),
+    "geo-mask, pass": dict(rollout_correction="geo-mask", correction_cap=1.1),
+    "geo-mask, token, kl": dict(rollout_correction="geo-mask", correction_cap=1.1, loss_norm="token", kl_coef=0.3),
+    "token-mask, pass": dict(rollout_correction="token-mask", correction_cap=1.5),
+    "token-mask, sequence, truncated masked, kl": dict(rollout_correction="token-mask", correction_cap=1.5,
+                                                       loss_norm="sequence", mask_truncated=True, kl_coef=0.3),
 }
 
 
@@ -268,7 +278,7 @@ def test_rollout_correction_objective_and_gradient_equal_the_reference(options):
         assert 0 < corrected < stats.sampler_tokens and stats.corrected_fraction == pytest.approx(corrected / stats.sampler_tokens)
 
 
-@pytest.mark.parametrize("correction", ["token-tis", "sequence-mask"])
+@pytest.mark.parametrize("correction", ["token-tis", "sequence-mask", "geo-mask", "token-mask"])
 def test_rollout_correction_in_the_second_ppo_epoch_equals_the_reference(correction):
     """--ppo-epochs=2: epoch 2's clipped surrogate is weighted by epoch 1's correction (the sampler's tokens do
     not change between epochs), computed from the policy that sampled, not from the moved one."""
@@ -286,3 +296,23 @@ def test_rollout_correction_in_the_second_ppo_epoch_equals_the_reference(correct
     assert abs(want - plain) > 1e-3
     assert stats.objective == pytest.approx(want, rel=1e-5, abs=1e-7)
     torch.testing.assert_close(new.table.grad.double(), -grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_geometric_mask_keeps_a_long_row_the_product_mask_drops_and_the_token_mask_drops_tokens():
+    """A row of 8 tokens each 0.3 apart in log-probability (cap 2, band log 2 = 0.69): its product ratio, e^2.4,
+    leaves the band (sequence-mask drops the row), its geometric mean e^0.3 does not (geo-mask keeps it). A row
+    of gaps 0.1, 0.8, -0.9, 0.2 and one unknown: token-mask drops the two tokens out of the band, and only them; the
+    geometric mean of its four known gaps, 0.05, keeps it; a row whose mean leaves the band on the low side goes."""
+    from nanochat.rl.objective import rollout_correction_weights
+    gap = torch.tensor([0.3] * 8 + [0.1, 0.8, -0.9, 0.2, 0.0] + [-0.8, -0.75], dtype=torch.float64)
+    known = torch.tensor([True] * 12 + [False] + [True, True])
+    row_index = torch.tensor([0] * 8 + [1] * 5 + [2] * 2)
+
+    def weights(correction):
+        loss = PolicyLoss(max_new_tokens=MAX_NEW_TOKENS, rollout_correction=correction, correction_cap=2.0)
+        w, changed = rollout_correction_weights(loss, gap, known, row_index, 3, torch.float64)
+        return w.tolist(), int(changed)
+
+    assert weights("sequence-mask") == ([0.0] * 8 + [1.0] * 5 + [0.0] * 2, 10)
+    assert weights("geo-mask") == ([1.0] * 8 + [1.0] * 5 + [0.0] * 2, 2)
+    assert weights("token-mask") == ([1.0] * 8 + [1.0, 0.0, 0.0, 1.0, 1.0] + [0.0, 0.0], 4)

@@ -26,6 +26,9 @@ W is the number of ranks: the optimizers average gradients over ranks, so a rank
                   at T=1 over the whole vocabulary, recorded by the engine, and w_t = exp(logp_t - s_t) detached):
                     token-tis      each token's term times min(w_t, cap)                   (truncated importance sampling)
                     sequence-mask  a row's terms dropped when prod_t w_t leaves [1/cap, cap]
+                    geo-mask       a row's terms dropped when exp(mean_t log w_t), the geometric mean over its
+                                   sampled tokens, leaves [1/cap, cap]     (length-normalised: SkyRL's default)
+                    token-mask     a token's term dropped when w_t leaves [1/cap, cap]    (token rejection: verl)
 Whatever the options, the first epoch measures the gap on the trained tokens: mean and max |logp_t - s_t| and the
 k3 estimate of KL(sampler || trainer), mean of exp(d) - d - 1 with d = logp_t - s_t.
 
@@ -71,7 +74,7 @@ def token_logprobs_and_entropy(logits, targets):
 
 
 LOSS_NORMS = ("pass", "token", "sequence", "constant")
-ROLLOUT_CORRECTIONS = ("none", "token-tis", "sequence-mask")
+ROLLOUT_CORRECTIONS = ("none", "token-tis", "sequence-mask", "geo-mask", "token-mask")
 LOSSES = ("pg", "gspo", "cispo")
 # each loss's ratio clip (clip_low, clip_high) where --clip-low/--clip-high are not given: PPO's 0.2 (nanochat has no
 # clip: it takes one on-policy epoch); GSPO's sequence ratio is a per-token geometric mean, so its band is narrow (the
@@ -90,8 +93,8 @@ class PolicyLoss:
     clip_low: float = 0.2         # PPO epochs after the first clip the ratio to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.2
     kl_coef: float = 0.0          # weight of the k3 KL penalty to the reference model (0: no penalty)
-    rollout_correction: str = "none"  # none | token-tis | sequence-mask (see the module docstring)
-    correction_cap: float = 2.0       # token-tis: the weight's cap; sequence-mask: the ratio's band [1/cap, cap]
+    rollout_correction: str = "none"  # one of ROLLOUT_CORRECTIONS (see the module docstring)
+    correction_cap: float = 2.0       # token-tis: the weight's cap; the masks: the ratio's band [1/cap, cap]
 
     def __post_init__(self):
         if self.loss_norm not in LOSS_NORMS:
@@ -300,14 +303,22 @@ def sampler_gap(logp, sampler_logp):
 def rollout_correction_weights(loss, gap, known, row_index, num_rows, dtype):
     """The weight of each token under loss.rollout_correction, from its sampler_gap (the weights in `dtype` where
     they are 0 or 1), and how many tokens it changed (a 0-dim tensor); weights None without a correction.
-    token-tis: min(exp(gap), cap), 1 where unknown; sequence-mask: 1 where the summed gap of the token's row (its
-    index among the forward's num_rows) lies within +-log(cap), else 0."""
+    token-tis: min(exp(gap), cap), 1 where unknown; token-mask: 0 where |gap| > log(cap), else 1; sequence-mask:
+    1 where the summed gap of the token's row (its index among the forward's num_rows) lies within +-log(cap), else
+    0; geo-mask: likewise the row's mean gap over its tokens with a sampler log-probability."""
+    band = math.log(loss.correction_cap)
     if loss.rollout_correction == "token-tis":
         weights = torch.where(known, torch.exp(gap).clamp(max=loss.correction_cap), torch.ones_like(gap))
-        return weights, (known & (gap > math.log(loss.correction_cap))).sum()
-    if loss.rollout_correction == "sequence-mask":
+        return weights, (known & (gap > band)).sum()
+    if loss.rollout_correction == "token-mask":
+        kept = gap.abs() <= band  # an unknown token's gap is 0: kept
+        return kept.to(dtype), (~kept).sum()
+    if loss.rollout_correction in ("sequence-mask", "geo-mask"):
         row_log_ratio = torch.zeros(num_rows, device=gap.device, dtype=gap.dtype).index_add_(0, row_index, gap)
-        kept = (row_log_ratio.abs() <= math.log(loss.correction_cap))[row_index]  # (N,)
+        if loss.rollout_correction == "geo-mask":  # the mean: a per-token gap does not compound over a long row
+            known_tokens = torch.zeros_like(row_log_ratio).index_add_(0, row_index, known.to(gap.dtype))
+            row_log_ratio = row_log_ratio / known_tokens.clamp(min=1)
+        kept = (row_log_ratio.abs() <= band)[row_index]  # (N,)
         return kept.to(dtype), (~kept).sum()
     return None, torch.zeros((), device=gap.device)
 
