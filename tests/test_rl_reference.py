@@ -67,7 +67,7 @@ def sampled_tokens(prompt, tokens, masks):
 
 def reference_objective(table, loss_norm="pass", mask_truncated=False, advantage_std=False, kl_coef=0.0,
                         ref_table=None, old_table=None, clip_low=0.2, clip_high=0.2, rollout_correction="none",
-                        correction_cap=2.0, sampler_table=None, loss="pg"):
+                        correction_cap=2.0, sampler_table=None, loss="pg", rejected_in_denominator=True):
     """The step's objective (a float64 scalar, differentiable in `table`) and the number of clipped tokens, or
     with a rollout correction the number of corrected tokens among the rows trained (a non-zero advantage, or any
     with the KL penalty).
@@ -82,6 +82,12 @@ def reference_objective(table, loss_norm="pass", mask_truncated=False, advantage
             advantage = (reward - mean) / (std + 1e-4) if advantage_std else reward - mean
             pairs = [] if (mask_truncated and truncated) else sampled_tokens(prompt, tokens, masks)
             rows.append((q, i, advantage, pairs))
+    logp_of = lambda t, prev, token: torch.log_softmax(t[prev], dim=-1)[token]
+    if not rejected_in_denominator and rollout_correction in ("sequence-mask", "geo-mask", "token-mask"):
+        rows = [(q, i, advantage, kept_by_mask(pairs, rollout_correction, correction_cap,
+                                               lambda prev, token: logp_of(table if old_table is None else old_table,
+                                                                           prev, token) - logp_of(sampler_table, prev, token)))
+                for q, i, advantage, pairs in rows]  # the peers' rule: a dropped token is in no count below
     step_tokens = sum(len(pairs) for *_, pairs in rows)
     step_sequences = sum(1 for *_, pairs in rows if pairs)
     counted_rows = lambda q: sum(1 for qq, i, _, _ in rows if qq == q and not (mask_truncated and QUESTIONS[q][1][i][3]))
@@ -100,7 +106,6 @@ def reference_objective(table, loss_norm="pass", mask_truncated=False, advantage
             return len(pairs) * step_sequences
         return counted_rows(q) * MAX_NEW_TOKENS * step_questions  # constant
 
-    logp_of = lambda t, prev, token: torch.log_softmax(t[prev], dim=-1)[token]
     sampling_table = table if old_table is None else old_table  # the policy that sampled: the weights' logp
     objective, clipped, corrected = torch.zeros((), dtype=torch.float64), 0, 0
     for q, i, advantage, pairs in rows:
@@ -145,6 +150,15 @@ def reference_objective(table, loss_norm="pass", mask_truncated=False, advantage
                 term = term - kl_coef * (torch.exp(log_ratio) - log_ratio - 1)
             objective = objective + term / D
     return objective, corrected if rollout_correction != "none" else clipped
+
+
+def kept_by_mask(pairs, correction, cap, log_w_of):
+    """The (prev, token) pairs of one row that a masking correction keeps, log w of each from log_w_of(prev, token)."""
+    log_w = [float(log_w_of(prev, token).detach()) for prev, token in pairs]
+    if correction == "token-mask":
+        return [pair for pair, lw in zip(pairs, log_w) if abs(lw) <= math.log(cap)]
+    ratio = sum(log_w) / (len(log_w) if correction == "geo-mask" else 1) if log_w else 0.0
+    return pairs if abs(ratio) <= math.log(cap) else []
 
 
 def sampler_logprobs(sampler_table, prompt, tokens, masks):
@@ -316,3 +330,37 @@ def test_the_geometric_mask_keeps_a_long_row_the_product_mask_drops_and_the_toke
     assert weights("sequence-mask") == ([0.0] * 8 + [1.0] * 5 + [0.0] * 2, 10)
     assert weights("geo-mask") == ([1.0] * 8 + [1.0] * 5 + [0.0] * 2, 2)
     assert weights("token-mask") == ([1.0] * 8 + [1.0, 0.0, 0.0, 1.0, 1.0] + [0.0, 0.0], 4)
+
+
+PEERS_CASES = {
+    "token-mask, pass": dict(rollout_correction="token-mask", correction_cap=1.5),
+    "token-mask, token, kl": dict(rollout_correction="token-mask", correction_cap=1.5, loss_norm="token", kl_coef=0.3),
+    "sequence-mask, sequence": dict(rollout_correction="sequence-mask", correction_cap=1.5, loss_norm="sequence"),
+    "geo-mask, token, truncated masked": dict(rollout_correction="geo-mask", correction_cap=1.1, loss_norm="token",
+                                              mask_truncated=True),
+}
+
+
+@pytest.mark.parametrize("options", PEERS_CASES.values(), ids=PEERS_CASES.keys())
+def test_rejected_tokens_out_of_the_denominators_equal_the_reference(options):
+    """--rejected-in-denominator's peers' rule (slime, verl): the tokens a mask drops leave the denominators, from a
+    no-grad forward of every counted row before the pass (without_rejected_tokens); the pass on what is left equals
+    the reference that filters them out first, and differs from today's rule (they stay counted)."""
+    from nanochat.rl.objective import step_counts
+    from nanochat.rl.policy_gradient import without_rejected_tokens
+    model, reference, sampler = table_model(0), table_model(1), sampler_table()
+    loss = PolicyLoss(max_new_tokens=MAX_NEW_TOKENS, rejected_in_denominator=False, **options)
+    kept, dropped = without_rejected_tokens(model, batches(sampler_table=sampler), loss, DEVICE_BATCH_SIZE, "cpu",
+                                            nullcontext())
+    stats = accumulate_policy_gradient(model, kept, DEVICE_BATCH_SIZE, len(QUESTIONS), "cpu", nullcontext(), loss=loss,
+                                       counts=step_counts(kept, loss.mask_truncated, "cpu"), reference=reference)
+    want, grad, _ = reference_gradient(model, ref_table=reference.table.detach().double(), sampler_table=sampler.double(),
+                                       rejected_in_denominator=False, **options)
+    today, _, _ = reference_gradient(model, ref_table=reference.table.detach().double(), sampler_table=sampler.double(),
+                                     **options)
+    assert dropped > 0 and abs(want - today) > 1e-4  # some token dropped, and the rule changes the objective
+    assert stats.objective == pytest.approx(want, rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(model.table.grad.double(), -grad, rtol=1e-4, atol=1e-6)
+    unchanged, none = without_rejected_tokens(model, batches(sampler_table=sampler), PolicyLoss(
+        max_new_tokens=MAX_NEW_TOKENS, **options), DEVICE_BATCH_SIZE, "cpu", nullcontext())  # today's rule: as they are
+    assert none == 0 and all(torch.equal(a.targets, b.targets) for a, b in zip(unchanged, batches(sampler_table=sampler)))

@@ -75,6 +75,7 @@ def token_logprobs_and_entropy(logits, targets):
 
 LOSS_NORMS = ("pass", "token", "sequence", "constant")
 ROLLOUT_CORRECTIONS = ("none", "token-tis", "sequence-mask", "geo-mask", "token-mask")
+MASK_CORRECTIONS = ("sequence-mask", "geo-mask", "token-mask")  # those that drop tokens instead of weighing them
 LOSSES = ("pg", "gspo", "cispo")
 # each loss's ratio clip (clip_low, clip_high) where --clip-low/--clip-high are not given: PPO's 0.2 (nanochat has no
 # clip: it takes one on-policy epoch); GSPO's sequence ratio is a per-token geometric mean, so its band is narrow (the
@@ -95,6 +96,9 @@ class PolicyLoss:
     kl_coef: float = 0.0          # weight of the k3 KL penalty to the reference model (0: no penalty)
     rollout_correction: str = "none"  # one of ROLLOUT_CORRECTIONS (see the module docstring)
     correction_cap: float = 2.0       # token-tis: the weight's cap; the masks: the ratio's band [1/cap, cap]
+    # a mask's dropped tokens still count in the denominators (True, today's), or leave them (the peers': slime,
+    # verl): the step's targets lose them before any denominator is counted (policy_gradient.without_rejected_tokens)
+    rejected_in_denominator: bool = True
 
     def __post_init__(self):
         if self.loss_norm not in LOSS_NORMS:

@@ -11,14 +11,16 @@ logp * A / D; each option is a function of its own composed onto it: a rollout c
 epoch after the first replaces it by its clipped term, the KL penalty is subtracted.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from nanochat.common import to_device
 from nanochat.model.compile import maybe_compiled
-from nanochat.rl.objective import (PolicyLoss, QuestionRows, k3_kl, kl_penalty, on_policy_objective, ppo_objective,
-                                   rollout_correction_weights, sampler_gap, sampler_gap_sums, step_counts)
+from nanochat.rl.objective import (MASK_CORRECTIONS, PolicyLoss, QuestionRows, k3_kl, kl_penalty, on_policy_objective,
+                                   ppo_objective, rollout_correction_weights, sampler_gap, sampler_gap_sums, step_counts,
+                                   trainable_targets)
 
 
 @dataclass
@@ -177,6 +179,34 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     return tally.stats(first, use_kl)
+
+
+def without_rejected_tokens(model, batches, loss, micro_rows, device, autocast, share_prompt=True,
+                            forward=chunk_logprobs):
+    """The peers' rule for a masking rollout correction (loss.rejected_in_denominator False): the step's batches with
+    the tokens the mask drops taken out of their targets (-1), so that they count in no denominator (a row dropped
+    whole in no sequence count either; `constant` divides by a fixed budget and stays); the trainer's log-probabilities
+    come from a no-grad forward of every counted row first (those of advantage 0 too: their tokens count). Call it
+    before step_counts, once a step. Returns (batches, tokens dropped); the batches as they are otherwise."""
+    if loss.rejected_in_denominator or loss.rollout_correction not in MASK_CORRECTIONS:
+        return batches, 0
+    targets = [trainable_targets(batch, loss.mask_truncated) for batch in batches]
+    questions = [QuestionRows(q, batch, t, None, None, batch.advantages) for q, (batch, t) in enumerate(zip(batches, targets))]
+    kept = [torch.ones(t.shape, device=device) for t in targets]
+    rows = [(question, r) for question in questions for r in range(question.targets.size(0))
+            if bool((question.targets[r] >= 0).any())]
+    for lo in range(0, len(rows), micro_rows):
+        tokens = _Tokens(_Chunk.of(rows[lo:lo + micro_rows], share_prompt), device)
+        sampler = tokens.sampler_logprobs()
+        if sampler is not None:
+            with torch.no_grad(), autocast:
+                logp = forward(model, *tokens.forward_inputs)[0]
+            weights, _ = rollout_correction_weights(loss, *sampler_gap(logp, sampler), tokens.row_index,
+                                                    tokens.num_rows, torch.float32)
+            tokens.store(kept, weights)
+    dropped = [(k.cpu() == 0) & (t >= 0) for k, t in zip(kept, targets)]  # the step's one read back
+    return ([dataclasses.replace(b, targets=b.targets.masked_fill(d, -1)) for b, d in zip(batches, dropped)],
+            sum(int(d.sum()) for d in dropped))
 
 
 @dataclass
