@@ -21,8 +21,8 @@ from nanochat.engine.cuda_graphs import GraphsNeedCudaError
 from nanochat.engine.memory_budget import NoMemoryForRolloutsError
 from nanochat.model.compile import CompileFailed
 from nanochat.rl.config import GROUPS, RLConfig
-from nanochat.rl.resume import ResumeError, RunExistsError
-from nanochat.rl.run import NoStartCheckpointError, NonFiniteStepsError
+from nanochat.rl.resume import NoStartCheckpointError, ResumeError, RunExistsError
+from nanochat.rl.run import NonFiniteStepsError
 from nanochat.settings import SHARED
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
 from nanochat.tokenizer import TokenizerError

@@ -92,12 +92,12 @@ SHARED = dict(
 )
 
 
-def dataclass_of(settings, frozen=True):
-    """A class decorator: the class as a dataclass (frozen unless told) whose fields are `settings` (name -> Setting), in their
+def dataclass_of(settings):
+    """A class decorator: the class as a frozen dataclass whose fields are `settings` (name -> Setting), in their
     order, each defaulting to its setting's default and holding the setting in its metadata ("setting")."""
     def make(cls):
         cls.__annotations__ = {name: object if s.default is None else type(s.default) for name, s in settings.items()}
         for name, s in settings.items():
             setattr(cls, name, dataclasses.field(default=s.default, metadata={"setting": s}))
-        return dataclass(frozen=frozen)(cls)
+        return dataclass(frozen=True)(cls)
     return make

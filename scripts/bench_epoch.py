@@ -23,7 +23,7 @@ import torch
 
 from nanochat.checkpoints.background import BackgroundSaver
 from nanochat.checkpoints.store import save_checkpoint
-from nanochat.cli import ArgumentParser, add_debug_flag, run_main
+from nanochat.cli import ArgumentParser, add_debug_flag, add_shared, run_main
 from nanochat.common import UserError, autodetect_device_type, print0, synchronize
 from nanochat.files import atomic_write
 from nanochat.model.gpt import build_fresh_model
@@ -38,7 +38,7 @@ def parse_args(argv):
     p.add_argument("--config", type=str, default=None, help="which of the bench's configs is the run's step")
     p.add_argument("--depth", type=int, default=None, help="model depth for the saves (default: the bench's model)")
     p.add_argument("--vocab-size", type=int, default=None, help="its vocabulary (default: the bench's)")
-    p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
+    add_shared(p, "device_type")
     p.add_argument("--steps", type=int, default=GSM8K_TRAIN // 16, help="steps of the epoch (nanochat: 467)")
     p.add_argument("--eval-every", type=int, default=60, help="chat_rl's --eval-every")
     p.add_argument("--save-every", type=int, default=60, help="chat_rl's --save-every")

@@ -15,7 +15,7 @@ import time
 
 from nanochat.checkpoints.loading import load_model
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
-                          run_main)
+                          add_shared, run_main)
 from nanochat.common import (UserError, autocast_context, compute_dtype, compute_init, print0, requested_dtype,
                              synchronize)
 from nanochat.engine.cuda_graphs import check_decode_flag
@@ -51,7 +51,7 @@ def parse_args(argv):
     p.add_argument("--num-samples", type=int, default=8, help="samples per question (chat_rl: --device-batch-size)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="completion length cap (chat_rl's eval: 256)")
     p.add_argument("--repeats", type=int, default=2, help="evals timed each way, alternately")
-    p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
+    add_shared(p, "device_type")
     p.add_argument("--dtype", type=str, default=None, help="auto|float32|bfloat16 (default: $NANOCHAT_DTYPE, else auto)")
     add_memory_budget_flag(p)
     add_decode_flag(p)
@@ -67,7 +67,7 @@ def main(argv):
         raise UserError("--repeats and --eval-examples must be >= 1")
     _, _, _, _, device = compute_init(args.device_type)
     decode = check_decode_flag(args.decode, device)
-    compiling = resolve_compile_flag(args, device, decode, trains=False)
+    compiling, args.compile = resolve_compile_flag(args.compile, device, decode, trains=False)
     autocast = autocast_context(device, compute_dtype(device, requested_dtype(args.dtype)))
     model, tokenizer, _ = load_model(args.source, device, phase="eval")
     compile_models(compiling, model)

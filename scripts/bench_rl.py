@@ -25,10 +25,10 @@ import torch.nn as nn
 from nanochat.cli import ArgumentParser, flag_name, parse_rl_args, run_main
 from nanochat.common import (autocast_context, compute_cleanup, compute_init, cpu_has_native_bf16, dtype_name,
                              get_base_dir, get_dist_info, print0, require)
+from nanochat.diagnostics import compiled_step_graphs, compiled_step_kernels, count_decode_step_ops, d20_train_step_kernels
 from nanochat.engine.decode_weights import matmul_modules
 from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import cache_geometry
-from nanochat.engine.op_count import compiled_step_graphs, compiled_step_kernels, count_decode_step_ops
 from nanochat.files import atomic_write
 from nanochat.machine import PeakMemory, device_time, load_average, measure_machine, profile_phases
 from nanochat.model.compile import compile_block_regions, compile_plan
@@ -38,8 +38,8 @@ from nanochat.model.sampling import mix32
 from nanochat.report import text_table
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.config import RLConfig
-from nanochat.rl.plan import resolve_memory, train_rows
-from nanochat.rl.policy_gradient import accumulate_policy_gradient, compiled_chunk_forward, d20_train_step_kernels
+from nanochat.rl.plan import RunPlan, resolve_memory, train_rows
+from nanochat.rl.policy_gradient import accumulate_policy_gradient, compiled_chunk_forward
 from nanochat.rl.rollout import QuestionRollout, longest_prompt, step_question_indices
 from nanochat.rl.run import RLRun, make_optimizers, policy_loss_of, sample_rollouts, train_on_rollouts
 from nanochat.tokenizer import Tokenizer
@@ -236,7 +236,7 @@ def bench_run(model, rollout_model, tokenizer, task, config, rl, device, optimiz
                  train_task=task, val_task=None, num_steps=BENCH_STEP + 1, start_step=BENCH_STEP, start_checkpoint=None,
                  checkpoint_dir=None, rank=0, world_size=1, device=device, run_id=None, segments=[], history=[],
                  eval_history=[], micro_rows=train_rows(rl, device.type) if config.batched else rl.device_batch_size, lean=config.lean,
-                 forward=compiled_chunk_forward(config.compiled, required=True))
+                 forward=compiled_chunk_forward(config.compiled, required=True), plan=RunPlan.as_given(rl))
 
 
 def bench_step(run, config, force_advantages):
@@ -399,7 +399,8 @@ def run(args, configs, device):
                       num_params=model.num_params(), matmul_flops_per_token=matmul_flops_per_token(model))
     print0(f"model: {model_info}")
     initial_state, memory = {k: v.detach().clone() for k, v in model.state_dict().items()}, PeakMemory(device)
-    resolve_memory(rl, model, device, make_optimizers(rl, model), train_rows(rl, device.type))  # once for every config, as chat_rl
+    _, budget = resolve_memory(rl, model, device, make_optimizers(rl, model), train_rows(rl, device.type), rl.rollout_dtype)
+    rl = dataclasses.replace(rl, memory_budget_gb=budget)  # once for every config, as chat_rl
     results, skipping, train_kernels = {}, None, None  # the same anywhere, so not in a GPU's (scarce) time
     report = lambda: {"machine": {**info, "load_average_after": load_average()}, "model": model_info,  # noqa: E731
                       "settings": {**vars(args), "rl": {**vars(rl), **PER_CONFIG}}, "peak_flops": peaks,

@@ -25,7 +25,7 @@ import sys
 from collections import namedtuple
 
 from nanochat.checkpoints.loading import load_model
-from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_flag, run_main
+from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_flag, add_shared, run_main
 from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_dtype, compute_init, get_dist_info,
                              requested_dtype)
 from nanochat.engine.engine import Engine
@@ -55,7 +55,7 @@ def parse_args(argv):
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap in tokens")
     p.add_argument("--seed", type=int, default=42, help="sampling seed; the session's t-th answer uses seed + t")
     # runtime
-    p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
+    add_shared(p, "device_type")
     p.add_argument("-d", "--dtype", type=str, default=None, help="float32|bfloat16; default: $NANOCHAT_DTYPE, else bfloat16")
     add_debug_flag(p)
     return p.parse_args(argv)

@@ -18,7 +18,7 @@ import time
 
 from nanochat.checkpoints.loading import load_model
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
-                          add_model_generation_flag, run_main)
+                          add_model_generation_flag, add_shared, run_main)
 from nanochat.common import (UserError, autocast_context, collective_device, compute_cleanup, compute_dtype,
                              compute_init, get_base_dir, print0, requested_dtype, wait_for_all_ranks)
 from nanochat.engine.cuda_graphs import check_decode_flag
@@ -50,7 +50,7 @@ def parse_args(argv):
     add_decode_flag(p)
     add_compile_flag(p)
     # runtime and output
-    p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (empty = autodetect)")
+    add_shared(p, "device_type")
     p.add_argument("--dtype", type=str, default=None,
                    help="auto|float32|bfloat16; default: $NANOCHAT_DTYPE, else auto (bfloat16 where it is native)")
     p.add_argument("--output", type=str, default="", help="JSON output path (default: $NANOCHAT_BASE_DIR/report/chat_eval_<source>.json)")
@@ -87,7 +87,7 @@ def main(argv):
     _, rank, _, _, device = compute_init(args.device_type)
     try:
         decode = check_decode_flag(args.decode, device)
-        compiling = resolve_compile_flag(args, device, decode, trains=False)
+        compiling, args.compile = resolve_compile_flag(args.compile, device, decode, trains=False)
         dtype = compute_dtype(device, args.dtype)
         autocast = autocast_context(device, dtype)
         model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step,

@@ -86,7 +86,7 @@ def train(run, stop):
     A checkpoint is written by a thread while the next step's rollouts run, and committed before that step's
     first collective (nanochat/checkpoints/background.py); alone, once written (settle_save)."""
     cfg, num_steps = run.config, run.num_steps
-    wandb_run = init_wandb(cfg.run, "nanochat-rl", vars(cfg))
+    wandb_run = init_wandb(cfg.run, "nanochat-rl", run.user_config)
     for line in no_signal_settings(cfg):
         print0(line)
     run_start = time.time()
@@ -136,12 +136,12 @@ def train(run, stop):
                 run.saver.finish()
                 wandb_run.finish()
                 print0(f"Stopped after step {step} on request. Resume with: python -m scripts.chat_rl "
-                       f"--resume={cfg.output_tag}:{step}")
+                       f"--resume={run.plan.output_tag}:{step}")
                 sys.exit(128 + (stop.signum or signal.SIGTERM))
         run.saver.finish()  # the last step's checkpoint, when no final eval committed it
 
     report = get_report()
-    log_chat_rl(report, vars(cfg), run.history, run.eval_history)
+    log_chat_rl(report, run.user_config, run.history, run.eval_history)
     path = report.write_report(run.device)
     if path:
         print0(f"Report: {path}")

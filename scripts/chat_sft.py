@@ -366,7 +366,8 @@ def run(args, task_names, rank, world_size, device):
     optimizers = setup_optimizers(model, args)
     band = PassBand(*parse_band(args.stop_at_pass1)) if held_out is not None else None
     decode = decode_mode("auto", device) if band is not None else None  # only the checks sample
-    compiling = resolve_compile_flag(args, device, decode, num_steps, cpu_min_steps=SFT_CPU_MIN_STEPS)
+    compiling, args.compile = resolve_compile_flag(args.compile, device, decode, num_steps,
+                                                   cpu_min_steps=SFT_CPU_MIN_STEPS)
     compile_models(compiling, model)
     forward = maybe_compiled(summed_cross_entropy, compiling.train, dynamic=True, required=args.compile == "on")
     # one engine for every check: its static batch, and on CUDA its captured decode graphs, serve them all; they

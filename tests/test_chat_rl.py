@@ -58,7 +58,8 @@ def test_eval_prints_pass_at_k(sft, base_dir, capsys):
     (["--source=rl", "--model-tag=d2", "--output-tag=d2"], "--output-tag=d2 is the RL run --source=rl reads"),
     (["--resume", "--output-tag=x"], "--resume continues a run in its own directory"),
     (["--output-tag=a/b"], "--output-tag must be a directory name"),
-    (["--rollout-correction=tis"], "--rollout-correction must be none, token-tis, sequence-mask, got 'tis'"),
+    (["--rollout-correction=tis"],
+     "--rollout-correction must be none, token-tis, sequence-mask, geo-mask, token-mask, got 'tis'"),
     (["--rollout-correction-cap=1"], "--rollout-correction-cap must be > 1, got 1.0"),
     (["--decode=fast"], "--decode"),
 ])

@@ -828,19 +828,19 @@ def test_a_long_cpu_runs_auto_decode_is_static_only_where_compiling_works(compil
     probes = []
     real_check = nc_compile.check_compiler
     monkeypatch.setattr(nc_compile, "check_compiler", lambda device: probes.append(device) or real_check(device))
-    args = SimpleNamespace(decode="auto", compile="auto", dtype="bfloat16")
+    args = SimpleNamespace(decode="auto", compile="auto")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = rl_plan.resolve_decode_and_compile(args, torch.device("cpu"), 467)
-    assert plan[:2] == (False, False) and plan.measured and (args.decode, args.compile) == ("eager", "auto")
+        decode, mode, plan = rl_plan.resolve_decode_and_compile(args, torch.device("cpu"), 467, "bfloat16")
+    assert plan[:2] == (False, False) and plan.measured and (decode, mode) == ("eager", "auto")
     assert not caught and probes == []
-    args = SimpleNamespace(decode="auto", compile="on", dtype="bfloat16")
+    args = SimpleNamespace(decode="auto", compile="on")
     if compiler == "works":
-        plan = rl_plan.resolve_decode_and_compile(args, torch.device("cpu"), 467)
-        assert plan[:2] == (True, True) and (args.decode, args.compile) == ("static", "on") and len(probes) == 1
+        decode, mode, plan = rl_plan.resolve_decode_and_compile(args, torch.device("cpu"), 467, "bfloat16")
+        assert plan[:2] == (True, True) and (decode, mode) == ("static", "on") and len(probes) == 1
     else:
         with pytest.raises(nc_compile.CompileFailed, match="torch.compile does not work on cpu here"):
-            rl_plan.resolve_decode_and_compile(args, torch.device("cpu"), 467)
+            rl_plan.resolve_decode_and_compile(args, torch.device("cpu"), 467, "bfloat16")
 
 
 AGREE_ON_COMPILING = """

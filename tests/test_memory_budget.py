@@ -138,10 +138,11 @@ def test_cudas_auto_train_rows_give_way_when_their_reserve_would_cut_the_rollout
 
     def rows_and_budget(free_gib, train_rows=0, device="cuda", rows=64):
         free_memory[0] = free_gib * GiB
-        config = SimpleNamespace(memory_budget_gb="auto", max_new_tokens=256, rollout_dtype="bfloat16", num_samples=16,
-                                 train_rows=train_rows, device_batch_size=8)
-        rows = resolve_memory(config, d20, torch.device(device), [], rows, rollout_rows=256, prompt_tokens=300)
-        return rows, round(config.memory_budget_gb, 1)
+        config = SimpleNamespace(memory_budget_gb="auto", max_new_tokens=256, num_samples=16, train_rows=train_rows,
+                                 device_batch_size=8)
+        rows, budget = resolve_memory(config, d20, torch.device(device), [], rows, "bfloat16", rollout_rows=256,
+                                      prompt_tokens=300)
+        return rows, round(budget, 1)
 
     assert rows_and_budget(70) == (16, 42.6)
     assert "training: 16 trained rows per forward, not 64: a forward of 64 would leave too little memory for a " \

@@ -405,15 +405,14 @@ def _probe(x):
     return x * 2 + 1
 
 
-def resolve_compile_flag(args, device, *plan_args, **plan_kwargs):
-    """--compile for this run (compile.resolve_compile with compile_plan's arguments), printed with why. args.compile
-    becomes off where the plan compiles nothing (torch.compile unavailable under auto, or nothing that pays here), so
-    that the config records what runs and an engine given it compiles nothing. Returns the CompilePlan; a script
-    hands its models to compile_models."""
-    plan = resolve_compile(args.compile, device, *plan_args, **plan_kwargs)
-    args.compile = args.compile if plan.compiles or plan.measured else "off"
+def resolve_compile_flag(mode, device, *plan_args, **plan_kwargs):
+    """--compile=`mode` for this run (compile.resolve_compile with compile_plan's arguments), printed with why.
+    Returns (the CompilePlan, whose models a script hands to compile_models; the mode that runs: `mode`, or off where
+    the plan compiles nothing (torch.compile unavailable under auto, or nothing that pays here), so that a run records
+    what runs and an engine given it compiles nothing)."""
+    plan = resolve_compile(mode, device, *plan_args, **plan_kwargs)
     print0(plan.describe())
-    return plan
+    return plan, mode if plan.compiles or plan.measured else "off"
 
 
 def compile_models(plan, *models):

@@ -122,10 +122,10 @@ def scaled_forward(forward, loss_scale):
     return forward_of_scaled_loss
 
 
-def loss_scale_for(config, meta=None):
-    """The run's LossScale where it trains in float16 (config.dtype, resolved), else None; `meta`: a resumed step's
-    meta, whose "loss_scale" it continues from."""
-    if config.dtype != "float16":
+def loss_scale_for(plan, meta=None):
+    """The run's LossScale where it trains in float16 (plan.dtype, the run's RunPlan's), else None; `meta`: a resumed
+    step's meta, whose "loss_scale" it continues from."""
+    if plan.dtype != "float16":
         return None
     loss_scale = LossScale(INIT_SCALE, GROWTH_FACTOR, BACKOFF_FACTOR, GROWTH_INTERVAL)  # read now: tests set them
     saved = (meta or {}).get("loss_scale")

@@ -2,9 +2,10 @@
 Reinforcement learning on a task's questions, as nanochat's chat_rl does it.
 
 The run, in the order scripts/chat_rl.py uses it:
-    config.py           RLConfig: the flags as one dataclass, checked on construction
+    config.py           chat_rl's settings, one table (SETTINGS), and RLConfig: the frozen dataclass of them, checked
     resume.py           where a run starts: a new run from --source, or --resume of a saved step
-    plan.py             every "auto" resolved once and printed: dtypes, decode mode, compile, memory budget
+    plan.py             every "auto" resolved once and printed, into the run's frozen RunPlan: dtypes, decode mode,
+                        compile, memory budget, output tag, --keep-last
     run.py              RLRun and setup_run; a step's two halves (sample_rollouts, train_on_rollouts); save
     progress.py         each step's record and log line, and the warnings of a run with nothing to learn
 

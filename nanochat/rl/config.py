@@ -104,9 +104,11 @@ SETTINGS = dict(
     kl_coef=flag(ALGORITHM, 0.0, "weight of the k3 KL penalty to the starting model (0 = none; > 0 loads a second "
                  "copy)"),
     rollout_correction=flag(ALGORITHM, "none", "correct for the gap between the sampler's and the trainer's "
-                            "log-probabilities: none (nanochat), token-tis (each token's term times min(ratio, cap)) or "
-                            "sequence-mask (drop rows whose sequence ratio leaves [1/cap, cap]); ratio = "
-                            "exp(logp_trainer - logp_sampler), whole vocabulary"),
+                            "log-probabilities: none (nanochat), token-tis (each token's term times min(ratio, cap)), "
+                            "sequence-mask (drop rows whose sequence ratio leaves [1/cap, cap]), geo-mask (drop rows "
+                            "whose geometric-mean token ratio leaves [1/cap, cap]; SkyRL) or token-mask (drop tokens "
+                            "whose ratio leaves [1/cap, cap]; verl); ratio = exp(logp_trainer - logp_sampler), whole "
+                            "vocabulary"),
     rollout_correction_cap=flag(ALGORITHM, 2.0, "the cap of --rollout-correction (> 1)"),
     dynamic_sampling=flag(ALGORITHM, False, "draw more questions until the step has --examples-per-step whose samples "
                           "differ in reward (DAPO), or --dynamic-sampling-rounds more draws; the step trains those "
@@ -133,7 +135,7 @@ SETTINGS = dict(
 )
 
 
-@dataclass_of(SETTINGS, frozen=False)  # until the run's plan is apart from it
+@dataclass_of(SETTINGS)
 class RLConfig:
     """chat_rl's settings (SETTINGS), checked on construction; frozen. RLConfig() is nanochat's run on GSM8K;
     RLConfig(task="arithmetic", device_type="cpu") another."""

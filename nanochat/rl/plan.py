@@ -3,9 +3,13 @@ Every "auto" of a chat_rl run, resolved once at its start and printed with why: 
 (--dtype), the dtype rollouts decode in (--rollout-dtype), the decode mode (--decode), what is compiled
 (--compile), the rows per training forward (--train-rows) and the KV caches' memory budget (--memory-budget-gb).
 
-Each resolved value is written into the run's config, which its checkpoints record: a resumed run computes as
-it started. Decisions that are measured (a dtype on a CPU) are measured on rank 0 and taken by every rank.
+The resolved values are the run's RunPlan, frozen, which the run reads; the config stays as given. Checkpoints record
+the config with the plan's values in place of the flags' (RunPlan.recorded): a resumed run computes as it started.
+Decisions that are measured (a dtype on a CPU) are measured on rank 0 and taken by every rank.
 """
+
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +29,31 @@ from nanochat.model.precision import MARGIN, PREFERENCE, fastest_rollout_dtype, 
 # the host; elsewhere 16, 7-14% faster than 8 on a CPU (docs/performance.md)
 AUTO_TRAIN_ROWS = {"cuda": 64, "cpu": 16}
 OTHER_AUTO_TRAIN_ROWS = 16  # MPS and any other device: a CPU's choice until measured there
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run resolved at its start, each value once (printed with why), read by the run in place of its config's
+    flag: the config itself stays as given. A checkpoint records the config with these values in their place
+    (recorded), so that --resume continues the run it was."""
+    dtype: str                # what training computes in (--dtype)
+    rollout_dtype: str        # what rollouts and evals decode in (--rollout-dtype)
+    decode: str               # the decode mode (--decode): the uncompiled one where nothing compiles the static step
+    compile: str              # --compile, or off where the plan compiles nothing and measures nothing
+    memory_budget_gb: float   # the KV caches' budget in GiB (--memory-budget-gb)
+    output_tag: str           # the run's directory under chatrl_checkpoints (--output-tag)
+    keep_last: int            # checkpoints kept after each save, 0 = all (--keep-last)
+
+    @classmethod
+    def as_given(cls, config):
+        """The plan of a config whose values need no resolving (bench_rl's, built per configuration)."""
+        given = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)}
+        return cls(**given | {"keep_last": config.keep_last or 0})
+
+    def recorded(self, config):
+        """The run's settings as a checkpoint, wandb and the report record them: config's, in its order, with this
+        plan's values in place of the flags'."""
+        return vars(config) | dataclasses.asdict(self)
 
 
 def auto_train_rows(device_type):
@@ -56,54 +85,50 @@ def phase_dtype(phase, device, requested, measure):
 
 
 def resolve_training_dtype(config, model, tokenizer, train_task, device, rows):
-    """Set config.dtype to what training runs in, timed on one micro-batch of the run's own shape (`rows` rows of
-    the first question's prompt plus --max-new-tokens). Returns the dtype that was asked for."""
-    requested = config.dtype
+    """The dtype training runs in for --dtype, timed on one micro-batch of the run's own shape (`rows` rows of the
+    first question's prompt plus --max-new-tokens)."""
     length = len(tokenizer.render_for_completion(train_task[0])) + config.max_new_tokens
-    config.dtype = phase_dtype("training", device, requested, lambda candidates: fastest_training_dtype(
+    return phase_dtype("training", device, config.dtype, lambda candidates: fastest_training_dtype(
         model, rows, length, candidates))
-    return requested
 
 
-def resolve_rollout_dtype(config, model, tokenizer, train_task, device, world_size, requested, compiled_decode=False):
-    """Set config.rollout_dtype to what rollouts run in, after resolve_training_dtype (requested: the --dtype asked
-    for). auto is float32 with a float32 --dtype, float16 where training computes in float16 (the sampler rounds
-    as the trainer does: fp16's small sampler-trainer gap); with a compiled decode step (compiled_decode),
-    training's dtype: timing it would compile it twice, and compiled, its matmuls are most of its time, as in
-    training; else timed on its own on the run's rollout shortened (its first questions x --num-samples, 16 tokens,
-    an uncompiled engine in the run's decode mode; see fastest_rollout_dtype): the eager step's many small operations
-    gain less from bf16, and decoding and training gain from bf16 on different CPUs."""
+def resolve_rollout_dtype(config, dtype, decode, model, tokenizer, train_task, device, world_size, compiled_decode=False):
+    """The dtype rollouts run in for --rollout-dtype, once training's (`dtype`, for the --dtype asked for) and the
+    decode mode (`decode`) are resolved. auto is float32 with a float32 --dtype, float16 where training computes in
+    float16 (the sampler rounds as the trainer does: fp16's small sampler-trainer gap); with a compiled decode step
+    (compiled_decode), training's dtype: timing it would compile it twice, and compiled, its matmuls are most of its
+    time, as in training; else timed on its own on the run's rollout shortened (its first questions x --num-samples,
+    16 tokens, an uncompiled engine in the run's decode mode; see fastest_rollout_dtype): the eager step's many small
+    operations gain less from bf16, and decoding and training gain from bf16 on different CPUs."""
     if compiled_decode and config.rollout_dtype == "auto":
-        config.rollout_dtype = config.dtype
-        print0(f"rollouts decode in {config.dtype}: as training, with the compiled decode step (--rollout-dtype to choose)")
-        return
+        print0(f"rollouts decode in {dtype}: as training, with the compiled decode step (--rollout-dtype to choose)")
+        return dtype
     rollout_request = config.rollout_dtype
-    if config.rollout_dtype == "auto" and (requested == "float32" or config.dtype == "float16"):
-        rollout_request = "float32" if requested == "float32" else "float16"
+    if config.rollout_dtype == "auto" and (config.dtype == "float32" or dtype == "float16"):
+        rollout_request = "float32" if config.dtype == "float32" else "float16"
 
     def measure_rollouts(candidates):
         questions = max(1, min(len(train_task), config.examples_per_step // world_size))  # a rank's step
         prompts = [tokenizer.render_for_completion(train_task[i]) for i in range(questions)]
         budget = config.memory_budget_gb if isinstance(config.memory_budget_gb, (int, float)) else FIXED_GB  # off CUDA
-        engine = Engine(model, tokenizer, max_rows=config.max_rows or None, memory_budget_gb=budget,
-                        decode=config.decode, compile="off")
+        engine = Engine(model, tokenizer, max_rows=config.max_rows or None, memory_budget_gb=budget, decode=decode,
+                        compile="off")
         return fastest_rollout_dtype(engine, prompts, config.num_samples, candidates)
-    config.rollout_dtype = phase_dtype("rollouts", device, rollout_request, measure_rollouts)
+    return phase_dtype("rollouts", device, rollout_request, measure_rollouts)
 
 
-def resolve_decode_and_compile(config, device, num_steps):
-    """The decode mode and the CompilePlan of a run of num_steps steps in all (printed with why), config.decode and
-    config.compile set to them: compile.run_decode_mode's mode, compile.compile_plan's plan for it (--compile=auto on
+def resolve_decode_and_compile(config, device, num_steps, dtype):
+    """(the decode mode, the --compile that runs, the CompilePlan) of a run of num_steps steps in all training in
+    `dtype` (printed with why): compile.run_decode_mode's mode, compile.compile_plan's plan for it (--compile=auto on
     a CPU: measured during the run, nanochat/model/compile_rule.py; the run starts uncompiled). Decided on the run's
     whole length, not the steps left, so that a resumed run decodes as it started (--decode and --compile are not
     restored by --resume; the compiled step may sample another token at a near-tie). Every rank takes the same plan
     (compile.resolve_compile); where it compiles nothing, the mode is the one --decode gives uncompiled. A decode
     step that fails to compile later, at its first call, warns once and runs uncompiled (the same tokens)."""
     uncompiled = check_decode_flag(config.decode, device)
-    decode = run_decode_mode(config.decode, uncompiled, config.compile, device, num_steps, config.dtype, measured=True)
-    compiling = resolve_compile_flag(config, device, decode, num_steps, measured=True)
-    config.decode = decode if compiling.decode else uncompiled
-    return compiling
+    decode = run_decode_mode(config.decode, uncompiled, config.compile, device, num_steps, dtype, measured=True)
+    compiling, compile_mode = resolve_compile_flag(config.compile, device, decode, num_steps, measured=True)
+    return decode if compiling.decode else uncompiled, compile_mode, compiling
 
 
 def measured_parts(compiling, decode_flag, rollout_dtype):
@@ -118,44 +143,53 @@ def measured_parts(compiling, decode_flag, rollout_dtype):
 
 def resolve_compute_plan(config, model, tokenizer, train_task, device, world_size, num_steps, rows):
     """The dtypes, the decode mode and what is compiled, in the order each depends on the last: training's dtype
-    (the compiled decode step follows it), then the decode mode and compiling, then the rollouts' dtype.
-    Returns (the CompilePlan, the parts auto decides during the run: measured_parts)."""
-    requested = resolve_training_dtype(config, model, tokenizer, train_task, device, rows)
-    decode_flag = config.decode
-    compiling = resolve_decode_and_compile(config, device, num_steps)
-    resolve_rollout_dtype(config, model, tokenizer, train_task, device, world_size, requested,
-                          compiled_decode=bool(compiling.decode))
+    (the compiled decode step follows it), then the decode mode and compiling, then the rollouts' dtype. Returns
+    (RunPlan's fields dtype, rollout_dtype, decode and compile; the CompilePlan; the parts auto decides during the
+    run: measured_parts)."""
+    dtype = resolve_training_dtype(config, model, tokenizer, train_task, device, rows)
+    decode, compile_mode, compiling = resolve_decode_and_compile(config, device, num_steps, dtype)
+    rollout_dtype = resolve_rollout_dtype(config, dtype, decode, model, tokenizer, train_task, device, world_size,
+                                          compiled_decode=bool(compiling.decode))
     compile_models(compiling, model)  # after the rollout dtype's timing, which would compile them for each dtype
-    return compiling, measured_parts(compiling, decode_flag, config.rollout_dtype)
+    resolved = dict(dtype=dtype, rollout_dtype=rollout_dtype, decode=decode, compile=compile_mode)
+    return resolved, compiling, measured_parts(compiling, config.decode, rollout_dtype)
 
 
-def resolve_memory(config, model, device, optimizers, rows, compiled_training=False, rollout_rows=0, prompt_tokens=0):
-    """config.memory_budget_gb in GiB: the KV caches' budget once the model and optimizer state are in memory and a
-    training forward of `rows` rows is reserved: rows of up to ceil(rows / --num-samples) + 1 questions (a forward
-    spans questions), their prompts at most the model's sequence length, and the head's logits one chunk at a time
-    (whole when training is compiled: nanochat/model/head.py). Where `rows` are auto's CUDA rows and the auto budget
-    they leave cannot hold a step's rollout_rows rows at once (prompts of prompt_tokens), the rows fall back to the
-    other devices' auto: a rollout cut in two passes costs more than the larger forwards save (an H200's d20 figures,
-    docs/performance.md). Returns the rows per training forward."""
+def resolve_memory(config, model, device, optimizers, rows, rollout_dtype, compiled_training=False, rollout_rows=0,
+                   prompt_tokens=0):
+    """--memory-budget-gb in GiB, for rollouts in `rollout_dtype`: the KV caches' budget once the model and optimizer
+    state are in memory and a training forward of `rows` rows is reserved: rows of up to ceil(rows / --num-samples)
+    + 1 questions (a forward spans questions), their prompts at most the model's sequence length, and the head's
+    logits one chunk at a time (whole when training is compiled: nanochat/model/head.py). Where `rows` are auto's
+    CUDA rows and the auto budget they leave cannot hold a step's rollout_rows rows at once (prompts of
+    prompt_tokens), the rows fall back to the other devices' auto: a rollout cut in two passes costs more than the
+    larger forwards save (an H200's d20 figures, docs/performance.md). Returns (the rows per training forward, the
+    budget in GiB)."""
     def budget(rows):
         head_tokens = None if compiled_training else min(rows * config.max_new_tokens, HEAD_CHUNK_TOKENS)
         return resolve_memory_budget(
             config.memory_budget_gb, model, device, optimizers, rows=rows,
             completion_tokens=config.max_new_tokens, prompt_tokens=model.config.sequence_len,
-            rollout_dtype=getattr(torch, config.rollout_dtype), prompts=-(-rows // config.num_samples) + 1,
+            rollout_dtype=getattr(torch, rollout_dtype), prompts=-(-rows // config.num_samples) + 1,
             head_tokens=head_tokens)
     gb, line = budget(rows)
     smaller = max(config.device_batch_size, OTHER_AUTO_TRAIN_ROWS)
     if line and not config.train_rows and smaller < rows and rollout_rows:
-        per_token = cache_geometry(model).bytes_per_token(getattr(torch, config.rollout_dtype))
+        per_token = cache_geometry(model).bytes_per_token(getattr(torch, rollout_dtype))
         if rows_in_budget(per_token, gb * 2 ** 30, prompt_tokens, config.max_new_tokens, config.num_samples,
                           share_prompts=True, at_least=0) < rollout_rows:
             print0(f"training: {smaller} trained rows per forward, not {rows}: a forward of {rows} would leave too "
                    f"little memory for a step's {rollout_rows} rollout rows at once")
             rows, (gb, line) = smaller, budget(smaller)
-    config.memory_budget_gb = gb
-    print0(line or f"KV cache budget: {config.memory_budget_gb:g} GiB (--memory-budget-gb)")
-    return rows
+    print0(line or f"KV cache budget: {gb:g} GiB (--memory-budget-gb)")
+    return rows, gb
+
+
+def resolve_keep_last(config, meta):
+    """--keep-last, where it is not given: a resumed run's own (`meta`: its step's), a new run's 0 (every checkpoint)."""
+    if config.keep_last is not None:
+        return config.keep_last
+    return (meta.get("user_config", {}).get("keep_last") if config.resume else None) or 0
 
 
 def describe_engine(engine, compiling, config, rows):
@@ -175,13 +209,14 @@ def engine_decode(decode, compiling, auto_compile):
     return ("static", True) if switched else (decode, bool(compiling.decode))
 
 
-def auto_compile_of(config, model, parts, compiling, num_steps, start_step, meta, rank):
+def auto_compile_of(resolved, model, parts, compiling, num_steps, start_step, meta, rank):
     """The AutoCompile of a run whose --compile=auto measures `parts` (plan.measured_parts; resumed: meta's decisions),
-    or that compiles from its start (--compile=on: the CompilePlan `compiling`), recording its compiles' cost; or None."""
+    or that compiles from its start (--compile=on: the CompilePlan `compiling`), recording its compiles' cost; or None.
+    resolved: resolve_compute_plan's dtypes (dtype, rollout_dtype)."""
     compiled = () if parts else tuple(p for p, on in (("train", compiling.train), ("decode", compiling.decode)) if on)
     if not parts and not compiled:
         return None
-    dtypes = {"train": config.dtype, "decode": config.rollout_dtype}
+    dtypes = {"train": resolved["dtype"], "decode": resolved["rollout_dtype"]}
     rules = {part: PartRule(part, part_key(part, model, dtypes[part]), model.config.n_layer) for part in parts + compiled}
     return AutoCompile(rules, num_steps, CompileLedger(), start_step=start_step,
                        state=(meta or {}).get("compile_auto"), records=rank == 0, compiled=compiled)

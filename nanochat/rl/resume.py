@@ -34,6 +34,13 @@ class ResumeError(UserError):
         self.fix, self.spec, self.tag, self.step, self.steps = fix, spec, tag, step, list(steps)
 
 
+class NoStartCheckpointError(UserError):
+    """A KL penalty for a resumed run whose meta, written before the penalty existed, names no starting checkpoint."""
+
+    def __init__(self):
+        super().__init__("a KL penalty needs the checkpoint the run started from, and this run's meta does not record it")
+
+
 class RunExistsError(UserError):
     """A new run's directory holds another run (nanochat.cli adds the flags that continue, replace or avoid it)."""
 
@@ -100,7 +107,6 @@ def restore_settings(config, world_size):
         print0(f"--resume: using the run's saved settings for {', '.join(changed)}")
     config = config.restored(saved)
     config.check_ranks(world_size, resumed=tag)
-    config.output_tag = tag
     return config, resume
 
 
@@ -120,16 +126,16 @@ def restore_optimizers(resume, optimizers, meta, rank, world_size, device):
 
 
 def start_new_run(config, device):
-    """The --source checkpoint a new run starts from. Sets config.output_tag. Returns (model, tokenizer, meta)."""
+    """The --source checkpoint a new run starts from. Returns (model, tokenizer, meta, the run's output tag)."""
     _, source_tag, source_step = find_checkpoint(config.source, config.model_tag, config.model_step)
     # from an RL run the tag is known (and the source run refused) before loading; else it may need the depth
     output_tag = resolve_output_tag(config, source_tag, depth=None) if config.source == "rl" else None
     model, tokenizer, meta = load_model(config.source, device, phase="eval", model_tag=source_tag, step=source_step,
                                         generation=config.model_generation)
-    config.output_tag = output_tag or resolve_output_tag(config, source_tag, model.config.n_layer)
+    output_tag = output_tag or resolve_output_tag(config, source_tag, model.config.n_layer)
     meta["start_checkpoint"] = {"source": config.source, "model_tag": source_tag, "step": source_step}
-    print0(f"Starting a new RL run from {config.source} {source_tag} step {source_step}; writing to {config.output_tag}")
-    return model, tokenizer, meta
+    print0(f"Starting a new RL run from {config.source} {source_tag} step {source_step}; writing to {output_tag}")
+    return model, tokenizer, meta, output_tag
 
 
 def prepare_output_dir(checkpoint_dir, overwrite, master):

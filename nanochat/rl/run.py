@@ -28,11 +28,11 @@ from nanochat.optim.loss_scale import loss_scale_for, scaled_forward
 from nanochat.optim.optimizers import guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.rl.config import RLConfig
 from nanochat.rl.objective import PolicyLoss, step_counts
-from nanochat.rl.plan import (auto_compile_of, describe_engine, engine_decode, resolve_compute_plan, resolve_memory,
-                              train_rows)
+from nanochat.rl.plan import (RunPlan, auto_compile_of, describe_engine, engine_decode, resolve_compute_plan,
+                              resolve_keep_last, resolve_memory, train_rows)
 from nanochat.rl.policy_gradient import TrainStats, accumulate_policy_gradient, chunk_logprobs, compiled_chunk_forward
 from nanochat.rl.progress import RolloutLog, drop_rollouts_after
-from nanochat.rl.resume import prepare_output_dir, restore_optimizers, start_new_run
+from nanochat.rl.resume import NoStartCheckpointError, prepare_output_dir, restore_optimizers, start_new_run
 from nanochat.rl.rollout import (Sampling, StepRollouts, has_signal, longest_prompt, question_indices_at, question_seed,
                                  sample_questions, step_questions)
 from tasks.registry import make_task
@@ -40,9 +40,11 @@ from tasks.registry import make_task
 
 @dataclass
 class RLRun:
-    """What a run carries from step to step. `config` is the effective configuration: the flags after
-    --resume restored the run's own and the output tag and dtypes were resolved; every checkpoint records it."""
+    """What a run carries from step to step. `config` is its configuration as given (the flags, after --resume put
+    back the run's own), `plan` what the run resolved from it at its start (dtypes, decode mode, compiling, memory
+    budget, output tag, --keep-last); every checkpoint records the two together (RunPlan.recorded)."""
     config: RLConfig
+    plan: RunPlan
     model: torch.nn.Module
     engine: Engine
     optimizers: list
@@ -80,6 +82,11 @@ class RLRun:
     eval_seconds: list = field(default_factory=list)
 
     @property
+    def user_config(self):
+        """The run's settings as its checkpoints, wandb and the report record them (RunPlan.recorded)."""
+        return self.plan.recorded(self.config)
+
+    @property
     def master(self):
         return self.rank == 0
 
@@ -92,14 +99,7 @@ class RLRun:
         return collective_device(self.device)
 
     def autocast(self, rollouts=False):
-        return autocast_context(self.device, getattr(torch, self.config.rollout_dtype if rollouts else self.config.dtype))
-
-
-class NoStartCheckpointError(UserError):
-    """A KL penalty for a resumed run whose meta, written before the penalty existed, names no starting checkpoint."""
-
-    def __init__(self):
-        super().__init__("a KL penalty needs the checkpoint the run started from, and this run's meta does not record it")
+        return autocast_context(self.device, getattr(torch, self.plan.rollout_dtype if rollouts else self.plan.dtype))
 
 
 class NonFiniteStepsError(UserError):
@@ -128,13 +128,13 @@ def run_length(config, train_task):
     return num_steps
 
 
-def make_optimizers(config, model):
+def make_optimizers(config, model, dtype=None):
     """The run's optimizers at step 0, each group at --init-lr-frac of its lr (its `initial_lr`). Muon
-    orthogonalizes in the run's compute dtype: bf16 where it is native (nanochat's numerics), fp32 otherwise
-    (and for fp16: precision.ortho_dtype)."""
+    orthogonalizes in the run's compute dtype `dtype` (RunPlan.dtype; default: the config's, where --dtype names
+    one): bf16 where it is native (nanochat's numerics), fp32 otherwise (and for fp16: precision.ortho_dtype)."""
     return scale_initial_lr(model.setup_optimizers(
         unembedding_lr=config.unembedding_lr, embedding_lr=config.embedding_lr, matrix_lr=config.matrix_lr,
-        weight_decay=config.weight_decay, recipe=config.recipe, ortho_dtype=ortho_dtype(config.dtype)),
+        weight_decay=config.weight_decay, recipe=config.recipe, ortho_dtype=ortho_dtype(dtype or config.dtype)),
         config.init_lr_frac)
 
 
@@ -155,18 +155,18 @@ def setup_run(config, resume, rank, world_size, device):
             model, tokenizer, meta = load_model("rl", device, phase="eval", model_tag=resume.tag, step=resume.step)
         start_step = resume.step + 1
         print0(f"Resuming RL run {resume.tag} after step {resume.step}")
+        output_tag = resume.tag
     else:
-        model, tokenizer, meta = start_new_run(config, device)
-    if config.keep_last is None:  # not given: a resumed run keeps its own disk policy, a new run every checkpoint
-        config.keep_last = (meta.get("user_config", {}).get("keep_last") if config.resume else None) or 0
+        model, tokenizer, meta, output_tag = start_new_run(config, device)
     start = meta.get("start_checkpoint")
     train_task, val_task = make_task(config.task, "train"), make_task(config.task, "test")
     rows = train_rows(config, device.type)  # per training forward
     num_steps = run_length(config, train_task)
-    compiling, measured = resolve_compute_plan(config, model, tokenizer, train_task, device, world_size, num_steps, rows)
-    auto_compile = auto_compile_of(config, model, measured, compiling, num_steps, start_step, resume and meta, rank)
-    checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], config.output_tag)
-    optimizers = make_optimizers(config, model)
+    resolved, compiling, measured = resolve_compute_plan(config, model, tokenizer, train_task, device, world_size,
+                                                         num_steps, rows)
+    auto_compile = auto_compile_of(resolved, model, measured, compiling, num_steps, start_step, resume and meta, rank)
+    checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], output_tag)
+    optimizers = make_optimizers(config, model, resolved["dtype"])
     segments = [{"start_step": 0, "world_size": world_size}]  # the world size of each part of the run
     if resume:
         saved = restore_optimizers(resume, optimizers, meta, rank, world_size, device)
@@ -175,10 +175,12 @@ def setup_run(config, resume, rank, world_size, device):
     reference = load_reference(start, device, config.model_generation) if config.kl_coef > 0 else None
     if reference is not None:
         compile_models(compiling, reference)
-    rows = resolve_memory(config, model, device, optimizers, rows, compiled_training=compiling.train or "train" in measured,
-                          rollout_rows=config.examples_per_step // world_size * config.num_samples,
-                          prompt_tokens=longest_prompt(tokenizer, train_task) if device.type == "cuda" else 0)
-    engine = make_engine(config, model, tokenizer, *engine_decode(config.decode, compiling, auto_compile),
+    rows, budget = resolve_memory(config, model, device, optimizers, rows, resolved["rollout_dtype"],
+                                  compiled_training=compiling.train or "train" in measured,
+                                  rollout_rows=config.examples_per_step // world_size * config.num_samples,
+                                  prompt_tokens=longest_prompt(tokenizer, train_task) if device.type == "cuda" else 0)
+    plan = RunPlan(**resolved, memory_budget_gb=budget, output_tag=output_tag, keep_last=resolve_keep_last(config, meta))
+    engine = make_engine(config, plan, model, tokenizer, *engine_decode(plan.decode, compiling, auto_compile),
                          (train_task, val_task))
     describe_engine(engine, compiling, config, rows)
     if engine.decode != "eager":
@@ -188,9 +190,9 @@ def setup_run(config, resume, rank, world_size, device):
         prepare_output_dir(checkpoint_dir, config.overwrite, rank == 0)
     elif rank == 0:  # the run's samples, if it kept them, continue from the resumed step
         drop_rollouts_after(checkpoint_dir, resume.step)
-    loss_scale = loss_scale_for(config, meta if config.resume else None)  # fp16 only
+    loss_scale = loss_scale_for(plan, meta if config.resume else None)  # fp16 only
     return RLRun(
-        config=config, model=model, optimizers=optimizers, engine=engine,
+        config=config, plan=plan, model=model, optimizers=optimizers, engine=engine,
         policy_loss=policy_loss_of(config),
         reference=reference,
         train_task=train_task, val_task=val_task, num_steps=num_steps, start_step=start_step, start_checkpoint=start,
@@ -200,17 +202,17 @@ def setup_run(config, resume, rank, world_size, device):
         history=list(meta.get("history", [])) if config.resume else [],
         eval_history=[tuple(e) for e in meta.get("eval_history", [])] if config.resume else [],
         last_saved=start_step - 1 if config.resume else None, micro_rows=rows,
-        forward=scaled_forward(compiled_chunk_forward(train_compiled, required=config.compile == "on"), loss_scale),
+        forward=scaled_forward(compiled_chunk_forward(train_compiled, required=plan.compile == "on"), loss_scale),
         loss_scale=loss_scale, auto_compile=auto_compile, tokenizer=tokenizer,
         # without --dynamic-sampling always start_step * --examples-per-step; with it, what the resumed step left
         data_position=meta.get("data_position", start_step * config.examples_per_step) if config.resume else 0,
         rollout_log=RolloutLog(checkpoint_dir, rank, resumed=bool(config.resume)) if config.save_rollouts else None)
 
 
-def make_engine(config, model, tokenizer, decode, compiled, tasks):
-    """The run's rollout engine in decode mode `decode`, its static step compiled or not; a static batch is sized
-    for every prompt of `tasks` (one batch for the run, its graphs captured once)."""
-    engine = Engine(model, tokenizer, max_rows=config.max_rows or None, memory_budget_gb=config.memory_budget_gb,
+def make_engine(config, plan, model, tokenizer, decode, compiled, tasks):
+    """The run's rollout engine in decode mode `decode`, its static step compiled or not, in the plan's memory budget;
+    a static batch is sized for every prompt of `tasks` (one batch for the run, its graphs captured once)."""
+    engine = Engine(model, tokenizer, max_rows=config.max_rows or None, memory_budget_gb=plan.memory_budget_gb,
                     decode=decode, compile=compiled)
     if engine.decode != "eager":
         engine.reserve_prompt_length(longest_prompt(tokenizer, *tasks))
@@ -240,8 +242,8 @@ def auto_compile_step(run, step, t_rollout, t_train):
             run.forward = scaled_forward(compiled_chunk_forward(on), run.loss_scale)
         else:  # the kept static batch of the engine left behind is freed with it
             run.engine.release(keep_from_now_on=False)
-            run.engine = make_engine(run.config, run.model, run.tokenizer, "static" if on else run.config.decode, on,
-                                     (run.train_task, run.val_task))
+            run.engine = make_engine(run.config, run.plan, run.model, run.tokenizer, "static" if on else run.plan.decode,
+                                     on, (run.train_task, run.val_task))
 
 
 def with_fewer_rows_on_oom(attempt, rows, message, rows_in_use=None, free_memory=None):
@@ -390,11 +392,11 @@ def count_bad_step(run, step, result):
 
 def meta_data(run, step):
     return {"step": step, "model_config": run.model.meta_model_config(), "generation": run.model.generation.name,
-            "user_config": vars(run.config), "start_checkpoint": run.start_checkpoint, "history": run.history,
+            "user_config": run.user_config, "start_checkpoint": run.start_checkpoint, "history": run.history,
             "eval_history": run.eval_history, "run_id": run.run_id, "world_size": run.world_size,
             "segments": run.segments, "loss_scale": run.loss_scale.state_dict() if run.loss_scale else None,
             "data_position": run.data_position,
-            "compile_auto": run.auto_compile.state() if run.auto_compile and run.config.compile == "auto" else None}
+            "compile_auto": run.auto_compile.state() if run.auto_compile and run.plan.compile == "auto" else None}
 
 
 def save(run, step):
@@ -413,10 +415,10 @@ def saved(run, step):
         remove_extra_shards(run.checkpoint_dir, step, run.world_size)
     run.last_saved = step
     print0(f"Saved checkpoint to {run.checkpoint_dir} (step {step})")
-    if run.config.keep_last > 0:  # only this run's directory: the start checkpoint is another's (resolve_output_tag)
-        removed = prune_checkpoints(run.checkpoint_dir, step, run.config.keep_last)
+    if run.plan.keep_last > 0:  # only this run's directory: the start checkpoint is another's (resolve_output_tag)
+        removed = prune_checkpoints(run.checkpoint_dir, step, run.plan.keep_last)
         if removed:
-            print0(f"--keep-last={run.config.keep_last}: removed step{'s' * (len(removed) > 1)} "
+            print0(f"--keep-last={run.plan.keep_last}: removed step{'s' * (len(removed) > 1)} "
                    f"{', '.join(map(str, removed))}")
 
 
