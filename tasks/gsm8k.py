@@ -121,7 +121,7 @@ def hub_reachable(timeout=3.0):
 
 def shuffled(rows, seed=SHUFFLE_SEED):
     """rows in the order datasets.Dataset.shuffle(seed=seed) gives: the permutation numpy's default_rng(seed)
-    draws for their number (tests/test_gsm8k.py checks the two agree where datasets is installed)."""
+    draws for their number (tests/tasks/test_gsm8k.py checks the two agree where datasets is installed)."""
     return [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))]
 
 

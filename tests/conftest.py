@@ -7,7 +7,7 @@ touch the network or the user's real data, whatever the machine has cached.
 Pretend CUDA: the suite must hold on a machine with a GPU, and CI has none. So on a machine without CUDA the
 whole session runs with torch.cuda.is_available() True and device_count() 1, in this process (the `pretend_cuda`
 fixture) and in every Python process the tests start, scripts, torchrun ranks and multiprocessing children
-included (tests/pretend_cuda/sitecustomize.py, on their PYTHONPATH). Code that picks CUDA by availability where
+included (tests/support/pretend_cuda/sitecustomize.py, on their PYTHONPATH). Code that picks CUDA by availability where
 the test meant the CPU then fails here, where it first uses CUDA, with an error naming this guard, as it would
 run on the GPU there; a test that means the CPU says so (device="cpu", --device-type=cpu). A test that needs a
 real GPU is marked `cuda` and skips on helpers.HAS_CUDA (read before any patching), not on
@@ -16,7 +16,14 @@ torch.cuda.is_available(). Where a GPU is really there, the guard is off."""
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
+
+# tests/ is in folders by package (none of them a package: no __init__.py); support/ holds the helpers and workers.
+# Both go on sys.path for the session, every folder's too: some tests import another folder's test module
+TESTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(TESTS / "support")] + sorted(str(d) for d in TESTS.iterdir() if any(d.glob("test_*.py")))
 
 import pytest
 import torch
@@ -27,7 +34,7 @@ TINY_VOCAB_SIZE = 400
 
 
 def load_pretend_cuda():
-    """tests/pretend_cuda/sitecustomize.py as a module of this process (its folder is not on sys.path here)."""
+    """tests/support/pretend_cuda/sitecustomize.py as a module of this process (its folder is not on sys.path here)."""
     spec = importlib.util.spec_from_file_location("pretend_cuda", PRETEND_CUDA_DIR / "sitecustomize.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -30,7 +30,7 @@
 # 8. with the time left, the same bench with the static step compiled whole and captured (compiled_d20.json): compile
 #    seconds, decode ms per step, the compiled training pass (tokens_digest in both JSONs, to compare with part 3's).
 # compiled: --compile=on on CUDA (auto compiles nothing there until this stage measures that it pays): the compiled
-#    static step replayed from CUDA graphs against itself run without them (tests/test_compile.py's cuda test), then
+#    static step replayed from CUDA graphs against itself run without them (tests/model/test_compile.py's cuda test), then
 #    the same d20 bench with the static step compiled by Inductor and captured in the engine's graphs, beside the
 #    uncompiled graph config, 2 consecutive steps each: compile seconds and graphs per step, decode ms per step
 #    against the bound, tokens compared (compiled_d20.log with TORCH_LOGS=recompiles, compiled_d20.json). Run it
@@ -195,7 +195,7 @@ env)
 checks)
     # the compiled step's GPU tests compile with Inductor (~40 s a dtype on an H200): the compiled stage runs them
     step "cuda tests" 200 "$out/cuda_tests.log" "$python" -m pytest -q -p no:cacheprovider -rs --durations=10 -m cuda \
-        --ignore=tests/test_compile.py tests
+        --ignore=tests/model/test_compile.py tests
     tests_rc=$?
     step "d20 bench" 150 "$out/bench_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph \
@@ -231,7 +231,7 @@ compiled)
     # the compiled step captured in CUDA graphs against itself without them (a tiny model; the first H100 run of its
     # compile did not end in 80 s); then the d20 bench, each compile and recompile named as it happens
     step "compiled gpu tests" 200 "$out/compiled_tests.log" \
-        "$python" -m pytest -q -p no:cacheprovider -rs -m cuda tests/test_compile.py
+        "$python" -m pytest -q -p no:cacheprovider -rs -m cuda tests/model/test_compile.py
     tests_rc=$?
     TORCH_LOGS=recompiles step "d20 compiled bench" 600 "$out/compiled_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph,batched_bf16_graph_compiled \
@@ -244,7 +244,7 @@ suite)
     # compiled stage's), then the tests that leave the GPU alone on 8 of the machine's 16 cores (~12 minutes on one
     # 2-core CPU), with the time left
     step "suite, cuda tests" 200 "$out/gpu_suite_cuda.log" "$python" -m pytest -q -p no:cacheprovider -rs -m cuda \
-        --ignore=tests/test_compile.py tests
+        --ignore=tests/model/test_compile.py tests
     cuda_rc=$?
     step "suite" 420 "$out/gpu_suite.log" "$python" -m pytest -q -p no:cacheprovider -rs --durations=20 \
         -n 8 --dist loadfile -m "not cuda" tests

@@ -1,4 +1,4 @@
-# Sourced by tests/gpu_check.sh (and tests/test_gpu_setup.py): the two ways a GPU machine's python is handed on.
+# Sourced by tests/gpu_check.sh (and tests/gpu/test_gpu_setup.py): the two ways a GPU machine's python is handed on.
 #
 # make_venv_over PYTHON VENV   a venv at VENV, made without pip or ensurepip, that sees every package PYTHON sees
 #                              (what is installed into VENV comes first).

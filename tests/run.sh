@@ -2,7 +2,7 @@
 # The test suite in one command, on a fresh machine or on one that ran it before:
 #
 #   bash tests/run.sh                               # every test
-#   bash tests/run.sh tests/test_engine.py -k tool  # arguments go to pytest (in place of `tests`)
+#   bash tests/run.sh tests/engine/test_engine.py -k tool  # arguments go to pytest (in place of `tests`)
 #
 # 1. creates .venv (python3 -m venv), or reuses it;
 # 2. installs torch into it unless it already has one: the CPU build (torch==2.13.0), or, where nvidia-smi

@@ -43,7 +43,7 @@ class DecodeWeights:
       and uses a weight already in that dtype as it is: a copy made once gives bitwise the same outputs. Made once
       because inside a CUDA-graph capture the autocast cache is off (see GraphedStep), so a replayed step would cast
       every weight again: read fp32, write and read bf16, three times the bytes of the one bf16 read the step needs.
-      tests/test_decode_weights.py checks that autocast casts no other parameter.
+      tests/engine/test_decode_weights.py checks that autocast casts no other parameter.
 
     The low-precision copies are made at the first such rollout and refreshed in place at the start of every one
     (the trainer changes the fp32 weights in between; in place, so graphs captured over them stay valid). They cost

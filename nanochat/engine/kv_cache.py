@@ -40,7 +40,7 @@ def _index_put_rows(store, layer, rows, positions, values, heads_first=False):
 # its KV cache through such an operator for the same reason). It takes the whole storage and the layer, not the
 # layer's view: with dynamic shapes (the compiled static step serves every bucket from one graph) Inductor (torch
 # 2.13) computed wrong results when a custom operator mutated a view of a graph input (greedy decoding took another
-# token within a few steps; tests/test_compile.py holds a minimal case). Defined through torch.library.Library, not
+# token within a few steps; tests/model/test_compile.py holds a minimal case). Defined through torch.library.Library, not
 # the custom_op decorator, whose Python wrapper (argument defaults, autograd redispatch) adds its cost to every call,
 # two per layer and step; vLLM registers its own operators directly for the same reason.
 _OPERATORS = torch.library.Library("nanochat", "FRAGMENT")  # a fragment: another module may define in the namespace

@@ -12,7 +12,7 @@ Why not GradScaler itself: its step(optimizer) decides on each rank alone whethe
 optimizers here (nanochat/optim/) need every rank to step or none. So the decision is guarded_step's check across
 ranks (nanochat/optim/optimizers.py), which refuses a non-finite gradient anyway, and this class keeps only the
 scale and its growth counter; update() is GradScaler's update kernel (torch._amp_update_scale_) written out, which
-tests/test_fp16.py checks against it. The scale is the same on every rank (each rank updates it from the same
+tests/optim/test_fp16.py checks against it. The scale is the same on every rank (each rank updates it from the same
 all-reduced answer), is saved in the run's meta and restored by --resume.
 
 Where S enters (step 1): chat_rl backpropagates its objective chunk by chunk inside the training pass

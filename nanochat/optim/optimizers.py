@@ -8,7 +8,7 @@ The optimizers of a nanochat recipe, built from one list of param-group specs.
 The specs are the same for both recipes: which parameters go to AdamW and which to Muon, with the
 hyperparameters of each group (see `build_optimizers`). Which lr and betas each kind of parameter gets
 in each recipe is nanochat/optim/param_groups.py's business; the fixtures in tests/fixtures/optimizer
-record nanochat's choices, and tests/test_optim.py replays them against nanochat's own steps.
+record nanochat's choices, and tests/optim/test_optim.py replays them against nanochat's own steps.
 
 Also the schedule every stage shares (init_lr_frac, then nanochat's linear decay to 0, or chat_rl's
 --lr-schedule) and the step guarded by the finite check (with an fp16 run's loss scale folded into it).

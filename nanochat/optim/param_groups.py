@@ -1,6 +1,6 @@
 """
 Which of a nanochat GPT's parameters each optimizer of a recipe updates, with which lr, betas and weight decay
-(nanochat/optim/optimizers.py builds the optimizers from these groups; tests/test_optim.py replays nanochat's own steps).
+(nanochat/optim/optimizers.py builds the optimizers from these groups; tests/optim/test_optim.py replays nanochat's own steps).
 
 AdamW takes lm_head, the embeddings and the scalars; Muon the block matrices (value-embedding gates included,
 as in nanochat).

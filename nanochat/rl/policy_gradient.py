@@ -52,7 +52,7 @@ def _trained_rows(targets, weights, any_weight=False):
 
 def _prompt_offset(prompt_length, length, share_prompt):
     """The first position a forward keeps of one question's rows of `length` inputs (see _Chunk; _row_hidden_states,
-    which tests/test_rl_options.py's frozen loop uses): with a shared prompt of
+    which tests/rl/test_rl_options.py's frozen loop uses): with a shared prompt of
     prompt_length tokens, its last position (the one predicting the first completion token), else 0."""
     return prompt_length - 1 if share_prompt and 1 <= prompt_length <= length else 0
 

@@ -1,0 +1,345 @@
+"""Does the suite catch realistic bugs? Run by hand (pytest does not collect it: its name does not start with test_):
+
+    .venv/bin/python tests/support/mutations.py                    # every mutation, one at a time
+    .venv/bin/python tests/support/mutations.py fp16-gnorm-scaled  # some of them, by name
+    .venv/bin/python tests/support/mutations.py --baseline         # their tests on the code as it is: every one must pass
+    .venv/bin/python tests/support/mutations.py --list             # names, files and tests
+
+Each mutation is one bug put into one library file: an exact snippet replaced by another (the snippet must occur once,
+else the mutation is reported stale: the code moved on and the table needs the new text). With it in place the
+mutation's tests run once, in one pytest process ($NANOCHAT_TEST_WORKERS=0, no bytecode written, so no compiled
+mutant outlives the run); any failing test catches it. The file is restored in a `finally`, also on Ctrl-C: from the
+copy taken before, or, where someone else changed the file meanwhile, by putting the original snippet back into their
+version. A table at the end says, for each mutation, whether it was caught and by which assertion.
+
+The first eight are issue 59's: bugs a reviewer put into features whose own tests did not notice; the rest are bugs of
+the same kinds in the RL objective, the rollouts, the optimizers, the checkpoints and the engine's rows.
+"""
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TEST_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str        # relative to the repo
+    original: str    # exact text, occurring once in the file
+    mutated: str
+    tests: tuple     # pytest node ids, any of which failing catches the mutation
+    why: str = ""    # the bug, in words
+
+
+MUTATIONS = [
+    # ------------------------------------------------------------------ issue 59's
+    Mutation("fp16-gnorm-scaled", "nanochat/optim/optimizers.py",
+             "    if loss_scale is not None:\n        loss_scale.unscale_(model)\n    gnorm = grad_norm(model)\n",
+             "    gnorm = grad_norm(model)\n    if loss_scale is not None:\n        loss_scale.unscale_(model)\n",
+             ("tests/optim/test_fp16.py::test_the_returned_grad_norm_is_the_unscaled_gradients",),
+             "the grad norm taken before the unscale: S times too large"),
+    Mutation("fp16-nan-loss-is-overflow", "nanochat/optim/optimizers.py",
+             "        if loss_finite:\n            loss_scale.update(found_inf=not grad_finite)\n",
+             "        if True:\n            loss_scale.update(found_inf=not stepped)\n",
+             ("tests/optim/test_fp16.py::test_a_non_finite_loss_skips_the_step_and_holds_the_scale",),
+             "a non-finite loss backs the scale off as if the gradient overflowed"),
+    Mutation("fp16-kl-hook-on-reference", "nanochat/optim/loss_scale.py",
+             "        if logp.requires_grad:", "        if True:",
+             ("tests/optim/test_fp16.py::test_fp16_with_a_kl_penalty_scales_the_policy_and_not_the_reference",),
+             "the scaling hook registered on the frozen reference's log-probabilities too"),
+    Mutation("dynamic-sampling-draw-seed", "nanochat/rl/run.py",
+             "[question_seed(step, i, draw) for i in indices]", "[question_seed(step, i) for i in indices]",
+             ("tests/rl/test_dynamic_sampling.py::test_a_question_drawn_again_in_a_step_samples_anew",),
+             "every draw of a step seeds a question alike"),
+    Mutation("dynamic-sampling-seed-key", "nanochat/rl/rollout.py",
+             "    key = (step, example_index) if draw == 0 else (step, example_index, draw)\n",
+             "    key = (step, example_index)\n",
+             ("tests/rl/test_dynamic_sampling.py::test_seeds_differ_across_draws",
+              "tests/rl/test_dynamic_sampling.py::test_a_question_drawn_again_in_a_step_samples_anew"),
+             "question_seed ignores the draw"),
+    Mutation("loss-clips-not-passed", "nanochat/rl/run.py",
+             "mask_truncated=config.mask_truncated, clip_low=config.clip_low, clip_high=config.clip_high,",
+             "mask_truncated=config.mask_truncated,",
+             ("tests/rl/test_rl_losses.py::test_the_run_s_policy_loss_clips_at_the_documented_band_or_the_user_s",),
+             "policy_loss_of leaves PolicyLoss at its 0.2/0.2 whatever the loss and flags"),
+    Mutation("cispo-default-clip", "nanochat/rl/objective.py",
+             '"cispo": (1.0, 0.28)}', '"cispo": (0.2, 0.28)}',
+             ("tests/rl/test_rl_losses.py::test_the_run_s_policy_loss_clips_at_the_documented_band_or_the_user_s",),
+             "CISPO given a floor of 0.8"),
+    Mutation("saved-rollout-length", "nanochat/rl/progress.py",
+             '"length": len(c.tokens),', '"length": len(c.tokens) - 1,',
+             ("tests/rl/test_saved_rollouts.py::test_each_saved_record_is_what_its_sample_was",),
+             "--save-rollouts' length one short"),
+    Mutation("lag-default-false", "nanochat/engine/engine.py",
+             'self.lag = model.get_device().type == "cuda" if lag is None else lag',
+             "self.lag = False if lag is None else lag",
+             ("tests/engine/test_decode_lag.py::test_an_engine_lags_by_default_on_cuda_and_not_on_a_cpu",),
+             "the engine never lags unless told to, on CUDA too"),
+    Mutation("background-copy-before-finish", "nanochat/checkpoints/background.py",
+             "        self.finish()\n        (model_copy, optimizer_copy), self._host_tensors = host_copy("
+             "(model_data, optimizer_data), self._host_tensors)\n",
+             "        (model_copy, optimizer_copy), self._host_tensors = host_copy("
+             "(model_data, optimizer_data), self._host_tensors)\n        self.finish()\n",
+             ("tests/checkpoints/test_background_save.py::"
+              "test_a_save_started_while_the_last_one_is_written_leaves_both_steps_as_they_were",),
+             "the next snapshot copied into the buffers the last save's thread is still writing"),
+    # ------------------------------------------------------------------ the RL objective and rollouts
+    Mutation("advantage-sample-std", "nanochat/rl/advantages.py",
+             "rewards.std(unbiased=False)", "rewards.std()",
+             ("tests/rl/test_rl_options.py::test_advantages_scaled_by_std_and_a_zero_std_question_stays_zero",),
+             "GRPO's std taken with Bessel's correction (nan for one sample)"),
+    Mutation("sampler-logprobs-shifted", "nanochat/rl/advantages.py",
+             "sampler[r, len(prompt) - 1:len(prompt) - 1 + len(logprobs)]",
+             "sampler[r, len(prompt):len(prompt) + len(logprobs)]",
+             ("tests/rl/test_sampler_gap.py::test_gap_is_zero_through_calculator_calls_and_early_ends",),
+             "the sampler's log-probabilities placed one position late"),
+    Mutation("ppo-clip-max", "nanochat/rl/objective.py",
+             "return torch.minimum(unclipped, clipped_term), clipped_term < unclipped",
+             "return torch.maximum(unclipped, clipped_term), clipped_term < unclipped",
+             ("tests/rl/test_rl_options.py::test_clipped_surrogate_for_both_signs_of_the_advantage",),
+             "PPO's pessimistic min turned into a max"),
+    Mutation("k3-sign", "nanochat/rl/objective.py",
+             "    log_ratio = ref_logp - logp\n    return torch.exp(log_ratio) - log_ratio - 1",
+             "    log_ratio = logp - ref_logp\n    return torch.exp(log_ratio) - log_ratio - 1",
+             ("tests/rl/test_rl_options.py::test_kl_penalty_hand_computed_and_row_skipping_off",),
+             "k3 of KL(reference || policy) instead of KL(policy || reference)"),
+    Mutation("sequence-norm-by-tokens", "nanochat/rl/objective.py",
+             "(targets >= 0).sum(1).clamp(min=1).double() * per_rank(counts.sequences)",
+             "(targets >= 0).sum(1).clamp(min=1).double() * per_rank(counts.tokens)",
+             ("tests/rl/test_rl_reference.py::test_first_epoch_objective_and_gradient_equal_the_reference",),
+             "--loss-norm=sequence divided by the step's tokens instead of its sequences"),
+    Mutation("mask-truncated-inverted", "nanochat/rl/objective.py",
+             "batch.targets.masked_fill(batch.truncated[:, None], -1)",
+             "batch.targets.masked_fill(~batch.truncated[:, None], -1)",
+             ("tests/rl/test_rl_options.py::test_truncated_rows_are_masked_and_count_in_no_denominator",),
+             "--mask-truncated masks the rows that ended instead of those cut"),
+    Mutation("truncated-flag-inverted", "nanochat/rl/rollout.py",
+             "truncated=[not c.ended for c in completions]", "truncated=[c.ended for c in completions]",
+             ("tests/rl/test_rollout.py::test_records_hold_what_the_engine_sampled_and_the_task_rewarded",),
+             "rows that ended marked truncated"),
+    Mutation("dynamic-sampling-prefers-no-signal", "nanochat/rl/rollout.py",
+             "key=lambda i: not has_signal(drawn[i])", "key=lambda i: has_signal(drawn[i])",
+             ("tests/rl/test_dynamic_sampling.py::test_a_step_keeps_the_first_questions_with_signal_in_draw_order",),
+             "--dynamic-sampling keeps the questions without signal first"),
+    Mutation("rank-blocks-not-strides", "nanochat/rl/rollout.py",
+             "(position + rank + world_size * i) % num_examples",
+             "(position + rank * examples_per_rank + i) % num_examples",
+             ("tests/rl/test_rollout.py::test_rank_strided_data_covers_each_question_once_per_epoch",
+              "tests/rl/test_dynamic_sampling.py::test_draws_walk_on_through_the_split_and_sample_anew"),
+             "ranks take blocks of questions instead of nanochat's strides"),
+    Mutation("pass-denominator-without-passes", "nanochat/rl/objective.py",
+             "return valid_per_pass.repeat_interleave(device_batch_size) * (num_passes * examples_per_rank)",
+             "return valid_per_pass.repeat_interleave(device_batch_size) * examples_per_rank",
+             ("tests/rl/test_rl_objective.py::test_train_step_gradient_equals_hand_assembled_objective",),
+             "nanochat's pass denominator without its number of passes"),
+    Mutation("cispo-weight-differentiated", "nanochat/rl/objective.py",
+             "weight = torch.clamp(ratio, 1 - clip_low, 1 + clip_high).detach()",
+             "weight = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)",
+             ("tests/rl/test_rl_losses.py::test_later_epoch_equals_the_reference",),
+             "CISPO's clipped ratio differentiated (it must only weigh)"),
+    Mutation("sampler-logprobs-of-the-tempered-distribution", "nanochat/rl/rollout.py",
+             "sampler_logprobs=[c.logprobs for c in completions]",
+             "sampler_logprobs=[c.sampling_logprobs for c in completions]",
+             ("tests/rl/test_sampler_gap.py::test_rollouts_record_the_models_logprobs_not_the_tempered_samplers",),
+             "the gap measured against the top-k/temperature distribution, not the model's"),
+    Mutation("saved-rollout-successes-are-calls", "nanochat/rl/progress.py",
+             '"tool_successes": c.tool_successes}', '"tool_successes": c.tool_calls}',
+             ("tests/rl/test_saved_rollouts.py::test_each_field_comes_from_its_own_source",),
+             "--save-rollouts' tool_successes read from the calls"),
+    # ------------------------------------------------------------------ the optimizers and the schedule
+    Mutation("warmup-off-by-one", "nanochat/optim/optimizers.py",
+             "        return (step + 1) / warmup_steps\n", "        return step / warmup_steps\n",
+             ("tests/optim/test_optim.py::test_lr_schedules_against_their_formulas",),
+             "the warm-up's first step at lr 0"),
+    Mutation("cosine-ignores-final-frac", "nanochat/optim/optimizers.py",
+             "return final_lr_frac + (1 - final_lr_frac) * (1 + math.cos(math.pi * t)) / 2",
+             "return (1 + math.cos(math.pi * t)) / 2",
+             ("tests/optim/test_optim.py::test_lr_schedules_against_their_formulas",),
+             "the cosine schedule decays to 0 whatever --final-lr-frac"),
+    Mutation("init-lr-frac-not-recorded", "nanochat/optim/optimizers.py",
+             '            group["lr"] = group["lr"] * init_lr_frac\n            group["initial_lr"] = group["lr"]\n',
+             '            group["initial_lr"] = group["lr"]\n            group["lr"] = group["lr"] * init_lr_frac\n',
+             ("tests/optim/test_optim.py::test_scale_initial_lr_starts_every_group_at_the_fraction",),
+             "--init-lr-frac applied to the first step only: the schedule multiplies the full lr"),
+    Mutation("lrm-not-applied", "nanochat/optim/optimizers.py",
+             'group["lr"] = group["initial_lr"] * lrm', 'group["lr"] = group["initial_lr"]',
+             ("tests/optim/test_optim.py::test_guarded_step_sets_every_groups_lr_to_its_initial_lr_times_lrm",
+              "tests/rl/test_golden_trace.py::test_chat_rl_matches_the_golden_trace"),
+             "the schedule's multiplier never reaches the optimizers"),
+    Mutation("adamw-decay-without-lr", "nanochat/optim/adamw.py",
+             "p.mul_(1 - lr * weight_decay)", "p.mul_(1 - weight_decay)",
+             ("tests/optim/test_optim.py::test_recipe_takes_nanochats_steps",),
+             "AdamW's decoupled decay not scaled by the lr"),
+    Mutation("muon-shape-scale-inverted", "nanochat/optim/muon.py",
+             "return max(1.0, rows / cols) ** 0.5", "return max(1.0, cols / rows) ** 0.5",
+             ("tests/optim/test_optim.py::test_muon_matches_reference",),
+             "Muon's shape-scaled lr boosting wide matrices instead of tall ones"),
+    Mutation("loss-scale-grows-late", "nanochat/optim/loss_scale.py",
+             "if successful == self.growth_interval:", "if successful > self.growth_interval:",
+             ("tests/optim/test_fp16.py::test_the_scale_follows_grad_scalers_update_kernel",),
+             "the fp16 scale doubles one good step late"),
+    # ------------------------------------------------------------------ checkpoints
+    Mutation("keep-last-one-more", "nanochat/checkpoints/pruning.py",
+             "keep = [steps[-(keep_last - 1):] if keep_last > 1 else []]",
+             "keep = [steps[-keep_last:] if keep_last > 1 else []]",
+             ("tests/checkpoints/test_checkpoint.py::test_prune_keeps_the_last_steps_and_removes_only_this_ranks_files",),
+             "--keep-last=N keeps N + 1 steps"),
+    Mutation("shard-of-another-run-accepted", "nanochat/checkpoints/optimizer_shards.py",
+             'if run_id is not None and data.get("run_id") != run_id:',
+             'if run_id is None and data.get("run_id") != run_id:',
+             ("tests/checkpoints/test_checkpoint.py::test_a_shard_that_is_not_the_steps_is_named",),
+             "--resume loads another run's optimizer shard without a word"),
+    Mutation("host-copy-ignores-dtype", "nanochat/checkpoints/background.py",
+             "fits = old is not None and old.shape == value.shape and old.dtype == value.dtype",
+             "fits = old is not None and old.shape == value.shape",
+             ("tests/checkpoints/test_background_save.py::test_host_copy_keeps_each_tensors_dtype_when_a_buffer_has_another",),
+             "a reused host buffer of another dtype casts the saved tensor"),
+    # ------------------------------------------------------------------ the engine's rows
+    Mutation("row-cap-off-by-one", "nanochat/engine/rows.py",
+             "return self.out.ended or self.emitted >= self.max_tokens",
+             "return self.out.ended or self.emitted > self.max_tokens",
+             ("tests/engine/test_engine.py::test_shapes_masks_and_max_tokens",),
+             "a row runs one token past max_tokens"),
+    Mutation("failed-tool-call-counted-ok", "nanochat/engine/rows.py",
+             "        if text is not None:\n            self.out.tool_successes += 1\n",
+             "        self.out.tool_successes += 1\n        if text is not None:\n",
+             ("tests/engine/test_engine.py::test_failed_tool_call_forces_nothing",
+              "tests/engine/test_engine.py::test_row_runs_the_tool_state_machine"),
+             "a call the calculator refused counted as a success"),
+    Mutation("tool-call-state-kept", "nanochat/engine/rows.py",
+             "        self.python_tokens = None\n        if text is not None:", "        if text is not None:",
+             ("tests/engine/test_engine.py::test_a_row_leaves_its_tool_call_at_python_end",),
+             "a row stays in its tool call after <|python_end|>: later tokens join the expression"),
+    Mutation("forced-token-trained", "nanochat/engine/rows.py",
+             "token, mask = (self.forced.popleft(), 0) if self.forced else (sampled_token, 1)",
+             "token, mask = (self.forced.popleft(), 1) if self.forced else (sampled_token, 1)",
+             ("tests/engine/test_engine.py::test_tool_call_forces_calculator_output",),
+             "the calculator's forced output carries mask 1: the policy is trained on it"),
+    # ------------------------------------------------------------------ issue 61's
+    Mutation("geo-mask-sum-not-mean", "nanochat/rl/objective.py",
+             "            row_log_ratio = row_log_ratio / known_tokens.clamp(min=1)\n",
+             "            row_log_ratio = row_log_ratio\n",
+             ("tests/rl/test_rl_reference.py::test_the_geometric_mask_keeps_a_long_row_the_product_mask_drops_and_the_token_mask_drops_tokens",),
+             "the geometric mask compounds the gap like the product mask"),
+    Mutation("sequence-masks-one-side", "nanochat/rl/objective.py",
+             "        kept = (row_log_ratio.abs() <= band)[row_index]",
+             "        kept = (row_log_ratio <= band)[row_index]",
+             ("tests/rl/test_rl_reference.py::test_the_geometric_mask_keeps_a_long_row_the_product_mask_drops_and_the_token_mask_drops_tokens",),
+             "a row whose ratio is below 1/cap is kept"),
+    Mutation("token-mask-one-side", "nanochat/rl/objective.py",
+             "        kept = gap.abs() <= band",
+             "        kept = gap <= band",
+             ("tests/rl/test_rl_reference.py::test_the_geometric_mask_keeps_a_long_row_the_product_mask_drops_and_the_token_mask_drops_tokens",),
+             "a token whose ratio is below 1/cap is kept"),
+]
+
+
+def apply(mutation):
+    """Put the mutation into its file; returns the file's text before."""
+    path = REPO / mutation.file
+    text = path.read_text()
+    count = text.count(mutation.original)
+    if count != 1:
+        raise LookupError(f"{mutation.file}: the original snippet occurs {count} times (stale mutation?)")
+    path.write_text(text.replace(mutation.original, mutation.mutated))
+    return text
+
+
+def restore(mutation, before):
+    """The file as it was; where someone else changed it meanwhile, their version with the snippet put back."""
+    path = REPO / mutation.file
+    now = path.read_text()
+    if now == before.replace(mutation.original, mutation.mutated):
+        path.write_text(before)
+    elif now.count(mutation.mutated) == 1:
+        print(f"  note: {mutation.file} changed while mutated: restoring the snippet into the new version")
+        path.write_text(now.replace(mutation.mutated, mutation.original))
+    elif now != before:
+        raise RuntimeError(f"{mutation.file} changed while mutated and the mutant text is gone: check it by hand")
+
+
+def git(*args):
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+
+def commit_warning(mutation, head_before):
+    """A warning where a commit was made while the mutation was in place (someone else committing the working tree),
+    louder where that commit holds the mutated file: the mutant may be in it."""
+    head = git("rev-parse", "HEAD")
+    if head == head_before:
+        return None
+    if git("diff", "--name-only", head_before, head, "--", mutation.file):
+        return (f"WARNING: commit {head[:9]} was made while {mutation.file} was mutated and changes that file: the "
+                f"mutant may be committed (see `git diff HEAD -- {mutation.file}`)")
+    return f"note: commit {head[:9]} was made while {mutation.file} was mutated (it does not touch that file)"
+
+
+def run_tests(tests):
+    """(pytest's return code, its first failure line, seconds)."""
+    env = {**os.environ, "NANOCHAT_TEST_WORKERS": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+    start = time.time()
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *tests],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=TEST_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {TEST_TIMEOUT_S} s", time.time() - start
+    lines = done.stdout.splitlines()
+    first = next((line for line in lines if line.startswith("E ")), None) or next(
+        (line for line in lines if line.startswith(("FAILED", "ERROR"))), lines[-1] if lines else "")
+    return done.returncode, first.strip()[:160], time.time() - start
+
+
+def verdict(returncode, baseline):
+    if baseline:
+        return {0: "passes"}.get(returncode, "FAILS" if returncode == 1 else f"error ({returncode})")
+    return {0: "NOT CAUGHT", 1: "caught"}.get(returncode, f"error ({returncode})")
+
+
+def main(argv):
+    baseline = "--baseline" in argv
+    names = [a for a in argv if not a.startswith("--")]
+    unknown = set(names) - {m.name for m in MUTATIONS}
+    if unknown:
+        sys.exit(f"unknown mutation(s): {', '.join(sorted(unknown))}; see --list")
+    chosen = [m for m in MUTATIONS if not names or m.name in names]
+    if "--list" in argv:
+        for m in chosen:
+            print(f"{m.name:38} {m.file:38} {' '.join(m.tests)}")
+        return
+    rows = []
+    for m in chosen:
+        print(f"{m.name}: {m.why}", flush=True)
+        before, head = None, git("rev-parse", "HEAD")
+        try:
+            if not baseline:
+                before = apply(m)
+            returncode, first, seconds = run_tests(m.tests)
+        except LookupError as e:
+            returncode, first, seconds = -1, str(e), 0.0
+        finally:
+            if before is not None:
+                restore(m, before)
+                warning = commit_warning(m, head)
+                if warning:
+                    print("  " + warning, flush=True)
+        result = "stale" if returncode == -1 else verdict(returncode, baseline)
+        print(f"  {result} in {seconds:.0f} s: {first}", flush=True)
+        rows.append((m.name, result, first))
+    width = max(len(name) for name, _, _ in rows)
+    print("\n" + ("baseline (no mutation)" if baseline else "mutation") + " results:")
+    for name, result, first in rows:
+        print(f"{name:{width}}  {result:12}  {first}")
+    missed = [name for name, result, _ in rows if result not in (("passes",) if baseline else ("caught",))]
+    if missed:
+        print(f"\n{len(missed)} of {len(rows)} not as expected: {', '.join(missed)}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
