@@ -11,6 +11,7 @@ that takes the value (a SettingError, shown under the flag's name).
 import dataclasses
 from dataclasses import dataclass
 
+from nanochat.engine.calculator import CALCULATOR_FORMATS
 from nanochat.engine.cuda_graphs import DECODE_MODES
 from nanochat.engine.memory_budget import AUTO, FIXED_GB, FRACTION, parse_budget
 from nanochat.model.compile import COMPILE_MODES, SFT_CPU_MIN_STEPS
@@ -53,6 +54,10 @@ def decode_setting(auto_note=""):
 
 # the settings several scripts share, by name
 SHARED = dict(
+    # chat_eval's and chat_cli's; chat_rl's own (default str, nanochat's) is in nanochat/rl/config.py
+    calculator_format=Setting(None, "how the calculator's result is written: str (nanochat: str(), 10/2 gives 5.0) or "
+                                    "int (an integral float without its .0); default: the checkpoint's own (an RL "
+                                    "run's --calculator-format), else str", choices=CALCULATOR_FORMATS),
     run=Setting("dummy", "wandb run name ('dummy' disables wandb)"),
     device_type=Setting("", "cuda|cpu|mps (empty = autodetect)"),
     dtype=Setting(None, "auto|float32|bfloat16 compute dtype (autocast; chat_rl also float16, with dynamic loss "

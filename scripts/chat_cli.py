@@ -24,7 +24,7 @@ import os
 import sys
 from collections import namedtuple
 
-from nanochat.checkpoints.loading import load_model
+from nanochat.checkpoints.loading import load_model, recorded_calculator_format
 from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_flag, add_shared, run_main
 from nanochat.common import (UserError, autocast_context, compute_cleanup, compute_dtype, compute_init, get_dist_info,
                              requested_dtype)
@@ -55,7 +55,7 @@ def parse_args(argv):
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap in tokens")
     p.add_argument("--seed", type=int, default=42, help="sampling seed; the session's t-th answer uses seed + t")
     # runtime
-    add_shared(p, "device_type")
+    add_shared(p, "device_type", "calculator_format")
     p.add_argument("-d", "--dtype", type=str, default=None, help="float32|bfloat16; default: $NANOCHAT_DTYPE, else bfloat16")
     add_debug_flag(p)
     return p.parse_args(argv)
@@ -216,9 +216,9 @@ def main(argv):
     try:
         with contextlib.redirect_stdout(sys.stderr):  # loading notes go to stderr; stdout is the conversation
             autocast = autocast_context(device, compute_dtype(device, args.dtype))
-            model, tokenizer, _ = load_model(args.source, device, phase="eval", model_tag=args.model_tag,
-                                             step=args.step, generation=args.model_generation)
-        engine = Engine(model, tokenizer)
+            model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag,
+                                                step=args.step, generation=args.model_generation)
+        engine = Engine(model, tokenizer, calculator_format=args.calculator_format or recorded_calculator_format(meta))
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
         with autocast:
             if args.prompt:

@@ -16,7 +16,7 @@ import json
 import os
 import time
 
-from nanochat.checkpoints.loading import load_model
+from nanochat.checkpoints.loading import load_model, recorded_calculator_format
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
                           add_model_generation_flag, add_shared, run_main)
 from nanochat.common import (UserError, autocast_context, collective_device, compute_cleanup, compute_dtype,
@@ -50,7 +50,7 @@ def parse_args(argv):
     add_decode_flag(p)
     add_compile_flag(p)
     # runtime and output
-    add_shared(p, "device_type")
+    add_shared(p, "device_type", "calculator_format")
     p.add_argument("--dtype", type=str, default=None,
                    help="auto|float32|bfloat16; default: $NANOCHAT_DTYPE, else auto (bfloat16 where it is native)")
     p.add_argument("--output", type=str, default="", help="JSON output path (default: $NANOCHAT_BASE_DIR/report/chat_eval_<source>.json)")
@@ -97,7 +97,8 @@ def main(argv):
                                                                    rollout_dtype=dtype)
         print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
         engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
-                        decode=args.decode, compile=args.compile)
+                        decode=args.decode, compile=args.compile,
+                        calculator_format=args.calculator_format or recorded_calculator_format(meta))
         task = make_task(args.task, "test")
         num_examples = len(task) if args.num_examples == -1 else min(args.num_examples, len(task))
         common = dict(device=collective_device(device), seed=args.seed, max_new_tokens=args.max_new_tokens)

@@ -136,3 +136,10 @@ def load_model(source, device, phase, model_tag=None, step=None, generation=None
     checkpoint_dir, _, step = find_checkpoint(source, model_tag, step)
     print0(f"Loading model from {checkpoint_dir} with step {step}")
     return build_model(checkpoint_dir, step, device, phase, generation)
+
+
+def recorded_calculator_format(meta):
+    """How the run that wrote a checkpoint had the calculator write its results (an RL run's --calculator-format,
+    in its meta's user_config), so that evaluating or chatting with it forces the same text; "str" (nanochat's) for
+    any other checkpoint."""
+    return (meta.get("user_config") or {}).get("calculator_format") or "str"

@@ -16,7 +16,8 @@ import os
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS
 from nanochat.common import DTYPES, UserError, requested_dtype, require
 from nanochat.optim.optimizers import LR_SCHEDULES, check_optimizer_flags
-from nanochat.rl.objective import LOSS_CLIPS, LOSS_NORMS, LOSSES, ROLLOUT_CORRECTIONS
+from nanochat.engine.calculator import CALCULATOR_FORMATS
+from nanochat.rl.objective import LOSS_CLIPS, LOSS_NORMS, LOSSES, REJECTED_TOKENS, ROLLOUT_CORRECTIONS
 from nanochat.rl.plan import AUTO_TRAIN_ROWS, OTHER_AUTO_TRAIN_ROWS
 from nanochat.settings import SHARED, Setting, dataclass_of, decode_setting
 from tasks.registry import resolve_task_class
@@ -132,6 +133,14 @@ SETTINGS = dict(
     no_signal_steps=flag(LOGGING, 10, "warn when this many consecutive steps trained no row (every advantage 0: nothing "
                          "to learn from); 0 = never"),
     debug=shared("debug", LOGGING),
+    # issue 61's, recorded after the older ones (a checkpoint's user_config keeps its order)
+    calculator_format=flag(ROLLOUTS, "str", "how the calculator's result is written into the rollout: str (nanochat: "
+                           "str(), so 10/2 gives 5.0) or int (an integral float below 2**53 without its .0, as GSM8K's "
+                           "answers write numbers; nanochat PR #786); kept on --resume", choices=CALCULATOR_FORMATS),
+    rejected_tokens=flag(ALGORITHM, "counted", "with a masking --rollout-correction (sequence-mask, geo-mask, "
+                         "token-mask): counted (today's: a dropped token still counts in the denominators) or uncounted "
+                         "(slime's, verl's: dropped tokens leave them; a no-grad forward of the step's rows first)",
+                         choices=REJECTED_TOKENS),
 )
 
 
@@ -204,6 +213,13 @@ class RLConfig:
         require(not (self.loss == "gspo" and self.rollout_correction == "token-tis"),
                 "--loss=gspo weighs whole sequences and --rollout-correction=token-tis single tokens; use "
                 "--rollout-correction=sequence-mask (or none) with gspo")
+        require(not (self.loss == "gspo" and self.rollout_correction == "token-mask"),
+                "--loss=gspo weighs whole sequences and --rollout-correction=token-mask single tokens; use "
+                "--rollout-correction=sequence-mask or geo-mask (or none) with gspo")
+        require(self.rejected_tokens in REJECTED_TOKENS,
+                f"--rejected-tokens must be {' or '.join(REJECTED_TOKENS)}, got {self.rejected_tokens!r}")
+        require(self.calculator_format in CALCULATOR_FORMATS,
+                f"--calculator-format must be {' or '.join(CALCULATOR_FORMATS)}, got {self.calculator_format!r}")
         default_low, default_high = LOSS_CLIPS[self.loss]
         object.__setattr__(self, "clip_low", default_low if self.clip_low is None else self.clip_low)
         object.__setattr__(self, "clip_high", default_high if self.clip_high is None else self.clip_high)

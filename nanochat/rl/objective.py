@@ -76,6 +76,7 @@ def token_logprobs_and_entropy(logits, targets):
 LOSS_NORMS = ("pass", "token", "sequence", "constant")
 ROLLOUT_CORRECTIONS = ("none", "token-tis", "sequence-mask", "geo-mask", "token-mask")
 MASK_CORRECTIONS = ("sequence-mask", "geo-mask", "token-mask")  # those that drop tokens instead of weighing them
+REJECTED_TOKENS = ("counted", "uncounted")  # chat_rl's --rejected-tokens: PolicyLoss.rejected_in_denominator or not
 LOSSES = ("pg", "gspo", "cispo")
 # each loss's ratio clip (clip_low, clip_high) where --clip-low/--clip-high are not given: PPO's 0.2 (nanochat has no
 # clip: it takes one on-policy epoch); GSPO's sequence ratio is a per-token geometric mean, so its band is narrow (the

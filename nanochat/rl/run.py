@@ -30,7 +30,8 @@ from nanochat.rl.config import RLConfig
 from nanochat.rl.objective import PolicyLoss, step_counts
 from nanochat.rl.plan import (RunPlan, auto_compile_of, describe_engine, engine_decode, resolve_compute_plan,
                               resolve_keep_last, resolve_memory, train_rows)
-from nanochat.rl.policy_gradient import TrainStats, accumulate_policy_gradient, chunk_logprobs, compiled_chunk_forward
+from nanochat.rl.policy_gradient import (TrainStats, accumulate_policy_gradient, chunk_logprobs, compiled_chunk_forward,
+                                         without_rejected_tokens)
 from nanochat.rl.progress import RolloutLog, drop_rollouts_after
 from nanochat.rl.resume import NoStartCheckpointError, prepare_output_dir, restore_optimizers, start_new_run
 from nanochat.rl.rollout import (Sampling, StepRollouts, has_signal, longest_prompt, question_indices_at, question_seed,
@@ -143,7 +144,8 @@ def policy_loss_of(config):
     return PolicyLoss(loss=config.loss, loss_norm=config.loss_norm, max_new_tokens=config.max_new_tokens,
                       mask_truncated=config.mask_truncated, clip_low=config.clip_low, clip_high=config.clip_high,
                       kl_coef=config.kl_coef, rollout_correction=config.rollout_correction,
-                      correction_cap=config.rollout_correction_cap)
+                      correction_cap=config.rollout_correction_cap,
+                      rejected_in_denominator=config.rejected_tokens == "counted")
 
 
 def setup_run(config, resume, rank, world_size, device):
@@ -213,7 +215,7 @@ def make_engine(config, plan, model, tokenizer, decode, compiled, tasks):
     """The run's rollout engine in decode mode `decode`, its static step compiled or not, in the plan's memory budget;
     a static batch is sized for every prompt of `tasks` (one batch for the run, its graphs captured once)."""
     engine = Engine(model, tokenizer, max_rows=config.max_rows or None, memory_budget_gb=plan.memory_budget_gb,
-                    decode=decode, compile=compiled)
+                    decode=decode, compile=compiled, calculator_format=config.calculator_format)
     if engine.decode != "eager":
         engine.reserve_prompt_length(longest_prompt(tokenizer, *tasks))
     return engine
@@ -348,7 +350,8 @@ def train_on_rollouts(run, rollouts, step):
     """--ppo-epochs optimizer steps on these rollouts (nanochat: 1). The first epoch is on-policy and records
     the sampled tokens' log-probabilities; later epochs clip the ratio to them. A non-finite epoch ends the step."""
     cfg = run.config
-    batches = [r.batch for r in rollouts]
+    batches, _ = without_rejected_tokens(run.model, [r.batch for r in rollouts], run.policy_loss, run.micro_rows,
+                                         run.device, run.autocast(), run.lean, run.forward)  # --rejected-tokens
     lrm = lr_multiplier(step, run.num_steps, cfg.lr_schedule, cfg.warmup_steps, cfg.final_lr_frac)
     counts = step_counts(batches, cfg.mask_truncated, run.reduce_device) if cfg.loss_norm != "pass" else None
     run.model.train()

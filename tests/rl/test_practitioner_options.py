@@ -1,0 +1,69 @@
+"""Issue 61's chat_rl options, from the flag to what they change: --calculator-format (recorded in the checkpoint,
+kept on --resume, followed by chat_eval and chat_cli unless they are told otherwise), --rejected-tokens (the peers'
+denominator rule reaches the objective), --rollout-correction=geo-mask|token-mask (token-mask refused with gspo,
+as token-tis is). The formulas themselves are checked against the fp64 reference (tests/rl/test_rl_reference.py)
+and the number format on the engine (tests/engine/test_engine.py)."""
+
+import json
+
+import pytest
+from helpers import TINY_RL_FLAGS
+
+from nanochat.checkpoints.loading import recorded_calculator_format
+from nanochat.common import UserError
+from nanochat.engine import engine as engine_module
+from nanochat.rl.config import RLConfig
+from nanochat.rl.run import policy_loss_of
+from scripts import chat_eval, chat_rl
+
+
+def test_the_defaults_are_todays_and_bad_values_are_one_line():
+    config = RLConfig()
+    assert (config.calculator_format, config.rejected_tokens) == ("str", "counted")
+    assert policy_loss_of(config).rejected_in_denominator is True
+    peers = RLConfig(rollout_correction="token-mask", rejected_tokens="uncounted")
+    assert policy_loss_of(peers).rejected_in_denominator is False and policy_loss_of(peers).rollout_correction == "token-mask"
+    with pytest.raises(UserError, match="^--calculator-format must be str or int, got 'float'$"):
+        RLConfig(calculator_format="float")
+    with pytest.raises(UserError, match="^--rejected-tokens must be counted or uncounted, got 'maybe'$"):
+        RLConfig(rejected_tokens="maybe")
+    with pytest.raises(UserError, match="--loss=gspo weighs whole sequences and --rollout-correction=token-mask single "
+                                        "tokens; use --rollout-correction=sequence-mask or geo-mask"):
+        RLConfig(loss="gspo", ppo_epochs=2, rollout_correction="token-mask")
+    RLConfig(loss="gspo", ppo_epochs=2, rollout_correction="geo-mask")  # a sequence-level mask is sound with gspo
+
+
+def engines_made(monkeypatch):
+    """The calculator_format of every Engine made from now on."""
+    made = []
+    real = engine_module.Engine.__init__
+
+    def recording(self, *args, **kwargs):
+        made.append(kwargs.get("calculator_format", "str"))
+        real(self, *args, **kwargs)
+    monkeypatch.setattr(engine_module.Engine, "__init__", recording)
+    return made
+
+
+def test_the_calculator_format_is_recorded_resumed_and_followed_by_chat_eval(sft, base_dir, monkeypatch):
+    """A run with --calculator-format=int (and the peers' rule under token-mask) writes it into its checkpoint, its
+    rollouts' engine writes ints; --resume keeps it without the flag; chat_eval on the RL checkpoint follows it, and
+    its own flag wins."""
+    made = engines_made(monkeypatch)
+    flags = TINY_RL_FLAGS + ["--save-every=1", "--rollout-correction=token-mask", "--rejected-tokens=uncounted"]
+    chat_rl.main(flags + ["--num-steps=3", "--calculator-format=int"])
+    run_dir = base_dir / "chatrl_checkpoints" / "d2"
+    meta = json.loads((run_dir / "meta_000002.json").read_text())
+    assert meta["user_config"]["calculator_format"] == "int" and meta["user_config"]["rejected_tokens"] == "uncounted"
+    assert recorded_calculator_format(meta) == "int" and recorded_calculator_format({}) == "str"
+    assert made and set(made) == {"int"}
+    for f in run_dir.glob("*_000002*"):
+        f.unlink()  # resume from the step before, without the flag
+    made.clear()
+    chat_rl.main(flags + ["--num-steps=3", "--resume"])
+    assert set(made) == {"int"}
+    for extra, expected in (([], "int"), (["--calculator-format=str"], "str")):
+        made.clear()
+        chat_eval.main(["--source=rl", "--task=rl_toy_task:ParityTask", "--num-examples=2", "--num-samples=2",
+                        "--max-new-tokens=4", "--device-type=cpu", "--dtype=float32", "--compile=off", *extra])
+        assert made == [expected]
