@@ -8,27 +8,28 @@
 #
 # checks (the default), one call of at most 8 minutes in nine parts, each under a timeout, each adding one JSON line
 # to OUT_DIR/parts.jsonl as it ends (part, exit, seconds, limit, log), and remaking OUT_DIR/results.tgz (every file,
-# since a device call brings back 8 at most), so that a call stopped at its limit keeps what finished:
+# since a device call brings back 8 at most), so that a call stopped at its limit keeps what finished; in the order
+# of what they decide, the measurements first:
 # 1. setup (below);
-# 2. the CUDA tests (`-m cuda`: NCCL under torchrun, bf16 vs fp32 step, a real out-of-memory, chat_sft and chat_eval
-#    on CUDA, checkpoints across devices, CUDA-graph replay equal to the static step it captures; their runs of the
-#    scripts pass --compile=off), but test_compile.py's (the compiled stage runs them);
-# 3. the d20 bench (nanochat's January-2026 d20 shapes, random weights, GSM8K prompts, 16 questions x 16 samples x
+# 2. the d20 bench (nanochat's January-2026 d20 shapes, random weights, GSM8K prompts, 16 questions x 16 samples x
 #    256 tokens, rows to the cap, advantages forced to +-1 so the whole batch trains), the graph decode step, 3
 #    consecutive steps: chat_rl's own step (bench_d20.json, written after each config);
-# 3b. the step of part 3 profiled (torch.profiler, after one step unprofiled): per phase, rollout and training, the
-#    GPU's busy time (the union of its kernels and copies) against the gaps in which it waited on the host, and the ops
-#    with the most GPU time (profile_d20.json's profile_split, profile_d20.log);
-# 4. the epoch estimate: scripts/bench_epoch.py times a d20 save both ways (written whole, and in the background)
-#    and prints `d20 epoch on this GPU ≈ N min` from part 3's step, its rollout rate for the evals and the save
+# 3. the epoch estimate: scripts/bench_epoch.py times a d20 save both ways (written whole, and in the background)
+#    and prints `d20 epoch on this GPU ≈ N min` from part 2's step, its rollout rate for the evals and the save
 #    (epoch_d20.json);
-# 5. the bench of part 3 with the host feeding the rows in step with the device (nolag_d20.json), against part 3's
-#    host one step behind (the engine's lag, its default on CUDA): decode ms, tokens_digest equal to part 3's;
-# 6. the same bench with --compile=blocks (blocks_d20.json): each block compiled around its attention, once for
+# 4. the same bench with --compile=blocks (blocks_d20.json): each block compiled around its attention, once for
 #    every layer, in rollouts (captured in the engine's graphs) and training: compile seconds, decode ms, train s;
-# 7. the bench of part 3 with 16 trained rows a forward (train_rows_d20.json), against CUDA's auto 64;
-# 8. with the time left, the same bench with the static step compiled whole and captured (compiled_d20.json): compile
-#    seconds, decode ms per step, the compiled training pass (tokens_digest in both JSONs, to compare with part 3's).
+# 5. the step of part 2 profiled (torch.profiler, after one step unprofiled): per phase, rollout and training, the
+#    GPU's busy time (the union of its kernels and copies) against the gaps in which it waited on the host, and the
+#    kernels with the most GPU time (profile_d20.json's profile_split, profile_d20.log);
+# 6. the CUDA tests (`-m cuda`: NCCL under torchrun, bf16 vs fp32 step, a real out-of-memory, chat_sft and chat_eval
+#    on CUDA, checkpoints across devices, CUDA-graph replay equal to the static step it captures; their runs of the
+#    scripts pass --compile=off), but test_compile.py's (the compiled stage runs them);
+# 7. the bench of part 2 with 16 trained rows a forward (train_rows_d20.json), against CUDA's auto 64;
+# 8. the bench of part 2 with the host feeding the rows in step with the device (nolag_d20.json), against part 2's
+#    host one step behind (the engine's lag, its default on CUDA): decode ms, tokens_digest equal to part 2's;
+# 9. with the time left, the same bench with the static step compiled whole and captured (compiled_d20.json): compile
+#    seconds, decode ms per step, the compiled training pass (tokens_digest in both JSONs, to compare with part 2's).
 # compiled: --compile=on on CUDA (auto compiles nothing there until this stage measures that it pays): the compiled
 #    static step replayed from CUDA graphs against itself run without them (tests/model/test_compile.py's cuda test), then
 #    the same d20 bench with the static step compiled by Inductor and captured in the engine's graphs, beside the
@@ -193,33 +194,37 @@ env)
     return 0
     ;;
 checks)
-    # the compiled step's GPU tests compile with Inductor (~40 s a dtype on an H200): the compiled stage runs them
-    step "cuda tests" 200 "$out/cuda_tests.log" "$python" -m pytest -q -p no:cacheprovider -rs --durations=10 -m cuda \
-        --ignore=tests/model/test_compile.py tests
-    tests_rc=$?
+    # the parts in the order of what they decide, the measurements first (on the fourth GPU run, an H200, the CUDA
+    # tests first took 140 s and the parts after the epoch estimate found no time left): the d20 step, the epoch it
+    # makes, --compile=blocks (never yet timed on a GPU), where the step's time goes, the CUDA tests (not test_compile's:
+    # the compiled stage runs those), then what is already decided (16 rows a forward, no lag) and the compiled step
     step "d20 bench" 150 "$out/bench_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph \
         --early-stop-mean=0 --no-signal-fractions= --repeat=3 --force-advantages --output="$out/bench_d20.json"
     bench_rc=$?
-    # where part 3's step goes: the GPU busy (kernels and copies) against its waits on the host (launch gaps), per phase
-    step "d20 profile" 100 "$out/profile_d20.log" \
-        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --profile=batched_bf16_graph \
-        --early-stop-mean=0 --no-signal-fractions= --repeat=1 --force-advantages --output="$out/profile_d20.json"
     step "epoch estimate" 60 "$out/epoch_d20.log" \
         "$python" -m scripts.bench_epoch --bench="$out/bench_d20.json" --device-type=cuda --output="$out/epoch_d20.json"
-    # the host in step with the device (issue 49's lag off): what lagging gains
-    step "d20 no lag" 60 "$out/nolag_d20.log" \
-        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_nolag \
-        --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/nolag_d20.json"
     # --compile=blocks (each block compiled around its attention, one compile for every layer; issue 48): whether
     # it pays on a GPU, and its compile seconds
     step "d20 blocks" 180 "$out/blocks_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_blocks \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/blocks_d20.json"
+    # where part 3's step goes: the GPU busy (kernels and copies) against its waits on the host (launch gaps), per phase
+    step "d20 profile" 100 "$out/profile_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --profile=batched_bf16_graph \
+        --early-stop-mean=0 --no-signal-fractions= --repeat=1 --force-advantages --output="$out/profile_d20.json"
+    step "cuda tests" 200 "$out/cuda_tests.log" "$python" -m pytest -q -p no:cacheprovider -rs --durations=10 -m cuda \
+        --ignore=tests/model/test_compile.py tests
+    tests_rc=$?
     # 16 trained rows a forward (the CPU's auto) against CUDA's auto 64 (part 3; an H200: 2.49 s against 1.36 s)
     step "d20 16 train rows" 75 "$out/train_rows_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --train-rows=16 \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/train_rows_d20.json"
+    # the host in step with the device (issue 49's lag off): what lagging gains (an H200: 7.24 ms a decode step
+    # against 6.28-6.40 with the lag)
+    step "d20 no lag" 60 "$out/nolag_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_nolag \
+        --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/nolag_d20.json"
     # last, with what is left: on an H200 the whole d20 step's first graph took 53 s to compile
     step "d20 compiled" 300 "$out/compiled_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_compiled \
