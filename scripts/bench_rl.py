@@ -1,6 +1,6 @@
 """
 Benchmark of one chat_rl step, several ways, in one process, on the same model and questions (docs/performance.md):
-chat_rl's step (nanochat.rl.run: sample_rollouts, then train_on_rollouts) on an RLRun of chat_rl's flags (all but the
+chat_rl's step (nanochat.rl.run: RLRun.step, its rollouts then train_on_rollouts) on an RLRun of chat_rl's flags (all but the
 benchmark's own). --configs: baseline (nanochat's rollouts, a generate_batch call per device_batch_size rows, and
 training: every row, with its prompt; fp32), batched_plain (chat_rl's rollouts, nanochat's training), batched_fp32 /
 batched_bf16 (chat_rl's step), *_static / *_graph (the static decode step, eagerly / from CUDA graphs: tokens checked
@@ -39,9 +39,9 @@ from nanochat.report import text_table
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.config import RLConfig
 from nanochat.rl.plan import RunPlan, resolve_memory, train_rows
-from nanochat.rl.policy_gradient import accumulate_policy_gradient, compiled_chunk_forward
-from nanochat.rl.rollout import QuestionRollout, longest_prompt, step_question_indices
-from nanochat.rl.run import RLRun, make_optimizers, policy_loss_of, sample_rollouts, train_on_rollouts
+from nanochat.rl.policy_gradient import accumulate_policy_gradient
+from nanochat.rl.rollout import QuestionRollout, StepRollouts, longest_prompt, step_question_indices
+from nanochat.rl.run import build_run, make_optimizers, sample_rollouts
 from nanochat.tokenizer import Tokenizer
 from tasks.gsm8k import GSM8K
 from tasks.registry import make_task
@@ -224,46 +224,46 @@ def engine_work(model, calls, max_tokens):
 
 
 def bench_run(model, rollout_model, tokenizer, task, config, rl, device, optimize=True):
-    """An RLRun of rl in the config's dtype and decode mode, with fresh optimizers (optimize=False: none) and an engine."""
+    """chat_rl's RLRun (build_run) of rl in the config's dtype and decode mode, fresh optimizers (optimize=False: none)."""
     rl = dataclasses.replace(rl, dtype=dtype_name(config.dtype), rollout_dtype=dtype_name(config.dtype), decode=config.decode)
     engine = Engine(rollout_model, tokenizer, max_rows=(rl.max_rows or None) if config.batched else None,
                     memory_budget_gb=rl.memory_budget_gb, share_prompts=config.lean, decode=config.decode,
                     compile="on" if config.compiled else "off", lag=config.lag)
     if engine.decode != "eager":  # as chat_rl's: one static batch, sized for the task's longest prompt
         engine.reserve_prompt_length(longest_prompt(tokenizer, task))
-    return RLRun(config=rl, model=model, engine=engine, optimizers=make_optimizers(rl, model) if optimize else [],
-                 policy_loss=policy_loss_of(rl), reference=copy.deepcopy(model).requires_grad_(False) if rl.kl_coef else None,
-                 train_task=task, val_task=None, num_steps=BENCH_STEP + 1, start_step=BENCH_STEP, start_checkpoint=None,
-                 checkpoint_dir=None, rank=0, world_size=1, device=device, run_id=None, segments=[], history=[],
-                 eval_history=[], micro_rows=train_rows(rl, device.type) if config.batched else rl.device_batch_size, lean=config.lean,
-                 forward=compiled_chunk_forward(config.compiled, required=True), plan=RunPlan.as_given(rl))
+    return build_run(rl, RunPlan.as_given(rl), model, tokenizer, engine, make_optimizers(rl, model) if optimize else [],
+                     (task, None), device, steps=(BENCH_STEP, BENCH_STEP + 1), lean=config.lean, compiled=config.compiled,
+                     rows=train_rows(rl, device.type) if config.batched else rl.device_batch_size, required=True,
+                     reference=copy.deepcopy(model).requires_grad_(False) if rl.kl_coef else None)
 
 
 def bench_step(run, config, force_advantages):
-    """One chat_rl step, timed: the rollouts, then train_on_rollouts (its optimizer steps timed apart, by hooks)."""
-    optimizer_seconds = []
+    """One chat_rl step (RLRun.step), timed on the device: the rollouts (chat_rl's, or nanochat's: step_rollouts),
+    then train_on_rollouts (its optimizer steps timed apart, by hooks)."""
+    optimizer_seconds, calls, digest = [], [], []
     hooks = [hook for opt in run.optimizers for hook in (
         opt.register_step_pre_hook(lambda *_: optimizer_seconds.append(-device_time(run.device))),
         opt.register_step_post_hook(lambda *_: optimizer_seconds.append(device_time(run.device))))]
-    t0 = device_time(run.device)
-    with torch.profiler.record_function("rollout"):  # each phase ends once the device is done (--profile's split)
-        rollouts, calls = step_rollouts(run, config)
-        t1 = device_time(run.device)
-    digest = hashlib.sha1(repr([r.batch.inputs.tolist() for r in rollouts]).encode()).hexdigest()[:16]
-    if force_advantages:
-        rollouts = [dataclasses.replace(r, batch=dataclasses.replace(r.batch, advantages=(
-            1 - 2 * (torch.arange(len(r.batch.advantages)) % 2)).to(r.batch.advantages))) for r in rollouts]
-    with torch.profiler.record_function("training"):
-        trained = train_on_rollouts(run, rollouts, BENCH_STEP).first
-        t2 = device_time(run.device)
+
+    def sample(run, step, position):  # every repeat the step's questions, as chat_rl's step BENCH_STEP
+        rollouts, step_calls = step_rollouts(run, config)
+        calls.extend(step_calls)
+        return StepRollouts(rollouts, rollouts, position)
+
+    def before_training(rollouts):
+        digest.append(hashlib.sha1(repr([r.batch.inputs.tolist() for r in rollouts]).encode()).hexdigest()[:16])
+        return [dataclasses.replace(r, batch=dataclasses.replace(r.batch, advantages=(
+            1 - 2 * (torch.arange(len(r.batch.advantages)) % 2)).to(r.batch.advantages))) for r in rollouts] \
+            if force_advantages else rollouts
+    outcome = run.step(BENCH_STEP, clock=lambda: device_time(run.device), sample=sample, before_training=before_training)
     any(hook.remove() for hook in hooks)
-    compiles, compile_seconds = run.compile_clock.lap()
-    optimizer_s = sum(optimizer_seconds)
-    return {**engine_work(run.model, calls, run.config.max_new_tokens), "tokens_digest": digest, "compiles": compiles,
-            "compile_seconds": compile_seconds, "rollout_seconds": t1 - t0, "train_seconds": t2 - t1 - optimizer_s,
-            "optimizer_seconds": optimizer_s, "step_seconds": t2 - t0, "captures": run.engine.last_stats.captures,
+    (compiles, compile_seconds), optimizer_s, trained = run.compile_clock.lap(), sum(optimizer_seconds), outcome.result.first
+    return {**engine_work(run.model, calls, run.config.max_new_tokens), "tokens_digest": digest[0], "compiles": compiles,
+            "compile_seconds": compile_seconds, "rollout_seconds": outcome.t_rollout,
+            "train_seconds": outcome.t_train - optimizer_s, "optimizer_seconds": optimizer_s,
+            "step_seconds": outcome.t_rollout + outcome.t_train, "captures": run.engine.last_stats.captures,
             "rows": trained.rows_total, "rows_trained": trained.rows_trained,
-            "rows_skipped": trained.rows_total - trained.rows_trained, "batches": [r.batch for r in rollouts],
+            "rows_skipped": trained.rows_total - trained.rows_trained, "batches": [r.batch for r in outcome.trained],
             **{key: getattr(trained, key) for key in ("sampler_tokens", "sampler_gap_mean", "sampler_gap_max", "sampler_k3")}}
 
 

@@ -26,7 +26,6 @@ import signal
 import sys
 import time
 
-from nanochat.checkpoints.store import update_meta
 from nanochat.cli import parse_rl_args, run_main
 from nanochat.common import GracefulStop, compute_cleanup, compute_init, get_dist_info, print0, wait_for_all_ranks
 from nanochat.engine.cuda_graphs import check_decode_flag
@@ -34,11 +33,9 @@ from nanochat.report import get_report, log_chat_rl
 from nanochat.rl.config import RLConfig
 from nanochat.rl.evaluation import evaluate_pass_at_k
 from nanochat.rl.metrics import reduce_metrics
-from nanochat.rl.progress import (count_no_signal_step, format_step_line, is_eval_step, is_save_step,
-                                  no_signal_settings, sample_table, step_record)
+from nanochat.rl.progress import is_eval_step, is_save_step, no_signal_settings, report_step, sample_table
 from nanochat.rl.resume import restore_settings
-from nanochat.rl.run import (auto_compile_step, count_bad_step, meta_data, sample_rollouts, save, saves_settled_on_error,
-                             settle_save, setup_run, train_on_rollouts)
+from nanochat.rl.run import auto_compile_step, meta_data, setup_run
 from nanochat.wandb_utils import init_wandb, log_samples_table
 
 
@@ -56,10 +53,9 @@ def evaluate(run, step):
     # the most of any rank (rank 0's eval time includes waiting for the others' compiles), as a step's
     compiled = reduce_metrics({"compiles": graphs, "compile_s": compile_s}, run.reduce_device)
     graphs, compile_s = int(compiled["compiles"]), float(compiled["compile_s"])
-    run.eval_seconds.append(max(t_eval - compile_s, 0.0))
     print0(f"Step {step} | " + ", ".join(f"Pass@{k + 1}: {v:.4f}" for k, v in enumerate(passk.any)) + f" | eval {t_eval:.1f}s"
            + (f" | compiled {graphs} graphs in {compile_s:.1f}s" if graphs else ""))
-    run.eval_history.append((step, passk.as_dict()))
+    run.progress.record_eval(step, passk.as_dict(), max(t_eval - compile_s, 0.0))
     return {"step": step, **passk.as_dict(), "time/eval": t_eval, "eval_compiles": graphs, "eval_compile_s": compile_s}
 
 
@@ -82,71 +78,61 @@ def main(argv):
 
 
 def train(run, stop):
-    """nanochat's loop: eval, rollouts, policy gradient and optimizer step, log, checkpoint; then the report.
-    A checkpoint is written by a thread while the next step's rollouts run, and committed before that step's
-    first collective (nanochat/checkpoints/background.py); alone, once written (settle_save)."""
-    cfg, num_steps = run.config, run.num_steps
+    """nanochat's loop: eval, rollouts, policy gradient and optimizer step (RLRun.step), log, checkpoint; then the
+    final eval and the report. A checkpoint is written by a thread while the next step's rollouts run, and committed
+    before that step's first collective (nanochat/checkpoints/checkpointer.py); alone, once written."""
+    cfg, num_steps, saves = run.config, run.num_steps, run.checkpointer
     wandb_run = init_wandb(cfg.run, "nanochat-rl", run.user_config)
     for line in no_signal_settings(cfg):
         print0(line)
     run_start = time.time()
-    with saves_settled_on_error(run):
-        for step in range(run.start_step, num_steps + 1):
-            last_step = step == num_steps
-            # ---- eval: pass@k on the test split (also after the last update)
+    with saves.on_error():
+        for step in range(run.start_step, num_steps):
+            # ---- eval: pass@k on the test split
             if is_eval_step(step, num_steps, cfg.eval_every):
-                run.saver.finish()  # the last checkpoint in place first: the eval's collectives, its meta's update
+                saves.finish()  # the last checkpoint in place first: the eval's collectives
                 wandb_run.log(evaluate(run, step))
-                if last_step and run.last_saved == step - 1 and run.master:  # the final eval is of the last saved model
-                    update_meta(run.checkpoint_dir, step - 1, meta_data(run, step - 1))
-            if last_step:
-                break
 
-            # ---- rollouts: sample and reward this rank's questions (the last checkpoint is written meanwhile)
-            t0 = time.time()
-            sampled = sample_rollouts(run, step, run.data_position)
-            rollouts, run.data_position = sampled.trained, sampled.next_position
-            t_rollout = time.time() - t0
-
-            # ---- policy gradient and optimizer step
-            settle_save(run)  # the last checkpoint committed on every rank before the step's first collective
-            t0 = time.time()
-            result = train_on_rollouts(run, rollouts, step)
-            count_bad_step(run, step, result)
-            t_train = time.time() - t0
+            # ---- rollouts, policy gradient and optimizer step (the last checkpoint is written meanwhile)
+            outcome = run.step(step)
 
             # ---- log
-            record = step_record(run, step, sampled.drawn, result, t_rollout, t_train, trained=rollouts)
-            run.step_seconds.append(max(t_rollout + t_train - record["compile_s"], 0.0))  # the ETA: compiling is one-off
-            print0(format_step_line(run, record, time.time() - run_start))
-            count_no_signal_step(run, record)
-            auto_compile_step(run, step, t_rollout, t_train)  # --compile=auto: compile a part from here where it pays
-            run.history.append(record)
+            record = report_step(run, step, outcome, run_start)
+            auto_compile_step(run, step, outcome.t_rollout, outcome.t_train)  # --compile=auto: compile a part where it pays
             wandb_run.log(record)
             if cfg.eval_every > 0 and step % cfg.eval_every == 0:  # a few completions to read, from rank 0's first question
-                log_samples_table(wandb_run, sample_table(run, rollouts[0]), step=step)
-            if run.rollout_log:
-                run.rollout_log.append(step, sampled.drawn)
+                log_samples_table(wandb_run, sample_table(run, outcome.trained[0]), step=step)
 
             # ---- checkpoint (model on rank 0; optimizer shards on every rank, for resume)
             stopping = stop.requested(run.reduce_device)
             if is_save_step(step, num_steps, cfg.save_every) or stopping:
-                save(run, step)
+                saves.save(step)
             if stopping:
-                run.saver.finish()
-                wandb_run.finish()
-                print0(f"Stopped after step {step} on request. Resume with: python -m scripts.chat_rl "
-                       f"--resume={run.plan.output_tag}:{step}")
-                sys.exit(128 + (stop.signum or signal.SIGTERM))
-        run.saver.finish()  # the last step's checkpoint, when no final eval committed it
+                stop_now(run, stop, wandb_run, step)
+
+        # ---- the final eval, after the last update: of the last saved model, whose meta records it
+        if run.start_step <= num_steps and is_eval_step(num_steps, num_steps, cfg.eval_every):
+            saves.finish()
+            wandb_run.log(evaluate(run, num_steps))
+            saves.refresh_meta(num_steps - 1, meta_data(run, num_steps - 1))
+        saves.finish()  # the last step's checkpoint, when no final eval committed it
 
     report = get_report()
-    log_chat_rl(report, run.user_config, run.history, run.eval_history)
+    log_chat_rl(report, run.user_config, run.progress.history, run.progress.eval_history)
     path = report.write_report(run.device)
     if path:
         print0(f"Report: {path}")
     wandb_run.finish()
     wait_for_all_ranks()
+
+
+def stop_now(run, stop, wandb_run, step):
+    """A stop on request (a signal, on any rank) after `step`, whose checkpoint is committed: how to resume."""
+    run.checkpointer.finish()
+    wandb_run.finish()
+    print0(f"Stopped after step {step} on request. Resume with: python -m scripts.chat_rl "
+           f"--resume={run.plan.output_tag}:{step}")
+    sys.exit(128 + (stop.signum or signal.SIGTERM))
 
 
 if __name__ == "__main__":

@@ -344,6 +344,38 @@ def sft_meta(model, args, step, val_loss, stop, compiled):
     return meta
 
 
+def compiled_parts(args, model, tokenizer, band, device, num_steps):
+    """How the run computes, per --compile (which records what runs): the training forward, compiled or not, and the
+    engine of every stop check (None without a band), whose static batch, and on CUDA its captured decode graphs,
+    serve them all; they stay allocated while training runs (the checks' rows x (prompt + --stop-check-max-tokens)
+    of KV cache, and under bf16 a copy of the matmul weights: d20 ~1.7 GB + 0.95 GB)."""
+    decode = decode_mode("auto", device) if band is not None else None  # only the checks sample
+    compiling, args.compile = resolve_compile_flag(args.compile, device, decode, num_steps,
+                                                   cpu_min_steps=SFT_CPU_MIN_STEPS)
+    compile_models(compiling, model)
+    forward = maybe_compiled(summed_cross_entropy, compiling.train, dynamic=True, required=args.compile == "on")
+    return forward, Engine(model, tokenizer, decode=decode, compile=args.compile) if band is not None else None
+
+
+def save_final_model(checkpoint_dir, model, step, meta, note):
+    """The run's model (rank 0) as step `step` of checkpoint_dir; said, with `note`."""
+    save_checkpoint(checkpoint_dir, step, model.state_dict(), None, meta)
+    print0(f"Saved checkpoint to {checkpoint_dir} (model_{step:06d}.pt{note})")
+
+
+def log_step(step, num_steps, loss, gnorm, lrm, dt, updated, compile_clock, wandb_run):
+    """The line and wandb record of the update that makes `step` (dt in ms), or the line of one skipped."""
+    if not updated:
+        print0(f"step {step}/{num_steps} | non-finite loss or gradient (loss {loss:.4f}, grad norm {gnorm:.4f}), "
+               f"or no trained-on tokens; update skipped")
+        return
+    compiles, compile_seconds = compile_clock.lap()  # since the last step line: a check's decode graphs included
+    print0(f"step {step}/{num_steps} | loss {loss:.4f} | lrm {lrm:.3f} | dt {dt:.0f}ms | grad norm {gnorm:.3f}"
+           + (f" | compiled {compiles} graphs in {compile_seconds:.1f}s" if compiles else ""))
+    wandb_run.log({"step": step, "loss": loss, "lrm": lrm, "grad_norm": gnorm, "dt_ms": dt, "compiles": compiles,
+                   "compile_s": compile_seconds})
+
+
 def run(args, task_names, rank, world_size, device):
     master = rank == 0
     args.dtype = dtype_name(compute_dtype(device, args.dtype))  # the config records what runs
@@ -365,15 +397,7 @@ def run(args, task_names, rank, world_size, device):
 
     optimizers = setup_optimizers(model, args)
     band = PassBand(*parse_band(args.stop_at_pass1)) if held_out is not None else None
-    decode = decode_mode("auto", device) if band is not None else None  # only the checks sample
-    compiling, args.compile = resolve_compile_flag(args.compile, device, decode, num_steps,
-                                                   cpu_min_steps=SFT_CPU_MIN_STEPS)
-    compile_models(compiling, model)
-    forward = maybe_compiled(summed_cross_entropy, compiling.train, dynamic=True, required=args.compile == "on")
-    # one engine for every check: its static batch, and on CUDA its captured decode graphs, serve them all; they
-    # stay allocated while training runs (the checks' rows x (prompt + --stop-check-max-tokens) of KV cache, and
-    # under bf16 a copy of the matmul weights: d20 ~1.7 GB + 0.95 GB)
-    check_engine = Engine(model, tokenizer, decode=decode, compile=args.compile) if band is not None else None
+    forward, check_engine = compiled_parts(args, model, tokenizer, band, device, num_steps)
     compile_clock = CompileClock()
     val_loss, missed = None, None
     for step in range(num_steps + 1):  # `step` updates done so far
@@ -399,25 +423,14 @@ def run(args, task_names, rank, world_size, device):
         loss, gnorm, updated = train_step(model, optimizers, micro_batches, lrm, device, reduce_device, autocast, forward)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dt = (time.time() - t0) * 1000
-        if not updated:
-            print0(f"step {step + 1}/{num_steps} | non-finite loss or gradient (loss {loss:.4f}, grad norm {gnorm:.4f}), "
-                   f"or no trained-on tokens; update skipped")
-            continue
-        compiles, compile_seconds = compile_clock.lap()  # since the last step line: a check's decode graphs included
-        print0(f"step {step + 1}/{num_steps} | loss {loss:.4f} | lrm {lrm:.3f} | dt {dt:.0f}ms | grad norm {gnorm:.3f}"
-               + (f" | compiled {compiles} graphs in {compile_seconds:.1f}s" if compiles else ""))
-        wandb_run.log({"step": step + 1, "loss": loss, "lrm": lrm, "grad_norm": gnorm, "dt_ms": dt, "compiles": compiles,
-                       "compile_s": compile_seconds})
+        log_step(step + 1, num_steps, loss, gnorm, lrm, (time.time() - t0) * 1000, updated, compile_clock, wandb_run)
 
     # A run that missed the band still saves its model (nothing is lost: it is a finished, valid checkpoint, and its
     # meta's stop.in_band says it missed), then fails with the error, so that a pipeline does not go on with it.
     if master:
         stop = None if band is None else stop_record(band, held_out, args, task_names[0])
-        save_checkpoint(checkpoint_dir, step, model.state_dict(), None,
-                        sft_meta(model, args, step, val_loss, stop, compile_clock.total()))
-        note = "" if missed is None else f", outside the band {band.describe()}"
-        print0(f"Saved checkpoint to {checkpoint_dir} (model_{step:06d}.pt{note})")
+        save_final_model(checkpoint_dir, model, step, sft_meta(model, args, step, val_loss, stop, compile_clock.total()),
+                         "" if missed is None else f", outside the band {band.describe()}")
     wandb_run.finish()
     wait_for_all_ranks()
     if missed is not None:

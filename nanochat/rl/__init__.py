@@ -6,8 +6,10 @@ The run, in the order scripts/chat_rl.py uses it:
     resume.py           where a run starts: a new run from --source, or --resume of a saved step
     plan.py             every "auto" resolved once and printed, into the run's frozen RunPlan: dtypes, decode mode,
                         compile, memory budget, output tag, --keep-last
-    run.py              RLRun and setup_run; a step's two halves (sample_rollouts, train_on_rollouts); save
-    progress.py         each step's record and log line, and the warnings of a run with nothing to learn
+    run.py              RLRun (what is fixed for a run) and its step(); setup_run and build_run, the one factory;
+                        a step's two halves (sample_rollouts, train_on_rollouts)
+    progress.py         RunProgress (what changes each step: history, data position, counters, timings), each
+                        step's record and log line, and the warnings of a run with nothing to learn
 
 The data path of one step, top-down:
     rollout.py          questions -> prompts -> the engine's samples -> rewards, one record per question

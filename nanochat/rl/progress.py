@@ -7,6 +7,8 @@ every sample it drew, as JSON lines beside its checkpoints.
 import glob
 import json
 import os
+import time
+from dataclasses import dataclass, field
 
 from nanochat.common import format_duration, print0, remaining_seconds
 from nanochat.files import atomic_write
@@ -42,11 +44,26 @@ def step_record(run, step, rollouts, result, t_rollout, t_train, trained=None):
             **(run.loss_scale.record() if getattr(run, "loss_scale", None) else {})}  # fp16: the same on every rank
 
 
+def report_step(run, step, outcome, run_start):
+    """A step's record (step_record of its StepOutcome) kept in the run's progress with the step's seconds, its line
+    printed (elapsed since time.time() was run_start), a no-signal streak warned of, its samples saved
+    (--save-rollouts). Returns the record, for wandb."""
+    record = step_record(run, step, outcome.drawn, outcome.result, outcome.t_rollout, outcome.t_train,
+                         trained=outcome.trained)
+    # the ETA's seconds: compiling is one-off
+    run.progress.record_step(record, max(outcome.t_rollout + outcome.t_train - record["compile_s"], 0.0))
+    print0(format_step_line(run, record, time.time() - run_start))
+    run.progress.count_no_signal(record, run.config.no_signal_steps)
+    if run.rollout_log:
+        run.rollout_log.append(step, outcome.drawn)
+    return record
+
+
 def format_step_line(run, m, elapsed):
     """The step's log line (m: its step_record): nanochat's first fields, then what a reader needs to trust it."""
     step, num_steps = m["step"], run.num_steps
     eta_train, eta_eval = remaining_seconds(
-        run.step_seconds, num_steps - step - 1, run.eval_seconds,
+        run.progress.step_seconds, num_steps - step - 1, run.progress.eval_seconds,
         sum(is_eval_step(s, num_steps, run.config.eval_every) for s in range(step + 1, num_steps + 1)))
     return (f"Step {step}/{num_steps} | Average reward: {m['reward_mean']:.4f} | "
             f"Average sequence length: {m['seq_len_mean']:.2f} | Average completion length: {m['completion_len_mean']:.2f} | "
@@ -92,25 +109,65 @@ def no_signal_settings(cfg):
     return lines
 
 
-def count_no_signal_step(run, record):
-    """Track consecutive steps that trained no row (every advantage 0 on every rank); every --no-signal-steps of
-    them in a row, one warning naming the likely cause. The run goes on: a later step may find a signal."""
-    if record["rows_trained"] > 0 or run.config.no_signal_steps == 0:
-        run.steps_without_signal.clear()
-        return
-    streak = run.steps_without_signal
-    streak.append(record)
-    if len(streak) % run.config.no_signal_steps:
-        return
-    rewards = [r["reward_mean"] for r in streak[-run.config.no_signal_steps:]]
-    if max(rewards) == 0:
-        cause = ("no sample earned any reward: the task is too hard for this model (start from a stronger checkpoint, "
-                 "or an easier --task)")
-    else:
-        cause = (f"every question's samples earned the same reward (mean {sum(rewards) / len(rewards):.3f}): the samples "
-                 f"are too alike (raise --temperature or --top-k, or --num-samples) or the task's reward does not vary")
-    print0(f"warning: no row was trained in {len(streak)} consecutive step{'s' * (len(streak) > 1)} (steps "
-           f"{streak[0]['step']}-{streak[-1]['step']}): {cause}")
+@dataclass
+class RunProgress:
+    """What changes from step to step, changed only through its methods; every checkpoint's meta records the run's
+    history, eval history and data position, from which --resume restores them (RunProgress.restored)."""
+    data_position: int = 0   # the next step's first question's position in the walk over the split
+    history: list = field(default_factory=list)          # per-step metrics, for the report
+    eval_history: list = field(default_factory=list)     # (step, pass@k dict)
+    consecutive_bad: int = 0                              # steps in a row whose update was skipped (non-finite)
+    steps_without_signal: list = field(default_factory=list)  # records of the current streak of steps that trained no row
+    step_seconds: list = field(default_factory=list)     # this process's timings, for the ETA, compiling left out
+    eval_seconds: list = field(default_factory=list)
+
+    @classmethod
+    def restored(cls, meta, start_step, examples_per_step):
+        """A resumed run's progress, from its checkpoint's meta: without --dynamic-sampling the data position is always
+        start_step * --examples-per-step; with it, what the resumed step left."""
+        return cls(data_position=meta.get("data_position", start_step * examples_per_step),
+                   history=list(meta.get("history", [])), eval_history=[tuple(e) for e in meta.get("eval_history", [])])
+
+    def advance(self, position):
+        """The data position of the next step's first question."""
+        self.data_position = position
+
+    def record_step(self, record, seconds):
+        """A step's record (step_record) and its seconds, compiling left out (the ETA's: compiling is one-off)."""
+        self.history.append(record)
+        self.step_seconds.append(seconds)
+
+    def record_eval(self, step, passk, seconds):
+        """An eval's pass@k (a dict) and its seconds, compiling left out."""
+        self.eval_history.append((step, passk))
+        self.eval_seconds.append(seconds)
+
+    def count_bad(self, stepped):
+        """The steps in a row whose update was skipped, this one counted (0 once a step is taken)."""
+        self.consecutive_bad = 0 if stepped else self.consecutive_bad + 1
+        return self.consecutive_bad
+
+    def count_no_signal(self, record, every):
+        """Track consecutive steps that trained no row (every advantage 0 on every rank); every `every`
+        (--no-signal-steps) of them in a row, one warning naming the likely cause. The run goes on: a later step may
+        find a signal."""
+        if record["rows_trained"] > 0 or every == 0:
+            self.steps_without_signal.clear()
+            return
+        streak = self.steps_without_signal
+        streak.append(record)
+        if len(streak) % every:
+            return
+        rewards = [r["reward_mean"] for r in streak[-every:]]
+        if max(rewards) == 0:
+            cause = ("no sample earned any reward: the task is too hard for this model (start from a stronger "
+                     "checkpoint, or an easier --task)")
+        else:
+            cause = (f"every question's samples earned the same reward (mean {sum(rewards) / len(rewards):.3f}): the "
+                     f"samples are too alike (raise --temperature or --top-k, or --num-samples) or the task's reward "
+                     f"does not vary")
+        print0(f"warning: no row was trained in {len(streak)} consecutive step{'s' * (len(streak) > 1)} (steps "
+               f"{streak[0]['step']}-{streak[-1]['step']}): {cause}")
 
 
 ROLLOUTS_FILE = "rollouts_rank{rank}.jsonl"

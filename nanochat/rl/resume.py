@@ -1,7 +1,8 @@
 """
 Where a run starts: a new run from a --source checkpoint (its output directory refused if another run holds it,
 unless --overwrite), or --resume of a saved RL step, with the run's own settings and optimizer state put back so
-that the continuation is the run it was, on any number of ranks that divides its --examples-per-step.
+that the continuation is the run it was, on any number of ranks that divides its --examples-per-step; the model it
+starts from (load_start) and, for --kl-coef, the frozen reference (load_reference).
 """
 
 import contextlib
@@ -151,3 +152,25 @@ def prepare_output_dir(checkpoint_dir, overwrite, master):
     if master:
         for f in old:
             os.remove(os.path.join(checkpoint_dir, f))
+
+
+def load_start(config, resume, device):
+    """The model the run starts from: a new run's (start_new_run), or `resume`'s step (restore_settings' Resume).
+    Returns (model, tokenizer, meta, output tag, start step)."""
+    if not resume:
+        return (*start_new_run(config, device), 0)
+    with resume.errors():
+        model, tokenizer, meta = load_model("rl", device, phase="eval", model_tag=resume.tag, step=resume.step)
+    print0(f"Resuming RL run {resume.tag} after step {resume.step}")
+    return model, tokenizer, meta, resume.tag, resume.step + 1
+
+
+def load_reference(start, device, generation):
+    """The frozen model of --kl-coef's penalty: the checkpoint the run started from (start: its source, tag and
+    step, as recorded in the run's meta), so a resumed run is penalized towards the same model."""
+    if start is None:
+        raise NoStartCheckpointError()
+    reference, _, _ = load_model(start["source"], device, phase="eval", model_tag=start["model_tag"], step=start["step"],
+                                 generation=generation)
+    reference.requires_grad_(False)
+    return reference

@@ -1,20 +1,19 @@
 """
-One RL run's state and its step, as chat_rl's loop calls them: setup_run builds the run (model, optimizers,
-engine, tasks) from the config; sample_rollouts and train_on_rollouts are a step's two halves (bench_rl times
-the same two); save writes a step for --resume. Out of memory, a step retries with fewer rows at a time, which
-gives the same tokens and the same gradient.
+One RL run's state and its step, as chat_rl's loop and bench_rl call them: setup_run builds the run (model,
+optimizers, engine, tasks) from the config, through build_run, which bench_rl's runs go through too; RLRun.step()
+is one step, its two halves sample_rollouts and train_on_rollouts; the run's Checkpointer writes a step for
+--resume. Out of memory, a step retries with fewer rows at a time, which gives the same tokens and the same
+gradient.
 """
 
-import contextlib
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from nanochat.checkpoints.background import BackgroundSaver
+from nanochat.checkpoints.checkpointer import Checkpointer
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS
-from nanochat.checkpoints.loading import load_model
-from nanochat.checkpoints.pruning import prune_checkpoints, remove_extra_shards
 from nanochat.checkpoints.store import new_run_id
 from nanochat.common import (UserError, any_rank, autocast_context, collective_device, get_base_dir, is_out_of_memory,
                              print0, release_cached_memory)
@@ -32,8 +31,8 @@ from nanochat.rl.plan import (RunPlan, auto_compile_of, describe_engine, engine_
                               resolve_keep_last, resolve_memory, train_rows)
 from nanochat.rl.policy_gradient import (TrainStats, accumulate_policy_gradient, chunk_logprobs, compiled_chunk_forward,
                                          without_rejected_tokens)
-from nanochat.rl.progress import RolloutLog, drop_rollouts_after
-from nanochat.rl.resume import NoStartCheckpointError, prepare_output_dir, restore_optimizers, start_new_run
+from nanochat.rl.progress import RolloutLog, RunProgress, drop_rollouts_after
+from nanochat.rl.resume import load_reference, load_start, prepare_output_dir, restore_optimizers
 from nanochat.rl.rollout import (Sampling, StepRollouts, has_signal, longest_prompt, question_indices_at, question_seed,
                                  sample_questions, step_questions)
 from tasks.registry import make_task
@@ -41,13 +40,16 @@ from tasks.registry import make_task
 
 @dataclass
 class RLRun:
-    """What a run carries from step to step. `config` is its configuration as given (the flags, after --resume put
-    back the run's own), `plan` what the run resolved from it at its start (dtypes, decode mode, compiling, memory
-    budget, output tag, --keep-last); every checkpoint records the two together (RunPlan.recorded)."""
+    """One run. Fixed for it, set once by build_run: `config` as given (the flags, after --resume put back the run's
+    own), `plan` what the run resolved from it at its start (dtypes, decode mode, compiling, memory budget, output
+    tag, --keep-last; every checkpoint records the two together, RunPlan.recorded), the model, optimizers, objective,
+    tasks and ranks. What changes from step to step: `progress` (history, data position, counters, timings) through
+    its methods, the saves through `checkpointer`, and the engine, training forward and rows per forward through
+    this module (--compile=auto's switches, out-of-memory retries). step() runs one step."""
     config: RLConfig
     plan: RunPlan
     model: torch.nn.Module
-    engine: Engine
+    tokenizer: object                      # the engine's, for another engine (auto_compile_step)
     optimizers: list
     policy_loss: PolicyLoss
     reference: torch.nn.Module             # --kl-coef's frozen starting model, or None
@@ -55,32 +57,25 @@ class RLRun:
     val_task: object
     num_steps: int
     start_step: int
-    start_checkpoint: dict                 # {source, model_tag, step} the run started from
-    checkpoint_dir: str
-    rank: int
-    world_size: int
     device: torch.device
-    run_id: str                            # recorded in every checkpoint's meta and shards (checked on --resume)
-    segments: list                         # [{start_step, world_size}] of the run's start and each --resume
-    history: list                          # per-step metrics, for the report
-    eval_history: list                     # (step, pass@k dict)
-    last_saved: int = None
-    micro_rows: int = 0                    # rows per training forward; halved on out-of-memory
-    consecutive_bad: int = 0
-    steps_without_signal: list = field(default_factory=list)  # records of the current streak of steps that trained no row
-    forward: object = chunk_logprobs       # the training pass's chunk forward: compiled or not (--compile)
+    rank: int = 0
+    world_size: int = 1
     lean: bool = True  # train only rows with an advantage, each prompt once a forward (False: nanochat's way)
-    compile_clock: CompileClock = field(default_factory=CompileClock)  # what each step compiled
-    saver: BackgroundSaver = field(default_factory=BackgroundSaver)    # the checkpoint being written, if any
-    rollout_log: RolloutLog = None         # --save-rollouts: this rank's samples as JSON lines
     loss_scale: object = None              # --dtype=float16: the dynamic loss scale (nanochat/optim/loss_scale.py)
-    data_position: int = 0                 # the next step's first question's position in the walk over the split
-    step_seconds: list = field(default_factory=list)   # this process's timings, for the ETA, compiling left out
     auto_compile: AutoCompile = None       # --compile=auto decided during the run (compile_rule.py), or None
+    start_checkpoint: dict = None          # {source, model_tag, step} the run started from
+    run_id: str = None                     # recorded in every checkpoint's meta and shards (checked on --resume)
+    segments: list = field(default_factory=list)  # [{start_step, world_size}] of the run's start and each --resume
+    rollout_log: RolloutLog = None         # --save-rollouts: this rank's samples as JSON lines
+    checkpointer: Checkpointer = None      # its saves (chat_rl's runs), or None
+    compile_clock: CompileClock = field(default_factory=CompileClock)  # what each step compiled
+    progress: RunProgress = field(default_factory=RunProgress)
+    # changed in this module only
+    engine: Engine = None
+    forward: object = chunk_logprobs       # the training pass's chunk forward: compiled or not (--compile)
+    micro_rows: int = 0                    # rows per training forward; halved on out-of-memory
     compile_marks: dict = field(default_factory=lambda: {"seen": _part_compile_seconds()})  # parts' compile seconds
     #                           at the rollouts' start; "seen": at the last step's end (or the run's start)
-    tokenizer: object = None               # the engine's, for another engine (auto_compile_step)
-    eval_seconds: list = field(default_factory=list)
 
     @property
     def user_config(self):
@@ -102,6 +97,44 @@ class RLRun:
     def autocast(self, rollouts=False):
         return autocast_context(self.device, getattr(torch, self.plan.rollout_dtype if rollouts else self.plan.dtype))
 
+    def step(self, step, clock=time.time, sample=None, before_training=None):
+        """One step: this rank's questions sampled and rewarded from the run's data position (`sample`, default
+        sample_rollouts), the last checkpoint settled before the first collective, then the policy gradient and
+        optimizer step(s) (train_on_rollouts; a non-finite one counted). Each half timed by `clock` (bench_rl: the
+        device's) inside the profiler's "rollout" and "training" ranges; `before_training` may change the rollouts
+        trained (bench_rl's forced advantages). Returns a StepOutcome."""
+        t0 = clock()
+        with torch.profiler.record_function("rollout"):
+            sampled = (sample or sample_rollouts)(self, step, self.progress.data_position)
+            t_rollout = clock() - t0
+        self.progress.advance(sampled.next_position)
+        trained = before_training(sampled.trained) if before_training else sampled.trained
+        if self.checkpointer:  # the last checkpoint committed on every rank before the step's first collective
+            self.checkpointer.before_collective()
+        t0 = clock()
+        with torch.profiler.record_function("training"):
+            result = train_on_rollouts(self, trained, step)
+            count_bad_step(self, step, result)
+            t_train = clock() - t0
+        return StepOutcome(sampled.drawn, trained, result, t_rollout, t_train)
+
+    def snapshot(self, step):
+        """What a checkpoint of `step` holds: the model (rank 0), this rank's optimizer shard, the meta."""
+        shard = {"optimizers": [opt.state_dict() for opt in self.optimizers], "world_size": self.world_size,
+                 "rank": self.rank, "step": step, "run_id": self.run_id}
+        return self.model.state_dict() if self.master else None, shard, meta_data(self, step)
+
+
+@dataclass
+class StepOutcome:
+    """What one step did on this rank: every question it sampled (drawn), those it trained on, the training's
+    TrainResult and the two halves' seconds."""
+    drawn: list
+    trained: list
+    result: object
+    t_rollout: float
+    t_train: float
+
 
 class NonFiniteStepsError(UserError):
     """Too many consecutive steps had a non-finite loss or gradient (nanochat.cli adds what to change)."""
@@ -109,17 +142,6 @@ class NonFiniteStepsError(UserError):
     def __init__(self, steps, last_saved):
         super().__init__(f"{steps} consecutive steps had a non-finite loss or gradient; stopping (last good checkpoint: "
                          f"{last_saved})")
-
-
-def load_reference(start, device, generation):
-    """The frozen model of --kl-coef's penalty: the checkpoint the run started from (start: its source, tag and
-    step, as recorded in the run's meta), so a resumed run is penalized towards the same model."""
-    if start is None:
-        raise NoStartCheckpointError()
-    reference, _, _ = load_model(start["source"], device, phase="eval", model_tag=start["model_tag"], step=start["step"],
-                                 generation=generation)
-    reference.requires_grad_(False)
-    return reference
 
 
 def run_length(config, train_task):
@@ -150,16 +172,8 @@ def policy_loss_of(config):
 
 def setup_run(config, resume, rank, world_size, device):
     """Load the model (a new run, or `resume`: restore_settings' Resume), resolve the plan (nanochat/rl/plan.py),
-    and build the optimizers, the engine and the tasks: an RLRun at its first step."""
-    start_step = 0
-    if resume:
-        with resume.errors():
-            model, tokenizer, meta = load_model("rl", device, phase="eval", model_tag=resume.tag, step=resume.step)
-        start_step = resume.step + 1
-        print0(f"Resuming RL run {resume.tag} after step {resume.step}")
-        output_tag = resume.tag
-    else:
-        model, tokenizer, meta, output_tag = start_new_run(config, device)
+    and build the optimizers, the engine and the tasks: an RLRun at its first step (build_run)."""
+    model, tokenizer, meta, output_tag, start_step = load_start(config, resume, device)
     start = meta.get("start_checkpoint")
     train_task, val_task = make_task(config.task, "train"), make_task(config.task, "test")
     rows = train_rows(config, device.type)  # per training forward
@@ -172,8 +186,8 @@ def setup_run(config, resume, rank, world_size, device):
     segments = [{"start_step": 0, "world_size": world_size}]  # the world size of each part of the run
     if resume:
         saved = restore_optimizers(resume, optimizers, meta, rank, world_size, device)
-        segments = meta.get("segments") or [{"start_step": 0, "world_size": saved}]
-        segments = segments + [{"start_step": start_step, "world_size": world_size}]
+        segments = (meta.get("segments") or [{"start_step": 0, "world_size": saved}]) + [
+            {"start_step": start_step, "world_size": world_size}]
     reference = load_reference(start, device, config.model_generation) if config.kl_coef > 0 else None
     if reference is not None:
         compile_models(compiling, reference)
@@ -187,28 +201,42 @@ def setup_run(config, resume, rank, world_size, device):
     describe_engine(engine, compiling, config, rows)
     if engine.decode != "eager":
         print0(f"rollouts: static batch sized for prompts of up to {engine.prompt_floor} tokens (the task's longest)")
-    train_compiled = compiling.train or bool(auto_compile and auto_compile.compiled_now("train"))
     if not config.resume:  # last: --overwrite clears the old run only once everything else has loaded
         prepare_output_dir(checkpoint_dir, config.overwrite, rank == 0)
     elif rank == 0:  # the run's samples, if it kept them, continue from the resumed step
         drop_rollouts_after(checkpoint_dir, resume.step)
-    loss_scale = loss_scale_for(plan, meta if config.resume else None)  # fp16 only
-    return RLRun(
-        config=config, plan=plan, model=model, optimizers=optimizers, engine=engine,
-        policy_loss=policy_loss_of(config),
-        reference=reference,
-        train_task=train_task, val_task=val_task, num_steps=num_steps, start_step=start_step, start_checkpoint=start,
-        checkpoint_dir=checkpoint_dir, rank=rank, world_size=world_size, device=device,
-        run_id=(meta.get("run_id") if config.resume else None) or new_run_id(),  # a new run (from any source): a new id
-        segments=segments,
-        history=list(meta.get("history", [])) if config.resume else [],
-        eval_history=[tuple(e) for e in meta.get("eval_history", [])] if config.resume else [],
-        last_saved=start_step - 1 if config.resume else None, micro_rows=rows,
-        forward=scaled_forward(compiled_chunk_forward(train_compiled, required=plan.compile == "on"), loss_scale),
-        loss_scale=loss_scale, auto_compile=auto_compile, tokenizer=tokenizer,
-        # without --dynamic-sampling always start_step * --examples-per-step; with it, what the resumed step left
-        data_position=meta.get("data_position", start_step * config.examples_per_step) if config.resume else 0,
-        rollout_log=RolloutLog(checkpoint_dir, rank, resumed=bool(config.resume)) if config.save_rollouts else None)
+    resumed = meta if config.resume else None
+    return build_run(config, plan, model, tokenizer, engine, optimizers, (train_task, val_task), device,
+                     steps=(start_step, num_steps), rows=rows, ranks=(rank, world_size), reference=reference,
+                     compiled=compiling.train or bool(auto_compile and auto_compile.compiled_now("train")),
+                     loss_scale=loss_scale_for(plan, resumed), auto_compile=auto_compile, start_checkpoint=start,
+                     segments=segments, checkpoint_dir=checkpoint_dir, resumed=resumed)
+
+
+def build_run(config, plan, model, tokenizer, engine, optimizers, tasks, device, steps, rows, compiled, ranks=(0, 1),
+              lean=True, reference=None, loss_scale=None, checkpoint_dir=None, resumed=None, required=None, **fixed):
+    """The one place an RLRun is made (chat_rl's setup_run, bench_rl's bench_run): its objective from the config,
+    its training forward (compiled where `compiled`, a failure an error where `required`, by default under
+    --compile=on; loss-scaled under fp16), its progress (a resumed run's from
+    the meta `resumed`) and, given a checkpoint_dir, its checkpointer and --save-rollouts log. steps: (start step,
+    number of steps); rows: rows per training forward; ranks: (rank, world size); fixed: more of RLRun's fields."""
+    (start_step, num_steps), (rank, world_size) = steps, ranks
+    progress = RunProgress() if resumed is None else RunProgress.restored(resumed, start_step, config.examples_per_step)
+    required = plan.compile == "on" if required is None else required
+    run = RLRun(config=config, plan=plan, model=model, tokenizer=tokenizer, optimizers=optimizers,
+                policy_loss=policy_loss_of(config), reference=reference, train_task=tasks[0], val_task=tasks[1],
+                num_steps=num_steps, start_step=start_step, device=device, rank=rank, world_size=world_size, lean=lean,
+                loss_scale=loss_scale, engine=engine, micro_rows=rows, progress=progress,
+                forward=scaled_forward(compiled_chunk_forward(compiled, required=required), loss_scale),
+                **fixed)
+    if checkpoint_dir is not None:
+        # a new run (from any source): a new id
+        run.run_id = (resumed or {}).get("run_id") or new_run_id()
+        run.checkpointer = Checkpointer(checkpoint_dir, rank, world_size, plan.keep_last, run.snapshot,
+                                        last_saved=None if resumed is None else start_step - 1)
+        if config.save_rollouts:
+            run.rollout_log = RolloutLog(checkpoint_dir, rank, resumed=resumed is not None)
+    return run
 
 
 def make_engine(config, plan, model, tokenizer, decode, compiled, tasks):
@@ -299,8 +327,8 @@ def sample_rollouts(run, step, position=None):
     run.compile_marks = {**_part_compile_seconds(), "seen": run.compile_marks["seen"]}  # see auto_compile_step
     position = step * cfg.examples_per_step if position is None else position
     drawn = sample_draw(run, step, position, 0)
-    if cfg.dynamic_sampling:  # the agreement below is a collective: the last checkpoint committed first, after the
-        settle_save(run)      # first draw, which it overlapped
+    if cfg.dynamic_sampling and run.checkpointer:  # the agreement below is a collective: the last checkpoint
+        run.checkpointer.before_collective()          # committed first, after the first draw, which it overlapped
     for draw in range(1, 1 + cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1):
         if not any_rank(sum(map(has_signal, drawn)) < run.examples_per_rank, run.reduce_device):
             break
@@ -378,75 +406,28 @@ def train_on_rollouts(run, rollouts, step):
 def count_bad_step(run, step, result):
     """Track consecutive steps whose update was skipped (non-finite); too many in a row end the run."""
     if result.stepped:
-        run.consecutive_bad = 0
+        run.progress.count_bad(True)
         return
     overflow = run.loss_scale.overflow_note(step) if run.loss_scale else None
     if overflow:  # fp16: a smaller scale may fit; not a bad step
         print0(overflow)
         return
-    run.consecutive_bad += 1
+    bad = run.progress.count_bad(False)
     print0(f"warning: step {step} has a non-finite loss or gradient (objective {result.last.objective}, grad norm "
-           f"{result.last_grad_norm}); skipping the optimizer step ({run.consecutive_bad}/{run.config.max_bad_steps})")
-    if run.consecutive_bad >= run.config.max_bad_steps:
-        run.saver.finish()  # alone, the last save may still be in flight (settle_save): the one to name
-        where = f"step {run.last_saved} in {run.checkpoint_dir}" if run.last_saved is not None else "none saved yet"
-        raise NonFiniteStepsError(run.consecutive_bad, where)
+           f"{result.last_grad_norm}); skipping the optimizer step ({bad}/{run.config.max_bad_steps})")
+    if bad >= run.config.max_bad_steps:
+        saves = run.checkpointer
+        if saves:
+            saves.finish()  # alone, the last save may still be in flight (before_collective): the one to name
+        where = (f"step {saves.last_saved} in {saves.checkpoint_dir}" if saves and saves.last_saved is not None
+                 else "none saved yet")
+        raise NonFiniteStepsError(bad, where)
 
 
 def meta_data(run, step):
     return {"step": step, "model_config": run.model.meta_model_config(), "generation": run.model.generation.name,
-            "user_config": run.user_config, "start_checkpoint": run.start_checkpoint, "history": run.history,
-            "eval_history": run.eval_history, "run_id": run.run_id, "world_size": run.world_size,
+            "user_config": run.user_config, "start_checkpoint": run.start_checkpoint, "history": run.progress.history,
+            "eval_history": run.progress.eval_history, "run_id": run.run_id, "world_size": run.world_size,
             "segments": run.segments, "loss_scale": run.loss_scale.state_dict() if run.loss_scale else None,
-            "data_position": run.data_position,
+            "data_position": run.progress.data_position,
             "compile_auto": run.auto_compile.state() if run.auto_compile and run.plan.compile == "auto" else None}
-
-
-def save(run, step):
-    """Begin saving the step for --resume: the model (rank 0) and every rank's optimizer shard, copied to host
-    memory now and written by a thread; run.saver.finish() commits it (the step appears, model_N.pt, only once every
-    rank's shard is in place), after which --keep-last removes this run's older steps."""
-    shard = {"optimizers": [opt.state_dict() for opt in run.optimizers], "world_size": run.world_size,
-             "rank": run.rank, "step": step, "run_id": run.run_id}
-    run.saver.start(run.checkpoint_dir, step, run.model.state_dict() if run.master else None, shard,
-                    meta_data(run, step), rank=run.rank, all_ranks=True, after_commit=lambda: saved(run, step))
-
-
-def saved(run, step):
-    """What follows a step's commit: shards of ranks the run no longer has removed, the line, --keep-last."""
-    if run.master:  # a run resumed on fewer ranks saving a step that more ranks saved before
-        remove_extra_shards(run.checkpoint_dir, step, run.world_size)
-    run.last_saved = step
-    print0(f"Saved checkpoint to {run.checkpoint_dir} (step {step})")
-    if run.plan.keep_last > 0:  # only this run's directory: the start checkpoint is another's (resolve_output_tag)
-        removed = prune_checkpoints(run.checkpoint_dir, step, run.plan.keep_last)
-        if removed:
-            print0(f"--keep-last={run.plan.keep_last}: removed step{'s' * (len(removed) > 1)} "
-                   f"{', '.join(map(str, removed))}")
-
-
-def settle_save(run):
-    """Before a step's first collective: with several ranks, the last checkpoint committed (its commit is a
-    collective of its own, which must come at the same point on every rank; see saves_settled_on_error). A run
-    alone has no collective to keep in step with: it commits the checkpoint once written, waiting for nothing (the
-    next save, an eval, the end, a stop or an error waits for it). On an H200 a d20 save's write took 6 s, which a
-    step's rollout (1.7 s) could not hide."""
-    if run.world_size > 1:
-        run.saver.finish()
-    else:
-        run.saver.commit_if_written()
-
-
-@contextlib.contextmanager
-def saves_settled_on_error(run):
-    """Around the training loop: a run that stops on an error still commits the checkpoint its thread was writing.
-    With several ranks a save is pending only between a step's end and the next step's training, a stretch without
-    collectives (the rollouts; with --dynamic-sampling their first draw, before the draws' agreement commits it), so
-    every rank reaches a commit: its own here, or the one before its next collective. Alone, a run's save may stay
-    pending for steps (settle_save): committed here all the same."""
-    try:
-        yield
-    except BaseException:
-        with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
-            run.saver.finish()
-        raise

@@ -164,8 +164,9 @@ def test_a_run_alone_trains_on_while_its_save_is_written_and_commits_it_once_wri
     from helpers import TINY_RL_FLAGS
 
     from nanochat.checkpoints.loading import load_model
+    from nanochat.rl import run as rl_run
     from scripts import chat_rl
-    release, real_stage, real_train = threading.Event(), store.stage, chat_rl.train_on_rollouts
+    release, real_stage, real_train = threading.Event(), store.stage, rl_run.train_on_rollouts
 
     def held_stage(path, write_fn, sweep_stale=False):
         if os.path.basename(path) == "model_000003.pt":
@@ -176,10 +177,10 @@ def test_a_run_alone_trains_on_while_its_save_is_written_and_commits_it_once_wri
         print(f"training step {step}")
         if step == 5:
             release.set()
-            run.saver._thread.join()  # written now: the next step start commits it
+            run.checkpointer.saver._thread.join()  # written now: the next step start commits it
         return real_train(run, rollouts, step)
     monkeypatch.setattr(store, "stage", held_stage)
-    monkeypatch.setattr(chat_rl, "train_on_rollouts", train)
+    monkeypatch.setattr(rl_run, "train_on_rollouts", train)
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=7", "--save-every=3"])
     lines = [line for line in capsys.readouterr().out.splitlines()
              if line.startswith(("training step", "Saved checkpoint"))]
@@ -191,10 +192,11 @@ def test_a_run_alone_trains_on_while_its_save_is_written_and_commits_it_once_wri
 
 def test_a_run_alone_that_fails_while_its_save_is_pending_commits_it(sft, base_dir, monkeypatch):
     """The save of step 3 is still in flight (held) when step 5's training raises: the run ends with that error,
-    and the save, pending over steps 4 and 5, is committed on the way out (saves_settled_on_error)."""
+    and the save, pending over steps 4 and 5, is committed on the way out (Checkpointer.on_error)."""
     from helpers import TINY_RL_FLAGS
 
     from nanochat.checkpoints.loading import load_model
+    from nanochat.rl import run as rl_run
     from scripts import chat_rl
     release, real_stage = threading.Event(), store.stage
 
@@ -205,13 +207,13 @@ def test_a_run_alone_that_fails_while_its_save_is_pending_commits_it(sft, base_d
 
     def train(run, rollouts, step):
         if step == 5:
-            assert run.saver.pending
+            assert run.checkpointer.saver.pending
             release.set()
             raise RuntimeError("simulated failure in step 5's training")
         return real_train(run, rollouts, step)
-    real_train = chat_rl.train_on_rollouts
+    real_train = rl_run.train_on_rollouts
     monkeypatch.setattr(store, "stage", held_stage)
-    monkeypatch.setattr(chat_rl, "train_on_rollouts", train)
+    monkeypatch.setattr(rl_run, "train_on_rollouts", train)
     with pytest.raises(RuntimeError, match="simulated failure"):
         chat_rl.main(TINY_RL_FLAGS + ["--num-steps=7", "--save-every=3"])
     assert load_model("rl", "cpu", "eval")[2]["step"] == 3  # the latest complete step

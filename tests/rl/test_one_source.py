@@ -2,6 +2,7 @@
 - no flag of chat_rl is declared outside its setting (nanochat/rl/config.py's SETTINGS, nanochat/settings.py's SHARED);
 - no script imports another script (shared logic belongs in the library);
 - nothing writes a field of a config once it is built (what a run resolves is its RunPlan);
+- nothing but nanochat/rl/run.py writes a field of the run, and nothing changes its progress but RunProgress's methods;
 - no error raised below the config names a flag: the library states the facts, nanochat.cli or the config the flag."""
 
 import ast
@@ -87,6 +88,31 @@ def test_nothing_writes_a_config_field_after_construction():
             on_self = isinstance(first, ast.Name) and first.id == "self" and path == "nanochat/rl/config.py"
             if is_config(first) or (getattr(call.func, "attr", None) == "__setattr__" and not on_self):
                 found.append(f"{path}:{call.lineno} {ast.unparse(call)}")
+    assert found == []
+
+
+def test_only_the_run_s_module_writes_the_run_and_only_its_methods_change_its_progress():
+    """A run (`run`, an RLRun) is written only in nanochat/rl/run.py (its factory, its switches of engine and forward);
+    its progress (history, data position, counters, timings) is changed by RunProgress's methods alone: no assignment
+    to `run.progress.<field>` and no in-place call (append, clear, ...) on one elsewhere."""
+    def is_run(node):
+        return isinstance(node, ast.Name) and node.id == "run"
+
+    def is_progress(node):
+        return isinstance(node, ast.Attribute) and node.attr == "progress" and is_run(node.value)
+    found = []
+    for path, tree in list(sources("nanochat")) + list(sources("scripts")):
+        for node in ast.walk(tree):
+            targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
+                       if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for target in targets:
+                base = target.value if isinstance(target, ast.Subscript) else target
+                if isinstance(base, ast.Attribute) and (is_progress(base.value) or (
+                        is_run(base.value) and path != "nanochat/rl/run.py")):
+                    found.append(f"{path}:{node.lineno} {ast.unparse(target)} =")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Attribute) and is_progress(node.func.value.value)):
+                found.append(f"{path}:{node.lineno} {ast.unparse(node)}")
     assert found == []
 
 

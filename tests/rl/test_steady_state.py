@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import TINY_RL_FLAGS
 
+from nanochat.rl import run as rl_run
 from scripts import chat_rl
 
 
@@ -27,13 +28,13 @@ def test_every_step_starts_with_the_same_live_tensors_and_objects(decode, sft, b
     kept in the run's history hold only numbers, which the collector does not track. A leak of one list a step
     fails."""
     counts = []
-    sample_rollouts = chat_rl.sample_rollouts
+    sample_rollouts = rl_run.sample_rollouts
 
     def counted(run, step, position=None):
         counts.append(live_counts())
         return sample_rollouts(run, step, position)
 
-    monkeypatch.setattr(chat_rl, "sample_rollouts", counted)
+    monkeypatch.setattr(rl_run, "sample_rollouts", counted)
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=8", f"--decode={decode}", "--save-every=100"])
     tensors, objects = zip(*counts)
     assert len(counts) == 8 and len(set(tensors[1:])) == 1

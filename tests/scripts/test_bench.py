@@ -13,6 +13,7 @@ from nanochat.common import UserError
 from greedy_agreement import greedy_agreement
 from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import KVCache, forward_cached
+from nanochat.rl import run as rl_run
 from scripts import bench_rl
 
 TINY_FLAGS = ["--device-type=cpu", "--depth=1", "--vocab-size=400", "--examples-per-step=2", "--num-samples=4",
@@ -123,8 +124,8 @@ def test_config_subset_without_baseline_has_no_ratios(base_dir, tmp_path, monkey
     def train_on_rollouts(run, rollouts, step):
         runs.append((run.policy_loss.loss_norm, len(run.optimizers), step))
         return chat_rl_step(run, rollouts, step)
-    chat_rl_step = bench_rl.train_on_rollouts
-    monkeypatch.setattr(bench_rl, "train_on_rollouts", train_on_rollouts)
+    chat_rl_step = rl_run.train_on_rollouts
+    monkeypatch.setattr(rl_run, "train_on_rollouts", train_on_rollouts)
     output = tmp_path / "bench.json"
     bench_rl.main(TINY_FLAGS + ["--configs=batched_fp32", "--early-stop-mean=0", "--loss-norm=token", f"--output={output}"])
     report = json.loads(output.read_text())

@@ -1,0 +1,85 @@
+"""
+A training run's checkpoint protocol in one object, called once at each point of the loop:
+
+    save(step)            begin saving a step: its tensors copied to host memory, its files written by a thread
+    before_collective()   before a step's first collective: with several ranks the save in flight committed (its
+                          commit is a collective of its own, which must come at the same point on every rank);
+                          alone, committed once written, waiting for nothing
+    finish()              commit whatever is in flight: before an eval, a stop, the run's end
+    refresh_meta(step, meta)  rewrite the meta of the last saved step (the final eval is of that model)
+    on_error()            around the loop: a run that stops on an error still commits the save in flight
+
+What a step holds (the model, every rank's optimizer shard, the meta) comes from the run: `snapshot(step)`.
+"""
+
+import contextlib
+
+from nanochat.checkpoints.background import BackgroundSaver
+from nanochat.checkpoints.pruning import prune_checkpoints, remove_extra_shards
+from nanochat.checkpoints.store import update_meta
+from nanochat.common import print0
+
+
+class Checkpointer:
+    """The saves of one run into `checkpoint_dir`: each step written by a thread (BackgroundSaver), committed on
+    every rank at the points above, then the shards of ranks the run no longer has removed and --keep-last applied.
+    `snapshot(step)` returns (model state_dict or None off rank 0, this rank's optimizer shard, the meta);
+    `last_saved`: the run's last committed step (a resumed run's start step - 1), or None."""
+
+    def __init__(self, checkpoint_dir, rank, world_size, keep_last, snapshot, last_saved=None):
+        self.checkpoint_dir, self.rank, self.world_size, self.keep_last = checkpoint_dir, rank, world_size, keep_last
+        self.snapshot, self.last_saved = snapshot, last_saved
+        self.saver = BackgroundSaver()  # the checkpoint being written, if any
+
+    def save(self, step):
+        """Begin saving the step for --resume: the model (rank 0) and every rank's optimizer shard, copied to host
+        memory now and written by a thread; finish() commits it (the step appears, model_N.pt, only once every
+        rank's shard is in place), after which --keep-last removes this run's older steps."""
+        model_state, shard, meta = self.snapshot(step)
+        self.saver.start(self.checkpoint_dir, step, model_state, shard, meta, rank=self.rank, all_ranks=True,
+                         after_commit=lambda: self._saved(step))
+
+    def _saved(self, step):
+        """What follows a step's commit: shards of ranks the run no longer has removed, the line, --keep-last."""
+        if self.rank == 0:  # a run resumed on fewer ranks saving a step that more ranks saved before
+            remove_extra_shards(self.checkpoint_dir, step, self.world_size)
+        self.last_saved = step
+        print0(f"Saved checkpoint to {self.checkpoint_dir} (step {step})")
+        if self.keep_last > 0:  # only this run's directory: the start checkpoint is another's (resolve_output_tag)
+            removed = prune_checkpoints(self.checkpoint_dir, step, self.keep_last)
+            if removed:
+                print0(f"--keep-last={self.keep_last}: removed step{'s' * (len(removed) > 1)} "
+                       f"{', '.join(map(str, removed))}")
+
+    def before_collective(self):
+        """Before a step's first collective: with several ranks, the last checkpoint committed (see on_error). A run
+        alone has no collective to keep in step with: it commits the checkpoint once written, waiting for nothing
+        (the next save, an eval, the end, a stop or an error waits for it). On an H200 a d20 save's write took 6 s,
+        which a step's rollout (1.7 s) could not hide."""
+        if self.world_size > 1:
+            self.saver.finish()
+        else:
+            self.saver.commit_if_written()
+
+    def finish(self):
+        """The save in flight, if any, committed (waiting for its thread)."""
+        self.saver.finish()
+
+    def refresh_meta(self, step, meta):
+        """The meta of `step` rewritten (rank 0), if `step` is the last one saved: what followed it (the final eval)."""
+        if self.last_saved == step and self.rank == 0:
+            update_meta(self.checkpoint_dir, step, meta)
+
+    @contextlib.contextmanager
+    def on_error(self):
+        """Around the training loop: a run that stops on an error still commits the checkpoint its thread was writing.
+        With several ranks a save is pending only between a step's end and the next step's training, a stretch
+        without collectives (the rollouts; with --dynamic-sampling their first draw, before the draws' agreement
+        commits it), so every rank reaches a commit: its own here, or the one before its next collective. Alone, a
+        run's save may stay pending for steps (before_collective): committed here all the same."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
+                self.saver.finish()
+            raise
