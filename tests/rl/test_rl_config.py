@@ -62,11 +62,14 @@ def test_the_parser_is_built_from_rlconfig_with_its_defaults():
 
 def test_the_shared_settings_are_taken_under_their_own_names():
     """A setting chat_rl shares with chat_sft or chat_eval is the shared one (nanochat/settings.py), under its name,
-    but for --decode, whose help says what chat_rl's auto does besides."""
-    for name in SHARED.keys() & SETTINGS.keys() - {"decode"}:
+    but for --decode, whose help says what chat_rl's auto does besides, and --calculator-format, whose default is
+    nanochat's str in chat_rl and the checkpoint's own in chat_eval and chat_cli (the same choices)."""
+    for name in SHARED.keys() & SETTINGS.keys() - {"decode", "calculator_format"}:
         assert SETTINGS[name] == SHARED[name].shown_in(SETTINGS[name].group), name
     decode, shared_decode = SETTINGS["decode"], SHARED["decode"]
     assert (decode.default, decode.choices) == (shared_decode.default, shared_decode.choices)
+    calculator, shared_calculator = SETTINGS["calculator_format"], SHARED["calculator_format"]
+    assert calculator.choices == shared_calculator.choices and (calculator.default, shared_calculator.default) == ("str", None)
     assert {s.group for s in SETTINGS.values()} == set(GROUPS)
 
 
