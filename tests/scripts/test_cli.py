@@ -19,9 +19,9 @@ from tasks.gsm8k import find_local_dir
 from tasks.registry import resolve_task_class
 
 
-def checkpoint_dir(base, files=()):
-    """$base/chatsft_checkpoints/d2 holding `files` {name: bytes}."""
-    d = base / "chatsft_checkpoints" / "d2"
+def checkpoint_dir(base, files=(), family="chatsft_checkpoints"):
+    """$base/<family>/d2 holding `files` {name: bytes}."""
+    d = base / family / "d2"
     d.mkdir(parents=True)
     for name, data in dict(files).items():
         (d / name).write_bytes(data)
@@ -90,11 +90,7 @@ CASES = {
 
 def rl_run_dir(base, files=()):
     """$base/chatrl_checkpoints/d2 holding `files` {name: bytes}."""
-    d = base / "chatrl_checkpoints" / "d2"
-    d.mkdir(parents=True)
-    for name, data in dict(files).items():
-        (d / name).write_bytes(data)
-    return str(d)
+    return checkpoint_dir(base, files, family="chatrl_checkpoints")
 
 
 def unreadable(directory):
