@@ -225,19 +225,26 @@ def test_every_normalization_on_two_gloo_ranks_equals_one_process(tmp_path):
     """Each rank holds half the questions (different token counts); the optimizers average the ranks'
     gradients, so every normalization's step-level denominator must be divided by the world size. Both the
     on-policy epoch and a clipped second epoch (after the same SGD step) must match one process holding every
-    question, for each normalization, plain and with truncated rows masked plus the KL penalty."""
+    question, for each normalization, plain and with truncated rows masked plus the KL penalty, and with a masking
+    rollout correction whose dropped tokens count in the denominators or not (--rejected-tokens: the filtering
+    comes before the step's counts are summed over the ranks)."""
     out = tmp_path / "two_ranks.pt"
     run_ranks(lambda rank: [str(Path(__file__).parents[1] / "support" / "rl_options_worker.py"), str(out)], world_size=2, timeout=120)
     two = torch.load(out, weights_only=True)
     batches = questions()
-    clipped = []
+    clipped, first_epochs = [], {}
     for i, case in enumerate(CASES):
         grad1, grad2, second = run_case(case, batches, len(batches), lambda g: g)
         assert grad1.abs().sum() > 0 and grad2.abs().sum() > 0
         torch.testing.assert_close(two[i][0], grad1, rtol=1e-5, atol=1e-8, msg=f"first epoch, {case}")
         torch.testing.assert_close(two[i][1], grad2, rtol=1e-5, atol=1e-8, msg=f"second epoch, {case}")
         clipped.append(second.clip_fraction)
+        first_epochs[tuple(sorted(case.items()))] = grad1
     assert all(0 < c < 1 for c in clipped), clipped  # the second epoch really exercised the clip
+    for case in CASES:  # --rejected-tokens: the peers' rule changes the gradient (some token was dropped)
+        if case.get("rejected_in_denominator") is False:
+            counted = first_epochs[tuple(sorted({**case, "rejected_in_denominator": True}.items()))]
+            assert (first_epochs[tuple(sorted(case.items()))] - counted).abs().max() > 1e-6, case
 
 
 @pytest.mark.parametrize("flags, message", [

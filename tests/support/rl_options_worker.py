@@ -18,12 +18,16 @@ from helpers import TableModel
 
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.objective import LOSS_NORMS, PolicyLoss, step_counts
-from nanochat.rl.policy_gradient import accumulate_policy_gradient
+from nanochat.rl.policy_gradient import accumulate_policy_gradient, without_rejected_tokens
 
 VOCAB, PAD, DEVICE_BATCH_SIZE, MAX_NEW_TOKENS, STEP = 32, 0, 2, 6, 0.5
-# every normalization, plain and with truncated rows masked plus the KL penalty
+# every normalization, plain and with truncated rows masked plus the KL penalty; then masking rollout corrections
+# with the dropped tokens counted in the denominators and not (--rejected-tokens), a row dropped whole by geo-mask
 CASES = [dict(loss_norm=norm, mask_truncated=masked, kl_coef=0.05 if masked else 0.0)
-         for norm in LOSS_NORMS for masked in (False, True)]
+         for norm in LOSS_NORMS for masked in (False, True)] + [
+    dict(loss_norm=norm, rollout_correction=correction, correction_cap=cap, rejected_in_denominator=counted)
+    for norm, correction, cap in (("token", "token-mask", 1.5), ("sequence", "geo-mask", 2.0))
+    for counted in (True, False)]
 
 
 def questions():
@@ -38,11 +42,14 @@ def questions():
         (3, [6, 6, 6, 6], [1, 1, 0, 0.5], [True, True, True, True]),
         (1, [4, 1, 3, 5], [0, 1, 1, 1], [False, False, False, False]),
     ]
-    batches = []
+    batches, noise = [], torch.Generator().manual_seed(1)
+    # the sampler's log-probabilities: about the tables' (log 1/32), moved by up to +-1, so that some tokens and rows
+    # leave a correction's band and some stay
+    sampler = lambda masks: [(-3.5 + 2 * float(torch.rand((), generator=noise)) - 1) if m else float("nan") for m in masks]
     for prompt_length, lengths, rewards, truncated in spec:
         completions = [(tokens(n), [0 if i % 3 == 1 else 1 for i in range(n)]) for n in lengths]
         batches.append(make_question_batch(tokens(prompt_length), completions, [float(r) for r in rewards], PAD,
-                                           truncated=truncated))
+                                           truncated=truncated, sampler_logprobs=[sampler(m) for _, m in completions]))
     return batches
 
 
@@ -54,6 +61,7 @@ def run_case(case, batches, examples_per_rank, average):
     torch.manual_seed(1)
     reference = TableModel(VOCAB)
     loss = PolicyLoss(max_new_tokens=MAX_NEW_TOKENS, clip_low=0.2, clip_high=0.28, **case)
+    batches, dropped = without_rejected_tokens(model, batches, loss, DEVICE_BATCH_SIZE, "cpu", nullcontext())
     counts = step_counts(batches, loss.mask_truncated, "cpu")
     run = lambda first: accumulate_policy_gradient(model, batches, DEVICE_BATCH_SIZE, examples_per_rank, "cpu",
                                                    nullcontext(), loss=loss, counts=counts, reference=reference,
