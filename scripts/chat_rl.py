@@ -40,12 +40,14 @@ from nanochat.wandb_utils import init_wandb, log_samples_table
 
 
 def evaluate(run, step):
-    """pass@k on the test split (device_batch_size samples of each of --eval-examples questions); logged."""
+    """pass@k on the test split (device_batch_size samples of each of --eval-examples questions), and on each of
+    --eval-tasks' (a field each on the line, their keys prefixed with the task's name); logged."""
     run.model.eval()
     t0 = time.time()
     with run.autocast(rollouts=True):
-        passk, _ = evaluate_pass_at_k(run.engine, run.val_task, run.config.eval_examples, run.config.device_batch_size,
-                                      max_new_tokens=256, temperature=1.0, top_k=50, device=run.reduce_device, seed=0)
+        passk, *extra = [evaluate_pass_at_k(run.engine, task, run.config.eval_examples, run.config.device_batch_size,
+                                            max_new_tokens=256, temperature=1.0, top_k=50, device=run.reduce_device,
+                                            seed=0)[0] for task in [run.val_task] + [t for _, t in run.extra_eval_tasks]]
     t_eval = time.time() - t0
     # what compiled since the last step line is the eval's own (its batch's shapes): said here, not in the next step's
     # line, and left out of the ETA, which counts what every later eval costs
@@ -53,10 +55,14 @@ def evaluate(run, step):
     # the most of any rank (rank 0's eval time includes waiting for the others' compiles), as a step's
     compiled = reduce_metrics({"compiles": graphs, "compile_s": compile_s}, run.reduce_device)
     graphs, compile_s = int(compiled["compiles"]), float(compiled["compile_s"])
-    print0(f"Step {step} | " + ", ".join(f"Pass@{k + 1}: {v:.4f}" for k, v in enumerate(passk.any)) + f" | eval {t_eval:.1f}s"
+    names = [name for name, _ in run.extra_eval_tasks]
+    print0(f"Step {step} | " + ", ".join(f"Pass@{k + 1}: {v:.4f}" for k, v in enumerate(passk.any))
+           + "".join(f" | {name} pass@1 {p.any[0]:.4f}" for name, p in zip(names, extra)) + f" | eval {t_eval:.1f}s"
            + (f" | compiled {graphs} graphs in {compile_s:.1f}s" if graphs else ""))
-    run.progress.record_eval(step, passk.as_dict(), max(t_eval - compile_s, 0.0))
-    return {"step": step, **passk.as_dict(), "time/eval": t_eval, "eval_compiles": graphs, "eval_compile_s": compile_s}
+    tasks = {k: v for name, p in zip(names, extra) for k, v in p.as_dict(prefix=f"{name}/").items()}
+    run.progress.record_eval(step, {**passk.as_dict(), **tasks}, max(t_eval - compile_s, 0.0))
+    return {"step": step, **passk.as_dict(), **{f"eval/{k}": v for k, v in tasks.items()}, "time/eval": t_eval,
+            "eval_compiles": graphs, "eval_compile_s": compile_s}
 
 
 def main(argv):

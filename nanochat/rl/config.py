@@ -141,6 +141,9 @@ SETTINGS = dict(
                          "token-mask): counted (today's: a dropped token still counts in the denominators) or uncounted "
                          "(slime's, verl's: dropped tokens leave them; a no-grad forward of the step's rows first)",
                          choices=REJECTED_TOKENS),
+    eval_tasks=flag(CHECKPOINTS, "", "more tasks the periodic eval measures beside --task's, comma-separated (gsm8k, "
+                    "arithmetic, package.module:ClassName): pass@k on each test split, a field each on the eval line, "
+                    "eval/<task>/pass@k in wandb, a row each in the report (default: --task's alone)"),
 )
 
 
@@ -148,6 +151,11 @@ SETTINGS = dict(
 class RLConfig:
     """chat_rl's settings (SETTINGS), checked on construction; frozen. RLConfig() is nanochat's run on GSM8K;
     RLConfig(task="arithmetic", device_type="cpu") another."""
+
+    @property
+    def extra_eval_tasks(self):
+        """--eval-tasks' names, in order: the tasks evaluated beside --task's."""
+        return [name.strip() for name in self.eval_tasks.split(",") if name.strip()]
 
     @classmethod
     def from_flags(cls, namespace):
@@ -216,6 +224,10 @@ class RLConfig:
         require(not (self.loss == "gspo" and self.rollout_correction == "token-mask"),
                 "--loss=gspo weighs whole sequences and --rollout-correction=token-mask single tokens; use "
                 "--rollout-correction=sequence-mask or geo-mask (or none) with gspo")
+        for name in self.extra_eval_tasks:  # an unknown task is reported now, not at the first eval
+            resolve_task_class(name)
+        require(len(set(self.extra_eval_tasks)) == len(self.extra_eval_tasks) and self.task not in self.extra_eval_tasks,
+                f"--eval-tasks={self.eval_tasks!r} names a task twice (--task's, {self.task}, is always evaluated)")
         require(self.rejected_tokens in REJECTED_TOKENS,
                 f"--rejected-tokens must be {' or '.join(REJECTED_TOKENS)}, got {self.rejected_tokens!r}")
         require(self.calculator_format in CALCULATOR_FORMATS,

@@ -61,6 +61,7 @@ class RLRun:
     rank: int = 0
     world_size: int = 1
     lean: bool = True  # train only rows with an advantage, each prompt once a forward (False: nanochat's way)
+    extra_eval_tasks: tuple = ()           # --eval-tasks: ((name, test task), ...) evaluated beside val_task
     loss_scale: object = None              # --dtype=float16: the dynamic loss scale (nanochat/optim/loss_scale.py)
     auto_compile: AutoCompile = None       # --compile=auto decided during the run (compile_rule.py), or None
     start_checkpoint: dict = None          # {source, model_tag, step} the run started from
@@ -210,7 +211,8 @@ def setup_run(config, resume, rank, world_size, device):
                      steps=(start_step, num_steps), rows=rows, ranks=(rank, world_size), reference=reference,
                      compiled=compiling.train or bool(auto_compile and auto_compile.compiled_now("train")),
                      loss_scale=loss_scale_for(plan, resumed), auto_compile=auto_compile, start_checkpoint=start,
-                     segments=segments, checkpoint_dir=checkpoint_dir, resumed=resumed)
+                     segments=segments, checkpoint_dir=checkpoint_dir, resumed=resumed,
+                     extra_eval_tasks=tuple((name, make_task(name, "test")) for name in config.extra_eval_tasks))
 
 
 def build_run(config, plan, model, tokenizer, engine, optimizers, tasks, device, steps, rows, compiled, ranks=(0, 1),
