@@ -38,7 +38,8 @@ def parse_args(argv):
     p.add_argument("--model-step", type=int, default=None, help="checkpoint step; default: the last one")
     add_model_generation_flag(p)
     # task
-    p.add_argument("--task", type=str, default="gsm8k", help="gsm8k, arithmetic, or package.module:ClassName")
+    p.add_argument("--task", type=str, default="gsm8k", help="gsm8k, arithmetic, or package.module:ClassName; several, "
+                   "comma-separated, are evaluated in turn (the JSON then holds {\"tasks\": [one result each]})")
     p.add_argument("--num-examples", type=int, default=-1, help="test questions to use (-1 = all)")
     # sampling
     p.add_argument("--num-samples", type=int, default=8, help="samples per question for pass@k")
@@ -81,6 +82,40 @@ def format_table(greedy, sampled):
     return "\n".join(lines)
 
 
+def task_names(flag):
+    """--task's tasks: one, or several comma-separated, each evaluated in turn."""
+    return [name.strip() for name in flag.split(",") if name.strip()]
+
+
+def evaluate_task(name, engine, args, autocast, device, meta, decode):
+    """Greedy pass@1 and sampled pass@k on the test split of the task `name`, printed; the result's dict."""
+    task = make_task(name, "test")
+    num_examples = len(task) if args.num_examples == -1 else min(args.num_examples, len(task))
+    common = dict(device=collective_device(device), seed=args.seed, max_new_tokens=args.max_new_tokens)
+    clock, t0 = CompileClock(), time.time()
+    with autocast:
+        greedy, _ = evaluate_pass_at_k(engine, task, num_examples, 1, temperature=0.0, top_k=None, **common)
+        sampled, outcomes = evaluate_pass_at_k(engine, task, num_examples, args.num_samples,
+                                               temperature=args.temperature, top_k=args.top_k or None, **common)
+    elapsed = time.time() - t0
+    compiles, compile_seconds = clock.total()  # part of `elapsed`; the most of any rank below
+    compiled = reduce_metrics({"compiles": compiles, "compile_s": compile_seconds}, collective_device(device))
+    print0(f"{name} test, {num_examples} questions, {args.num_samples} samples at T={args.temperature}, "
+           f"top-k {args.top_k} ({elapsed:.1f}s)")
+    print0(format_table(greedy, sampled))
+    result = {
+        "task": name, "source": args.source, "model_tag": args.model_tag, "model_step": meta.get("step"),
+        "num_questions": sampled.num_questions, "num_samples": args.num_samples,
+        "temperature": args.temperature, "top_k": args.top_k, "decode": decode, "compile": args.compile,
+        "seconds": elapsed, "compiles": int(compiled["compiles"]), "compile_s": compiled["compile_s"],
+        "greedy_pass@1": greedy.any[0],
+        "pass@k": {str(k): v for k, v in enumerate(sampled.any, start=1)},
+        "pass@k_unbiased": {str(k): v for k, v in enumerate(sampled.unbiased, start=1)},
+        "examples": [{"index": o.index, "completion": o.texts[0], "correct": int(o.rewards[0])} for o in outcomes[:5]],
+    }
+    return result
+
+
 def main(argv):
     args = parse_args(argv)
     validate_args(args)
@@ -96,33 +131,11 @@ def main(argv):
         args.memory_budget_gb, budget_line = resolve_memory_budget(args.memory_budget_gb, model, device,
                                                                    rollout_dtype=dtype)
         print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
+        calculator = args.calculator_format or recorded_calculator_format(meta)
         engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
-                        decode=args.decode, compile=args.compile,
-                        calculator_format=args.calculator_format or recorded_calculator_format(meta))
-        task = make_task(args.task, "test")
-        num_examples = len(task) if args.num_examples == -1 else min(args.num_examples, len(task))
-        common = dict(device=collective_device(device), seed=args.seed, max_new_tokens=args.max_new_tokens)
-        clock, t0 = CompileClock(), time.time()
-        with autocast:
-            greedy, _ = evaluate_pass_at_k(engine, task, num_examples, 1, temperature=0.0, top_k=None, **common)
-            sampled, outcomes = evaluate_pass_at_k(engine, task, num_examples, args.num_samples,
-                                                   temperature=args.temperature, top_k=args.top_k or None, **common)
-        elapsed = time.time() - t0
-        compiles, compile_seconds = clock.total()  # part of `elapsed`; the most of any rank below
-        compiled = reduce_metrics({"compiles": compiles, "compile_s": compile_seconds}, collective_device(device))
-        print0(f"{args.task} test, {num_examples} questions, {args.num_samples} samples at T={args.temperature}, "
-               f"top-k {args.top_k} ({elapsed:.1f}s)")
-        print0(format_table(greedy, sampled))
-        result = {
-            "task": args.task, "source": args.source, "model_tag": args.model_tag, "model_step": meta.get("step"),
-            "num_questions": sampled.num_questions, "num_samples": args.num_samples,
-            "temperature": args.temperature, "top_k": args.top_k, "decode": decode, "compile": args.compile,
-            "seconds": elapsed, "compiles": int(compiled["compiles"]), "compile_s": compiled["compile_s"],
-            "greedy_pass@1": greedy.any[0],
-            "pass@k": {str(k): v for k, v in enumerate(sampled.any, start=1)},
-            "pass@k_unbiased": {str(k): v for k, v in enumerate(sampled.unbiased, start=1)},
-            "examples": [{"index": o.index, "completion": o.texts[0], "correct": int(o.rewards[0])} for o in outcomes[:5]],
-        }
+                        decode=args.decode, compile=args.compile, calculator_format=calculator)
+        results = [evaluate_task(name, engine, args, autocast, device, meta, decode) for name in task_names(args.task)]
+        result = results[0] if len(results) == 1 else {"tasks": results}  # one task: the file as it always was
         if rank == 0:
             path = args.output or os.path.join(get_base_dir(), "report", f"chat_eval_{args.source}.json")
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

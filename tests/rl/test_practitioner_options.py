@@ -91,3 +91,19 @@ def test_eval_tasks_are_measured_beside_the_training_task_and_named_everywhere(s
         RLConfig(task="arithmetic", eval_tasks="gsm8k,arithmetic")
     with pytest.raises(UserError, match="nosuchtask"):
         RLConfig(eval_tasks="nosuchtask")
+
+
+def test_chat_eval_evaluates_several_tasks_in_turn(sft, base_dir, tmp_path, capsys):
+    """chat_eval --task=A,B: each task's block is printed and its result kept, in order, under "tasks" in the JSON;
+    one task writes the file as it always did (its result at the top)."""
+    flags = ["--num-examples=2", "--num-samples=2", "--max-new-tokens=4", "--device-type=cpu", "--dtype=float32",
+             "--compile=off"]
+    both = chat_eval.main(flags + ["--task=rl_toy_task:ParityTask,arithmetic", f"--output={tmp_path / 'both.json'}"])
+    out = capsys.readouterr().out
+    assert [r["task"] for r in both["tasks"]] == ["rl_toy_task:ParityTask", "arithmetic"]
+    assert out.index("rl_toy_task:ParityTask test, 2 questions") < out.index("arithmetic test, 2 questions")
+    assert json.loads((tmp_path / "both.json").read_text()) == json.loads(json.dumps(both))
+    one = chat_eval.main(flags + ["--task=arithmetic", f"--output={tmp_path / 'one.json'}"])
+    assert one["task"] == "arithmetic" and "tasks" not in one
+    assert {k: v for k, v in one.items() if k not in ("seconds", "compile_s")} == {
+        k: v for k, v in both["tasks"][1].items() if k not in ("seconds", "compile_s")}  # the same evaluation
