@@ -59,10 +59,10 @@ def evaluate(run, step):
     print0(f"Step {step} | " + ", ".join(f"Pass@{k + 1}: {v:.4f}" for k, v in enumerate(passk.any))
            + "".join(f" | {name} pass@1 {p.any[0]:.4f}" for name, p in zip(names, extra)) + f" | eval {t_eval:.1f}s"
            + (f" | compiled {graphs} graphs in {compile_s:.1f}s" if graphs else ""))
-    tasks = {k: v for name, p in zip(names, extra) for k, v in p.as_dict(prefix=f"{name}/").items()}
+    tasks = {k: v for name, p in zip(names, extra) for k, v in p.as_dict(prefix=f"eval/{name}/").items()}
     run.progress.record_eval(step, {**passk.as_dict(), **tasks}, max(t_eval - compile_s, 0.0))
-    return {"step": step, **passk.as_dict(), **{f"eval/{k}": v for k, v in tasks.items()}, "time/eval": t_eval,
-            "eval_compiles": graphs, "eval_compile_s": compile_s}
+    return {"step": step, **passk.as_dict(), **tasks, "time/eval": t_eval, "eval_compiles": graphs,
+            "eval_compile_s": compile_s}
 
 
 def main(argv):

@@ -70,8 +70,8 @@ def test_the_calculator_format_is_recorded_resumed_and_followed_by_chat_eval(sft
 
 
 def test_eval_tasks_are_measured_beside_the_training_task_and_named_everywhere(sft, base_dir, monkeypatch, capsys):
-    """--eval-tasks=arithmetic,gsm8k on a run of the toy task: every eval line has a field for each, the wandb record
-    eval/<task>/pass@k, the checkpoint's eval history and the report a row each; the training task's own keys stay
+    """--eval-tasks=arithmetic,gsm8k on a run of the toy task: every eval line has a field for each, the wandb record,
+    the checkpoint's eval history and the report eval/<task>/pass@k (a row each); the training task's own keys stay
     as they were. A task named twice, or an unknown one, is one line before anything loads."""
     logged = []
     monkeypatch.setattr(chat_rl, "init_wandb", lambda *a, **k: type("Recorder", (), {
@@ -84,9 +84,9 @@ def test_eval_tasks_are_measured_beside_the_training_task_and_named_everywhere(s
     evals = [r for r in logged if "time/eval" in r]
     assert len(evals) == 2 and all({"pass@1", "eval/arithmetic/pass@1", "eval/gsm8k/pass@2"} <= set(r) for r in evals)
     meta = json.loads((base_dir / "chatrl_checkpoints" / "d2" / "meta_000000.json").read_text())
-    assert {"pass@1", "arithmetic/pass@1", "gsm8k/pass@1"} <= set(meta["eval_history"][-1][1])
+    assert {"pass@1", "eval/arithmetic/pass@1", "eval/gsm8k/pass@1"} <= set(meta["eval_history"][-1][1])
     report = (base_dir / "report" / "report.md").read_text()
-    assert "| arithmetic/pass@1 |" in report and "| gsm8k/pass@1 |" in report
+    assert "| eval/arithmetic/pass@1 |" in report and "| eval/gsm8k/pass@1 |" in report
     with pytest.raises(UserError, match="names a task twice"):
         RLConfig(task="arithmetic", eval_tasks="gsm8k,arithmetic")
     with pytest.raises(UserError, match="nosuchtask"):

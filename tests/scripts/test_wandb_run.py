@@ -59,7 +59,7 @@ def test_chat_rl_run_logs_its_config_metrics_evals_and_samples_to_wandb(sft, bas
     (tmp_path / "home").mkdir()
     flags = [f for f in TINY_RL_FLAGS if not f.startswith("--eval-every")]
     proc = subprocess.run([sys.executable, "-m", "scripts.chat_rl", *flags, "--run=wandb_probe", "--num-steps=2",
-                           "--eval-every=1", "--eval-examples=2"], cwd=REPO, env=env, capture_output=True, text=True,
+                           "--eval-every=1", "--eval-examples=2", "--eval-tasks=arithmetic"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads((base_dir / "chatrl_checkpoints" / "d2" / "meta_000001.json").read_text())
@@ -84,6 +84,7 @@ def test_chat_rl_run_logs_its_config_metrics_evals_and_samples_to_wandb(sft, bas
         assert {k: logged[k] for k in kept} == pytest.approx(kept, rel=1e-12)
     evals = [row for row in rows if "pass@1" in row]
     assert [row["step"] for row in evals] == [0, 1, 2]
+    assert all("eval/arithmetic/pass@1" in row for row in evals)  # --eval-tasks: each eval, as the history keeps it
     for row, (step, passk) in zip(evals, meta["eval_history"]):
         assert row["step"] == step and {k: row[k] for k in passk} == pytest.approx(passk, rel=1e-12)
 
