@@ -177,6 +177,7 @@ def setup_run(config, resume, rank, world_size, device):
     model, tokenizer, meta, output_tag, start_step = load_start(config, resume, device)
     start = meta.get("start_checkpoint")
     train_task, val_task = make_task(config.task, "train"), make_task(config.task, "test")
+    extra_eval_tasks = tuple((name, make_task(name, "test")) for name in config.extra_eval_tasks)
     rows = train_rows(config, device.type)  # per training forward
     num_steps = run_length(config, train_task)
     resolved, compiling, measured = resolve_compute_plan(config, model, tokenizer, train_task, device, world_size,
@@ -198,7 +199,7 @@ def setup_run(config, resume, rank, world_size, device):
                                   prompt_tokens=longest_prompt(tokenizer, train_task) if device.type == "cuda" else 0)
     plan = RunPlan(**resolved, memory_budget_gb=budget, output_tag=output_tag, keep_last=resolve_keep_last(config, meta))
     engine = make_engine(config, plan, model, tokenizer, *engine_decode(plan.decode, compiling, auto_compile),
-                         (train_task, val_task))
+                         (train_task, val_task, *(task for _, task in extra_eval_tasks)))
     describe_engine(engine, compiling, config, rows)
     if engine.decode != "eager":
         print0(f"rollouts: static batch sized for prompts of up to {engine.prompt_floor} tokens (the task's longest)")
@@ -212,7 +213,7 @@ def setup_run(config, resume, rank, world_size, device):
                      compiled=compiling.train or bool(auto_compile and auto_compile.compiled_now("train")),
                      loss_scale=loss_scale_for(plan, resumed), auto_compile=auto_compile, start_checkpoint=start,
                      segments=segments, checkpoint_dir=checkpoint_dir, resumed=resumed,
-                     extra_eval_tasks=tuple((name, make_task(name, "test")) for name in config.extra_eval_tasks))
+                     extra_eval_tasks=extra_eval_tasks)
 
 
 def build_run(config, plan, model, tokenizer, engine, optimizers, tasks, device, steps, rows, compiled, ranks=(0, 1),
@@ -243,7 +244,8 @@ def build_run(config, plan, model, tokenizer, engine, optimizers, tasks, device,
 
 def make_engine(config, plan, model, tokenizer, decode, compiled, tasks):
     """The run's rollout engine in decode mode `decode`, its static step compiled or not, in the plan's memory budget;
-    a static batch is sized for every prompt of `tasks` (one batch for the run, its graphs captured once)."""
+    a static batch is sized for every prompt of `tasks`, --eval-tasks' too (one batch for the run, its graphs captured
+    once, not rebuilt for an eval's longer prompts)."""
     engine = Engine(model, tokenizer, max_rows=config.max_rows or None, memory_budget_gb=plan.memory_budget_gb,
                     decode=decode, compile=compiled, calculator_format=config.calculator_format)
     if engine.decode != "eager":
@@ -275,7 +277,7 @@ def auto_compile_step(run, step, t_rollout, t_train):
         else:  # the kept static batch of the engine left behind is freed with it
             run.engine.release(keep_from_now_on=False)
             run.engine = make_engine(run.config, run.plan, run.model, run.tokenizer, "static" if on else run.plan.decode,
-                                     on, (run.train_task, run.val_task))
+                                     on, (run.train_task, run.val_task, *(task for _, task in run.extra_eval_tasks)))
 
 
 def with_fewer_rows_on_oom(attempt, rows, message, rows_in_use=None, free_memory=None):

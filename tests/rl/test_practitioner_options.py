@@ -13,8 +13,11 @@ from nanochat.checkpoints.loading import recorded_calculator_format
 from nanochat.common import UserError
 from nanochat.engine import engine as engine_module
 from nanochat.rl.config import RLConfig
+from nanochat.rl.rollout import longest_prompt
 from nanochat.rl.run import policy_loss_of
+from nanochat.tokenizer import get_tokenizer
 from scripts import chat_eval, chat_rl
+from tasks.registry import make_task
 
 
 def test_the_defaults_are_todays_and_bad_values_are_one_line():
@@ -76,9 +79,14 @@ def test_eval_tasks_are_measured_beside_the_training_task_and_named_everywhere(s
     logged = []
     monkeypatch.setattr(chat_rl, "init_wandb", lambda *a, **k: type("Recorder", (), {
         "log": lambda self, record: logged.append(record), "finish": lambda self: None})())
-    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1", "--eval-every=1", "--eval-examples=2",
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1", "--eval-every=1", "--eval-examples=2", "--decode=static",
                                   "--eval-tasks=arithmetic,gsm8k"])
     out = capsys.readouterr().out
+    # the static batch is sized for the eval tasks' prompts too: made once, not again for an eval's longer prompts
+    tokenizer = get_tokenizer()
+    longest = longest_prompt(tokenizer, *(make_task(name, split) for name, split in (
+        ("rl_toy_task:ParityTask", "train"), ("rl_toy_task:ParityTask", "test"), ("arithmetic", "test"), ("gsm8k", "test"))))
+    assert f"rollouts: static batch sized for prompts of up to {longest} tokens" in out
     eval_lines = [line for line in out.splitlines() if "Pass@1:" in line]
     assert len(eval_lines) == 2 and all("| arithmetic pass@1 " in line and "| gsm8k pass@1 " in line for line in eval_lines)
     evals = [r for r in logged if "time/eval" in r]
