@@ -157,12 +157,11 @@ def covered_length(intervals, start, end):
     return covered
 
 
-def profile_split(prof, phases):
-    """Where each phase of a torch.profiler run (a record_function range named in `phases`, which ends once the device
+def profile_split(events, phases):
+    """Where each phase of a torch.profiler run (its raw events: profiler_events) (a record_function range named in `phases`, which ends once the device
     has finished its work) spent its time: {phase: {wall_s, gpu_busy_s, gaps_s, gpu_ops}}. gpu_busy_s is the union of
     the GPU's kernels and copies in it; gaps_s = wall_s - gpu_busy_s, the time the GPU waited on the host (launches, Python,
     syncs): a launch-bound step is mostly gaps. On a CPU the GPU lists are empty (everything is gaps)."""
-    events = list(prof.profiler.kineto_results.events())
     gpu = [_span(e) for e in _device_events(events, phases)]
     split = {}
     for name in phases:
@@ -185,11 +184,15 @@ def _device_events(events, phases):  # the GPU's kernels and copies (not the ann
             and e.name() not in phases]
 
 
-def top_device_ops(prof, rows):
-    """The `rows` kernel names with the most GPU time in a profile (the CPU's ops on a CPU, nested ones counted in
-    each), as text: read from the profiler's raw events, since its per-op table takes minutes over a GPU step's
-    few hundred thousand kernels."""
-    events = list(prof.profiler.kineto_results.events())
+def profiler_events(prof):
+    """A finished torch.profiler run's raw events, read once: its per-op table takes minutes over a GPU step's few
+    hundred thousand kernels, and each read of them builds as many Python objects."""
+    return list(prof.profiler.kineto_results.events())
+
+
+def top_device_ops(events, rows):
+    """The `rows` kernel names with the most GPU time among a profile's raw events (the CPU's ops on a CPU, nested
+    ones counted in each), as text."""
     chosen = _device_events(events, ()) or [e for e in events if not e.is_user_annotation()]
     seconds, calls = collections.Counter(), collections.Counter()
     for e in chosen:
@@ -205,7 +208,8 @@ def profile_phases(fn, device, phases, rows):
     cuda = [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + cuda) as prof:
         fn()
-    split = profile_split(prof, phases)
+    events = profiler_events(prof)
+    split = profile_split(events, phases)
     line = "; ".join(f"{phase} {s['wall_s']:.2f}s = device busy {s['gpu_busy_s']:.2f}s ({s['gpu_ops']} kernels and "
                      f"copies) + gaps {s['gaps_s']:.2f}s" for phase, s in split.items())
-    return split, line + "\n" + top_device_ops(prof, rows)
+    return split, line + "\n" + top_device_ops(events, rows)

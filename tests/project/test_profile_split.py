@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from nanochat.machine import covered_length, profile_split, top_device_ops
+from nanochat.machine import covered_length, profile_split, profiler_events, top_device_ops
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
@@ -28,10 +28,6 @@ def event(name, start, duration, device=CPU, annotation=False):
                            device_type=lambda: device, is_user_annotation=lambda: annotation)
 
 
-def fake_profile(events):
-    return SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
-
-
 def test_the_split_counts_kernels_inside_each_phase_once_and_not_the_annotations():
     events = [event("rollout", 0, 1000, annotation=True), event("training", 1000, 2000, annotation=True),
               event("rollout", 0, 1000, CUDA, annotation=True),  # the phase's range mirrored on the GPU
@@ -39,10 +35,10 @@ def test_the_split_counts_kernels_inside_each_phase_once_and_not_the_annotations
               event("mm", 100, 300, CUDA), event("add", 200, 300, CUDA),  # overlapping: 100..500 busy
               event("copy", 900, 200, CUDA),  # 900..1100: half in each phase
               event("mm", 1500, 500, CUDA), event("aten::mm", 1500, 400)]  # a CPU op: not the GPU's time
-    split = profile_split(fake_profile(events), ("rollout", "training"))
+    split = profile_split(events, ("rollout", "training"))
     assert split["rollout"] == {"wall_s": 1e-6, "gpu_busy_s": 500e-9, "gaps_s": 500e-9, "gpu_ops": 3}
     assert split["training"] == {"wall_s": 2e-6, "gpu_busy_s": 600e-9, "gaps_s": 1400e-9, "gpu_ops": 1}
-    assert top_device_ops(fake_profile(events), 2).splitlines()[0].split() == ["0.000", "s", "2", "x", "mm"]
+    assert top_device_ops(events, 2).splitlines()[0].split() == ["0.000", "s", "2", "x", "mm"]
 
 
 def test_a_real_cpu_profile_splits_into_its_phases():
@@ -51,8 +47,9 @@ def test_a_real_cpu_profile_splits_into_its_phases():
             x = torch.randn(64, 64) @ torch.randn(64, 64)
         with torch.profiler.record_function("training"):
             x.sum()
-    split = profile_split(prof, ("rollout", "training", "absent"))
+    events = profiler_events(prof)
+    split = profile_split(events, ("rollout", "training", "absent"))
     assert set(split) == {"rollout", "training"}
     for phase in split.values():  # no GPU: every second is a gap
         assert phase["wall_s"] > 0 and phase["gpu_busy_s"] == 0 and phase["gaps_s"] == phase["wall_s"]
-    assert "aten::" in top_device_ops(prof, 3)
+    assert "aten::" in top_device_ops(events, 3)
