@@ -5,7 +5,8 @@ benchmark's own). --configs: baseline (nanochat's rollouts, a generate_batch cal
 training: every row, with its prompt; fp32), batched_plain (chat_rl's rollouts, nanochat's training), batched_fp32 /
 batched_bf16 (chat_rl's step), *_static / *_graph (the static decode step, eagerly / from CUDA graphs: tokens checked
 against eager's / static's), *_compiled (torch.compile), *_blocks (--compile=blocks), *_nolag (the host not one step
-behind the device); each as is and "+early" (rows end at random lengths).
+behind the device), *_flex (the shared-prompt attention through FlexAttention); each as is and "+early" (rows end at
+random lengths).
   python -m scripts.bench_rl                                   # CPU or 1 GPU: random-init d4, vocab 8192
   python -m scripts.bench_rl --source=sft --task=arithmetic    # a trained checkpoint from $NANOCHAT_BASE_DIR
   python -m scripts.bench_rl --configs=batched_bf16 --profile=batched_bf16   # where a step's time goes
@@ -20,12 +21,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn as nn
 
 from nanochat.cli import ArgumentParser, flag_name, parse_rl_args, run_main
 from nanochat.common import (autocast_context, compute_cleanup, compute_init, cpu_has_native_bf16, dtype_name,
                              get_base_dir, get_dist_info, print0, require)
 from nanochat.diagnostics import compiled_step_graphs, compiled_step_kernels, count_decode_step_ops, d20_train_step_kernels
+from nanochat.diagnostics.early_stop import EarlyStopModel
 from nanochat.engine.decode_weights import matmul_modules
 from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import cache_geometry
@@ -34,7 +35,6 @@ from nanochat.machine import PeakMemory, device_time, load_average, measure_mach
 from nanochat.model.compile import compile_block_regions, compile_plan
 from nanochat.model.flops import matmul_flops_per_token, rollout_flops, train_flops
 from nanochat.model.gpt import GPT, build_fresh_model
-from nanochat.model.sampling import mix32
 from nanochat.report import text_table
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.config import RLConfig
@@ -57,6 +57,7 @@ class BenchConfig:
     compiled: bool = False  # torch.compile the training forward and (static, graph) the decode step
     blocks: bool = False    # torch.compile each block around its attention instead (--compile=blocks)
     lag: Optional[bool] = None  # the engine's host one step behind the device (None: the engine's default, on CUDA)
+    prompt_attention: str = "explicit"  # the shared-prompt decode step's attention (the engine's; "flex": FlexAttention)
 
 
 CONFIGS = {c.name: c for c in [BenchConfig("baseline", False, torch.float32, False),
@@ -67,10 +68,11 @@ CONFIGS = {c.name: c for c in [BenchConfig("baseline", False, torch.float32, Fal
               for mode in ("eager", "static", "graph")[:3 if short == "bf16" else 2]]
            + [BenchConfig("batched_fp32_blocks", True, torch.float32, True, "eager", blocks=True),
               BenchConfig("batched_bf16_graph_blocks", True, torch.bfloat16, True, "graph", blocks=True),
-              BenchConfig("batched_bf16_graph_nolag", True, torch.bfloat16, True, "graph", lag=False)]}
+              BenchConfig("batched_bf16_graph_nolag", True, torch.bfloat16, True, "graph", lag=False),
+              BenchConfig("batched_fp32_static_flex", True, torch.float32, True, "static", prompt_attention="flex"),
+              BenchConfig("batched_bf16_graph_flex", True, torch.bfloat16, True, "graph", prompt_attention="flex")]}
 PRESETS = {"d20": dict(depth=20, vocab_size=65536, sequence_len=2048, window_pattern="SSSL")}  # nanochat's d20, Jan 2026
 BENCH_STEP = 0           # the chat_rl step whose questions and seeds the benchmark uses
-FORCED_END_LOGIT = 1e4   # beats any softcapped logit (|x| <= 15) plus Gumbel noise (< 20)
 PER_CONFIG = {"dtype": None, "rollout_dtype": "auto", "decode": "auto"}  # chat_rl's flags that each config sets
 ENGINE_WORK = ("prefill_tokens", "decode_forwards", "row_steps", "kv_positions_read")  # Engine.last_stats, summed
 
@@ -128,7 +130,7 @@ def default_configs(device, compile_mode="auto"):
     plans = {c: compile_plan(compile_mode, device, c.decode) for c in CONFIGS.values()}
     configs = [c for c, plan in plans.items() if (c.decode != "graph" or device.type == "cuda")
                and (not c.compiled or (plan.train and (plan.decode or c.decode == "eager"))) and not c.blocks
-               and c.lag is None]
+               and c.lag is None and c.prompt_attention == "explicit"]
     if device.type == "cpu" and not cpu_has_native_bf16():
         print0("note: no native bf16 on this CPU (no AVX512-BF16 or AMX): skipping batched_bf16 "
                "(chat_rl runs in fp32 here; --configs=batched_bf16 measures it anyway)")
@@ -155,30 +157,6 @@ def bench_model(args, device):
     torch.manual_seed(args.seed)
     model = build_fresh_model(args.depth, args.sequence_len, args.vocab_size, device, args.window_pattern)
     return model.eval(), tokenizer, {"source": "random init", "tokenizer": directory}
-
-
-class EarlyStopModel(nn.Module):
-    """A GPT whose decode steps force <|assistant_end|> after input token x at position p when hash(x, p) < 2**32 /
-    mean_length: rows end at geometric random lengths, alike in every config; prefills and training are left alone."""
-
-    def __init__(self, model, end_token, mean_length):
-        super().__init__()
-        self.model, self.config, self.end_token = model, model.config, end_token
-        self.threshold = round(2 ** 32 / mean_length)
-
-    # the model's, left alone: its device, and a prefill's forward (hidden states, logits at the last token, smear state)
-    get_device, hidden_states, logits, smear_state = (property(lambda self, name=name: getattr(self.model, name))
-                                                      for name in ("get_device", "hidden_states", "logits", "smear_state"))
-    def ends(self, tokens, positions):
-        """tokens, positions: (B,) int64 -> (B,) bool: does the row end after this input."""
-        return mix32(mix32(tokens) ^ mix32(positions + 0x5BD1E995)) < self.threshold
-
-    def forward(self, idx, cache_step=None, **kwargs):
-        logits = self.model(idx, cache_step=cache_step, **kwargs)  # a decode step's: (B, 1, V) float32
-        if cache_step is not None and idx.size(1) == 1:
-            ends = self.ends(idx[:, 0], cache_step.positions[:, 0])
-            logits[:, 0, self.end_token] = torch.where(ends, FORCED_END_LOGIT, logits[:, 0, self.end_token])
-        return logits
 
 
 def row_steps_of(tokens, max_tokens):
@@ -228,7 +206,7 @@ def bench_run(model, rollout_model, tokenizer, task, config, rl, device, optimiz
     rl = dataclasses.replace(rl, dtype=dtype_name(config.dtype), rollout_dtype=dtype_name(config.dtype), decode=config.decode)
     engine = Engine(rollout_model, tokenizer, max_rows=(rl.max_rows or None) if config.batched else None,
                     memory_budget_gb=rl.memory_budget_gb, share_prompts=config.lean, decode=config.decode,
-                    compile="on" if config.compiled else "off", lag=config.lag)
+                    compile="on" if config.compiled else "off", lag=config.lag, prompt_attention=config.prompt_attention)
     if engine.decode != "eager":  # as chat_rl's: one static batch, sized for the task's longest prompt
         engine.reserve_prompt_length(longest_prompt(tokenizer, task))
     return build_run(rl, RunPlan.as_given(rl), model, tokenizer, engine, make_optimizers(rl, model) if optimize else [],
@@ -309,12 +287,14 @@ def measure(model, rollout_model, initial_state, tokenizer, task, config, rl, ar
 
 
 def mark_identical_tokens(results, configs):
-    """Whether a config's tokens equal its twin's, if run: a *_nolag one's lagging, a compiled one's uncompiled (a GPU's
+    """Whether a config's tokens equal its twin's, if run: a *_nolag one's lagging, a *_flex one's hand-written attention's,
+    a compiled one's uncompiled (a GPU's
     near-tie may fall otherwise), a graph one's static (same shapes, same kernels), else eager's; a static one's eager's."""
     names = {c.name for c in configs}
     for name, r in results.items():
         base, _, suffix = name.partition("+")
         twins = ([base.removesuffix("_nolag")] if CONFIGS[base].lag is not None else
+                 [base.removesuffix("_flex")] if CONFIGS[base].prompt_attention != "explicit" else
                  [base.removesuffix("_compiled").removesuffix("_blocks")] if CONFIGS[base].compiled or CONFIGS[base].blocks else
                  [base.replace("_graph", "_static"), base.replace("_graph", "")] if "_graph" in base else
                  [base.replace("_static", "")] if "_static" in base else None)

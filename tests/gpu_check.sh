@@ -6,7 +6,7 @@
 #   bash tests/gpu_check.sh [checks|compiled|suite|speedrun|env] [OUT_DIR]   # on the GPU machine (carry gpu_carry)
 #   bash tests/gpu_check.sh checks,compiled [OUT_DIR]   # several stages in one call (560 s, shared by weight)
 #
-# checks (the default), one call of at most 8 minutes in nine parts, each under a timeout, each adding one JSON line
+# checks (the default), one call of at most 8 minutes in ten parts, each under a timeout, each adding one JSON line
 # to OUT_DIR/parts.jsonl as it ends (part, exit, seconds, limit, log), and remaking OUT_DIR/results.tgz (every file,
 # since a device call brings back 8 at most), so that a call stopped at its limit keeps what finished; in the order
 # of what they decide, the measurements first:
@@ -22,13 +22,16 @@
 # 5. the step of part 2 profiled (torch.profiler, after one step unprofiled): per phase, rollout and training, the
 #    GPU's busy time (the union of its kernels and copies) against the gaps in which it waited on the host, and the
 #    kernels with the most GPU time (profile_d20.json's profile_split, profile_d20.log);
-# 6. the CUDA tests (`-m cuda`: NCCL under torchrun, bf16 vs fp32 step, a real out-of-memory, chat_sft and chat_eval
+# 6. the bench of part 2 with the shared-prompt attention through FlexAttention, compiled by Inductor alone (the step
+#    around it as part 2's), flex_d20.json: its compile seconds and decode ms against part 2's hand-written attention
+#    (which of the two a GPU runs faster; its tokens are checked against the hand-written step's by the CUDA tests);
+# 7. the CUDA tests (`-m cuda`: NCCL under torchrun, bf16 vs fp32 step, a real out-of-memory, chat_sft and chat_eval
 #    on CUDA, checkpoints across devices, CUDA-graph replay equal to the static step it captures; their runs of the
 #    scripts pass --compile=off), but test_compile.py's (the compiled stage runs them);
-# 7. the bench of part 2 with 16 trained rows a forward (train_rows_d20.json), against CUDA's auto 64;
-# 8. the bench of part 2 with the host feeding the rows in step with the device (nolag_d20.json), against part 2's
+# 8. the bench of part 2 with 16 trained rows a forward (train_rows_d20.json), against CUDA's auto 64;
+# 9. the bench of part 2 with the host feeding the rows in step with the device (nolag_d20.json), against part 2's
 #    host one step behind (the engine's lag, its default on CUDA): decode ms, tokens_digest equal to part 2's;
-# 9. with the time left, the same bench with the static step compiled whole and captured (compiled_d20.json): compile
+# 10. with the time left, the same bench with the static step compiled whole and captured (compiled_d20.json): compile
 #    seconds, decode ms per step, the compiled training pass (tokens_digest in both JSONs, to compare with part 2's).
 # compiled: --compile=on on CUDA (auto compiles nothing there until this stage measures that it pays): the compiled
 #    static step replayed from CUDA graphs against itself run without them (tests/model/test_compile.py's cuda test), then
@@ -209,14 +212,18 @@ checks)
     step "d20 blocks" 180 "$out/blocks_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_blocks \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/blocks_d20.json"
-    # where part 3's step goes: the GPU busy (kernels and copies) against its waits on the host (launch gaps), per phase
+    # where part 2's step goes: the GPU busy (kernels and copies) against its waits on the host (launch gaps), per phase
     step "d20 profile" 100 "$out/profile_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --profile=batched_bf16_graph \
         --early-stop-mean=0 --no-signal-fractions= --repeat=1 --force-advantages --output="$out/profile_d20.json"
+    # FlexAttention for the shared-prompt attention, compiled alone (issue 57): decode ms against part 2's
+    step "d20 flex" 120 "$out/flex_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_flex \
+        --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/flex_d20.json"
     step "cuda tests" 200 "$out/cuda_tests.log" "$python" -m pytest -q -p no:cacheprovider -rs --durations=10 -m cuda \
         --ignore=tests/model/test_compile.py tests
     tests_rc=$?
-    # 16 trained rows a forward (the CPU's auto) against CUDA's auto 64 (part 3; an H200: 2.49 s against 1.36 s)
+    # 16 trained rows a forward (the CPU's auto) against CUDA's auto 64 (part 2; an H200: 2.49 s against 1.36 s)
     step "d20 16 train rows" 75 "$out/train_rows_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --train-rows=16 \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/train_rows_d20.json"

@@ -8,6 +8,7 @@ One rollout, top-down through the modules:
     decode_batch.py         the rows decoded together: admission, the static decode step, retirement
     kv_cache.py             the cache each row keeps its own keys and values in, and the RolloutCache contract
     shared_prompt_cache.py  the cache where rows share their prompt's keys and values
+    flex_prompt_attention.py  its decode step's attention through FlexAttention, for benchmarks
     decode_weights.py       the matmul weights in the autocast dtype, made once per rollout
     cuda_graphs.py          the step's shapes, and its CUDA graphs (captured once, replayed)
     rows.py                 one sample in flight, and the calculator tool's protocol

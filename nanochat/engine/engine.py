@@ -23,6 +23,7 @@ from nanochat.engine.calculator import CALCULATOR_FORMATS
 from nanochat.engine.cuda_graphs import PROMPT_BUCKET, decode_mode, decode_plan
 from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch, RolloutStats, prepare_shapes, static_step
 from nanochat.engine.decode_weights import DecodeWeights
+from nanochat.engine.flex_prompt_attention import check_prompt_attention
 from nanochat.engine.kv_cache import KVCache, cache_geometry
 from nanochat.engine.rows import Row, SpecialIds
 from nanochat.engine.scheduler import Admission, BatchShape, KeptBatch, KeptBatches, cache_bytes
@@ -44,12 +45,12 @@ def autocast_dtype(device):
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
-def make_batch(model, shape, plan, stats, weights, step):
+def make_batch(model, shape, plan, stats, weights, step, prompt_attention="explicit"):
     """An empty DecodeBatch of `shape` running the DecodePlan `plan` with the static step `step` (compiled or not);
-    a static one's shapes prepared."""
+    a static one's shapes prepared. prompt_attention: a shared-prompt cache's (SharedPromptKVCache's attention)."""
     if shape.prompt_slots is not None:
         cache = SharedPromptKVCache.for_model(model, shape.rows, shape.prompt_slots, shape.prompt_cap, shape.max_tokens,
-                                              shape.num_samples, shape.dtype, plan.static)
+                                              shape.num_samples, shape.dtype, static=plan.static, attention=prompt_attention)
     else:
         cache = KVCache.for_model(model, shape.rows, shape.prompt_cap + shape.max_tokens, shape.dtype,
                                   spare_positions=1 if plan.static else 0)
@@ -125,14 +126,17 @@ class Engine(NanochatGenerate):
     most (several prompts, padded to the longest; 1: one prompt at a time). lag: the host one step behind the device,
     the same tokens (DecodeBatch.decode_step); None: on CUDA (a CPU is its own device: nothing to overlap).
     calculator_format: how a tool result is written ("str", nanochat's; "int": calculator.format_result).
+    prompt_attention: the shared-prompt step's attention, "explicit" or "flex" (FlexAttention: flex_prompt_attention.py).
     """
 
     def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True, decode="auto",
-                 compile="off", prefill_tokens=PREFILL_TOKENS, lag=None, calculator_format="str"):
+                 compile="off", prefill_tokens=PREFILL_TOKENS, lag=None, calculator_format="str",
+                 prompt_attention="explicit"):
         self.model, self.tokenizer, self.special = model, tokenizer, SpecialIds(tokenizer)
         self.max_rows, self.memory_budget_gb = max_rows, memory_budget_gb
         self.share_prompts, self.prefill_tokens = share_prompts, prefill_tokens
         self.calculator_format = check_calculator_format(calculator_format)
+        self.prompt_attention = check_prompt_attention(prompt_attention)
         self.lag = model.get_device().type == "cuda" if lag is None else lag
         self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
         compiles = compile if isinstance(compile, bool) else compile_plan(compile, model.get_device(), self.decode).decode
@@ -227,7 +231,7 @@ class Engine(NanochatGenerate):
                                      partial(self.rows_for_budget, longest, max_tokens, dtype, num_samples))
         shape = shape_of(rows)
         self.last_stats = RolloutStats(rows_allocated=rows)
-        batch = make_batch(self.model, shape, plan, self.last_stats, self.weights, self.step)
+        batch = make_batch(self.model, shape, plan, self.last_stats, self.weights, self.step, self.prompt_attention)
         keep = KeptBatch(shape, batch, cache_bytes(batch.cache), not limit and rows < samples) if plan.static else None
         return batch, keep
 

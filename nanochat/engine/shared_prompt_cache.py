@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from nanochat.engine.flex_prompt_attention import check_prompt_attention, run_flex_prompt_attention
 from nanochat.engine.kv_cache import cache_geometry, write_rows
 from nanochat.model.attention import Visibility, fp32_scores
 
@@ -32,11 +33,11 @@ class SharedPromptKVCache:
     INITIAL_SUFFIX_CAPACITY = 64
 
     def __init__(self, batch_size, slots, prompt_cap, suffix_cap, num_heads, head_dim, num_layers, device="cpu",
-                 dtype=torch.float32, rows_per_slot=1, embed_dim=None, embed_dtype=torch.float32, static=False):
+                 dtype=torch.float32, rows_per_slot=1, embed_dim=None, embed_dtype=torch.float32, static=False,
+                 attention="explicit"):
         self.pool_k = torch.zeros(num_layers, slots, num_heads, prompt_cap, head_dim, device=device, dtype=dtype)
         self.pool_v = torch.zeros_like(self.pool_k)
-        self.pool_len = torch.zeros(slots, dtype=torch.long, device=device)
-        self.suffix_cap = suffix_cap
+        self.pool_len, self.suffix_cap = torch.zeros(slots, dtype=torch.long, device=device), suffix_cap
         # static: for decode steps over a fixed number of rows (free ones included) that may be captured: every
         # position is allocated now, so the storage never moves, and free rows get a spare sample column. And one
         # position more, never read: a step's keys then never span the whole storage, and the compiled step's
@@ -53,21 +54,18 @@ class SharedPromptKVCache:
         self.active = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.prev_embedding = (None if embed_dim is None else
                                torch.zeros(batch_size, 1, embed_dim, device=device, dtype=embed_dtype))
+        self.attention = check_prompt_attention(attention)  # the step's: SharedPromptStep's, or FlexPromptStep's
 
     @classmethod
-    def for_model(cls, model, batch_size, slots, prompt_cap, suffix_cap, rows_per_slot, dtype=None, static=False):
+    def for_model(cls, model, batch_size, slots, prompt_cap, suffix_cap, rows_per_slot, dtype=None, **options):
+        """options: the constructor's static and attention."""
         g = cache_geometry(model)
         return cls(batch_size, slots, prompt_cap, suffix_cap, g.n_kv_head, g.head_dim, g.n_layer, device=g.device,
                    dtype=dtype or g.dtype, rows_per_slot=rows_per_slot, embed_dim=g.smear_dim,
-                   embed_dtype=g.smear_dtype, static=static)
+                   embed_dtype=g.smear_dtype, **options)
 
-    @property
-    def batch_size(self):
-        return self.k.size(1)
-
-    @property
-    def dtype(self):
-        return self.k.dtype
+    batch_size = property(lambda self: self.k.size(1))
+    dtype = property(lambda self: self.k.dtype)
 
     @property
     def key_capacity(self):
@@ -132,7 +130,7 @@ class SharedPromptKVCache:
         self.sample[row] = self.rows_per_slot
 
     # what a prefix view shares with its cache as it is, and what it takes the first rows of
-    SHARED_FIELDS = ("pool_k", "pool_v", "pool_len", "static", "rows_per_slot")
+    SHARED_FIELDS = ("pool_k", "pool_v", "pool_len", "static", "rows_per_slot", "attention")
     ROW_FIELDS = ("pos", "prompt_slot", "sample", "active")
 
     def prefix(self, rows):
@@ -156,7 +154,7 @@ class SharedPromptKVCache:
     def decode_step(self, rows, keys):
         """Grows the completion storage first when needed (a view cannot grow)."""
         self.ensure_suffix_capacity(keys)
-        return SharedPromptStep(self.prefix(rows), keys)
+        return (FlexPromptStep if self.attention == "flex" else SharedPromptStep)(self.prefix(rows), keys)
 
     def keys_read(self, rows, keys):
         """Each prompt slot's prompt once, and `keys` per row."""
@@ -182,6 +180,14 @@ class SharedPromptStep:
         next_positions = cache.next_positions()  # (B,)
         lengths = cache.pool_len[cache.prompt_slot]  # (B,) each row's prompt's
         self.positions = next_positions[:, None]  # (B, 1)
+        self._prepare_visibility(next_positions, lengths)
+        has_smear = cache.prev_embedding is not None
+        self.smear_previous = cache.prev_embedding.clone() if has_smear else None
+
+    def _prepare_visibility(self, next_positions, lengths):
+        """What every layer's attention reads of which key each row sees: `far` and the windows' masks, the prompt
+        attention's layouts (made at the first layer)."""
+        cache, suffix_keys, device = self.cache, self.S, next_positions.device
         # (B, 1, 1, Lp + S): the prompt's keys, then the completion's; NEVER for a prompt slot past the prompt's end and
         # a completion position past this step's
         prompt_keys = torch.arange(cache.pool_k.size(3), device=device)  # (Lp,)
@@ -193,8 +199,6 @@ class SharedPromptStep:
         # per window: 0 where the key is visible, -inf where not, added to the fp32 scores
         self.mask = Visibility(lambda window: visible.masked_fill(far > window, float("-inf")))
         self.layouts = {}  # dtype -> the prompt attention's (queries, probabilities) by slot, see _layouts
-        has_smear = cache.prev_embedding is not None
-        self.smear_previous = cache.prev_embedding.clone() if has_smear else None
 
     def _layouts(self, q, Lp):
         """The prompt attention's inputs laid out by prompt slot: queries (slots, Hkv, G, rep, D) and probabilities
@@ -214,10 +218,7 @@ class SharedPromptStep:
         B, _, H, D = q.shape  # (B, 1, H, D)
         Hkv = k.size(2)
         rep = H // Hkv
-        # store this step's key/value in each row's completion
-        # the (B, Hkv, capacity, D) storage written as (B, capacity, Hkv, D): a row's position is its second index
-        write_rows(c.k, layer_idx, self.row_index, c.pos, k[:, 0].to(c.k.dtype), heads_first=True)
-        write_rows(c.v, layer_idx, self.row_index, c.pos, v[:, 0].to(c.v.dtype), heads_first=True)
+        self._store_new_keys(layer_idx, k, v)
         q = q[:, 0].reshape(B, Hkv, rep, D)
         pool_k, pool_v = c.pool_k[layer_idx].to(q.dtype), c.pool_v[layer_idx].to(q.dtype)  # (slots, Hkv, Lp, D)
         slots, Lp = pool_k.size(0), pool_k.size(2)
@@ -242,8 +243,38 @@ class SharedPromptStep:
         y = prompt_out.view(slots, Hkv, G, rep, D)[c.prompt_slot, :, c.sample] + suffix_out.view(B, Hkv, rep, D)
         return y.reshape(B, H, 1, D)
 
+    def _store_new_keys(self, layer_idx, k, v):
+        """This step's key and value (B, 1, Hkv, D) go into each row's completion, at its position: the (B, Hkv,
+        capacity, D) storage written as (B, capacity, Hkv, D), where a row's position is its second index."""
+        c = self.cache
+        write_rows(c.k, layer_idx, self.row_index, c.pos, k[:, 0].to(c.k.dtype), heads_first=True)
+        write_rows(c.v, layer_idx, self.row_index, c.pos, v[:, 0].to(c.v.dtype), heads_first=True)
+
     def keep_smear_state(self, embedding):
         self.cache.prev_embedding.copy_(embedding)
 
     def advance(self):
         self.cache.pos.add_(self.cache.active)
+
+
+class FlexPromptStep(SharedPromptStep):
+    """SharedPromptStep with its attention through FlexAttention (nanochat/engine/flex_prompt_attention.py): the same
+    keys seen, the same result up to rounding. Made once per step: each grid cell's position (where row b's query
+    sits in the prompt part's layout) and, per window, the lowest key position each query sees."""
+
+    def _prepare_visibility(self, next_positions, lengths):
+        c = self.cache
+        slots, G = c.pool_k.size(1), c.rows_per_slot + (1 if c.static else 0)  # as SharedPromptStep._layouts
+        grid_positions = next_positions.new_zeros(slots, G)
+        grid_positions[c.prompt_slot, c.sample] = next_positions
+        self.lowest = Visibility(lambda window: (grid_positions - window, c.pos - window))
+
+    def attend(self, layer_idx, q, k, v, window):
+        c = self.cache
+        B, _, H, D = q.shape  # (B, 1, H, D)
+        self._store_new_keys(layer_idx, k, v)
+        lowest, lowest_own = self.lowest(window)
+        y = run_flex_prompt_attention(q[:, 0], c.pool_k[layer_idx].to(q.dtype), c.pool_v[layer_idx].to(q.dtype), c.pool_len,
+                           c.prompt_slot, c.sample, lowest, c.k[layer_idx][:, :, :self.S].to(q.dtype),
+                           c.v[layer_idx][:, :, :self.S].to(q.dtype), c.pos, lowest_own)
+        return y.reshape(B, H, 1, D)

@@ -11,6 +11,7 @@ from helpers import BF16_MIN_AGREEMENT, BF16_NEAR_TIE, FP32_GAP_BOUND, random_mo
 from nanochat import machine
 from nanochat.common import UserError
 from greedy_agreement import greedy_agreement
+from nanochat.diagnostics.early_stop import EarlyStopModel
 from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import KVCache, forward_cached
 from nanochat.rl import run as rl_run
@@ -51,6 +52,24 @@ def test_static_decode_config_samples_the_same_tokens_and_forced_advantages_trai
         assert r["sampler_tokens"] > 0 and 0 <= r["sampler_gap_mean"] <= r["sampler_gap_max"] <= FP32_GAP_BOUND  # fp32: a few ulps
         assert r["bandwidth_bound_ms"] > 0 and r["decode_x_bound"] == r["decode_ms_per_step"] / r["bandwidth_bound_ms"]
     assert "= batched_fp32+early" in capsys.readouterr().out
+
+
+def test_flex_config_samples_the_hand_written_steps_tokens(base_dir, tmp_path, monkeypatch):
+    """batched_fp32_static_flex (the shared-prompt attention through FlexAttention, eagerly on a CPU) is checked
+    against batched_fp32_static's tokens: the same, with and without early ends; the GPU's batched_bf16_graph_flex
+    against batched_bf16_graph."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # Dynamo runs eager FlexAttention: this machine's
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)      # CUDA, not the session's pretend one
+    output = tmp_path / "bench.json"
+    bench_rl.main(TINY_FLAGS + ["--configs=batched_fp32_static,batched_fp32_static_flex", "--force-advantages",
+                                f"--output={output}", "--no-signal-fractions="])
+    results = json.loads(output.read_text())["results"]
+    assert results["batched_fp32_static_flex"]["tokens_identical_to"] == ["batched_fp32_static", True]
+    assert results["batched_fp32_static_flex+early"]["tokens_identical_to"] == ["batched_fp32_static+early", True]
+    assert results["batched_fp32_static_flex"]["rollout_tokens"] == results["batched_fp32_static"]["rollout_tokens"] > 0
+    results = {name: {"tokens_digest": "d"} for name in ("batched_bf16_graph", "batched_bf16_graph_flex")}
+    bench_rl.mark_identical_tokens(results, [bench_rl.CONFIGS[n] for n in results])
+    assert results["batched_bf16_graph_flex"]["tokens_identical_to"] == ("batched_bf16_graph", True)
 
 
 def test_d20_preset_sets_nanochats_d20_shapes():
@@ -189,7 +208,7 @@ def test_early_stop_ends_rows_exactly_where_the_hash_fires(tiny_tokenizer):
     whichever rows share its batch."""
     model = tiny_gpt()
     end = tiny_tokenizer.encode_special("<|assistant_end|>")
-    wrapped = bench_rl.EarlyStopModel(model, end, mean_length=4)
+    wrapped = EarlyStopModel(model, end, mean_length=4)
     prompts = [tiny_tokenizer.encode("two plus", prepend="<|bos|>"), tiny_tokenizer.encode("seven", prepend="<|bos|>")]
     results = Engine(wrapped, tiny_tokenizer).generate_many(prompts, num_samples=6, max_tokens=20, temperature=1.0, seed=3)
     lengths = []
@@ -212,8 +231,8 @@ def test_early_stop_wrapper_leaves_logits_alone_unless_it_fires(tiny_tokenizer):
     model = tiny_gpt()
     end = tiny_tokenizer.encode_special("<|assistant_end|>")
     idx = torch.randint(0, 300, (3, 10))
-    never = bench_rl.EarlyStopModel(model, end, mean_length=2 ** 40)  # threshold 0: never fires
-    always = bench_rl.EarlyStopModel(model, end, mean_length=1)
+    never = EarlyStopModel(model, end, mean_length=2 ** 40)  # threshold 0: never fires
+    always = EarlyStopModel(model, end, mean_length=1)
     assert torch.equal(always(idx), model(idx))  # training forwards are the model's
 
     def prefill_then_decode(m):

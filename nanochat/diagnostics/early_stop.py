@@ -1,0 +1,35 @@
+"""
+A benchmark's rows that end at random lengths, alike in every configuration it compares (bench_rl's "+early" runs): a
+model wrapper whose decode steps force <|assistant_end|> by a hash of the input token and its position.
+"""
+
+import torch
+import torch.nn as nn
+
+from nanochat.model.sampling import mix32
+
+FORCED_END_LOGIT = 1e4   # beats any softcapped logit (|x| <= 15) plus Gumbel noise (< 20)
+
+
+class EarlyStopModel(nn.Module):
+    """A GPT whose decode steps force <|assistant_end|> after input token x at position p when hash(x, p) < 2**32 /
+    mean_length: rows end at geometric random lengths, alike in every config; prefills and training are left alone."""
+
+    def __init__(self, model, end_token, mean_length):
+        super().__init__()
+        self.model, self.config, self.end_token = model, model.config, end_token
+        self.threshold = round(2 ** 32 / mean_length)
+
+    # the model's, left alone: its device, and a prefill's forward (hidden states, logits at the last token, smear state)
+    get_device, hidden_states, logits, smear_state = (property(lambda self, name=name: getattr(self.model, name))
+                                                      for name in ("get_device", "hidden_states", "logits", "smear_state"))
+    def ends(self, tokens, positions):
+        """tokens, positions: (B,) int64 -> (B,) bool: does the row end after this input."""
+        return mix32(mix32(tokens) ^ mix32(positions + 0x5BD1E995)) < self.threshold
+
+    def forward(self, idx, cache_step=None, **kwargs):
+        logits = self.model(idx, cache_step=cache_step, **kwargs)  # a decode step's: (B, 1, V) float32
+        if cache_step is not None and idx.size(1) == 1:
+            ends = self.ends(idx[:, 0], cache_step.positions[:, 0])
+            logits[:, 0, self.end_token] = torch.where(ends, FORCED_END_LOGIT, logits[:, 0, self.end_token])
+        return logits

@@ -1,0 +1,92 @@
+"""
+The shared-prompt decode step's attention through PyTorch's FlexAttention, a variant of the hand-written one
+(nanochat/engine/shared_prompt_cache.py's SharedPromptStep) that a benchmark can put beside it (bench_rl's *_flex
+configs; the engine's prompt_attention="flex"). Issue 57 asks which of the two a GPU runs faster; only a GPU can say
+(on a CPU FlexAttention is PyTorch's unfused reference eagerly, and Inductor does not compile it with the log-sum-exp
+this variant needs: docs/performance_history.md).
+
+A row's query attends to its prompt's keys (in a prompt slot of the pool, shared by the prompt's rows) and to its
+own completion's. FlexAttention takes one key tensor per call, so the two parts are two calls, each returning its
+log-sum-exp, merged as one softmax over both key sets would have weighed them:
+- the prompt part: the queries laid out by prompt slot, (slots, H, G, D) with row b at [prompt_slot[b], :,
+  sample[b]], against the pool's (slots, Hkv, Lp, D) keys as they lie (no copy per row): one query "sequence" of G
+  samples per slot;
+- the own part: each row's one query against its (B, Hkv, S, D) completion keys (a decoding call).
+Visibility is a score modification reading small tensors made once per step and window: a prompt key j is seen by
+the query at grid cell (slot, g) iff j < pool_len[slot] and j >= lowest[slot, g] (its position minus the window); a
+completion key j by row b iff lowest_own[b] <= j <= pos[b].
+"""
+
+import contextlib
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+try:
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # torch before 2.9
+    AuxRequest = None
+
+from nanochat.model.compile import maybe_compiled
+from nanochat.model.precision import autocast_enabled
+
+PROMPT_ATTENTIONS = ("explicit", "flex")  # the shared-prompt step's attention: hand-written, or FlexAttention
+
+
+def check_prompt_attention(name):
+    if name not in PROMPT_ATTENTIONS:
+        raise ValueError(f"prompt attention must be one of {', '.join(PROMPT_ATTENTIONS)}, got {name!r}")
+    return name
+
+
+def flex_prompt_attention(q, pool_k, pool_v, pool_len, prompt_slot, sample, lowest, suffix_k, suffix_v, pos, lowest_own):
+    """q: (B, H, D) each row's query; pool_k, pool_v: (slots, Hkv, Lp, D); pool_len: (slots,); prompt_slot, sample:
+    (B,) where each row's query goes in the prompt part's layout; lowest: (slots, G) the lowest prompt key each grid
+    cell sees (its position minus the window; a cell no row occupies computes nothing used); suffix_k, suffix_v:
+    (B, Hkv, S, D); pos: (B,) each row's newest completion key; lowest_own: (B,) its lowest visible one.
+    Returns (B, H, D) in q's dtype: softmax over the visible prompt and completion keys together, times their values."""
+    slots, G = lowest.shape
+    B, H, D = q.shape
+    grid = q.new_zeros(slots, H, G, D)
+    grid[prompt_slot, :, sample] = q
+
+    def prompt_visible(score, b, h, q_idx, kv_idx):
+        return torch.where((kv_idx < pool_len[b]) & (kv_idx >= lowest[b, q_idx]), score, float("-inf"))
+
+    def own_visible(score, b, h, q_idx, kv_idx):
+        return torch.where((kv_idx <= pos[b]) & (kv_idx >= lowest_own[b]), score, float("-inf"))
+
+    gqa = not (pool_k.shape[1] == H)  # `not ==`: a Python bool under dynamic shapes (attention.attend says why)
+    with without_autocast(q.device.type):  # the inputs are in the step's dtype already; FlexAttention keeps fp32 scores
+        prompt_out, prompt_lse = attention_and_lse(grid, pool_k, pool_v, prompt_visible, gqa)  # (slots, H, G, D), (.., G)
+        own_out, own_lse = attention_and_lse(q[:, :, None], suffix_k, suffix_v, own_visible, gqa)  # (B, H, 1, D), (.., 1)
+    prompt_out, prompt_lse = prompt_out[prompt_slot, :, sample].float(), prompt_lse[prompt_slot, :, sample]  # (B, H, ..)
+    # each part's weight in the joint softmax: exp(its log-sum-exp) over both (a part that sees no key: -inf, weight
+    # 0; a row always sees its own newest key, so the maximum is finite)
+    top = torch.maximum(prompt_lse, own_lse[..., 0])
+    w_prompt, w_own = (prompt_lse - top).exp()[..., None], (own_lse[..., 0] - top).exp()[..., None]
+    return ((prompt_out * w_prompt + own_out[:, :, 0].float() * w_own) / (w_prompt + w_own)).to(q.dtype)
+
+
+def attention_and_lse(q, k, v, score_mod, gqa):
+    """FlexAttention's output and its log-sum-exp (natural log) over the keys, in the way this torch asks for it:
+    return_aux from torch 2.9 (where return_lse is deprecated), return_lse before."""
+    if AuxRequest is None:
+        return flex_attention(q, k, v, score_mod=score_mod, enable_gqa=gqa, return_lse=True)
+    out, aux = flex_attention(q, k, v, score_mod=score_mod, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
+def run_flex_prompt_attention(*args):
+    """flex_prompt_attention(*args) as a decode step runs it: compiled on CUDA (eagerly FlexAttention is an unfused
+    reference), with dynamic shapes as the static step (one graph for every bucket); eagerly elsewhere (a CPU's
+    Inductor does not compile it with the log-sum-exp); inside a compiled step, the plain function, which the step's
+    graph takes in."""
+    if torch.compiler.is_compiling():
+        return flex_prompt_attention(*args)
+    return maybe_compiled(flex_prompt_attention, args[0].is_cuda, dynamic=True)(*args)
+
+
+def without_autocast(device_type):
+    """Autocast off where it is on (on the meta device there is none to turn off)."""
+    return torch.autocast(device_type, enabled=False) if autocast_enabled(device_type) else contextlib.nullcontext()
