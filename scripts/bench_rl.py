@@ -234,7 +234,8 @@ def bench_step(run, config, force_advantages):
             1 - 2 * (torch.arange(len(r.batch.advantages)) % 2)).to(r.batch.advantages))) for r in rollouts] \
             if force_advantages else rollouts
     outcome = run.step(BENCH_STEP, clock=lambda: device_time(run.device), sample=sample, before_training=before_training)
-    any(hook.remove() for hook in hooks)
+    for hook in hooks:
+        hook.remove()
     (compiles, compile_seconds), optimizer_s, trained = run.compile_clock.lap(), sum(optimizer_seconds), outcome.result.first
     return {**engine_work(run.model, calls, run.config.max_new_tokens), "tokens_digest": digest[0], "compiles": compiles,
             "compile_seconds": compile_seconds, "rollout_seconds": outcome.t_rollout,

@@ -173,7 +173,7 @@ def resolve_memory(config, model, device, optimizers, rows, rollout_dtype, compi
             rollout_dtype=getattr(torch, rollout_dtype), prompts=-(-rows // config.num_samples) + 1,
             head_tokens=head_tokens)
     gb, line = budget(rows)
-    smaller = max(config.device_batch_size, OTHER_AUTO_TRAIN_ROWS)
+    smaller = train_rows(config, "other")  # the auto of a device without an entry of its own
     if line and not config.train_rows and smaller < rows and rollout_rows:
         per_token = cache_geometry(model).bytes_per_token(getattr(torch, rollout_dtype))
         if rows_in_budget(per_token, gb * 2 ** 30, prompt_tokens, config.max_new_tokens, config.num_samples,
