@@ -70,7 +70,9 @@ CONFIGS = {c.name: c for c in [BenchConfig("baseline", False, torch.float32, Fal
               BenchConfig("batched_bf16_graph_blocks", True, torch.bfloat16, True, "graph", blocks=True),
               BenchConfig("batched_bf16_graph_nolag", True, torch.bfloat16, True, "graph", lag=False),
               BenchConfig("batched_fp32_static_flex", True, torch.float32, True, "static", prompt_attention="flex"),
-              BenchConfig("batched_bf16_graph_flex", True, torch.bfloat16, True, "graph", prompt_attention="flex")]}
+              BenchConfig("batched_bf16_graph_flex", True, torch.bfloat16, True, "graph", prompt_attention="flex"),
+              BenchConfig("batched_bf16_graph_compiled_flex", True, torch.bfloat16, True, "graph", True,
+                          prompt_attention="flex")]}
 PRESETS = {"d20": dict(depth=20, vocab_size=65536, sequence_len=2048, window_pattern="SSSL")}  # nanochat's d20, Jan 2026
 BENCH_STEP = 0           # the chat_rl step whose questions and seeds the benchmark uses
 PER_CONFIG = {"dtype": None, "rollout_dtype": "auto", "decode": "auto"}  # chat_rl's flags that each config sets

@@ -56,8 +56,8 @@ def test_static_decode_config_samples_the_same_tokens_and_forced_advantages_trai
 
 def test_flex_config_samples_the_hand_written_steps_tokens(base_dir, tmp_path, monkeypatch):
     """batched_fp32_static_flex (the shared-prompt attention through FlexAttention, eagerly on a CPU) is checked
-    against batched_fp32_static's tokens: the same, with and without early ends; the GPU's batched_bf16_graph_flex
-    against batched_bf16_graph."""
+    against batched_fp32_static's tokens: the same, with and without early ends; the GPU's flex configs against the
+    hand-written attention's, compiled or not."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # Dynamo runs eager FlexAttention: this machine's
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)      # CUDA, not the session's pretend one
     output = tmp_path / "bench.json"
@@ -67,9 +67,11 @@ def test_flex_config_samples_the_hand_written_steps_tokens(base_dir, tmp_path, m
     assert results["batched_fp32_static_flex"]["tokens_identical_to"] == ["batched_fp32_static", True]
     assert results["batched_fp32_static_flex+early"]["tokens_identical_to"] == ["batched_fp32_static+early", True]
     assert results["batched_fp32_static_flex"]["rollout_tokens"] == results["batched_fp32_static"]["rollout_tokens"] > 0
-    results = {name: {"tokens_digest": "d"} for name in ("batched_bf16_graph", "batched_bf16_graph_flex")}
+    names = ("batched_bf16_graph", "batched_bf16_graph_flex", "batched_bf16_graph_compiled", "batched_bf16_graph_compiled_flex")
+    results = {name: {"tokens_digest": "d"} for name in names}
     bench_rl.mark_identical_tokens(results, [bench_rl.CONFIGS[n] for n in results])
     assert results["batched_bf16_graph_flex"]["tokens_identical_to"] == ("batched_bf16_graph", True)
+    assert results["batched_bf16_graph_compiled_flex"]["tokens_identical_to"] == ("batched_bf16_graph_compiled", True)
 
 
 def test_d20_preset_sets_nanochats_d20_shapes():
