@@ -14,20 +14,20 @@
 # 2. the d20 bench (nanochat's January-2026 d20 shapes, random weights, GSM8K prompts, 16 questions x 16 samples x
 #    256 tokens, rows to the cap, advantages forced to +-1 so the whole batch trains), the graph decode step, 3
 #    consecutive steps: chat_rl's own step (bench_d20.json, written after each config);
-# 3. the epoch estimate: scripts/bench_epoch.py times a d20 save both ways (written whole, and in the background)
-#    and prints `d20 epoch on this GPU ≈ N min` from part 2's step, its rollout rate for the evals and the save
-#    (epoch_d20.json);
-# 4. the same bench with --compile=blocks (blocks_d20.json): each block compiled around its attention, once for
+# 3. the same bench with --compile=blocks (blocks_d20.json): each block compiled around its attention, once for
 #    every layer, in rollouts (captured in the engine's graphs) and training: compile seconds, decode ms, train s;
+# 4. the bench of part 2 with the shared-prompt attention through FlexAttention, compiled by Inductor alone (the step
+#    around it as part 2's), flex_d20.json: its compile seconds and decode ms against part 2's hand-written attention
+#    (which of the two a GPU runs faster; its tokens are checked against the hand-written step's by the CUDA tests);
 # 5. the step of part 2 profiled (torch.profiler, after one step unprofiled): per phase, rollout and training, the
 #    GPU's busy time (the union of its kernels and copies) against the gaps in which it waited on the host, and the
 #    kernels with the most GPU time (profile_d20.json's profile_split, profile_d20.log);
-# 6. the bench of part 2 with the shared-prompt attention through FlexAttention, compiled by Inductor alone (the step
-#    around it as part 2's), flex_d20.json: its compile seconds and decode ms against part 2's hand-written attention
-#    (which of the two a GPU runs faster; its tokens are checked against the hand-written step's by the CUDA tests);
-# 7. the CUDA tests (`-m cuda`: NCCL under torchrun, bf16 vs fp32 step, a real out-of-memory, chat_sft and chat_eval
-#    on CUDA, checkpoints across devices, CUDA-graph replay equal to the static step it captures; their runs of the
-#    scripts pass --compile=off), but test_compile.py's (the compiled stage runs them);
+# 6. the CUDA tests (`-m cuda`: NCCL under torchrun, bf16 vs fp32 step, a real out-of-memory, chat_sft and chat_eval
+#    on CUDA, checkpoints across devices, CUDA-graph replay equal to the static step it captures, FlexAttention
+#    compiled; their runs of the scripts pass --compile=off), but test_compile.py's (the compiled stage runs them);
+# 7. the epoch estimate: scripts/bench_epoch.py times a d20 save both ways (written whole, and in the background)
+#    and prints `d20 epoch on this GPU ≈ N min` from part 2's step, its rollout rate for the evals and the save
+#    (epoch_d20.json);
 # 8. the bench of part 2 with 16 trained rows a forward (train_rows_d20.json), against CUDA's auto 64;
 # 9. the bench of part 2 with the host feeding the rows in step with the device (nolag_d20.json), against part 2's
 #    host one step behind (the engine's lag, its default on CUDA): decode ms, tokens_digest equal to part 2's;
@@ -198,31 +198,32 @@ env)
     ;;
 checks)
     # the parts in the order of what they decide, the measurements first (on the fourth GPU run, an H200, the CUDA
-    # tests first took 140 s and the parts after the epoch estimate found no time left): the d20 step, the epoch it
-    # makes, --compile=blocks (never yet timed on a GPU), where the step's time goes, the CUDA tests (not test_compile's:
-    # the compiled stage runs those), then what is already decided (16 rows a forward, no lag) and the compiled step
+    # tests first took 140 s and the parts after the epoch estimate found no time left): the d20 step, then what is
+    # not yet decided from a GPU's figures (--compile=blocks, FlexAttention), where the step's time goes, the CUDA
+    # tests (not test_compile's: the compiled stage runs those), the epoch (from part 2's step and a timed save),
+    # then what is already decided (16 rows a forward, no lag) and the compiled step
     step "d20 bench" 150 "$out/bench_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph \
         --early-stop-mean=0 --no-signal-fractions= --repeat=3 --force-advantages --output="$out/bench_d20.json"
     bench_rc=$?
-    step "epoch estimate" 60 "$out/epoch_d20.log" \
-        "$python" -m scripts.bench_epoch --bench="$out/bench_d20.json" --device-type=cuda --output="$out/epoch_d20.json"
     # --compile=blocks (each block compiled around its attention, one compile for every layer; issue 48): whether
     # it pays on a GPU, and its compile seconds
     step "d20 blocks" 180 "$out/blocks_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_blocks \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/blocks_d20.json"
-    # where part 2's step goes: the GPU busy (kernels and copies) against its waits on the host (launch gaps), per phase
-    step "d20 profile" 100 "$out/profile_d20.log" \
-        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --profile=batched_bf16_graph \
-        --early-stop-mean=0 --no-signal-fractions= --repeat=1 --force-advantages --output="$out/profile_d20.json"
     # FlexAttention for the shared-prompt attention, compiled alone (issue 57): decode ms against part 2's
     step "d20 flex" 120 "$out/flex_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_flex \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/flex_d20.json"
+    # where part 2's step goes: the GPU busy (kernels and copies) against its waits on the host (launch gaps), per phase
+    step "d20 profile" 100 "$out/profile_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --profile=batched_bf16_graph \
+        --early-stop-mean=0 --no-signal-fractions= --repeat=1 --force-advantages --output="$out/profile_d20.json"
     step "cuda tests" 200 "$out/cuda_tests.log" "$python" -m pytest -q -p no:cacheprovider -rs --durations=10 -m cuda \
         --ignore=tests/model/test_compile.py tests
     tests_rc=$?
+    step "epoch estimate" 60 "$out/epoch_d20.log" \
+        "$python" -m scripts.bench_epoch --bench="$out/bench_d20.json" --device-type=cuda --output="$out/epoch_d20.json"
     # 16 trained rows a forward (the CPU's auto) against CUDA's auto 64 (part 2; an H200: 2.49 s against 1.36 s)
     step "d20 16 train rows" 75 "$out/train_rows_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --train-rows=16 \
