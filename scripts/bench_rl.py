@@ -29,6 +29,7 @@ from nanochat.diagnostics import compiled_step_graphs, compiled_step_kernels, co
 from nanochat.diagnostics.early_stop import EarlyStopModel
 from nanochat.engine.decode_weights import matmul_modules
 from nanochat.engine.engine import Engine
+from nanochat.engine.flex_prompt_attention import flex_compile_state
 from nanochat.engine.kv_cache import cache_geometry
 from nanochat.files import atomic_write
 from nanochat.machine import PeakMemory, device_time, load_average, measure_machine, profile_phases
@@ -280,19 +281,22 @@ def measure(model, rollout_model, initial_state, tokenizer, task, config, rl, ar
              bytes_per_decode_step=weight_bytes + kv_bytes / forwards)
     r.update(bandwidth_bound_ms=(bound := 1000 * r["bytes_per_decode_step"] / bandwidth),
              decode_x_bound=r["decode_ms_per_step"] / bound)
+    flex = config.prompt_attention == "flex"  # FlexAttention does not run on the meta device: no count of its step
     with torch.device("meta"):  # a static decode step at the run's largest shape: the same count on any machine
-        ops = count_decode_step_ops(GPT(model.config, model.generation), max(r["max_batch_rows"], 1), rl.max_new_tokens,
-                                    share_prompts=config.lean, num_samples=rl.num_samples)
+        ops = None if flex else count_decode_step_ops(GPT(model.config, model.generation), max(r["max_batch_rows"], 1),
+                                                      rl.max_new_tokens, share_prompts=config.lean, num_samples=rl.num_samples)
     compiled = compiled_step_kernels(graphs_before) if config.compiled and config.decode != "eager" else None
-    r.update(decode_step_ops=ops.ops, decode_step_kernels=ops.kernels, decode_step_ops_per_layer=ops.ops_per_block,
-             decode_step_kernels_per_layer=ops.kernels_per_block, decode_step_compiled_kernels=compiled and compiled.asdict())
+    r.update({key: ops and getattr(ops, field) for key, field in (("decode_step_ops", "ops"), ("decode_step_kernels", "kernels"),
+              ("decode_step_ops_per_layer", "ops_per_block"), ("decode_step_kernels_per_layer", "kernels_per_block"))},
+             decode_step_compiled_kernels=compiled and compiled.asdict(),
+             flex_compile=flex_compile_state() if flex else None)  # compiled alone on CUDA: whether it did, and its cost
     return r
 
 
 def mark_identical_tokens(results, configs):
-    """Whether a config's tokens equal its twin's, if run: a *_nolag one's lagging, a *_flex one's hand-written attention's,
-    a compiled one's uncompiled (a GPU's
-    near-tie may fall otherwise), a graph one's static (same shapes, same kernels), else eager's; a static one's eager's."""
+    """Whether a config's tokens equal its twin's, if run: a *_nolag one's lagging, a *_flex one's hand-written
+    attention's, a compiled one's uncompiled (a GPU's near-tie may fall otherwise), a graph one's static (same shapes,
+    same kernels), else eager's; a static one's eager's."""
     names = {c.name for c in configs}
     for name, r in results.items():
         base, _, suffix = name.partition("+")
@@ -330,8 +334,8 @@ TABLES = [
      ("bound ms", "bandwidth_bound_ms", ".3f"), ("x bound", "decode_x_bound", ".1f"),
      ("rollout s first..last", lambda r: f"{r['rollout_seconds_each'][0]:.2f}..{r['rollout_seconds_each'][-1]:.2f}", ""),
      ("captures", lambda r: "/".join(map(str, r["captures_each"])), ""),
-     ("ops/kernels (compiled)", lambda r: f"{r['decode_step_ops']}/{r['decode_step_kernels']}" + (  # compiled: launches
-         "" if (k := r["decode_step_compiled_kernels"]) is None else f" ({k['generated']}+{k['library']})"), ""),
+     ("ops/kernels (compiled)", lambda r: r["decode_step_ops"] and f"{r['decode_step_ops']}/{r['decode_step_kernels']}" + (
+         "" if (k := r["decode_step_compiled_kernels"]) is None else f" ({k['generated']}+{k['library']})"), ""),  # launches
      # the sampler-trainer gap of the trained tokens (none trained: nothing measured)
      ("gap mean/max", lambda r: f"{r['sampler_gap_mean']:.1e}/{r['sampler_gap_max']:.1e}" if r["sampler_tokens"] else None, ""),
      ("tokens", lambda r: f"{'=' if t[1] else 'DIFFER from'} {t[0]}" if (t := r.get("tokens_identical_to")) else "", "")]]

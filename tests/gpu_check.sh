@@ -17,8 +17,9 @@
 # 3. the same bench with --compile=blocks (blocks_d20.json): each block compiled around its attention, once for
 #    every layer, in rollouts (captured in the engine's graphs) and training: compile seconds, decode ms, train s;
 # 4. the bench of part 2 with the shared-prompt attention through FlexAttention, compiled by Inductor alone (the step
-#    around it as part 2's), flex_d20.json: its compile seconds and decode ms against part 2's hand-written attention
-#    (which of the two a GPU runs faster; its tokens are checked against the hand-written step's by the CUDA tests);
+#    around it as part 2's), flex_d20.json: its compile seconds (and flex_compile: whether it compiled) and decode ms
+#    against part 2's hand-written attention (which of the two a GPU runs faster); its tokens_digest beside part 2's
+#    (bf16 near-ties may fall otherwise); the CUDA tests hold its attention to the hand-written one's on set states;
 # 5. the step of part 2 profiled (torch.profiler, after one step unprofiled): per phase, rollout and training, the
 #    GPU's busy time (the union of its kernels and copies) against the gaps in which it waited on the host, and the
 #    kernels with the most GPU time (profile_d20.json's profile_split, profile_d20.log);

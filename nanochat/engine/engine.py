@@ -136,7 +136,7 @@ class Engine(NanochatGenerate):
         self.max_rows, self.memory_budget_gb = max_rows, memory_budget_gb
         self.share_prompts, self.prefill_tokens = share_prompts, prefill_tokens
         self.calculator_format = check_calculator_format(calculator_format)
-        self.prompt_attention = check_prompt_attention(prompt_attention)
+        self.prompt_attention = check_prompt_attention(prompt_attention, share_prompts)
         self.lag = model.get_device().type == "cuda" if lag is None else lag
         self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
         compiles = compile if isinstance(compile, bool) else compile_plan(compile, model.get_device(), self.decode).decode

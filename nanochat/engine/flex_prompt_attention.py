@@ -11,10 +11,11 @@ log-sum-exp, merged as one softmax over both key sets would have weighed them:
 - the prompt part: the queries laid out by prompt slot, (slots, H, G, D) with row b at [prompt_slot[b], :,
   sample[b]], against the pool's (slots, Hkv, Lp, D) keys as they lie (no copy per row): one query "sequence" of G
   samples per slot;
-- the own part: each row's one query against its (B, Hkv, S, D) completion keys (a decoding call).
+- the own part: each row's one query against its (R, Hkv, S, D) completion keys, over every row of the cache (R),
+  not only the step's: see FLEX_DYNAMIC.
 Visibility is a score modification reading small tensors made once per step and window: a prompt key j is seen by
 the query at grid cell (slot, g) iff j < pool_len[slot] and j >= lowest[slot, g] (its position minus the window); a
-completion key j by row b iff lowest_own[b] <= j <= pos[b].
+completion key j by row r iff lowest_own[r] <= j <= pos[r].
 """
 
 import contextlib
@@ -27,28 +28,42 @@ try:
 except ImportError:  # torch before 2.9
     AuxRequest = None
 
-from nanochat.model.compile import maybe_compiled
+from nanochat.model.compile import compiled_so_far, maybe_compiled
 from nanochat.model.precision import autocast_enabled
 
 PROMPT_ATTENTIONS = ("explicit", "flex")  # the shared-prompt step's attention: hand-written, or FlexAttention
+# Compiled with automatic dynamic shapes (torch.compile's dynamic=None), not dynamic=True: the first graph has every
+# size static, the next makes dynamic only the sizes that changed (the step's rows, its keys, the layer's offset in
+# the cache). Inductor lowers FlexAttention to its decoding kernel (short queries: the KV split across blocks) only
+# where the query's batch and head sizes are static (torch/_inductor/kernel/flex/flex_decoding.py), else to its main
+# kernel, whose 64 or 128 query rows a block would hold one real query of the own part. So the prompt part (batch:
+# the pool's slots) stays static as it is, and the own part runs over every row of the cache, a static batch, the
+# rows not in the step among them (free rows: their results are dropped).
+FLEX_DYNAMIC = None
 
 
-def check_prompt_attention(name):
+def check_prompt_attention(name, share_prompts=True):
+    """name, if the shared-prompt step's attention can be it: flex has no prompts to share without share_prompts."""
     if name not in PROMPT_ATTENTIONS:
         raise ValueError(f"prompt attention must be one of {', '.join(PROMPT_ATTENTIONS)}, got {name!r}")
+    if name == "flex" and not share_prompts:
+        raise ValueError("prompt attention flex is the shared-prompt cache's: it needs share_prompts=True")
     return name
 
 
 def flex_prompt_attention(q, pool_k, pool_v, pool_len, prompt_slot, sample, lowest, suffix_k, suffix_v, pos, lowest_own):
-    """q: (B, H, D) each row's query; pool_k, pool_v: (slots, Hkv, Lp, D); pool_len: (slots,); prompt_slot, sample:
-    (B,) where each row's query goes in the prompt part's layout; lowest: (slots, G) the lowest prompt key each grid
-    cell sees (its position minus the window; a cell no row occupies computes nothing used); suffix_k, suffix_v:
-    (B, Hkv, S, D); pos: (B,) each row's newest completion key; lowest_own: (B,) its lowest visible one.
+    """q: (B, H, D) the step's rows' queries (the cache's first B rows); pool_k, pool_v: (slots, Hkv, Lp, D);
+    pool_len: (slots,); prompt_slot, sample: (B,) where each row's query goes in the prompt part's layout; lowest:
+    (slots, G) the lowest prompt key each grid cell sees (its position minus the window; a cell no row occupies
+    computes nothing used); suffix_k, suffix_v: (R, Hkv, S, D), every row of the cache (R >= B); pos: (R,) each row's
+    newest completion key; lowest_own: (R,) its lowest visible one.
     Returns (B, H, D) in q's dtype: softmax over the visible prompt and completion keys together, times their values."""
     slots, G = lowest.shape
     B, H, D = q.shape
     grid = q.new_zeros(slots, H, G, D)
     grid[prompt_slot, :, sample] = q
+    own_q = q.new_zeros(suffix_k.size(0), H, 1, D)  # every row of the cache: a static batch (FLEX_DYNAMIC)
+    own_q[:B, :, 0] = q
 
     def prompt_visible(score, b, h, q_idx, kv_idx):
         return torch.where((kv_idx < pool_len[b]) & (kv_idx >= lowest[b, q_idx]), score, float("-inf"))
@@ -59,13 +74,14 @@ def flex_prompt_attention(q, pool_k, pool_v, pool_len, prompt_slot, sample, lowe
     gqa = not (pool_k.shape[1] == H)  # `not ==`: a Python bool under dynamic shapes (attention.attend says why)
     with without_autocast(q.device.type):  # the inputs are in the step's dtype already; FlexAttention keeps fp32 scores
         prompt_out, prompt_lse = attention_and_lse(grid, pool_k, pool_v, prompt_visible, gqa)  # (slots, H, G, D), (.., G)
-        own_out, own_lse = attention_and_lse(q[:, :, None], suffix_k, suffix_v, own_visible, gqa)  # (B, H, 1, D), (.., 1)
+        own_out, own_lse = attention_and_lse(own_q, suffix_k, suffix_v, own_visible, gqa)  # (R, H, 1, D), (R, H, 1)
     prompt_out, prompt_lse = prompt_out[prompt_slot, :, sample].float(), prompt_lse[prompt_slot, :, sample]  # (B, H, ..)
+    own_out, own_lse = own_out[:B, :, 0].float(), own_lse[:B, :, 0]  # (B, H, D), (B, H)
     # each part's weight in the joint softmax: exp(its log-sum-exp) over both (a part that sees no key: -inf, weight
     # 0; a row always sees its own newest key, so the maximum is finite)
-    top = torch.maximum(prompt_lse, own_lse[..., 0])
-    w_prompt, w_own = (prompt_lse - top).exp()[..., None], (own_lse[..., 0] - top).exp()[..., None]
-    return ((prompt_out * w_prompt + own_out[:, :, 0].float() * w_own) / (w_prompt + w_own)).to(q.dtype)
+    top = torch.maximum(prompt_lse, own_lse)
+    w_prompt, w_own = (prompt_lse - top).exp()[..., None], (own_lse - top).exp()[..., None]
+    return ((prompt_out * w_prompt + own_out * w_own) / (w_prompt + w_own)).to(q.dtype)
 
 
 def attention_and_lse(q, k, v, score_mod, gqa):
@@ -79,12 +95,19 @@ def attention_and_lse(q, k, v, score_mod, gqa):
 
 def run_flex_prompt_attention(*args):
     """flex_prompt_attention(*args) as a decode step runs it: compiled on CUDA (eagerly FlexAttention is an unfused
-    reference), with dynamic shapes as the static step (one graph for every bucket); eagerly elsewhere (a CPU's
-    Inductor does not compile it with the log-sum-exp); inside a compiled step, the plain function, which the step's
-    graph takes in."""
+    reference), with automatic dynamic shapes (FLEX_DYNAMIC); eagerly elsewhere (a CPU's Inductor does not compile it
+    with the log-sum-exp); inside a compiled step, the plain function, which the step's graph takes in (with the
+    step's dynamic shapes: there both parts run FlexAttention's main kernel)."""
     if torch.compiler.is_compiling():
         return flex_prompt_attention(*args)
-    return maybe_compiled(flex_prompt_attention, args[0].is_cuda, dynamic=True)(*args)
+    return maybe_compiled(flex_prompt_attention, args[0].is_cuda, dynamic=FLEX_DYNAMIC)(*args)
+
+
+def flex_compile_state():
+    """What compiling flex_prompt_attention did in this process, for a benchmark's report: {"compiles", "seconds",
+    "failed" (why it runs eagerly, None while compiled)}; None if it was never compiled here (not on CUDA)."""
+    compiled = compiled_so_far(flex_prompt_attention, FLEX_DYNAMIC)
+    return compiled and {"compiles": compiled.compiles, "seconds": compiled.seconds, "failed": compiled.failed}
 
 
 def without_autocast(device_type):

@@ -66,15 +66,12 @@ class SharedPromptKVCache:
 
     batch_size = property(lambda self: self.k.size(1))
     dtype = property(lambda self: self.k.dtype)
+    # the prompt attention's sample columns: + the spare column of free rows in a static cache (1 if ..., not + bool:
+    # a symbolic size plus a bool breaks torch 2.11's shape tracing)
+    grid_columns = property(lambda self: self.rows_per_slot + (1 if self.static else 0))
 
-    @property
-    def key_capacity(self):
-        """Completion keys a row can hold: all it may grow to."""
-        return self.suffix_cap
-
-    @property
-    def prompt_slots(self):
-        return self.pool_k.size(1)
+    key_capacity = property(lambda self: self.suffix_cap, doc="Completion keys a row can hold: all it may grow to.")
+    prompt_slots = property(lambda self: self.pool_k.size(1))
 
     def holds_prompts(self):
         return True
@@ -154,7 +151,9 @@ class SharedPromptKVCache:
     def decode_step(self, rows, keys):
         """Grows the completion storage first when needed (a view cannot grow)."""
         self.ensure_suffix_capacity(keys)
-        return (FlexPromptStep if self.attention == "flex" else SharedPromptStep)(self.prefix(rows), keys)
+        if self.attention == "flex":
+            return FlexPromptStep(self.prefix(rows), keys, whole=self)
+        return SharedPromptStep(self.prefix(rows), keys)
 
     def keys_read(self, rows, keys):
         """Each prompt slot's prompt once, and `keys` per row."""
@@ -178,16 +177,16 @@ class SharedPromptStep:
         B = cache.batch_size
         self.row_index = torch.arange(B, device=device)
         next_positions = cache.next_positions()  # (B,)
-        lengths = cache.pool_len[cache.prompt_slot]  # (B,) each row's prompt's
         self.positions = next_positions[:, None]  # (B, 1)
-        self._prepare_visibility(next_positions, lengths)
+        self._prepare_visibility(next_positions)
         has_smear = cache.prev_embedding is not None
         self.smear_previous = cache.prev_embedding.clone() if has_smear else None
 
-    def _prepare_visibility(self, next_positions, lengths):
+    def _prepare_visibility(self, next_positions):
         """What every layer's attention reads of which key each row sees: `far` and the windows' masks, the prompt
         attention's layouts (made at the first layer)."""
         cache, suffix_keys, device = self.cache, self.S, next_positions.device
+        lengths = cache.pool_len[cache.prompt_slot]  # (B,) each row's prompt's
         # (B, 1, 1, Lp + S): the prompt's keys, then the completion's; NEVER for a prompt slot past the prompt's end and
         # a completion position past this step's
         prompt_keys = torch.arange(cache.pool_k.size(3), device=device)  # (Lp,)
@@ -206,9 +205,7 @@ class SharedPromptStep:
         every layer writes the same places, so the others stay zero."""
         if q.dtype not in self.layouts:
             c = self.cache
-            # + the spare column of free rows, if in the step (1 if ..., not + bool: a symbolic size plus a bool breaks
-            # torch 2.11's shape tracing)
-            slots, G = c.pool_k.size(1), c.rows_per_slot + (1 if c.static else 0)
+            slots, G = c.pool_k.size(1), c.grid_columns
             Hkv, rep, D = q.shape[1:]
             self.layouts[q.dtype] = q.new_zeros(slots, Hkv, G, rep, D), q.new_zeros(slots, Hkv, G, rep, Lp)
         return self.layouts[q.dtype]
@@ -259,22 +256,27 @@ class SharedPromptStep:
 
 class FlexPromptStep(SharedPromptStep):
     """SharedPromptStep with its attention through FlexAttention (nanochat/engine/flex_prompt_attention.py): the same
-    keys seen, the same result up to rounding. Made once per step: each grid cell's position (where row b's query
-    sits in the prompt part's layout) and, per window, the lowest key position each query sees."""
+    keys seen, the same result up to rounding. `cache` is the step's view of its first rows, `whole` the cache it is a
+    view of (the own part runs over every row of it). Made once per step: each grid cell's position (where row b's
+    query sits in the prompt part's layout) and, per window, the lowest key position each query sees."""
 
-    def _prepare_visibility(self, next_positions, lengths):
+    def __init__(self, cache, suffix_keys, whole):
+        self.whole = whole
+        super().__init__(cache, suffix_keys)
+
+    def _prepare_visibility(self, next_positions):
         c = self.cache
-        slots, G = c.pool_k.size(1), c.rows_per_slot + (1 if c.static else 0)  # as SharedPromptStep._layouts
-        grid_positions = next_positions.new_zeros(slots, G)
+        grid_positions = next_positions.new_zeros(c.pool_k.size(1), c.grid_columns)
         grid_positions[c.prompt_slot, c.sample] = next_positions
-        self.lowest = Visibility(lambda window: (grid_positions - window, c.pos - window))
+        self.lowest = Visibility(lambda window: (grid_positions - window, self.whole.pos - window))
 
     def attend(self, layer_idx, q, k, v, window):
-        c = self.cache
+        c, whole = self.cache, self.whole
         B, _, H, D = q.shape  # (B, 1, H, D)
         self._store_new_keys(layer_idx, k, v)
         lowest, lowest_own = self.lowest(window)
-        y = run_flex_prompt_attention(q[:, 0], c.pool_k[layer_idx].to(q.dtype), c.pool_v[layer_idx].to(q.dtype), c.pool_len,
-                           c.prompt_slot, c.sample, lowest, c.k[layer_idx][:, :, :self.S].to(q.dtype),
-                           c.v[layer_idx][:, :, :self.S].to(q.dtype), c.pos, lowest_own)
+        pool_k, pool_v = c.pool_k[layer_idx].to(q.dtype), c.pool_v[layer_idx].to(q.dtype)
+        own_k, own_v = whole.k[layer_idx][:, :, :self.S].to(q.dtype), whole.v[layer_idx][:, :, :self.S].to(q.dtype)
+        y = run_flex_prompt_attention(q[:, 0], pool_k, pool_v, c.pool_len, c.prompt_slot, c.sample, lowest, own_k, own_v,
+                                      whole.pos, lowest_own)
         return y.reshape(B, H, 1, D)

@@ -195,6 +195,11 @@ def compiled(fn, dynamic, announce=True):
     return _COMPILED[key]
 
 
+def compiled_so_far(fn, dynamic):
+    """The process's CompiledFunction of `fn` if one was made, else None (asking makes none)."""
+    return _COMPILED.get((fn, dynamic))
+
+
 def maybe_compiled(fn, on, dynamic, required=False):
     """`fn` itself (on=False), or its process-wide CompiledFunction; required: a compile failure is a
     CompileFailed (a UserError) instead of a warning and the eager path."""

@@ -14,7 +14,7 @@ import nanochat.model.compile as nc_compile
 from nanochat.checkpoints.loading import build_model
 from nanochat.engine.decode_batch import static_step
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine
-from nanochat.engine.flex_prompt_attention import flex_prompt_attention
+from nanochat.engine.flex_prompt_attention import FLEX_DYNAMIC, flex_compile_state, flex_prompt_attention
 from nanochat.engine.shared_prompt_cache import FlexPromptStep, SharedPromptKVCache, SharedPromptStep
 from nanochat.model.compile import CompiledFunction
 
@@ -28,12 +28,12 @@ def graph_as_traced(graph_module, example_inputs):
     return graph_module.forward
 
 
-def cache_in_use(heads, kv_heads, dtype, device="cpu", seed=0):
+def cache_in_use(heads, kv_heads, dtype, device="cpu", seed=0, layers=2):
     """A static SharedPromptKVCache of 10 rows over 3 prompt slots (prompts of 5, 11 and 1 tokens in a pool of 12)
     with random keys: rows 0-3 continue slot 0 (samples 0-3), 4-6 slot 2, 7-8 slot 1 (samples 3 and 1: gaps in its
     column), each at its own completion position; row 9 is free (the spare column)."""
     torch.manual_seed(seed)
-    D, layers = 16, 2
+    D = 16
     cache = SharedPromptKVCache(10, 3, 12, 24, kv_heads, D, layers, device=device, dtype=dtype, rows_per_slot=4,
                                 static=True)
     cache.pool_k.normal_(), cache.pool_v.normal_(), cache.k.normal_(), cache.v.normal_()
@@ -49,8 +49,7 @@ def cache_in_use(heads, kv_heads, dtype, device="cpu", seed=0):
 @pytest.mark.parametrize("window", [0, 2, 6, 1000])
 def test_the_flex_step_attends_as_the_hand_written_step(heads, kv_heads, window):
     """Every row of a step of 10 rows and 20 keys: the same attention (within fp32 rounding: eagerly FlexAttention
-    computes its softmax in fp32 whatever the inputs) over its prompt's visible keys and its
-    own, and the same keys stored. Window 0 and 2 hide every prompt key from most rows (the prompt part's
+    computes its softmax in fp32 whatever the inputs) over its prompt's visible keys and its own. Window 0 and 2 hide every prompt key from most rows (the prompt part's
     log-sum-exp is -inf there), 6 some of them, 1000 none."""
     results = []
     for step_type in (SharedPromptStep, FlexPromptStep):
@@ -58,12 +57,12 @@ def test_the_flex_step_attends_as_the_hand_written_step(heads, kv_heads, window)
         torch.manual_seed(1)
         q = torch.randn(10, 1, heads, 16, dtype=torch.float64)
         k, v = torch.randn(10, 1, kv_heads, 16, dtype=torch.float64), torch.randn(10, 1, kv_heads, 16, dtype=torch.float64)
-        step = step_type(cache.prefix(10), 20)
-        results.append((step.attend(1, q, k, v, window), cache.k.clone(), cache.v.clone(), step.positions))
-    (explicit, k0, v0, p0), (flex, k1, v1, p1) = results
+        step = SharedPromptStep(cache.prefix(10), 20) if step_type is SharedPromptStep else FlexPromptStep(
+            cache.prefix(10), 20, whole=cache)
+        results.append(step.attend(1, q, k, v, window))
+    explicit, flex = results
     assert flex.shape == explicit.shape == (10, heads, 1, 16)
     torch.testing.assert_close(flex[:9], explicit[:9], rtol=1e-6, atol=1e-6)  # row 9 is free: never read
-    assert torch.equal(k0, k1) and torch.equal(v0, v1) and torch.equal(p0, p1)
 
 
 def test_the_flex_step_sees_only_its_rows_prompt_and_own_keys():
@@ -72,15 +71,15 @@ def test_the_flex_step_sees_only_its_rows_prompt_and_own_keys():
     cache = cache_in_use(4, 2, torch.float64)
     torch.manual_seed(1)
     q, k, v = torch.randn(10, 1, 4, 16, dtype=torch.float64), *torch.randn(2, 10, 1, 2, 16, dtype=torch.float64)
-    before = FlexPromptStep(cache.prefix(10), 20).attend(0, q, k, v, 1000)
+    before = FlexPromptStep(cache.prefix(10), 20, whole=cache).attend(0, q, k, v, 1000)
     cache.pool_k[0, 0, :, 5:] += 100.0   # slot 0's prompt is 5 tokens
     cache.pool_v[0, 2, :, 1:] -= 50.0    # slot 2's is 1
     cache.k[0, 0, :, 1:] += 100.0        # row 0 is at position 0: its completion has one key, this step's
     cache.v[0, 3, :, 16:] += 100.0       # row 3 at 15
-    after = FlexPromptStep(cache.prefix(10), 20).attend(0, q, k, v, 1000)
+    after = FlexPromptStep(cache.prefix(10), 20, whole=cache).attend(0, q, k, v, 1000)
     torch.testing.assert_close(after[:9], before[:9], rtol=0, atol=1e-12)
     cache.pool_k[0, 1, :, 3] += 1.0      # a visible key of slot 1: rows 7 and 8 change, the others do not
-    changed = FlexPromptStep(cache.prefix(10), 20).attend(0, q, k, v, 1000)
+    changed = FlexPromptStep(cache.prefix(10), 20, whole=cache).attend(0, q, k, v, 1000)
     differs = (changed[:9] - before[:9]).abs().amax(dim=(1, 2, 3)) > 1e-9
     assert differs.tolist() == [False] * 7 + [True, True]
 
@@ -106,21 +105,32 @@ def test_flex_rollouts_sample_the_hand_written_tokens(name, tmp_path, monkeypatc
     assert explicit_lp.numel() >= 100 and (flex_lp - explicit_lp).abs().max() <= FP32_GAP_BOUND
 
 
-def test_dynamo_traces_flex_attention_once_for_every_bucket():
-    """flex_prompt_attention as a GPU compiles it (fullgraph, dynamic shapes), traced by Dynamo: one graph serves
-    steps of other row and key counts (a static batch's buckets), each result the eager function's. Two at most, as
-    the whole static step's: the first call, over all of the batch's rows, is guarded on that (Dynamo's duck sizing
-    ties the rows to the storage they are a view of); the next makes the graph every other bucket takes."""
-    traced = CompiledFunction(flex_prompt_attention, True, announce=False, graph_compiler=graph_as_traced)
-    for rows, keys in ((10, 20), (6, 16), (8, 24), (4, 16), (9, 20)):  # every row sees its own newest key
-        cache = cache_in_use(4, 2, torch.float32)
-        step = FlexPromptStep(cache.prefix(rows), keys)
+def test_dynamo_traces_flex_attention_for_every_bucket_and_layer_in_two_graphs_decoding_ready():
+    """flex_prompt_attention as a GPU compiles it (fullgraph, FLEX_DYNAMIC's automatic dynamic shapes), traced by
+    Dynamo over steps of other row and key counts (a static batch's buckets) and layers: each result the eager
+    function's; two graphs, the first all static, the second dynamic in what changed; and in both, each FlexAttention
+    call's query has a static batch and static heads, which Inductor's decoding kernel needs (else its main kernel
+    runs a block of 64-128 query rows for the own part's one)."""
+    graphs = []
+
+    def keep_graph(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+    traced = CompiledFunction(flex_prompt_attention, FLEX_DYNAMIC, announce=False, graph_compiler=keep_graph)
+    for layer, (rows, keys) in enumerate(((10, 20), (6, 16), (8, 24), (4, 16), (9, 20))):
+        cache = cache_in_use(4, 2, torch.float32, layers=5)
+        step = FlexPromptStep(cache.prefix(rows), keys, whole=cache)
         lowest, lowest_own = step.lowest(6)
         q = torch.randn(rows, 4, 16)
-        args = (q, cache.pool_k[0], cache.pool_v[0], cache.pool_len, cache.prompt_slot[:rows], cache.sample[:rows],
-                lowest, cache.k[0, :rows, :, :keys], cache.v[0, :rows, :, :keys], cache.pos[:rows], lowest_own)
+        args = (q, cache.pool_k[layer], cache.pool_v[layer], cache.pool_len, cache.prompt_slot[:rows],
+                cache.sample[:rows], lowest, cache.k[layer, :, :, :keys], cache.v[layer, :, :, :keys], cache.pos,
+                lowest_own)  # every row sees its own newest key
         torch.testing.assert_close(traced(*args), flex_prompt_attention(*args), rtol=1e-6, atol=1e-6)
-    assert traced.failed is None and traced.compiles == 2
+    assert traced.failed is None and traced.compiles == len(graphs) == 2
+    for graph in graphs:
+        queries = [node.args[0].meta["example_value"] for node in graph.graph.nodes
+                   if node.op == "call_function" and "flex_attention" in str(node.target)]
+        assert len(queries) == 2 and all(isinstance(q.size(0), int) and isinstance(q.size(1), int) for q in queries)
 
 
 def test_the_compiled_static_step_takes_flex_attention_in_whole(tiny_tokenizer, monkeypatch):
@@ -143,6 +153,8 @@ def test_an_unknown_prompt_attention_is_refused(tiny_tokenizer):
     model = random_model(tiny_config(vocab_size=tiny_tokenizer.get_vocab_size()))
     with pytest.raises(ValueError, match="prompt attention must be one of explicit, flex, got 'fast'"):
         Engine(model, tiny_tokenizer, prompt_attention="fast")
+    with pytest.raises(ValueError, match="prompt attention flex is the shared-prompt cache's: it needs share_prompts"):
+        Engine(model, tiny_tokenizer, prompt_attention="flex", share_prompts=False)
 
 
 @pytest.mark.cuda
@@ -155,12 +167,15 @@ def test_compiled_flex_attention_on_cuda_equals_the_hand_written_step(dtype, tol
         warnings.simplefilter("ignore")
         for window in (0, 6, 1000):
             results = []
-            for step_type in (SharedPromptStep, FlexPromptStep):
+            for flex in (False, True):
                 cache = cache_in_use(4, 2, dtype, device="cuda")
                 torch.manual_seed(1)
                 q, k, v = (torch.randn(10, 1, h, 16, device="cuda", dtype=dtype) for h in (4, 2, 2))
-                results.append(step_type(cache.prefix(10), 20).attend(1, q, k, v, window)[:9].float())
+                step = FlexPromptStep(cache.prefix(10), 20, whole=cache) if flex else SharedPromptStep(cache.prefix(10), 20)
+                results.append(step.attend(1, q, k, v, window)[:9].float())
             torch.testing.assert_close(results[1], results[0], rtol=tolerance, atol=tolerance)
+    state = flex_compile_state()  # Inductor's kernels computed it, not the eager reference after a failed compile
+    assert state is not None and state["failed"] is None and state["compiles"] >= 1, state
 
 
 @pytest.mark.cuda
@@ -177,3 +192,5 @@ def test_flex_rollouts_replayed_from_cuda_graphs_equal_the_static_flex_step(tiny
         graph = Engine(model, tiny_tokenizer, decode="graph", prompt_attention="flex")
         replayed, _ = rollouts(graph, prompts, **kwargs)
     assert replayed == static and len(graph.kept_batch.graphs.replays) >= 2
+    state = flex_compile_state()
+    assert state is not None and state["failed"] is None and state["compiles"] >= 1, state
