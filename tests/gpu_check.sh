@@ -47,6 +47,10 @@
 # speedrun: `bash speedrun.sh` on a fresh base dir (the bootstrap path), timed, with its report (speedrun.log,
 #    speedrun_report.md): the target is under 5 minutes with pass@1 up by at least 4 standard errors.
 # env: only the setup below; says which python runs and what was installed.
+# Every stage: OUT_DIR/summary.md (tests/gpu_summary.py, remade after each part), the figures so far on one page: the
+# GPU, torch, the commit (GPU_CHECK_COMMIT, else git's), each part's exit and seconds, each bench configuration's
+# decode, rollout, training and step times, compiles and captures, the d20 step against issue 57's targets, the
+# epoch, the profile's split and whether FlexAttention compiled.
 #
 # Setup, before every stage: the python is $PYTHON, else the first of python3, python3.12, python3.11, python3.10,
 # python that is >= 3.10 and whose torch sees CUDA. If it has everything in tests/gpu_requirements.txt it runs as it
@@ -154,6 +158,8 @@ fi
 timeout --kill-after=5 "$PROBE_SECONDS" "$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || {
     say "torch could not name the GPU within $PROBE_SECONDS s (exit $?; 124: it hung)"; exit 2; }
 timeout 30 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null | tee "$out/gpu.txt"
+# the commit measured, for the summary: GPU_CHECK_COMMIT where the device's copy of the tree has no .git
+echo "${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" > "$out/commit.txt"
 say "setup took $(( $(date +%s) - stage_start )) s"
 printf '{"part": "setup", "exit": 0, "seconds": %d, "python": "%s"}\n' "$(( $(date +%s) - stage_start ))" "$python" \
     >> "$out/parts.jsonl"
@@ -162,6 +168,7 @@ printf '{"part": "setup", "exit": 0, "seconds": %d, "python": "%s"}\n' "$(( $(da
 # (written outside OUT_DIR first: tar archiving the folder it writes into can fail, "file changed as we read it")
 bundle() {
     local archive
+    "$python" tests/gpu_summary.py "$out" > /dev/null 2>&1  # summary.md: the figures so far on one page
     archive=$(mktemp) && tar czf "$archive" --exclude=results.tgz -C "$out" . && mv "$archive" "$out/results.tgz"
 }
 trap bundle EXIT  # the last part's files too (the speedrun's report), and the setup's when it stops the call
