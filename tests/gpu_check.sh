@@ -34,14 +34,16 @@
 #    host one step behind (the engine's lag, its default on CUDA): decode ms, tokens_digest equal to part 2's;
 # 10. with the time left, the same bench with the static step compiled whole and captured (compiled_d20.json): compile
 #    seconds, decode ms per step, the compiled training pass (tokens_digest in both JSONs, to compare with part 2's).
-# compiled: --compile=on on CUDA (auto compiles nothing there until this stage measures that it pays): the compiled
-#    static step replayed from CUDA graphs against itself run without them (tests/model/test_compile.py's cuda test), then
-#    the same d20 bench with the static step compiled by Inductor and captured in the engine's graphs, beside the
-#    uncompiled graph config, 2 consecutive steps each: compile seconds and graphs per step, decode ms per step
-#    against the bound, tokens compared (compiled_d20.log with TORCH_LOGS=recompiles, compiled_d20.json). Run it
-#    alone, in a call of its own: on the first H100 run, torch 2.11, the d20 step had not finished compiling after
-#    two minutes; on an H200 its first graph took 53 s (a batch's shapes now make one graph, or two where Inductor
-#    guards the first on all the batch's rows and the second comes from its cache; with checks,compiled: under four).
+# compiled: --compile=on on CUDA (auto compiles nothing there until this stage measures that it pays): the d20 bench
+#    with the static step compiled by Inductor and captured in the engine's graphs (and the training forward
+#    compiled), then the uncompiled graph config beside it (the JSON is written after each: a call stopped in the
+#    second keeps the first), 2 consecutive steps each: compile seconds and graphs per step, decode ms per step
+#    against the bound, tokens compared (compiled_d20.log with TORCH_LOGS=recompiles, compiled_d20.json); then, with
+#    the time left, the compiled static step replayed from CUDA graphs against itself run without them
+#    (tests/model/test_compile.py's cuda tests; they passed on an H200). Measurements first: on the first H100 run,
+#    torch 2.11, the d20 step had not finished compiling after two minutes; on an H200 its first graph took 53 s (a
+#    batch's shapes now make one graph, or two where Inductor guards the first on all the batch's rows and the second
+#    comes from its cache), and beside checks with the tests first the bench found ~60 s (never its end).
 # suite: the whole test suite on the GPU machine, the `cuda` tests run, not skipped: first those alone (but
 #    test_compile's: the compiled stage's; gpu_suite_cuda.log), then the others on 8 workers (gpu_suite.log).
 # speedrun: `bash speedrun.sh` on a fresh base dir (the bootstrap path), timed, with its report (speedrun.log,
@@ -249,15 +251,15 @@ checks)
     [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
     ;;
 compiled)
-    # the compiled step captured in CUDA graphs against itself without them (a tiny model; the first H100 run of its
-    # compile did not end in 80 s); then the d20 bench, each compile and recompile named as it happens
+    # the d20 bench first, each compile and recompile named as it happens; then the compiled step captured in CUDA
+    # graphs against itself without them (a tiny model)
+    TORCH_LOGS=recompiles step "d20 compiled bench" 600 "$out/compiled_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_compiled,batched_bf16_graph \
+        --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/compiled_d20.json"
+    compiled_rc=$?
     step "compiled gpu tests" 200 "$out/compiled_tests.log" \
         "$python" -m pytest -q -p no:cacheprovider -rs -m cuda tests/model/test_compile.py
     tests_rc=$?
-    TORCH_LOGS=recompiles step "d20 compiled bench" 600 "$out/compiled_d20.log" \
-        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph,batched_bf16_graph_compiled \
-        --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/compiled_d20.json"
-    compiled_rc=$?
     [ "$tests_rc" -eq 0 ] && [ "$compiled_rc" -eq 0 ]
     ;;
 suite)
