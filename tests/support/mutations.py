@@ -13,7 +13,8 @@ copy taken before, or, where someone else changed the file meanwhile, by putting
 version. A table at the end says, for each mutation, whether it was caught and by which assertion.
 
 The first eight are issue 59's: bugs a reviewer put into features whose own tests did not notice; the rest are bugs of
-the same kinds in the RL objective, the rollouts, the optimizers, the checkpoints and the engine's rows.
+the same kinds in the RL objective, the rollouts, the optimizers, the checkpoints, the engine's rows and the
+FlexAttention variant of the shared-prompt attention.
 """
 
 import os
@@ -237,6 +238,20 @@ MUTATIONS = [
              "        kept = gap <= band",
              ("tests/rl/test_rl_reference.py::test_the_geometric_mask_keeps_a_long_row_the_product_mask_drops_and_the_token_mask_drops_tokens",),
              "a token whose ratio is below 1/cap is kept"),
+    # ------------------------------------------------------------------ issue 57's FlexAttention variant
+    Mutation("flex-prompt-padding-seen", "nanochat/engine/flex_prompt_attention.py",
+             "(kv_idx < pool_len[b]) & (kv_idx >= lowest[b, q_idx])",
+             "(kv_idx <= pool_len[b]) & (kv_idx >= lowest[b, q_idx])",
+             ("tests/engine/test_flex_prompt_attention.py",),
+             "a prompt's first padding slot is attended to"),
+    Mutation("flex-own-window-ignored", "nanochat/engine/flex_prompt_attention.py",
+             "(kv_idx <= pos[b]) & (kv_idx >= lowest_own[b])", "(kv_idx <= pos[b])",
+             ("tests/engine/test_flex_prompt_attention.py",),
+             "a sliding window does not reach the row's own completion keys"),
+    Mutation("flex-merge-unweighted", "nanochat/engine/flex_prompt_attention.py",
+             "    top = torch.maximum(prompt_lse, own_lse)\n", "    top = torch.maximum(prompt_lse, own_lse) * 0 + prompt_lse\n",
+             ("tests/engine/test_flex_prompt_attention.py",),
+             "the merge shifted by the prompt part's log-sum-exp alone: -inf where no prompt key is seen"),
 ]
 
 
