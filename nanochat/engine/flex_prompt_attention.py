@@ -18,8 +18,6 @@ the query at grid cell (slot, g) iff j < pool_len[slot] and j >= lowest[slot, g]
 completion key j by row r iff lowest_own[r] <= j <= pos[r].
 """
 
-import contextlib
-
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
@@ -29,7 +27,7 @@ except ImportError:  # torch before 2.9
     AuxRequest = None
 
 from nanochat.model.compile import compiled_so_far, maybe_compiled
-from nanochat.model.precision import autocast_enabled
+from nanochat.model.precision import without_autocast
 
 PROMPT_ATTENTIONS = ("explicit", "flex")  # the shared-prompt step's attention: hand-written, or FlexAttention
 # Compiled with automatic dynamic shapes (torch.compile's dynamic=None), not dynamic=True: the first graph has every
@@ -108,8 +106,3 @@ def flex_compile_state():
     "failed" (why it runs eagerly, None while compiled)}; None if it was never compiled here (not on CUDA)."""
     compiled = compiled_so_far(flex_prompt_attention, FLEX_DYNAMIC)
     return compiled and {"compiles": compiled.compiles, "seconds": compiled.seconds, "failed": compiled.failed}
-
-
-def without_autocast(device_type):
-    """Autocast off where it is on (on the meta device there is none to turn off)."""
-    return torch.autocast(device_type, enabled=False) if autocast_enabled(device_type) else contextlib.nullcontext()

@@ -32,7 +32,7 @@ from typing import Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from nanochat.model.precision import autocast_enabled
+from nanochat.model.precision import without_autocast
 
 # explicit_attention's reach in keys, eagerly: it reads and writes (T, keys) scores and probabilities where the
 # fused kernel streams them, so long sequences lose (compiled, Inductor fuses them). Eagerly, on a CPU with native
@@ -97,10 +97,8 @@ def fp32_scores(q, k_t):
     matmul writes fp32 itself (bmm's out_dtype); elsewhere the inputs are upcast (exactly) first. Both are fp32
     accumulations of the same products. Autocast is off inside: on a CPU it would cast a matmul's fp32 inputs back
     to bf16 and return bf16 scores."""
-    if autocast_enabled(q.device.type):
-        with torch.autocast(q.device.type, enabled=False):
-            return _fp32_product(q, k_t)
-    return _fp32_product(q, k_t)  # outside autocast, or on the meta device (op counts), which has none to turn off
+    with without_autocast(q.device.type):
+        return _fp32_product(q, k_t)
 
 
 def _fp32_product(q, k_t):

@@ -115,6 +115,12 @@ def autocast_enabled(device_type):
     return device_type != "meta" and torch.is_autocast_enabled(device_type)
 
 
+def without_autocast(device_type):
+    """A context with autocast off where it is on (on the meta device, op counts, there is none to turn off): for
+    computations that pick their own dtypes (fp32 attention scores)."""
+    return torch.autocast(device_type, enabled=False) if autocast_enabled(device_type) else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def autocast_cache_off():
     """Autocast's weight-cast cache off inside (a global switch): a CUDA graph's capture needs it off, and
