@@ -42,7 +42,7 @@ def read_json(path):
         return None
 
 
-def first_line(path):
+def last_line(path):
     try:
         with open(path) as f:
             lines = [line.strip() for line in f if line.strip()]
@@ -67,9 +67,9 @@ def summary(out):
     """summary.md's text for the gpu_check output folder `out`."""
     benches = {name: read_json(os.path.join(out, name)) for name in BENCH_FILES}
     machine = next((b["machine"] for b in benches.values() if b and b.get("machine")), {})
-    commit = first_line(os.path.join(out, "commit.txt")) or "unknown"
+    commit = last_line(os.path.join(out, "commit.txt")) or "unknown"
     lines = ["# gpu_check summary", "",
-             f"GPU: {first_line(os.path.join(out, 'gpu.txt')) or machine.get('gpu') or 'unknown'}; "
+             f"GPU: {last_line(os.path.join(out, 'gpu.txt')) or machine.get('gpu') or 'unknown'}; "
              f"torch {machine.get('torch', 'unknown')}; python {machine.get('python', 'unknown')}; commit {commit}", ""]
     parts = []
     try:

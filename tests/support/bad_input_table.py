@@ -182,10 +182,14 @@ def _shard_missing(base):
     return {}
 
 
-def _shard_truncated(base):
-    path = _rl_run(base) / "optim_000002_rank0.pt"
+def _halved(path):
+    """The file cut to its first half, as a write stopped midway leaves it."""
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     return {}
+
+
+def _shard_truncated(base):
+    return _halved(_rl_run(base) / "optim_000002_rank0.pt")
 
 
 def _shard_of_another_step(base):
@@ -209,9 +213,7 @@ def _saved_by_two_ranks(base):
 
 
 def _resumed_model_truncated(base):
-    path = _rl_run(base) / "model_000002.pt"
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    return {}
+    return _halved(_rl_run(base) / "model_000002.pt")
 
 
 def _three_ranks(base):
