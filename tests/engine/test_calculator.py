@@ -1,5 +1,6 @@
 """The calculator tool: nanochat's values for what it allows, None for everything else, in bounded time."""
 
+import sys
 import threading
 import tracemalloc
 from types import SimpleNamespace
@@ -133,11 +134,18 @@ def test_deep_nesting_is_refused_or_evaluated_from_a_worker_thread():
     """Parser-depth bombs come back as None or a value, never a hang or a RecursionError, in a worker thread.
     Each call's deadline is far beyond its milliseconds of work, so the machine's speed or load cannot decide an
     outcome (the deadline itself is pinned with a scripted clock above); the join waits for all of them: only a
-    hang reaches it."""
+    hang reaches it. Python's recursion limit is its default (1000) here: torch's Inductor raises it for the
+    process once it has compiled, and then 999 nested minuses evaluate (seen when a compile test ran first in
+    the same process)."""
     limit = 30.0
     exprs = ["(" * 400 + "1" + ")" * 400, "(" * 90 + "1" + ")" * 90, "-" * 999 + "1", "-" * 99 + "1"]
-    results = in_worker_thread(lambda: [use_calculator(e, timeout=limit) for e in exprs],
-                               join_timeout=len(exprs) * limit + 60)
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    try:
+        results = in_worker_thread(lambda: [use_calculator(e, timeout=limit) for e in exprs],
+                                   join_timeout=len(exprs) * limit + 60)
+    finally:
+        sys.setrecursionlimit(before)
     assert results[0] is None          # past Python's parser limit of 200 nested parentheses: a SyntaxError
     assert results[1] == 1             # legal nesting still evaluates
     # 999 unary minus: evaluating it nests 1000 calls, past Python's recursion limit (1000) from any caller's
