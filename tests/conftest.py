@@ -25,6 +25,11 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 sys.path[:0] = [str(TESTS / "support")] + sorted(str(d) for d in TESTS.iterdir() if any(d.glob("test_*.py")))
 
+if shutil.which("nvidia-smi") is None:
+    # Triton's interpreter for the kernels' tests on a CPU (tests/kernels/): Triton reads it once, when it is first
+    # imported, so before anything imports it. Not on a GPU machine: there Triton compiles (Inductor's kernels too)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 from graph_capture import use_recorded_graphs

@@ -21,6 +21,7 @@ from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, static_step
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC
 from nanochat.engine.kv_cache import KVCache
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
+from nanochat.kernels.decode_step import BLOCK_RANGE, kernel_static_step
 from nanochat.model.compile import CompiledFunction, generated_kernels
 
 
@@ -51,6 +52,9 @@ class CountOps(TorchDispatchMode):
         self.count, self.block, self.device = count, None, device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "profiler":  # a named range (the kernels' step names its blocks so): no kernel
+            self._enter_range(func, args)
+            return func(*args, **(kwargs or {}))
         if self.device is not None:
             out = func(*args, **(kwargs or {}))
             if any(isinstance(t, torch.Tensor) and t.device == self.device for t in pytree.tree_leaves(out)):
@@ -58,6 +62,14 @@ class CountOps(TorchDispatchMode):
             return out
         self._add(func)
         return func(*args, **(kwargs or {}))
+
+    def _enter_range(self, func, args):
+        if func is torch.ops.profiler._record_function_enter_new.default:
+            name = args[0] if args else ""
+            if name.startswith(BLOCK_RANGE):
+                self.block = int(name[len(BLOCK_RANGE):])
+        elif self.block is not None and "exit" in func.name():
+            self.block = None
 
     def _add(self, func):
         kernel = not is_view(func)
@@ -69,13 +81,14 @@ class CountOps(TorchDispatchMode):
 
 
 def count_decode_step_ops(model, rows, keys, share_prompts=True, prompt_len=64, num_samples=16,
-                          temperature=1.0, top_k=50):
+                          temperature=1.0, top_k=50, kernels="explicit"):
     """The OpCount of one static decode step of `model` (moved to the meta device: pass a model built there, or
-    a copy) over `rows` rows (all in use) reading `keys` keys each."""
+    a copy) over `rows` rows (all in use) reading `keys` keys each. kernels: the shared-prompt step's attention
+    ("explicit", or "triton": the step of nanochat/kernels/, each of its custom ops one kernel)."""
     model = model.to("meta")
     blocks = list(model.transformer.h)
     count = OpCount(ops_per_block=[0] * len(blocks), kernels_per_block=[0] * len(blocks))
-    batch = static_batch(model, rows, keys, share_prompts, prompt_len, num_samples, temperature, top_k)
+    batch = static_batch(model, rows, keys, share_prompts, prompt_len, num_samples, temperature, top_k, kernels)
     mode = CountOps(count)
 
     def enter(index):
@@ -92,15 +105,17 @@ def count_decode_step_ops(model, rows, keys, share_prompts=True, prompt_len=64, 
     return count
 
 
-def static_batch(model, rows, keys, share_prompts, prompt_len, num_samples, temperature, top_k):
+def static_batch(model, rows, keys, share_prompts, prompt_len, num_samples, temperature, top_k, kernels="explicit"):
     """A static DecodeBatch of `model` (on its device) whose steps can take `rows` rows over `keys` keys: the
     engine's shared-prompt cache (as many prompt slots as an engine's batch of that many rows has) or a copy per row."""
     if share_prompts:
         slots = -(-rows // num_samples) * 2 + 1
-        cache = SharedPromptKVCache.for_model(model, rows, slots, prompt_len, keys, num_samples, static=True)
+        cache = SharedPromptKVCache.for_model(model, rows, slots, prompt_len, keys, num_samples, static=True,
+                                              attention=kernels)
     else:
         cache = KVCache.for_model(model, rows, prompt_len + keys)
-    return DecodeBatch(model, cache, temperature, top_k, RolloutStats())
+    step = kernel_static_step if kernels == "triton" else None
+    return DecodeBatch(model, cache, temperature, top_k, RolloutStats(), step=step)
 
 
 def compiled_decode_step_kernels(model, rows, keys, share_prompts=True, prompt_len=64, num_samples=16,

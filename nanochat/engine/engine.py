@@ -28,6 +28,8 @@ from nanochat.engine.kv_cache import KVCache, cache_geometry
 from nanochat.engine.rows import Row, SpecialIds
 from nanochat.engine.scheduler import Admission, BatchShape, KeptBatch, KeptBatches, cache_bytes
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
+from nanochat.kernels.decode_step import check_kernel_model, kernel_static_step
+from nanochat.kernels.launch import check_kernels
 from nanochat.model.compile import compile_plan, maybe_compiled
 
 # The static decode step compiles with dynamic shapes: one graph serves every bucketed
@@ -43,6 +45,15 @@ def prompt_slots(rows, num_samples, num_prompts):
 def autocast_dtype(device):
     """The dtype autocast runs matmuls in on `device` now; None outside autocast."""
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def triton_step(model, compile):
+    """The decode step of prompt attention "triton" for `model`, or a one-line ValueError where it cannot run."""
+    check_kernels(model.get_device())
+    check_kernel_model(model)
+    if compile is True or compile == "on":
+        raise ValueError("prompt attention triton is not compiled (its kernels are the fusion): use compile off or auto")
+    return kernel_static_step
 
 
 def make_batch(model, shape, plan, stats, weights, step, prompt_attention="explicit"):
@@ -126,7 +137,9 @@ class Engine(NanochatGenerate):
     most (several prompts, padded to the longest; 1: one prompt at a time). lag: the host one step behind the device,
     the same tokens (DecodeBatch.decode_step); None: on CUDA (a CPU is its own device: nothing to overlap).
     calculator_format: how a tool result is written ("str", nanochat's; "int": calculator.format_result).
-    prompt_attention: the shared-prompt step's attention, "explicit" or "flex" (FlexAttention: flex_prompt_attention.py).
+    prompt_attention: the shared-prompt step's attention, "explicit", "flex" (FlexAttention: flex_prompt_attention.py)
+    or "triton" (the whole step in the project's Triton kernels: nanochat/kernels/; not compiled: its kernels are
+    the fusion).
     """
 
     def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True, decode="auto",
@@ -141,6 +154,8 @@ class Engine(NanochatGenerate):
         self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
         compiles = compile if isinstance(compile, bool) else compile_plan(compile, model.get_device(), self.decode).decode
         self.step = maybe_compiled(static_step, compiles, dynamic=STATIC_STEP_DYNAMIC, required=compile == "on")
+        if self.prompt_attention == "triton":
+            self.step = triton_step(model, compile)
         self.kept = KeptBatches()  # between rollouts (see _new_batch); release() drops them
         self.prompt_floor = 0  # static batches are sized for prompts this long at least (it never shrinks)
         self.keeps_between_rollouts = True  # the static batch and the decode weights; release() may turn it off

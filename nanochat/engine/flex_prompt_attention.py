@@ -29,7 +29,9 @@ except ImportError:  # torch before 2.9
 from nanochat.model.compile import compiled_so_far, maybe_compiled
 from nanochat.model.precision import without_autocast
 
-PROMPT_ATTENTIONS = ("explicit", "flex")  # the shared-prompt step's attention: hand-written, or FlexAttention
+# the shared-prompt step's attention: hand-written, FlexAttention, or the step of the project's Triton kernels
+# (nanochat/kernels/decode_step.py)
+PROMPT_ATTENTIONS = ("explicit", "flex", "triton")
 # Compiled with automatic dynamic shapes (torch.compile's dynamic=None), not dynamic=True: the first graph has every
 # size static, the next makes dynamic only the sizes that changed (the step's rows, its keys, the layer's offset in
 # the cache). Inductor lowers FlexAttention to its decoding kernel (short queries: the KV split across blocks) only
@@ -44,8 +46,8 @@ def check_prompt_attention(name, share_prompts=True):
     """name, if the shared-prompt step's attention can be it: flex has no prompts to share without share_prompts."""
     if name not in PROMPT_ATTENTIONS:
         raise ValueError(f"prompt attention must be one of {', '.join(PROMPT_ATTENTIONS)}, got {name!r}")
-    if name == "flex" and not share_prompts:
-        raise ValueError("prompt attention flex is the shared-prompt cache's: it needs share_prompts=True")
+    if name != "explicit" and not share_prompts:
+        raise ValueError(f"prompt attention {name} is the shared-prompt cache's: it needs share_prompts=True")
     return name
 
 

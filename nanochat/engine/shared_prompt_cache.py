@@ -9,6 +9,7 @@ import torch
 
 from nanochat.engine.flex_prompt_attention import check_prompt_attention, run_flex_prompt_attention
 from nanochat.engine.kv_cache import cache_geometry, write_rows
+from nanochat.kernels.decode_step import KernelPromptStep
 from nanochat.model.attention import Visibility, fp32_scores
 
 
@@ -153,6 +154,8 @@ class SharedPromptKVCache:
         self.ensure_suffix_capacity(keys)
         if self.attention == "flex":
             return FlexPromptStep(self.prefix(rows), keys, whole=self)
+        if self.attention == "triton":
+            return KernelPromptStep(self.prefix(rows), keys, whole=self)
         return SharedPromptStep(self.prefix(rows), keys)
 
     def keys_read(self, rows, keys):

@@ -1,0 +1,137 @@
+"""
+The static decode step with the project's Triton kernels (the engine's prompt_attention="triton"): the same function
+as nanochat/engine/decode_batch.py's static_step (one token per row, sampled into the batch's `sampled`), its forward
+written for one token a row over a SharedPromptKVCache so that each block is nine kernels:
+
+    residual_norm   the previous block's MLP output added, the generation's lambdas, RMSNorm   (x0, lambdas)
+    qkv matmul      (DecodeWeights' concatenation)
+    rotary_store    rotary, q/k norm and scale, value embedding's term, keys and values written
+    prompt_attention
+    c_proj matmul, residual_norm (the attention's output added, RMSNorm)
+    c_fc matmul, relu_square, c_proj matmul
+
+and after the blocks the final norm (with backout), the head, softcap, top-k and one sampling kernel. It computes
+what GPT.hidden_states computes for a cached forward of one token (nanochat/model/gpt.py is the reference, every
+generation's switches read from the model), rounding as its ops round up to the sums' order: the tests compare
+rollouts token for token with the hand-written step's.
+"""
+
+import torch
+
+from nanochat.kernels.prompt_attention import cell_rows, prompt_attention
+from nanochat.kernels.residual_norm import relu_square, residual_norm
+from nanochat.kernels.rotary_store import rotary_store
+from nanochat.kernels.sampling import sample_rows
+from nanochat.model.gpt import smear
+from nanochat.model.precision import autocast_enabled
+
+
+BLOCK_RANGE = "nanochat block "  # the profiler range of each block: this, then its index
+
+
+class KernelPromptStep:
+    """One single-token decode step over the first rows of a SharedPromptKVCache for the Triton kernels: what every
+    layer reads of the rows, made once a step (each row's absolute position, the prompt slots' cells). `cache` is the
+    step's view of the rows, `whole` the cache it is a view of (the kernels write its storage, not a view)."""
+
+    def __init__(self, cache, suffix_keys, whole):
+        self.cache, self.whole, self.S = cache, whole, suffix_keys
+        self.positions = cache.next_positions()[:, None]  # (B, 1)
+        self.cells = cell_rows(cache.prompt_slot, cache.sample, cache.pool_k.size(1), cache.grid_columns)
+        has_smear = cache.prev_embedding is not None
+        self.smear_previous = cache.prev_embedding.clone() if has_smear else None
+
+    def keep_smear_state(self, embedding):
+        self.cache.prev_embedding.copy_(embedding)
+
+    def advance(self):
+        self.cache.pos.add_(self.cache.active)
+
+    def attend_layer(self, layer, qkv, heads, qk_scale, v_add, window):
+        """(B, heads, D) attention output of layer `layer` from its (B, heads + 2 Hkv, D) projections."""
+        c, whole = self.cache, self.whole
+        q = rotary_store(qkv, self.rotary[0], self.rotary[1], self.positions[:, 0], whole.k, whole.v, layer, c.pos,
+                         v_add, heads, qk_scale)
+        return prompt_attention(q, c.pool_k[layer], c.pool_v[layer], c.pool_len, self.cells, whole.k[layer],
+                                whole.v[layer], c.pos, c.sample, c.rows_per_slot, self.S, window)
+
+
+def compute_dtype(model, device):
+    """The dtype the decode step's matmuls take their inputs in: autocast's where it is on, else the weights'."""
+    if autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return model.transformer.h[0].mlp.c_fc.weight.dtype
+
+
+def check_kernel_model(model):
+    """A ValueError when the kernels' forward cannot compute `model` as GPT does: its token embedding must be fp32
+    (the residual stream the kernels keep in fp32 is then the model's)."""
+    if model.transformer.wte.weight.dtype != torch.float32:
+        raise ValueError(f"the Triton kernels need the token embedding in float32, it is "
+                         f"{model.transformer.wte.weight.dtype}: use prompt attention explicit for this model")
+
+
+def kernel_hidden_states(model, idx, step):
+    """idx (B,) one token a row -> (B, n_embd) the normed output of the last block, as GPT.hidden_states(idx[:, None],
+    step)[:, 0] (the module docstring)."""
+    gen, blocks = model.generation, model.transformer.h
+    dtype = compute_dtype(model, idx.device)
+    step.rotary = (model.cos, model.sin)
+    embedding = model.transformer.wte(idx)  # (B, C) fp32
+    _, x, _ = residual_norm(embedding, None, None, 0, None, None, 0, 1.0, False, torch.float32)
+    if gen.smear:
+        previous = step.smear_previous
+        step.keep_smear_state(model.smear_state(idx[:, None]))
+        x = smear(x[:, None], model.smear_gate, model.smear_lambda, previous)[:, 0]
+    x0, delta, kept = x, None, None
+    backout_layer = model.config.n_layer // 2 if gen.backout else None
+    for i, block in enumerate(blocks):
+        # a named range: a profiler's trace, and the meta op count (nanochat/diagnostics/op_count.py), see the
+        # blocks in it; block i is from the residual add of block i - 1's MLP output to its own MLP's output
+        with torch.profiler.record_function(f"{BLOCK_RANGE}{i}"):
+            keep = backout_layer == i - 1
+            lambdas = (model.resid_lambdas, i, x0, model.x0_lambdas, i) if gen.lambdas else (None, 0, None, None, 0)
+            x, h, summed = residual_norm(x, delta, *lambdas, 1.0, keep, dtype)
+            kept = summed if keep else kept
+            y = _attention(model, i, h, idx, step)
+            x, h, _ = residual_norm(x, block.attn.c_proj(y), None, 0, None, None, 0, 1.0, False, dtype)
+            delta = block.mlp.c_proj(relu_square(block.mlp.c_fc(h)))
+    if backout_layer == len(blocks) - 1:  # the kept residual is the last block's own output
+        kept = x + delta
+        x, delta = kept, None
+    backout = (kept, model.backout_lambda, 0, -1.0) if backout_layer is not None else (None, None, 0, 1.0)
+    _, normed, _ = residual_norm(x, delta, None, 0, *backout, False, torch.float32)
+    return normed
+
+
+def _attention(model, i, h, idx, step):
+    """Layer i's attention output (B, C) from its normed input h (B, C)."""
+    attn = model.transformer.h[i].attn
+    B = h.size(0)
+    H, Hkv, D = attn.n_head, attn.n_kv_head, attn.head_dim
+    qkv = attn.qkv_weight
+    if qkv is not None:
+        qkv = torch.nn.functional.linear(h, qkv)
+    else:
+        qkv = torch.cat([attn.c_q(h), attn.c_k(h), attn.c_v(h)], dim=-1)
+    v_add = None
+    if attn.ve_gate is not None:
+        gate = attn.ve_gate_scale * torch.sigmoid(attn.ve_gate(h[:, :attn.ve_gate_channels]))  # (B, Hkv)
+        v_add = (gate[..., None] * model.value_embeds[str(i)](idx).view(B, Hkv, D)).to(qkv.dtype)
+    y = step.attend_layer(i, qkv.view(B, H + 2 * Hkv, D), H, attn.qk_scale, v_add, model.window_sizes[i])
+    return y.view(B, H * D)
+
+
+def kernel_static_step(batch, rows, keys):
+    """static_step (nanochat/engine/decode_batch.py) with the kernels: the same inputs, the same writes (the cache,
+    `sampled`, the streams' draws)."""
+    known, token = batch.host_inputs[:, :rows]
+    inputs = torch.where(known.bool(), token, batch.sampled[:rows, 0].long())  # (rows,)
+    step = batch.cache.decode_step(rows, keys)
+    logits = batch.model.logits(kernel_hidden_states(batch.model, inputs, step))  # (rows, V) fp32
+    top_k = batch.top_k
+    top = (None, None)
+    if batch.temperature != 0.0 and top_k is not None and 0 < top_k < logits.size(-1):
+        top = torch.topk(logits, top_k, dim=-1)
+    sample_rows(logits, *top, batch.seeds, batch.draws, batch.cache.active, batch.sampled, batch.temperature)
+    step.advance()

@@ -1,0 +1,239 @@
+"""nanochat/kernels/: the decode step's Triton kernels, run on a CPU in Triton's interpreter, against the torch code
+they replace (the hand-written shared-prompt step, the model's rotary/norm/residual ops, the sampler): each kernel on
+hand-made states (free rows, gaps in a slot's columns, windows that cut the prompt, GQA and MHA, odd sizes), whole
+rollouts of nanochat's fixture checkpoints token for token, the d20 step's meta kernel count, and each kernel compiled
+by Triton for an H100/H200 (sm_90) without a GPU (what the interpreter cannot check: tl.dot's shapes, registers)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import FP32_GAP_BOUND, SUPPORT, install_generation, prompt_of, random_model, tiny_config
+from test_flex_prompt_attention import cache_in_use, rollouts
+
+from nanochat.checkpoints.loading import build_model
+from nanochat.diagnostics.op_count import count_decode_step_ops
+from nanochat.engine.engine import Engine
+from nanochat.engine.kv_cache import write_rows
+from nanochat.engine.shared_prompt_cache import SharedPromptStep
+from nanochat.kernels.launch import kernels_unavailable
+from nanochat.kernels.prompt_attention import cell_rows, prompt_attention, reference_prompt_attention
+from nanochat.kernels.residual_norm import relu_square, residual_norm
+from nanochat.kernels.rotary_store import rotary_store
+from nanochat.kernels.sampling import sample_rows
+from nanochat.model.gpt import GPT, CausalSelfAttention, GPTConfig, norm
+from nanochat.model.generations import get_generation
+from nanochat.model.rotary import Rotary, rotary_tables
+from nanochat.model.sampling import sample_with_logprobs
+
+triton = pytest.importorskip("triton", reason="the kernels' tests need triton (tests/run.sh installs it)")
+from nanochat.kernels.launch import interpreter_on  # noqa: E402
+
+# on CPU tensors, in Triton's interpreter (tests/conftest.py turns it on where no GPU is); a GPU machine compiles
+# instead, where these CPU-tensor tests cannot run (gpu_check.sh's bench compares the kernels' tokens there)
+pytestmark = pytest.mark.skipif(not interpreter_on(), reason="Triton's interpreter is off (a GPU machine)")
+
+D20 = dict(sequence_len=2048, vocab_size=65536, n_layer=20, n_head=10, n_kv_head=10, n_embd=1280, window_pattern="SSSL")
+
+
+def kernel_attention(cache, layer, q, keys, window):
+    """prompt_attention over the first q.size(0) rows of `cache` at `layer` (its step's keys already written)."""
+    rows = q.size(0)
+    view = cache.prefix(rows)
+    cells = cell_rows(view.prompt_slot, view.sample, cache.pool_k.size(1), cache.grid_columns)
+    args = (q, cache.pool_k[layer], cache.pool_v[layer], cache.pool_len, cells, cache.k[layer], cache.v[layer],
+            view.pos, view.sample, cache.rows_per_slot, keys, window)
+    return prompt_attention(*args), reference_prompt_attention(*args)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 2)])
+@pytest.mark.parametrize("window", [0, 2, 6, 1000])
+def test_prompt_attention_attends_as_the_hand_written_step(heads, kv_heads, window):
+    """10 rows over 3 prompt slots (prompts of 5, 11 and 1 keys; gaps in slot 1's columns; row 9 free), 20 own keys:
+    every row in use gets the hand-written step's attention within fp32 rounding, and the row-by-row reference's; the
+    free row gets zeros. Window 0 and 2 hide every prompt key from most rows, 6 some, 1000 none; 6 heads over 2 kv
+    heads is a group of 3, not a power of two."""
+    cache = cache_in_use(heads, kv_heads, torch.float32)
+    torch.manual_seed(1)
+    q, k, v = torch.randn(10, 1, heads, 16), torch.randn(10, 1, kv_heads, 16), torch.randn(10, 1, kv_heads, 16)
+    hand_written = SharedPromptStep(cache.prefix(10), 20).attend(1, q, k, v, window)[:, :, 0]  # writes k, v
+    ours, reference = kernel_attention(cache, 1, q[:, 0], 20, window)
+    torch.testing.assert_close(ours[:9], hand_written[:9], rtol=0, atol=2e-6)
+    torch.testing.assert_close(ours[:9], reference[:9], rtol=0, atol=2e-6)
+    assert torch.equal(ours[9], torch.zeros_like(ours[9]))
+
+
+def test_prompt_attention_in_bf16_within_bf16_rounding_of_fp32():
+    cache = cache_in_use(4, 2, torch.bfloat16)
+    torch.manual_seed(2)
+    q = torch.randn(10, 4, 16).bfloat16()
+    ours, reference = kernel_attention(cache, 0, q, 20, 6)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours[:9].float(), reference[:9].float(), rtol=2 ** -7, atol=2 ** -7)
+
+
+def test_prompt_attention_sees_only_its_rows_prompt_window_and_own_keys():
+    """Keys a row must not see changed (pool keys past a prompt's length, own keys past a row's position, another
+    row's keys): no output changes; a prompt key inside the window of slot 2's rows changed: exactly those rows."""
+    cache = cache_in_use(4, 2, torch.float32)
+    q = torch.randn(10, 4, 16)
+    before, _ = kernel_attention(cache, 0, q, 24, 6)
+    cache.pool_k[0, 0, :, 5:] += 5.0  # slot 0's prompt has 5 keys
+    cache.pool_k[0, 2, :, 1:] += 5.0  # slot 2's has 1
+    for row, pos in enumerate(cache.pos[:9].tolist()):
+        cache.k[0, row, :, pos + 1:] += 5.0
+    cache.k[0, 9] += 5.0  # the free row's
+    unchanged, _ = kernel_attention(cache, 0, q, 24, 6)
+    torch.testing.assert_close(unchanged, before, rtol=0, atol=0)
+    cache.pool_k[0, 2, :, 0] += 1.0  # slot 2's one prompt key: rows 4-6, of which row 4 (position 2) sees it at window 6
+    changed = (kernel_attention(cache, 0, q, 24, 6)[0] != before).flatten(1).any(1)
+    assert changed.tolist() == [False] * 4 + [True] + [False] * 5
+
+
+def qkv_case(dtype, heads=4, kv_heads=2, D=16, rows=5):
+    torch.manual_seed(3)
+    qkv = (torch.randn(rows, heads + 2 * kv_heads, D) * 2).to(dtype)
+    cos, sin = rotary_tables(64, D, base=10000, bf16_rounded=False)
+    positions = torch.tensor([3, 17, 0, 40, 63])[:rows]
+    pos = torch.tensor([0, 5, 2, 7, 1])[:rows]
+    return qkv, cos, sin, positions, pos
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_scale,ve", [(1.0, False), (1.2, True)])
+def test_rotary_store_rotates_norms_scales_and_writes_as_the_model(dtype, qk_scale, ve):
+    """CausalSelfAttention.rotate_and_norm's queries, and its keys and values (value embedding's term added) written
+    into each row's completion at its position by write_rows; nothing else of the cache written. fp32 within its
+    rounding; bf16 within one bf16 rounding step (the norm's sum is ordered otherwise)."""
+    heads, kv_heads, D = 4, 2, 16
+    qkv, cos, sin, positions, pos = qkv_case(dtype, heads, kv_heads, D)
+    v_add = torch.randn(5, kv_heads, D).to(dtype) if ve else None
+    attn = CausalSelfAttention(GPTConfig(n_head=heads, n_kv_head=kv_heads, n_embd=heads * D), 0, get_generation("smear"))
+    attn.qk_scale = qk_scale
+    rope = Rotary(cos[positions][:, None, None, :], sin[positions][:, None, None, :])
+    x = qkv[:, None]  # (B, 1, heads + 2 kv_heads, D)
+    want_qk = attn.rotate_and_norm(x[:, :, :heads + kv_heads], rope, dtype)[:, 0]
+    want_v = x[:, 0, heads + kv_heads:] + (v_add if ve else 0)
+    expected_k, expected_v = torch.randn(2, 5, kv_heads, 8, D).to(dtype), torch.randn(2, 5, kv_heads, 8, D).to(dtype)
+    k_cache, v_cache = expected_k.clone(), expected_v.clone()
+    write_rows(expected_k, 1, torch.arange(5), pos, want_qk[:, heads:], heads_first=True)
+    write_rows(expected_v, 1, torch.arange(5), pos, want_v, heads_first=True)
+    q = rotary_store(qkv, cos, sin, positions, k_cache, v_cache, 1, pos, v_add, heads, qk_scale)
+    # bf16: Triton's interpreter rounds fp32 to bf16 toward zero (a GPU to nearest), at each of rotary's, the norm's
+    # and the scale's roundings: a few bf16 steps apart
+    tolerance = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -5, atol=2 ** -5)
+    torch.testing.assert_close(q.float(), want_qk[:, :heads].float(), **tolerance)
+    torch.testing.assert_close(k_cache.float(), expected_k.float(), **tolerance)
+    if dtype == torch.float32:
+        assert torch.equal(v_cache, expected_v)  # values are only added to: one rounding, torch's
+    else:
+        torch.testing.assert_close(v_cache.float(), expected_v.float(), rtol=2 ** -7, atol=0)
+    written = torch.zeros_like(k_cache, dtype=torch.bool)
+    written[1, torch.arange(5), :, pos] = True
+    assert torch.equal(k_cache[~written], expected_k[~written])  # nothing else of the cache
+
+
+@pytest.mark.parametrize("part", ["lambdas", "add", "backout", "norm only"])
+def test_residual_norm_composes_the_models_residual_ops(part):
+    """x_new bitwise as the model's ops compute it (each product and sum rounded to fp32 in the same order), the
+    norm within fp32 rounding of norm(x_new), the kept sum bitwise x + delta."""
+    torch.manual_seed(4)
+    x, delta, y = torch.randn(6, 40), torch.randn(6, 40).bfloat16(), torch.randn(6, 40)
+    lam_a, lam_b = torch.randn(3), torch.randn(3)
+    if part == "lambdas":
+        args, want = (delta, lam_a, 2, y, lam_b, 1, 1.0), lam_a[2] * (x + delta) + lam_b[1] * y
+    elif part == "add":
+        args, want = (delta, None, 0, None, None, 0, 1.0), x + delta
+    elif part == "backout":
+        args, want = (delta, None, 0, y, lam_b, 0, -1.0), (x + delta) - lam_b[0] * y
+    else:
+        args, want = (None, None, 0, None, None, 0, 1.0), x
+    x_new, normed, summed = residual_norm(x, *args, True, torch.bfloat16)
+    assert torch.equal(x_new, want)
+    # one bf16 rounding apart at most (the interpreter rounds toward zero, torch to nearest)
+    torch.testing.assert_close(normed.float(), norm(want).bfloat16().float(), rtol=2 ** -7, atol=1e-6)
+    assert torch.equal(summed, x + delta if part != "norm only" else x)
+
+
+def test_relu_square_is_the_mlps_activation():
+    """Bitwise in fp32; in bf16 one rounding apart at most (the interpreter rounds toward zero, torch to nearest)."""
+    u = torch.randn(3, 1500)  # past one block of the kernel
+    assert torch.equal(relu_square(u), F.relu(u).square())
+    u = u.bfloat16()
+    torch.testing.assert_close(relu_square(u).float(), F.relu(u).square().float(), rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 50), (0.7, 20), (0.0, None), (1.3, None), (1.0, None)])
+def test_sample_rows_draws_the_samplers_tokens(temperature, top_k):
+    """sample_with_logprobs' tokens from the same streams (every row), its two log-probabilities within fp32
+    rounding of the logsumexps, the streams of the rows in use advanced by one and the free row's not."""
+    torch.manual_seed(5)
+    B, V = 6, 2500  # V past two blocks of the kernel
+    logits = torch.randn(B, V) * 3
+    seeds, draws = torch.randint(0, 2 ** 32, (B,)), torch.randint(0, 100, (B,))
+    active = torch.tensor([1, 1, 1, 0, 1, 1])
+    tokens, model_lp, sampling_lp = sample_with_logprobs(logits, seeds, draws, temperature, top_k)
+    sampled, after = torch.zeros(B + 2, 3), torch.cat([draws, torch.tensor([7, 7])])  # buffers past the step's rows
+    top = torch.topk(logits, top_k) if top_k else (None, None)
+    sample_rows(logits, *top, seeds, after, torch.cat([active, torch.ones(2, dtype=torch.long)]), sampled, temperature)
+    assert torch.equal(sampled[:B, 0].long(), tokens)
+    torch.testing.assert_close(sampled[:B, 1], model_lp, rtol=0, atol=2e-6)
+    torch.testing.assert_close(sampled[:B, 2], sampling_lp, rtol=0, atol=2e-6)
+    assert torch.equal(after, torch.cat([draws + active, torch.tensor([7, 7])]))
+    assert torch.equal(sampled[B:], torch.zeros(2, 3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["jan2026", "smear", "oct2025"])  # windows; smear, backout, value embeddings; neither
+def test_kernel_rollouts_sample_the_hand_written_tokens(name, tmp_path, monkeypatch):
+    """fp32 rollouts (T=1, top-k 50; 2 prompts x 3 samples in 4 rows: rows admitted into freed ones) of nanochat's
+    fixture checkpoints: the Triton step samples the hand-written step's tokens, log-probabilities within
+    FP32_GAP_BOUND."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    model, tokenizer, _ = build_model(str(install_generation(tmp_path, name)), 5, "cpu", "eval")
+    prompts = [prompt_of(tokenizer, q) for q in ("What is 12 times 7?", "Hi")]
+    kwargs = dict(num_samples=3, max_tokens=10, temperature=1.0, top_k=50, seeds=[4, 5], max_rows=4)
+    explicit, explicit_lp = rollouts(Engine(model, tokenizer, decode="static"), prompts, **kwargs)
+    ours, ours_lp = rollouts(Engine(model, tokenizer, decode="static", prompt_attention="triton"), prompts, **kwargs)
+    assert ours == explicit
+    assert explicit_lp.numel() >= 40 and (ours_lp - explicit_lp).abs().max() <= FP32_GAP_BOUND
+
+
+@pytest.mark.parametrize("generation,most", [("jan2026", 9), ("smear", 14)])
+def test_the_d20_kernel_step_runs_at_most_300_kernels(generation, most):
+    """Issue 66's target on the meta device (a custom op one kernel): one d20 decode step, 256 rows x 256 keys, at most
+    300 kernels (1,152 hand-written for jan2026), a block at most 9 (14 with a value embedding's gate and lookup)."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**D20), generation)
+    count = count_decode_step_ops(model, 256, 256, kernels="triton")
+    assert count.kernels <= 300 and max(count.kernels_per_block) == most, (count.kernels, count.kernels_per_block)
+    assert min(count.kernels_per_block) == 9
+
+
+def test_the_triton_step_is_refused_in_one_line_where_it_cannot_run(tiny_tokenizer, monkeypatch):
+    model = random_model(tiny_config(vocab_size=tiny_tokenizer.get_vocab_size()))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"^the Triton kernels run on a CUDA GPU; on a CPU only in Triton's interpreter"):
+        Engine(model, tiny_tokenizer, prompt_attention="triton")
+    assert kernels_unavailable(torch.device("cuda")) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="prompt attention triton is the shared-prompt cache's"):
+        Engine(model, tiny_tokenizer, prompt_attention="triton", share_prompts=False)
+    with pytest.raises(ValueError, match="prompt attention triton is not compiled"):
+        Engine(model, tiny_tokenizer, prompt_attention="triton", compile="on")
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_for_an_sm90_gpu_without_spilling():
+    """Triton compiles each kernel at the d20 step's sizes, bf16 and fp32, for an H100/H200 (sm_90) here, without a
+    GPU (tests/support/sm90_compile.py, in a process without the interpreter): what the interpreter does not check
+    (tl.dot's operand shapes and dtypes, the lowering), and no register spills to local memory."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, str(SUPPORT / "sm90_compile.py")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split("\n")
+    assert sum(line.endswith(" ok") for line in lines) == 10, done.stdout
