@@ -73,7 +73,9 @@ CONFIGS = {c.name: c for c in [BenchConfig("baseline", False, torch.float32, Fal
               BenchConfig("batched_fp32_static_flex", True, torch.float32, True, "static", prompt_attention="flex"),
               BenchConfig("batched_bf16_graph_flex", True, torch.bfloat16, True, "graph", prompt_attention="flex"),
               BenchConfig("batched_bf16_graph_compiled_flex", True, torch.bfloat16, True, "graph", True,
-                          prompt_attention="flex")]}
+                          prompt_attention="flex"),
+              BenchConfig("batched_fp32_static_triton", True, torch.float32, True, "static", prompt_attention="triton"),
+              BenchConfig("batched_bf16_graph_triton", True, torch.bfloat16, True, "graph", prompt_attention="triton")]}
 PRESETS = {"d20": dict(depth=20, vocab_size=65536, sequence_len=2048, window_pattern="SSSL")}  # nanochat's d20, Jan 2026
 BENCH_STEP = 0           # the chat_rl step whose questions and seeds the benchmark uses
 PER_CONFIG = {"dtype": None, "rollout_dtype": "auto", "decode": "auto"}  # chat_rl's flags that each config sets
@@ -284,7 +286,8 @@ def measure(model, rollout_model, initial_state, tokenizer, task, config, rl, ar
     flex = config.prompt_attention == "flex"  # FlexAttention does not run on the meta device: no count of its step
     with torch.device("meta"):  # a static decode step at the run's largest shape: the same count on any machine
         ops = None if flex else count_decode_step_ops(GPT(model.config, model.generation), max(r["max_batch_rows"], 1),
-                                                      rl.max_new_tokens, share_prompts=config.lean, num_samples=rl.num_samples)
+                                                      rl.max_new_tokens, share_prompts=config.lean, num_samples=rl.num_samples,
+                                                      kernels=config.prompt_attention)
     compiled = compiled_step_kernels(graphs_before) if config.compiled and config.decode != "eager" else None
     r.update({key: ops and getattr(ops, field) for key, field in (("decode_step_ops", "ops"), ("decode_step_kernels", "kernels"),
               ("decode_step_ops_per_layer", "ops_per_block"), ("decode_step_kernels_per_layer", "kernels_per_block"))},
@@ -301,7 +304,7 @@ def mark_identical_tokens(results, configs):
     for name, r in results.items():
         base, _, suffix = name.partition("+")
         twins = ([base.removesuffix("_nolag")] if CONFIGS[base].lag is not None else
-                 [base.removesuffix("_flex")] if CONFIGS[base].prompt_attention != "explicit" else
+                 [base.removesuffix("_flex").removesuffix("_triton")] if CONFIGS[base].prompt_attention != "explicit" else
                  [base.removesuffix("_compiled").removesuffix("_blocks")] if CONFIGS[base].compiled or CONFIGS[base].blocks else
                  [base.replace("_graph", "_static"), base.replace("_graph", "")] if "_graph" in base else
                  [base.replace("_static", "")] if "_static" in base else None)

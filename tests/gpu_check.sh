@@ -14,6 +14,8 @@
 # 2. the d20 bench (nanochat's January-2026 d20 shapes, random weights, GSM8K prompts, 16 questions x 16 samples x
 #    256 tokens, rows to the cap, advantages forced to +-1 so the whole batch trains), the graph decode step, 3
 #    consecutive steps: chat_rl's own step (bench_d20.json, written after each config);
+# 2b. the bench of part 2 with the step in the project's Triton kernels (triton_d20.json: decode ms, captures' seconds
+#    with Triton's JIT, tokens_digest beside part 2's), which decides the engine's default on CUDA (issue 66);
 # 3. the same bench with --compile=blocks (blocks_d20.json): each block compiled around its attention, once for
 #    every layer, in rollouts (captured in the engine's graphs) and training: compile seconds, decode ms, train s;
 # 4. the bench of part 2 with the shared-prompt attention through FlexAttention, compiled by Inductor alone (the step
@@ -216,6 +218,11 @@ checks)
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph \
         --early-stop-mean=0 --no-signal-fractions= --repeat=3 --force-advantages --output="$out/bench_d20.json"
     bench_rc=$?
+    # the step in the project's Triton kernels (issue 66; nanochat/kernels/: 9 kernels a block): decode ms, its
+    # first call's Triton JIT in the captures' seconds, its tokens_digest beside part 2's; decides the engine's default
+    step "d20 triton" 150 "$out/triton_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_triton \
+        --early-stop-mean=0 --no-signal-fractions= --repeat=3 --force-advantages --output="$out/triton_d20.json"
     # --compile=blocks (each block compiled around its attention, one compile for every layer; issue 48): whether
     # it pays on a GPU, and its compile seconds
     step "d20 blocks" 180 "$out/blocks_d20.log" \
