@@ -47,8 +47,12 @@ def autocast_dtype(device):
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
-def triton_step(model, compile):
-    """The decode step of prompt attention "triton" for `model`, or a one-line ValueError where it cannot run."""
+def decode_step_function(model, compile, compiles, prompt_attention):
+    """The static decode step an engine's batches run: static_step, compiled where `compiles`; or with prompt
+    attention "triton" the kernels' step (never compiled: its kernels are the fusion), or a one-line ValueError where
+    it cannot run."""
+    if prompt_attention != "triton":
+        return maybe_compiled(static_step, compiles, dynamic=STATIC_STEP_DYNAMIC, required=compile == "on")
     check_kernels(model.get_device())
     check_kernel_model(model)
     if compile is True or compile == "on":
@@ -137,9 +141,7 @@ class Engine(NanochatGenerate):
     most (several prompts, padded to the longest; 1: one prompt at a time). lag: the host one step behind the device,
     the same tokens (DecodeBatch.decode_step); None: on CUDA (a CPU is its own device: nothing to overlap).
     calculator_format: how a tool result is written ("str", nanochat's; "int": calculator.format_result).
-    prompt_attention: the shared-prompt step's attention, "explicit", "flex" (FlexAttention: flex_prompt_attention.py)
-    or "triton" (the whole step in the project's Triton kernels: nanochat/kernels/; not compiled: its kernels are
-    the fusion).
+    prompt_attention: the shared-prompt step's, "explicit", "flex" (flex_prompt_attention.py) or "triton" (kernels/).
     """
 
     def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True, decode="auto",
@@ -153,9 +155,7 @@ class Engine(NanochatGenerate):
         self.lag = model.get_device().type == "cuda" if lag is None else lag
         self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
         compiles = compile if isinstance(compile, bool) else compile_plan(compile, model.get_device(), self.decode).decode
-        self.step = maybe_compiled(static_step, compiles, dynamic=STATIC_STEP_DYNAMIC, required=compile == "on")
-        if self.prompt_attention == "triton":
-            self.step = triton_step(model, compile)
+        self.step = decode_step_function(model, compile, compiles, self.prompt_attention)
         self.kept = KeptBatches()  # between rollouts (see _new_batch); release() drops them
         self.prompt_floor = 0  # static batches are sized for prompts this long at least (it never shrinks)
         self.keeps_between_rollouts = True  # the static batch and the decode weights; release() may turn it off

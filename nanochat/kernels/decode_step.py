@@ -5,7 +5,7 @@ written for one token a row over a SharedPromptKVCache so that each block is nin
 
     residual_norm   the previous block's MLP output added, the generation's lambdas, RMSNorm   (x0, lambdas)
     qkv matmul      (DecodeWeights' concatenation)
-    rotary_store    rotary, q/k norm and scale, value embedding's term, keys and values written
+    rotary_store    rotary, q/k norm and scale, the value embedding and its gate, keys and values written
     prompt_attention
     c_proj matmul, residual_norm (the attention's output added, RMSNorm)
     c_fc matmul, relu_square, c_proj matmul
@@ -47,11 +47,12 @@ class KernelPromptStep:
     def advance(self):
         self.cache.pos.add_(self.cache.active)
 
-    def attend_layer(self, layer, qkv, heads, qk_scale, v_add, window):
-        """(B, heads, D) attention output of layer `layer` from its (B, heads + 2 Hkv, D) projections."""
+    def attend_layer(self, layer, qkv, rotary, heads, qk_scale, value_embedding, window):
+        """(B, heads, D) attention output of layer `layer` from its (B, heads + 2 Hkv, D) projections; rotary: the
+        model's (cos, sin) tables; value_embedding: rotary_store's (ve_table, tokens, ve_gate, h, ve_scale)."""
         c, whole = self.cache, self.whole
-        q = rotary_store(qkv, self.rotary[0], self.rotary[1], self.positions[:, 0], whole.k, whole.v, layer, c.pos,
-                         v_add, heads, qk_scale)
+        q = rotary_store(qkv, *rotary, self.positions[:, 0], whole.k, whole.v, layer, c.pos, heads, qk_scale,
+                         *value_embedding)
         return prompt_attention(q, c.pool_k[layer], c.pool_v[layer], c.pool_len, self.cells, whole.k[layer],
                                 whole.v[layer], c.pos, c.sample, c.rows_per_slot, self.S, window)
 
@@ -76,12 +77,11 @@ def kernel_hidden_states(model, idx, step):
     step)[:, 0] (the module docstring)."""
     gen, blocks = model.generation, model.transformer.h
     dtype = compute_dtype(model, idx.device)
-    step.rotary = (model.cos, model.sin)
     embedding = model.transformer.wte(idx)  # (B, C) fp32
     _, x, _ = residual_norm(embedding, None, None, 0, None, None, 0, 1.0, False, torch.float32)
     if gen.smear:
         previous = step.smear_previous
-        step.keep_smear_state(model.smear_state(idx[:, None]))
+        step.keep_smear_state(x[:, None])  # the token's normed embedding (GPT.smear_state), made once here
         x = smear(x[:, None], model.smear_gate, model.smear_lambda, previous)[:, 0]
     x0, delta, kept = x, None, None
     backout_layer = model.config.n_layer // 2 if gen.backout else None
@@ -105,7 +105,7 @@ def kernel_hidden_states(model, idx, step):
 
 
 def _attention(model, i, h, idx, step):
-    """Layer i's attention output (B, C) from its normed input h (B, C)."""
+    """Layer i's attention output (B, C) from its normed input h (B, C), in the matmuls' dtype."""
     attn = model.transformer.h[i].attn
     B = h.size(0)
     H, Hkv, D = attn.n_head, attn.n_kv_head, attn.head_dim
@@ -114,11 +114,10 @@ def _attention(model, i, h, idx, step):
         qkv = torch.nn.functional.linear(h, qkv)
     else:
         qkv = torch.cat([attn.c_q(h), attn.c_k(h), attn.c_v(h)], dim=-1)
-    v_add = None
-    if attn.ve_gate is not None:
-        gate = attn.ve_gate_scale * torch.sigmoid(attn.ve_gate(h[:, :attn.ve_gate_channels]))  # (B, Hkv)
-        v_add = (gate[..., None] * model.value_embeds[str(i)](idx).view(B, Hkv, D)).to(qkv.dtype)
-    y = step.attend_layer(i, qkv.view(B, H + 2 * Hkv, D), H, attn.qk_scale, v_add, model.window_sizes[i])
+    value_embedding = (model.value_embeds[str(i)].weight, idx, attn.ve_gate.weight, h, attn.ve_gate_scale) \
+        if attn.ve_gate is not None else (None, idx, None, h, 0.0)
+    y = step.attend_layer(i, qkv.view(B, H + 2 * Hkv, D), (model.cos, model.sin), H, attn.qk_scale, value_embedding,
+                          model.window_sizes[i])
     return y.view(B, H * D)
 
 

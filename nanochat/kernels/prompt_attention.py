@@ -44,7 +44,7 @@ def _prompt_attention_kernel(q_ptr, out_ptr, pool_k_ptr, pool_v_ptr, pool_len_pt
         for h in range(0, Hkv * REP):
             tl.store(out_ptr + r[:, None] * out_sb + h * out_sh + d[None, :],
                      tl.zeros((BLOCK_FREE, BLOCK_D), dtype=out_ptr.dtype.element_ty), mask=free[:, None] & d_ok[None, :])
-    else:  # a (prompt slot, kv head)
+    else:  # a (prompt slot, kv head): M = cells x rep query rows
         slot = pid // Hkv
         kvh = pid % Hkv
         m = tl.arange(0, BLOCK_CELLS * BLOCK_REP)
@@ -58,63 +58,72 @@ def _prompt_attention_kernel(q_ptr, out_ptr, pool_k_ptr, pool_v_ptr, pool_len_pt
                     other=0.0)
         prompt_len = tl.load(pool_len_ptr + slot)
         own_pos = tl.load(pos_ptr + row, mask=live, other=0)  # (M,) the newest completion key's index
-        query_pos = prompt_len + own_pos  # (M,) absolute
         any_live = tl.max(live.to(tl.int32), axis=0) > 0
-        prompt_keys = tl.where(any_live, prompt_len, 0)
         top = tl.full((BLOCK_CELLS * BLOCK_REP,), float("-inf"), dtype=tl.float32)
         total = tl.zeros((BLOCK_CELLS * BLOCK_REP,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_CELLS * BLOCK_REP, BLOCK_D), dtype=tl.float32)
-        # the prompt: each tile of keys and values read once for every row of the slot
-        for start in range(0, prompt_keys, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            n_ok = n < prompt_len
-            k = tl.load(pool_k_ptr + slot * pk_ss + kvh * pk_sh + n[:, None] * pk_sn + d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            if IEEE:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            scores = scores * scale
-            seen = live[:, None] & n_ok[None, :] & (query_pos[:, None] - n[None, :] <= window)
-            scores = tl.where(seen, scores, float("-inf"))
-            new_top = tl.maximum(top, tl.max(scores, axis=1))
-            base = tl.where(new_top == float("-inf"), 0.0, new_top)  # a row that has seen nothing yet: exp(-inf) = 0
-            p = tl.exp(scores - base[:, None])
-            rescale = tl.exp(top - base)
-            v = tl.load(pool_v_ptr + slot * pv_ss + kvh * pv_sh + n[:, None] * pv_sn + d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            if IEEE:
-                update = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                update = tl.dot(p.to(v.dtype), v)
-            acc = acc * rescale[:, None] + update
-            total = total * rescale + tl.sum(p, axis=1)
-            top = new_top
-        # each row's own completion: keys 0..keys-1 of its row, gathered per query row (no two rows share them)
-        qf = q.to(tl.float32)
-        own_keys = tl.where(any_live, keys, 0)
-        for start in range(0, own_keys, BLOCK_OWN):
-            j = start + tl.arange(0, BLOCK_OWN)
-            seen = live[:, None] & (j[None, :] <= own_pos[:, None]) & (own_pos[:, None] - j[None, :] <= window)
-            where3 = seen[:, :, None] & d_ok[None, None, :]
-            k = tl.load(own_k_ptr + row[:, None, None] * ok_sb + kvh * ok_sh + j[None, :, None] * ok_sn + d[None, None, :],
-                        mask=where3, other=0.0)
-            scores = tl.sum(qf[:, None, :] * k.to(tl.float32), axis=2) * scale
-            scores = tl.where(seen, scores, float("-inf"))
-            new_top = tl.maximum(top, tl.max(scores, axis=1))
-            base = tl.where(new_top == float("-inf"), 0.0, new_top)
-            p = tl.exp(scores - base[:, None])
-            rescale = tl.exp(top - base)
-            v = tl.load(own_v_ptr + row[:, None, None] * ov_sb + kvh * ov_sh + j[None, :, None] * ov_sn + d[None, None, :],
-                        mask=where3, other=0.0)
-            # probabilities rounded to the values' dtype before the weighted sum, as the prompt's tl.dot takes them
-            update = tl.sum(p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32), axis=1)
-            acc = acc * rescale[:, None] + update
-            total = total * rescale + tl.sum(p, axis=1)
-            top = new_top
+        top, total, acc = _attend_prompt(q, live, prompt_len + own_pos, tl.where(any_live, prompt_len, 0), prompt_len,
+                                         window, scale, top, total, acc, pool_k_ptr + slot * pk_ss + kvh * pk_sh,
+                                         pool_v_ptr + slot * pv_ss + kvh * pv_sh, pk_sn, pv_sn, d, d_ok, BLOCK_N, IEEE)
+        top, total, acc = _attend_own(q, live, row, own_pos, tl.where(any_live, keys, 0), window, scale, top, total,
+                                      acc, own_k_ptr + kvh * ok_sh, own_v_ptr + kvh * ov_sh, ok_sb, ok_sn, ov_sb, ov_sn,
+                                      d, d_ok, BLOCK_OWN)
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(out_ptr + row[:, None] * out_sb + head[:, None] * out_sh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
+
+
+@kernel
+def _softmax_step(scores, top):
+    """A tile of fp32 scores (M, N) into the online softmax whose running maximum is top (M,): (probabilities, the
+    factor that rescales what was accumulated, the new maximum). A row that has seen nothing yet keeps -inf."""
+    new_top = tl.maximum(top, tl.max(scores, axis=1))
+    base = tl.where(new_top == float("-inf"), 0.0, new_top)  # exp(-inf - 0) = 0, not exp(nan)
+    return tl.exp(scores - base[:, None]), tl.exp(top - base), new_top
+
+
+@kernel
+def _attend_prompt(q, live, query_pos, prompt_keys, prompt_len, window, scale, top, total, acc, k_ptr, v_ptr, k_sn,
+                   v_sn, d, d_ok, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """The prompt's keys and values (k_ptr, v_ptr: the slot's kv head), each tile read once for every query row."""
+    for start in range(0, prompt_keys, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < prompt_len
+        k = tl.load(k_ptr + n[:, None] * k_sn + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        seen = live[:, None] & n_ok[None, :] & (query_pos[:, None] - n[None, :] <= window)
+        p, rescale, top = _softmax_step(tl.where(seen, scores * scale, float("-inf")), top)
+        v = tl.load(v_ptr + n[:, None] * v_sn + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            update = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            update = tl.dot(p.to(v.dtype), v)
+        acc = acc * rescale[:, None] + update
+        total = total * rescale + tl.sum(p, axis=1)
+    return top, total, acc
+
+
+@kernel
+def _attend_own(q, live, row, own_pos, own_keys, window, scale, top, total, acc, k_ptr, v_ptr, k_sb, k_sn, v_sb, v_sn,
+                d, d_ok, BLOCK_OWN: tl.constexpr):
+    """Each query row's own completion keys 0..own_keys-1 (k_ptr, v_ptr: the kv head's), gathered per row (no two
+    rows share them); the probabilities rounded to the values' dtype before the weighted sum, as tl.dot takes them."""
+    qf = q.to(tl.float32)
+    for start in range(0, own_keys, BLOCK_OWN):
+        j = start + tl.arange(0, BLOCK_OWN)
+        seen = live[:, None] & (j[None, :] <= own_pos[:, None]) & (own_pos[:, None] - j[None, :] <= window)
+        where3 = seen[:, :, None] & d_ok[None, None, :]
+        k = tl.load(k_ptr + row[:, None, None] * k_sb + j[None, :, None] * k_sn + d[None, None, :], mask=where3, other=0.0)
+        scores = tl.sum(qf[:, None, :] * k.to(tl.float32), axis=2) * scale
+        p, rescale, top = _softmax_step(tl.where(seen, scores, float("-inf")), top)
+        v = tl.load(v_ptr + row[:, None, None] * v_sb + j[None, :, None] * v_sn + d[None, None, :], mask=where3, other=0.0)
+        update = tl.sum(p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32), axis=1)
+        acc = acc * rescale[:, None] + update
+        total = total * rescale + tl.sum(p, axis=1)
+    return top, total, acc
 
 
 def cell_rows(prompt_slot, sample, slots, columns):

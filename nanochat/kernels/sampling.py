@@ -31,23 +31,8 @@ def _sample_kernel(logits_ptr, values_ptr, indices_ptr, seeds_ptr, draws_ptr, ac
                    temperature, logits_sb, values_sb, indices_sb,
                    BLOCK: tl.constexpr, GREEDY: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr):
     row = tl.program_id(0)
-    lanes = tl.arange(0, BLOCK)
-    top = float("-inf")
-    total = 0.0
-    best = float("-inf")
-    best_index = 0
-    for start in range(0, V, BLOCK):  # the model's log-normalizer (and, greedy, the argmax)
-        i = start + lanes
-        x = tl.load(logits_ptr + row * logits_sb + i, mask=i < V, other=float("-inf"))
-        new_top = tl.maximum(top, tl.max(x, axis=0))
-        total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), axis=0)
-        top = new_top
-        if GREEDY:
-            block_best = tl.max(x, axis=0)
-            block_index = start + tl.argmax(x, axis=0, tie_break_left=True)
-            best_index = tl.where(block_best > best, block_index, best_index)
-            best = tl.maximum(best, block_best)
-    log_normalizer = top + tl.log(total)
+    logits_row = logits_ptr + row * logits_sb
+    log_normalizer, best, best_index = _normalizer_and_argmax(logits_row, V, BLOCK, GREEDY)
     step = tl.load(draws_ptr + row)
     if GREEDY:
         token = best_index
@@ -56,44 +41,67 @@ def _sample_kernel(logits_ptr, values_ptr, indices_ptr, seeds_ptr, draws_ptr, ac
     else:
         seed = tl.load(seeds_ptr + row)
         base = _mix32((_mix32(seed & 0xFFFFFFFF) ^ step) & 0xFFFFFFFF)
-        s_top = float("-inf")
-        s_total = 0.0
-        best = float("-inf")
-        best_index = 0
-        for start in range(0, C, BLOCK):
-            i = start + lanes
-            ok = i < C
-            if TOP_K:
-                values = tl.load(values_ptr + row * values_sb + i, mask=ok, other=float("-inf"))
-            else:
-                values = tl.load(logits_ptr + row * logits_sb + i, mask=ok, other=float("-inf"))
-            if SCALE:
-                values = values / temperature
-            bits = _mix32(base ^ _mix32(i.to(tl.int64) + 0x632BE5AB))
-            u = ((bits >> 8).to(tl.float32) + 0.5) / 16777216.0
-            z = tl.where(ok, values - tl.log(-tl.log(u)), float("-inf"))
-            block_best = tl.max(z, axis=0)
-            block_index = start + tl.argmax(z, axis=0, tie_break_left=True)
-            best_index = tl.where(block_best > best, block_index, best_index)
-            best = tl.maximum(best, block_best)
-            new_top = tl.maximum(s_top, tl.max(values, axis=0))
-            s_total = s_total * tl.exp(s_top - new_top) + tl.sum(tl.exp(values - new_top), axis=0)
-            s_top = new_top
-        if TOP_K:
-            chosen = tl.load(values_ptr + row * values_sb + best_index)
-            token = tl.load(indices_ptr + row * indices_sb + best_index)
-        else:
-            chosen = tl.load(logits_ptr + row * logits_sb + best_index)
-            token = best_index
-        chosen_scaled = chosen
-        if SCALE:
-            chosen_scaled = chosen / temperature
+        values_row = values_ptr + row * values_sb if TOP_K else logits_row
+        choice, scaled_normalizer = _gumbel_choice(values_row, C, base, temperature, BLOCK, SCALE)
+        chosen = tl.load(values_row + choice)
+        token = tl.load(indices_ptr + row * indices_sb + choice) if TOP_K else choice
+        chosen_scaled = chosen / temperature if SCALE else chosen
         model_lp = chosen - log_normalizer
-        sampling_lp = chosen_scaled - (s_top + tl.log(s_total))
+        sampling_lp = chosen_scaled - scaled_normalizer
     tl.store(sampled_ptr + row * 3, token.to(tl.float32))
     tl.store(sampled_ptr + row * 3 + 1, model_lp)
     tl.store(sampled_ptr + row * 3 + 2, sampling_lp)
     tl.store(draws_ptr + row, step + tl.load(active_ptr + row))
+
+
+@kernel
+def _normalizer_and_argmax(x_ptr, V, BLOCK: tl.constexpr, ARGMAX: tl.constexpr):
+    """(logsumexp of x[0..V-1], with ARGMAX its maximum and that maximum's first index) in one pass of blocks."""
+    lanes = tl.arange(0, BLOCK)
+    top = float("-inf")
+    total = 0.0
+    best = float("-inf")
+    best_index = 0
+    for start in range(0, V, BLOCK):
+        i = start + lanes
+        x = tl.load(x_ptr + i, mask=i < V, other=float("-inf"))
+        new_top = tl.maximum(top, tl.max(x, axis=0))
+        total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), axis=0)
+        top = new_top
+        if ARGMAX:
+            block_best = tl.max(x, axis=0)
+            block_index = start + tl.argmax(x, axis=0, tie_break_left=True)
+            best_index = tl.where(block_best > best, block_index, best_index)  # strictly: the first maximum
+            best = tl.maximum(best, block_best)
+    return top + tl.log(total), best, best_index
+
+
+@kernel
+def _gumbel_choice(values_ptr, C, base, temperature, BLOCK: tl.constexpr, SCALE: tl.constexpr):
+    """(the candidate c in 0..C-1 maximizing scaled_c - log(-log(u_c)), logsumexp of the scaled values), u_c the row's
+    uniform for candidate c (sampling.row_uniforms from `base`), scaled = values / temperature where SCALE."""
+    lanes = tl.arange(0, BLOCK)
+    top = float("-inf")
+    total = 0.0
+    best = float("-inf")
+    best_index = 0
+    for start in range(0, C, BLOCK):
+        i = start + lanes
+        ok = i < C
+        values = tl.load(values_ptr + i, mask=ok, other=float("-inf"))
+        if SCALE:
+            values = values / temperature
+        bits = _mix32(base ^ _mix32(i.to(tl.int64) + 0x632BE5AB))
+        u = ((bits >> 8).to(tl.float32) + 0.5) / 16777216.0
+        z = tl.where(ok, values - tl.log(-tl.log(u)), float("-inf"))
+        block_best = tl.max(z, axis=0)
+        block_index = start + tl.argmax(z, axis=0, tie_break_left=True)
+        best_index = tl.where(block_best > best, block_index, best_index)
+        best = tl.maximum(best, block_best)
+        new_top = tl.maximum(top, tl.max(values, axis=0))
+        total = total * tl.exp(top - new_top) + tl.sum(tl.exp(values - new_top), axis=0)
+        top = new_top
+    return best_index, top + tl.log(total)
 
 
 @torch.library.custom_op("nanochat::sample_rows", mutates_args=("sampled", "draws"))

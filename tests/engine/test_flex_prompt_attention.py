@@ -151,7 +151,7 @@ def test_the_compiled_static_step_takes_flex_attention_in_whole(tiny_tokenizer, 
 
 def test_an_unknown_prompt_attention_is_refused(tiny_tokenizer):
     model = random_model(tiny_config(vocab_size=tiny_tokenizer.get_vocab_size()))
-    with pytest.raises(ValueError, match="prompt attention must be one of explicit, flex, got 'fast'"):
+    with pytest.raises(ValueError, match="prompt attention must be one of explicit, flex, triton, got 'fast'"):
         Engine(model, tiny_tokenizer, prompt_attention="fast")
     with pytest.raises(ValueError, match="prompt attention flex is the shared-prompt cache's: it needs share_prompts"):
         Engine(model, tiny_tokenizer, prompt_attention="flex", share_prompts=False)

@@ -11,8 +11,8 @@ from triton.compiler import ASTSource
 
 from nanochat.kernels import prompt_attention as pa, residual_norm as rn, rotary_store as rs, sampling as sa
 
-INTEGER_POINTERS = ("len", "pos", "sample", "seeds", "draws", "active", "indices", "positions")
-FLOATS = ("scale", "qk_scale", "eps", "sign", "temperature")
+INTEGER_POINTERS = ("len", "pos", "sample", "seeds", "draws", "active", "indices", "positions", "tokens")
+FLOATS = ("scale", "qk_scale", "eps", "sign", "temperature", "ve_scale")
 
 
 def signature(fn, pointer_type, constants):
@@ -33,7 +33,7 @@ def signature(fn, pointer_type, constants):
 def cases(dtype):
     return [(pa._prompt_attention_kernel, dict(REP=1, D=128, BLOCK_CELLS=16, BLOCK_REP=1, BLOCK_D=128, BLOCK_N=16,
                                                BLOCK_OWN=8, BLOCK_FREE=64, IEEE=dtype == "fp32")),
-            (rs._rotary_store_kernel, dict(D=128, BLOCK_HEADS=32, BLOCK_D=128, HAS_V_ADD=True)),
+            (rs._rotary_store_kernel, dict(D=128, BLOCK_HEADS=32, BLOCK_D=128, HAS_VE=True, BLOCK_CH=16)),
             (rn._residual_norm_kernel, dict(ROWS=4, BLOCK_C=2048, HAS_DELTA=True, HAS_A=True, HAS_Y=True,
                                             KEEP_SUM=True)),
             (rn._relu_square_kernel, dict(BLOCK=1024)),
