@@ -3,6 +3,8 @@
 #
 #   bash tests/run.sh                               # every test
 #   bash tests/run.sh tests/engine/test_engine.py -k tool  # arguments go to pytest (in place of `tests`)
+#   NANOCHAT_TEST_WORKERS=0 bash tests/run.sh            # every test in this one process, in file order
+#   NANOCHAT_TEST_WORKERS=0 NANOCHAT_TEST_ORDER=reverse bash tests/run.sh  # ... in reversed file order
 #
 # 1. creates .venv (python3 -m venv), or reuses it;
 # 2. installs torch into it unless it already has one: the CPU build (torch==2.13.0), or, where nvidia-smi

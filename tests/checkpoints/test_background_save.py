@@ -79,6 +79,37 @@ def test_the_files_are_a_synchronous_saves_of_the_tensors_when_the_save_began(tm
         assert same(got, want)
 
 
+def test_the_snapshot_holds_nothing_the_run_changes_after_the_save_began(tmp_path, monkeypatch):
+    """Every part of the snapshot compared with the run's state after the run moved on, the writer held until then
+    (issue 67: a snapshot keeping a reference to something the live run changes afterwards passed this file, whose
+    other test races the writer): the model's and the optimizer's tensors changed in place, the meta's history
+    appended to and one of its records changed, a new meta key: the files hold the state at the start."""
+    release, real_stage = threading.Event(), store.stage
+
+    def held_stage(path, write_fn, sweep_stale=False):
+        release.wait(timeout=30)
+        return real_stage(path, write_fn, sweep_stale)
+    model, shard = state(3), optimizer_shard(3)
+    meta = {"step": 4, "history": [{"reward": 0.5}], "user_config": {"lr": 0.1}}
+    sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
+    save_checkpoint(str(sync_dir), 4, model, shard, meta)
+    monkeypatch.setattr(store, "stage", held_stage)
+    saver = BackgroundSaver()
+    saver.start(str(async_dir), 4, model, shard, meta)
+    model["w"].add_(1.0)
+    shard["optimizers"][0]["state"][0]["momentum_buffer"].mul_(-1)
+    shard["optimizers"][0]["param_groups"][0]["lr"] = 0.5
+    meta["history"].append({"reward": 1.0})
+    meta["history"][0]["reward"] = 0.25
+    meta["user_config"]["lr"] = 0.2
+    meta["data_position"] = 12
+    release.set()
+    saver.finish()
+    for got, want in zip(load_checkpoint(str(async_dir), 4, "cpu", load_optimizer=True, rank=0),
+                         load_checkpoint(str(sync_dir), 4, "cpu", load_optimizer=True, rank=0)):
+        assert same(got, want)
+
+
 def test_nothing_of_the_step_is_visible_until_the_commit(tmp_path, monkeypatch):
     release, real_stage = threading.Event(), store.stage
 

@@ -13,6 +13,7 @@ from helpers import HAS_CUDA, TINY_RL_FLAGS, random_model, tiny_config
 
 from nanochat.model import compile_rule
 from nanochat.model.compile import CompiledFunction
+from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.model.compile_rule import (CHECK_STEPS, PRIOR_COLD_SECONDS_PER_LAYER, PRIOR_RATIO, PRIOR_WARM_FRACTION,
                                          PROBE_STEPS, AutoCompile, CompileLedger, PartRule)
 from nanochat.rl.advantages import make_question_batch
@@ -295,3 +296,46 @@ def test_the_engine_decodes_in_the_resolved_mode_unless_auto_switched_before_the
     fresh = AutoCompile({"decode": PartRule("decode", KEY, 4)}, 100, ledger)
     assert engine_decode("eager", measured, fresh) == ("eager", False)
     assert engine_decode("eager", CompilePlan(False, False, "--compile=off"), None) == ("eager", False)
+
+
+def test_the_ledger_key_changes_with_everything_a_compile_depends_on(monkeypatch):
+    """compile_rule.part_key, written out for one model (issue 67: a key without torch's version passed this file, and
+    after a torch upgrade a run would read the old version's compile seconds as a warm cache while Inductor compiles
+    everything again cold): then each field changed alone gives a key of its own, none equal to another."""
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    config = dict(sequence_len=64, vocab_size=96, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
+    model = GPT(GPTConfig(**config), "jan2026")
+    key = compile_rule.part_key("train", model, torch.bfloat16)
+    assert key == "train|jan2026|L2 C64 H2/1 V96|torch.bfloat16|cpu|torch 2.13.0+cpu"
+    variants = {"part": compile_rule.part_key("decode", model, torch.bfloat16),
+                "generation": compile_rule.part_key("train", GPT(GPTConfig(**config), "smear"), torch.bfloat16),
+                "dtype": compile_rule.part_key("train", model, torch.float32)}
+    for field, value in (("n_layer", 3), ("n_embd", 128), ("n_head", 4), ("n_kv_head", 2), ("vocab_size", 128)):
+        variants[field] = compile_rule.part_key("train", GPT(GPTConfig(**{**config, field: value}), "jan2026"),
+                                                torch.bfloat16)
+    with torch.device("meta"):
+        variants["device"] = compile_rule.part_key("train", GPT(GPTConfig(**config), "jan2026"), torch.bfloat16)
+    monkeypatch.setattr(torch, "__version__", "2.14.0+cpu")
+    variants["torch"] = compile_rule.part_key("train", model, torch.bfloat16)
+    assert len(set(variants.values()) | {key}) == len(variants) + 1, variants
+
+
+def test_after_a_torch_upgrade_the_ledger_expects_a_cold_compile(tmp_path, monkeypatch):
+    """A ledger written under torch 2.13 holds a warm compile of 10 s; under torch 2.14 the same part of the same model
+    is expected cold (Inductor's cache is keyed on torch's version), and the run that a warm compile would pay for
+    does not compile."""
+    model = random_model(tiny_config())
+    path = str(tmp_path / "ledger.json")
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    old = compile_rule.part_key("train", model, torch.float32)
+    CompileLedger(path).record(old, cold_s=40.0, warm_s=10.0, ratio=0.5)
+    assert PartRule("train", old, 4).expected_compile_seconds(CompileLedger(path)) == (10.0, "in Inductor's cache, measured")
+    monkeypatch.setattr(torch, "__version__", "2.14.0+cpu")
+    new = compile_rule.part_key("train", model, torch.float32)
+    layers = model.config.n_layer
+    assert PartRule("train", new, layers).expected_compile_seconds(CompileLedger(path)) == (
+        layers * PRIOR_COLD_SECONDS_PER_LAYER["train"], "cold, estimated")
+    # 0.5 s a step for 100 steps: at the ledger's ratio 0.5 a 10 s warm compile pays (24 s saved); a cold one does not
+    warm, upgraded = rule_of(CompileLedger(path), 100, key=old), rule_of(CompileLedger(path), 100, key=new, layers=layers)
+    assert feed(warm, range(10), 0.5, 0.25)[0][0] == (PROBE_STEPS, [("train", True)])
+    assert feed(upgraded, range(10), 0.5, 0.25)[0] == []

@@ -97,3 +97,39 @@ def test_two_ranks_agree_on_the_draws(sft, base_dir, monkeypatch):
         asked = [sorted({line["question"] for line in rank if line["step"] == step}) for rank in lines]
         assert len(asked[0]) == len(asked[1]) == 3 * 2  # 3 draws of 2 questions a rank, on both ranks
         assert all(q % 2 == 0 for q in asked[0]) and all(q % 2 == 1 for q in asked[1])
+
+
+def draws_of(monkeypatch, signal_per_draw, rounds, examples=4, position=8):
+    """sample_rollouts' draws with sample_draw replaced: draw d returns `examples` questions at its position, of which
+    the first signal_per_draw[d] have samples that differ in reward. Returns (the draws made, as (position, draw)), the
+    StepRollouts)."""
+    from types import SimpleNamespace
+
+    from nanochat.rl import run as rl_run
+    made = []
+
+    def sample_draw(run, step, at, draw):
+        made.append((at, draw))
+        with_signal = signal_per_draw[min(draw, len(signal_per_draw) - 1)]
+        return [rollout(at + i, [1, 0] if i < with_signal else [0, 0]) for i in range(examples)]
+    monkeypatch.setattr(rl_run, "sample_draw", sample_draw)
+    config = SimpleNamespace(examples_per_step=examples, dynamic_sampling=True, dynamic_sampling_rounds=rounds)
+    run = SimpleNamespace(config=config, checkpointer=None, compile_marks={"seen": None}, examples_per_rank=examples,
+                          reduce_device="cpu")
+    return made, rl_run.sample_rollouts(run, 3, position)
+
+
+def test_a_step_draws_again_exactly_while_its_share_lacks_signal(monkeypatch):
+    """Both sides of each bound (issue 67: a loop bound in the draws passed this file): a first draw with exactly the
+    share of questions with signal draws no more, one short draws a second; a draw count stops at exactly
+    --dynamic-sampling-rounds more draws (1 and 3) when no draw ever has the share, and the next step starts after the
+    last draw."""
+    made, out = draws_of(monkeypatch, [4], rounds=3)
+    assert made == [(8, 0)] and out.next_position == 12 and [r.index for r in out.trained] == [8, 9, 10, 11]
+    made, out = draws_of(monkeypatch, [3, 1], rounds=3)
+    assert made == [(8, 0), (12, 1)] and out.next_position == 16
+    assert [r.index for r in out.trained] == [8, 9, 10, 12]  # the first 4 with signal, in draw order
+    for rounds in (1, 3):
+        made, out = draws_of(monkeypatch, [0], rounds=rounds)
+        assert made == [(8 + 4 * d, d) for d in range(rounds + 1)] and out.next_position == 8 + 4 * (rounds + 1)
+        assert len(out.drawn) == 4 * (rounds + 1) and [r.index for r in out.trained] == [8, 9, 10, 11]
