@@ -20,7 +20,7 @@ import torch
 
 from nanochat.kernels.prompt_attention import cell_rows, prompt_attention
 from nanochat.kernels.residual_norm import relu_square, residual_norm
-from nanochat.kernels.rotary_store import rotary_store
+from nanochat.kernels.rotary_store import norm_result_fp32, rotary_store
 from nanochat.kernels.sampling import sample_rows
 from nanochat.model.gpt import smear
 from nanochat.model.precision import autocast_enabled
@@ -52,7 +52,7 @@ class KernelPromptStep:
         model's (cos, sin) tables; value_embedding: rotary_store's (ve_table, tokens, ve_gate, h, ve_scale)."""
         c, whole = self.cache, self.whole
         q = rotary_store(qkv, *rotary, self.positions[:, 0], whole.k, whole.v, layer, c.pos, heads, qk_scale,
-                         *value_embedding)
+                         *value_embedding, norm_result_fp32(qkv.dtype, qkv.device))
         return prompt_attention(q, c.pool_k[layer], c.pool_v[layer], c.pool_len, self.cells, whole.k[layer],
                                 whole.v[layer], c.pos, c.sample, c.rows_per_slot, self.S, window)
 
@@ -122,8 +122,10 @@ def _attention(model, i, h, idx, step):
 
 
 def kernel_static_step(batch, rows, keys):
-    """static_step (nanochat/engine/decode_batch.py) with the kernels: the same inputs, the same writes (the cache,
-    `sampled`, the streams' draws)."""
+    """static_step (nanochat/engine/decode_batch.py) with the kernels: the same inputs, the same writes for the rows
+    in use (the cache, `sampled`, the streams' draws). A static cache's free rows get a zero attention output, so
+    their own position-0 keys and their `sampled` differ from static_step's: nothing reads them (admission resets
+    them first)."""
     known, token = batch.host_inputs[:, :rows]
     inputs = torch.where(known.bool(), token, batch.sampled[:rows, 0].long())  # (rows,)
     step = batch.cache.decode_step(rows, keys)

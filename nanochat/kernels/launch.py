@@ -1,9 +1,9 @@
 """
 Where the project's Triton kernels run, and how each is launched there: compiled by Triton on a CUDA device; on a
-CPU only in Triton's interpreter (TRITON_INTERPRET=1: numpy runs each program of the grid in turn, for tests, far too
-slow for a rollout). The choice is made per call from the tensors' device, not once at import (Triton's own `jit`
-decides at decoration time from the environment), so that one process can run a kernel on a GPU and, in a test, the
-same kernel interpreted on CPU tensors.
+CPU only in Triton's interpreter (TRITON_INTERPRET=1, for tests: numpy runs each program of the grid in turn, far too
+slow for a rollout). Triton reads that variable once, when it is imported (its language's library functions are made
+compiled or interpreted then), so one process runs the kernels either compiled (a GPU machine) or interpreted (a CPU
+with the variable set before Python starts), not both; the kind is picked per call from the tensors' device.
 """
 
 import os

@@ -3,9 +3,10 @@ The shared-prompt decode step's attention in one kernel a layer (SharedPromptKVC
 
 A row's single query attends to its prompt's keys (a prompt slot of the pool, shared by the prompt's rows) and to its
 own completion's, under the layer's window: key j at absolute position a is seen from the query at position p iff
-a <= p and p - a <= window. One program per (prompt slot, kv head) holds the queries of all the slot's rows and all
-the query heads of that kv head (GQA) as one block of M = cells x rep rows, so the prompt's keys and values are read
-once for all of them, in tiles (tl.dot); then each row's own completion keys, gathered per row. Both key sets go
+a <= p and p - a <= window. One program per (prompt slot, kv head, chunk of the slot's cells) holds the queries of
+up to 16 of the slot's rows and all the query heads of that kv head (GQA) as one block of M = 16 rows (d20's 16
+samples a prompt: all of them), so the prompt's keys and values are read once for all of them, in tiles (tl.dot);
+then each row's own completion keys, gathered per row. Both key sets go
 through one online softmax in fp32 (the running maximum and sum rescale what was accumulated), so the result is
 attention over their concatenation, as the hand-written step computes it with one softmax.
 
@@ -23,12 +24,21 @@ import torch
 
 from nanochat.kernels.launch import block_size, kernel, tl
 
-FREE_ROWS_BLOCK = 64  # rows a program of the free-row part zeroes
+FREE_ROWS_BLOCK = 16  # rows a program of the free-row part zeroes
+# 8 warps a program: with 4, Triton's sm_90 code for the d20 step spills registers (tests/support/sm90_compile.py)
+ATTENTION_WARPS = 8
+OWN_TILE_ROWS_KEYS = 32  # a program's query rows x own keys a tile: its (rows, keys, D) fp32 tiles stay this size
+
+
+def own_keys_a_tile(query_rows):
+    """Own keys gathered a tile for a program of `query_rows` (cells x group) rows: 2 for 16 rows (d20: 16 samples,
+    MHA), fewer as the rows grow, so that the tile's registers do not spill on a GPU."""
+    return max(1, OWN_TILE_ROWS_KEYS // query_rows)
 
 
 @kernel
 def _prompt_attention_kernel(q_ptr, out_ptr, pool_k_ptr, pool_v_ptr, pool_len_ptr, cells_ptr, own_k_ptr, own_v_ptr,
-                             pos_ptr, sample_ptr, rows, used_columns, columns, keys, window, scale, slots, Hkv,
+                             pos_ptr, sample_ptr, rows, used_columns, columns, keys, window, scale, slots, Hkv, chunks,
                              q_sb, q_sh, pk_ss, pk_sh, pk_sn, pv_ss, pv_sh, pv_sn, ok_sb, ok_sh, ok_sn, ov_sb, ov_sh,
                              ov_sn, out_sb, out_sh,
                              REP: tl.constexpr, D: tl.constexpr, BLOCK_CELLS: tl.constexpr, BLOCK_REP: tl.constexpr,
@@ -37,18 +47,18 @@ def _prompt_attention_kernel(q_ptr, out_ptr, pool_k_ptr, pool_v_ptr, pool_len_pt
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    if pid >= slots * Hkv:  # the free-row part: zero the output of rows in the spare column
-        r = (pid - slots * Hkv) * BLOCK_FREE + tl.arange(0, BLOCK_FREE)
+    if pid >= slots * Hkv * chunks:  # the free-row part: zero the output of rows in the spare column
+        r = (pid - slots * Hkv * chunks) * BLOCK_FREE + tl.arange(0, BLOCK_FREE)
         in_rows = r < rows
         free = (tl.load(sample_ptr + r, mask=in_rows, other=0) >= used_columns) & in_rows
         for h in range(0, Hkv * REP):
             tl.store(out_ptr + r[:, None] * out_sb + h * out_sh + d[None, :],
                      tl.zeros((BLOCK_FREE, BLOCK_D), dtype=out_ptr.dtype.element_ty), mask=free[:, None] & d_ok[None, :])
-    else:  # a (prompt slot, kv head): M = cells x rep query rows
-        slot = pid // Hkv
-        kvh = pid % Hkv
+    else:  # a (prompt slot, kv head, chunk of BLOCK_CELLS cells): M = cells x rep query rows
+        slot = pid // (Hkv * chunks)
+        kvh = (pid // chunks) % Hkv
         m = tl.arange(0, BLOCK_CELLS * BLOCK_REP)
-        cell = m // BLOCK_REP
+        cell = (pid % chunks) * BLOCK_CELLS + m // BLOCK_REP
         rep = m % BLOCK_REP
         row = tl.load(cells_ptr + slot * columns + cell, mask=cell < used_columns, other=-1)
         live = (row >= 0) & (rep < REP)
@@ -145,6 +155,9 @@ def prompt_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor
     step's included); window: the layer's. Returns (B, H, D) in q's dtype."""
     B, H, D = q.shape
     slots, Hkv = pool_k.shape[:2]
+    if not q.dtype == pool_k.dtype == pool_v.dtype == own_k.dtype == own_v.dtype:
+        raise ValueError(f"prompt_attention takes its queries, keys and values in one dtype, got {q.dtype} queries, "
+                         f"{pool_k.dtype} prompt keys and {own_k.dtype} own keys")
     out = torch.empty_like(q)
     rep = H // Hkv
     if q.device.type != "cuda" and q.dtype != torch.float32:
@@ -153,15 +166,18 @@ def prompt_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor
         q, pool_k, pool_v, own_k, own_v = (t.float() for t in (q, pool_k, pool_v, own_k, own_v))
     ieee = q.dtype == torch.float32  # fp32 stays fp32: tl.dot would round its operands to tf32 on a GPU
     block_d, block_rep = block_size(D), block_size(rep, floor=1)
-    block_cells = block_size(used_columns, floor=max(1, 16 // block_rep))  # tl.dot: at least 16 query rows
-    grid = (slots * Hkv + -(-B // FREE_ROWS_BLOCK),)
+    # 16 query rows a program (tl.dot's least; more spill registers on a GPU): a slot's cells in chunks of that many
+    block_cells = max(1, 16 // block_rep)
+    chunks = -(-used_columns // block_cells)
+    grid = (slots * Hkv * chunks + -(-B // FREE_ROWS_BLOCK),)
     _prompt_attention_kernel.on(q.device)[grid](
         q, out, pool_k, pool_v, pool_len, cells, own_k, own_v, pos, sample, B, used_columns, cells.size(1), keys,
-        min(window, 2 ** 31 - 1), 1.0 / math.sqrt(D), slots, Hkv,
+        min(window, 2 ** 31 - 1), 1.0 / math.sqrt(D), slots, Hkv, chunks,
         q.stride(0), q.stride(1), *pool_k.stride()[:3], *pool_v.stride()[:3], own_k.stride(0), own_k.stride(1),
         own_k.stride(2), own_v.stride(0), own_v.stride(1), own_v.stride(2), out.stride(0), out.stride(1),
-        REP=rep, D=D, BLOCK_CELLS=block_cells, BLOCK_REP=block_rep, BLOCK_D=block_d, BLOCK_N=16, BLOCK_OWN=8,
-        BLOCK_FREE=FREE_ROWS_BLOCK, IEEE=ieee)
+        REP=rep, D=D, BLOCK_CELLS=block_cells, BLOCK_REP=block_rep, BLOCK_D=block_d, BLOCK_N=16,
+        BLOCK_OWN=own_keys_a_tile(block_cells * block_rep),
+        BLOCK_FREE=FREE_ROWS_BLOCK, IEEE=ieee, num_warps=ATTENTION_WARPS)
     return out
 
 

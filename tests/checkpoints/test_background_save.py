@@ -84,16 +84,17 @@ def test_the_snapshot_holds_nothing_the_run_changes_after_the_save_began(tmp_pat
     (issue 67: a snapshot keeping a reference to something the live run changes afterwards passed this file, whose
     other test races the writer): the model's and the optimizer's tensors changed in place, the meta's history
     appended to and one of its records changed, a new meta key: the files hold the state at the start."""
-    release, real_stage = threading.Event(), store.stage
+    from nanochat.checkpoints import background
+    release, real_stage_save = threading.Event(), background.stage_save
 
-    def held_stage(path, write_fn, sweep_stale=False):
+    def held_stage_save(*args, **kwargs):  # the writer starts (the meta encoded, the files written) only when released
         release.wait(timeout=30)
-        return real_stage(path, write_fn, sweep_stale)
+        return real_stage_save(*args, **kwargs)
     model, shard = state(3), optimizer_shard(3)
     meta = {"step": 4, "history": [{"reward": 0.5}], "user_config": {"lr": 0.1}}
     sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
     save_checkpoint(str(sync_dir), 4, model, shard, meta)
-    monkeypatch.setattr(store, "stage", held_stage)
+    monkeypatch.setattr(background, "stage_save", held_stage_save)
     saver = BackgroundSaver()
     saver.start(str(async_dir), 4, model, shard, meta)
     model["w"].add_(1.0)
