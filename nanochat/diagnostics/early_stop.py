@@ -30,6 +30,13 @@ class EarlyStopModel(nn.Module):
     def forward(self, idx, cache_step=None, **kwargs):
         logits = self.model(idx, cache_step=cache_step, **kwargs)  # a decode step's: (B, 1, V) float32
         if cache_step is not None and idx.size(1) == 1:
-            ends = self.ends(idx[:, 0], cache_step.positions[:, 0])
-            logits[:, 0, self.end_token] = torch.where(ends, FORCED_END_LOGIT, logits[:, 0, self.end_token])
+            self.adjust_decode_logits(idx[:, 0], cache_step.positions[:, 0], logits[:, 0])
         return logits
+
+    # what the Triton kernels' decode step (nanochat/kernels/decode_step.py), which runs the GPT's weights itself,
+    # asks of a wrapped model: the GPT, and the decode step's logits adjusted as forward adjusts them
+    decode_model = property(lambda self: self.model)
+
+    def adjust_decode_logits(self, tokens, positions, logits):
+        """logits (B, V) of a decode step's inputs `tokens` at `positions` (B,): the ends forced, in place."""
+        logits[:, self.end_token] = torch.where(self.ends(tokens, positions), FORCED_END_LOGIT, logits[:, self.end_token])

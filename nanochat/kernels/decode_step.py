@@ -67,6 +67,7 @@ def compute_dtype(model, device):
 def check_kernel_model(model):
     """A ValueError when the kernels' forward cannot compute `model` as GPT does: its token embedding must be fp32
     (the residual stream the kernels keep in fp32 is then the model's)."""
+    model = getattr(model, "decode_model", model)  # a wrapper's GPT (kernel_static_step)
     if model.transformer.wte.weight.dtype != torch.float32:
         raise ValueError(f"the Triton kernels need the token embedding in float32, it is "
                          f"{model.transformer.wte.weight.dtype}: use prompt attention explicit for this model")
@@ -129,7 +130,10 @@ def kernel_static_step(batch, rows, keys):
     known, token = batch.host_inputs[:, :rows]
     inputs = torch.where(known.bool(), token, batch.sampled[:rows, 0].long())  # (rows,)
     step = batch.cache.decode_step(rows, keys)
-    logits = batch.model.logits(kernel_hidden_states(batch.model, inputs, step))  # (rows, V) fp32
+    model = getattr(batch.model, "decode_model", batch.model)  # a wrapper's GPT (a benchmark's EarlyStopModel)
+    logits = model.logits(kernel_hidden_states(model, inputs, step))  # (rows, V) fp32
+    if hasattr(batch.model, "adjust_decode_logits"):  # what the wrapper's forward does to a decode step's logits
+        batch.model.adjust_decode_logits(inputs, step.positions[:, 0], logits)
     top_k = batch.top_k
     top = (None, None)
     if batch.temperature != 0.0 and top_k is not None and 0 < top_k < logits.size(-1):

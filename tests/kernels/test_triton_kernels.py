@@ -1,17 +1,13 @@
 """nanochat/kernels/: the decode step's Triton kernels, run on a CPU in Triton's interpreter, against the torch code
 they replace (the hand-written shared-prompt step, the model's rotary/norm/residual ops, the sampler): each kernel on
 hand-made states (free rows, gaps in a slot's columns, windows that cut the prompt, GQA and MHA, odd sizes), whole
-rollouts of nanochat's fixture checkpoints token for token, the d20 step's meta kernel count, and each kernel compiled
-by Triton for an H100/H200 (sm_90) without a GPU (what the interpreter cannot check: tl.dot's shapes, registers)."""
-
-import os
-import subprocess
-import sys
+rollouts of nanochat's fixture checkpoints token for token, and the d20 step's meta kernel count (test_sm90_compile.py
+compiles them for a GPU)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import FP32_GAP_BOUND, SUPPORT, install_generation, prompt_of, random_model, tiny_config
+from helpers import FP32_GAP_BOUND, install_generation, prompt_of, random_model, tiny_config
 from test_flex_prompt_attention import cache_in_use, rollouts
 
 from nanochat.checkpoints.loading import build_model
@@ -32,7 +28,11 @@ from nanochat.kernels.launch import interpreter_on  # noqa: E402
 
 # on CPU tensors, in Triton's interpreter (tests/conftest.py turns it on where no GPU is); a GPU machine compiles
 # instead, where these CPU-tensor tests cannot run (gpu_check.sh's bench compares the kernels' tokens there)
-pytestmark = pytest.mark.skipif(not interpreter_on(), reason="Triton's interpreter is off (a GPU machine)")
+# and Triton 3.9's interpreter or later: 3.6's (the GPU image's) holds a loaded scalar as a 1-element array, which a loop
+# bound cannot be (its compiler takes the same kernels: tests/support/sm90_compile.py passes under 3.6.0 and 3.9.0)
+TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
+pytestmark = [pytest.mark.skipif(not interpreter_on(), reason="Triton's interpreter is off (a GPU machine)"),
+              pytest.mark.skipif(TRITON_VERSION < (3, 9), reason=f"Triton {triton.__version__}'s interpreter: 3.9 or later")]
 
 D20 = dict(sequence_len=2048, vocab_size=65536, n_layer=20, n_head=10, n_kv_head=10, n_embd=1280, window_pattern="SSSL")
 
@@ -269,16 +269,3 @@ def test_the_triton_step_is_refused_in_one_line_where_it_cannot_run(tiny_tokeniz
         Engine(model, tiny_tokenizer, prompt_attention="triton", share_prompts=False)
     with pytest.raises(ValueError, match="prompt attention triton is not compiled"):
         Engine(model, tiny_tokenizer, prompt_attention="triton", compile="on")
-
-
-@pytest.mark.slow
-def test_every_kernel_compiles_for_an_sm90_gpu_without_spilling():
-    """Triton compiles each kernel at the d20 step's sizes and the engine's other branches, bf16 and fp32, for an
-    H100/H200 (sm_90) here, without a GPU, and Triton's ptxas assembles it without register spills
-    (tests/support/sm90_compile.py, in a process without the interpreter): what the interpreter does not check
-    (tl.dot's operand shapes and dtypes, the lowering, the registers a program needs)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, str(SUPPORT / "sm90_compile.py")], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok ") == 22, done.stdout  # 11 variants x bf16 and fp32

@@ -14,6 +14,7 @@ from greedy_agreement import greedy_agreement
 from nanochat.diagnostics.early_stop import EarlyStopModel
 from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import KVCache, forward_cached
+from nanochat.kernels.launch import interpreter_on
 from nanochat.rl import run as rl_run
 from scripts import bench_rl
 
@@ -52,6 +53,24 @@ def test_static_decode_config_samples_the_same_tokens_and_forced_advantages_trai
         assert r["sampler_tokens"] > 0 and 0 <= r["sampler_gap_mean"] <= r["sampler_gap_max"] <= FP32_GAP_BOUND  # fp32: a few ulps
         assert r["bandwidth_bound_ms"] > 0 and r["decode_x_bound"] == r["decode_ms_per_step"] / r["bandwidth_bound_ms"]
     assert "= batched_fp32+early" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not interpreter_on(), reason="Triton's interpreter is off (a GPU machine: gpu_check.sh runs it)")
+def test_triton_config_samples_the_hand_written_steps_tokens_in_its_kernel_count(base_dir, tmp_path):
+    """batched_fp32_static_triton (the step in nanochat/kernels/' Triton kernels, in Triton's interpreter here) is
+    checked against batched_fp32_static's tokens: the same, with and without early ends; its meta op count is the
+    kernels' step's (9 a block), not the hand-written one's; the GPU config's twin is the hand-written graph config."""
+    output = tmp_path / "bench.json"
+    bench_rl.main(TINY_FLAGS + ["--configs=batched_fp32_static,batched_fp32_static_triton", "--force-advantages",
+                                f"--output={output}", "--no-signal-fractions="])
+    results = json.loads(output.read_text())["results"]
+    ours, hand_written = results["batched_fp32_static_triton"], results["batched_fp32_static"]
+    assert ours["tokens_identical_to"] == ["batched_fp32_static", True]
+    assert results["batched_fp32_static_triton+early"]["tokens_identical_to"] == ["batched_fp32_static+early", True]
+    assert ours["decode_step_kernels_per_layer"] == [9] and hand_written["decode_step_kernels_per_layer"][0] > 9
+    results = {name: {"tokens_digest": "d"} for name in ("batched_bf16_graph", "batched_bf16_graph_triton")}
+    bench_rl.mark_identical_tokens(results, [bench_rl.CONFIGS[n] for n in results])
+    assert results["batched_bf16_graph_triton"]["tokens_identical_to"] == ("batched_bf16_graph", True)
 
 
 def test_flex_config_samples_the_hand_written_steps_tokens(base_dir, tmp_path, monkeypatch):
