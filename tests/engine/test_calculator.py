@@ -151,3 +151,14 @@ def test_deep_nesting_is_refused_or_evaluated_from_a_worker_thread():
     # 999 unary minus: evaluating it nests 1000 calls, past Python's recursion limit (1000) from any caller's
     # depth, and the calculator documents a RecursionError as a refusal; 99 of them evaluate, to -1 (an odd count)
     assert results[2] is None and results[3] == -1
+
+
+def test_the_int_format_writes_integral_floats_below_two_to_the_53_as_ints():
+    """--calculator-format=int on both sides of its bound (issue 67: `<=` for `<` passed): 2**53 - 1 and its negative
+    as ints, 2**53 (past which a float no longer holds every integer) and 1e20 as Python prints floats; 2.5 as it is;
+    the str format leaves every float as Python prints it."""
+    big = 2.0 ** 53
+    assert format_result(big - 1, "int") == "9007199254740991" and format_result(1 - big, "int") == "-9007199254740991"
+    assert format_result(big, "int") == "9007199254740992.0" and format_result(-big, "int") == "-9007199254740992.0"
+    assert format_result(1e20, "int") == "1e+20" and format_result(2.5, "int") == "2.5" and format_result(10.0, "int") == "10"
+    assert format_result(10.0) == "10.0" and format_result(big - 1) == "9007199254740991.0"

@@ -79,3 +79,42 @@ def test_rollouts_prefill_prompts_together_and_sample_as_one_by_one(tiny_tokeniz
                 forwards.append(engine.last_stats.prefill_forwards)
             assert runs[0] == runs[1]
             assert forwards == [1, 6]  # 12 rows: every prompt's samples at once
+
+
+def test_a_prefill_takes_prompts_up_to_exactly_its_token_budget():
+    """Both sides of the budget (issue 67: `>=` for `>` passed this file): prompts of 4 tokens and a budget of 8 go two
+    to a prefill (exactly 8 positions; a third would make 12), with a budget of 7 one at a time, and at most `room`."""
+    def prefills(budget, room):
+        admission, out = Admission([[1] * 4] * 3, [0, 1, 2], 1, new_row=None, prefill_tokens=budget), []
+        while admission.waiting:
+            out.append(admission.next_prefill(room))
+        return out
+    assert prefills(8, 5) == [[0, 1], [2]]
+    assert prefills(7, 5) == [[0], [1], [2]]
+    assert prefills(100, 2) == [[0, 1], [2]]
+
+
+def test_a_prefill_without_a_prompt_pool_takes_the_prompts_that_fill_the_free_rows():
+    """Without a prompt pool, as many prompts as fill the free rows, rounded up (issue 67: rounded down passed this
+    file): 4 samples a prompt, 8 free rows take 2, 9 take 3, 1 takes 1; with a pool, its free slots."""
+    from types import SimpleNamespace
+
+    from nanochat.engine.scheduler import prefill_room
+    assert [prefill_room(SimpleNamespace(pool=None, free_rows=free), 4) for free in (8, 9, 1)] == [2, 3, 1]
+    assert prefill_room(SimpleNamespace(pool=SimpleNamespace(free_slots=lambda: 3), free_rows=100), 4) == 3
+
+
+def test_a_new_batch_that_exactly_fits_beside_the_kept_one_keeps_it():
+    """KeptBatches.rows_beside on both sides of the room (issue 67: `<` for `<=` passed): a budget of 100 bytes, 10 a
+    row, one kept batch of 50: a new batch of 5 rows fits beside it exactly and it stays; one of 6 does not, and the
+    kept one goes first."""
+    from types import SimpleNamespace
+
+    from nanochat.engine.scheduler import KeptBatches
+
+    def rows_for_budget(nbytes, at_least=1):
+        return max(at_least, nbytes // 10)
+    for limit, rows, kept_after in ((5, 5, 1), (6, 6, 0)):
+        kept = KeptBatches()
+        kept.keep(SimpleNamespace(nbytes=50))
+        assert kept.rows_beside(100, limit, 8, rows_for_budget) == rows and len(kept) == kept_after
