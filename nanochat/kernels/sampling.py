@@ -65,14 +65,9 @@ def _normalizer_and_argmax(x_ptr, V, BLOCK: tl.constexpr, ARGMAX: tl.constexpr):
     for start in range(0, V, BLOCK):
         i = start + lanes
         x = tl.load(x_ptr + i, mask=i < V, other=float("-inf"))
-        new_top = tl.maximum(top, tl.max(x, axis=0))
-        total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), axis=0)
-        top = new_top
+        top, total = _running_logsumexp(x, top, total)
         if ARGMAX:
-            block_best = tl.max(x, axis=0)
-            block_index = start + tl.argmax(x, axis=0, tie_break_left=True)
-            best_index = tl.where(block_best > best, block_index, best_index)  # strictly: the first maximum
-            best = tl.maximum(best, block_best)
+            best, best_index = _running_argmax(x, start, best, best_index)
     return top + tl.log(total), best, best_index
 
 
@@ -93,15 +88,26 @@ def _gumbel_choice(values_ptr, C, base, temperature, BLOCK: tl.constexpr, SCALE:
             values = values / temperature
         bits = _mix32(base ^ _mix32(i.to(tl.int64) + 0x632BE5AB))
         u = ((bits >> 8).to(tl.float32) + 0.5) / 16777216.0
-        z = tl.where(ok, values - tl.log(-tl.log(u)), float("-inf"))
-        block_best = tl.max(z, axis=0)
-        block_index = start + tl.argmax(z, axis=0, tie_break_left=True)
-        best_index = tl.where(block_best > best, block_index, best_index)
-        best = tl.maximum(best, block_best)
-        new_top = tl.maximum(top, tl.max(values, axis=0))
-        total = total * tl.exp(top - new_top) + tl.sum(tl.exp(values - new_top), axis=0)
-        top = new_top
+        best, best_index = _running_argmax(tl.where(ok, values - tl.log(-tl.log(u)), float("-inf")), start, best,
+                                           best_index)
+        top, total = _running_logsumexp(values, top, total)
     return best_index, top + tl.log(total)
+
+
+@kernel
+def _running_logsumexp(x, top, total):
+    """A block x into a running logsumexp kept as (maximum, sum of exp(x - maximum))."""
+    new_top = tl.maximum(top, tl.max(x, axis=0))
+    return new_top, total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), axis=0)
+
+
+@kernel
+def _running_argmax(z, start, best, best_index):
+    """A block z of the values from index `start` into a running (maximum, its first index): strictly greater only,
+    so ties keep the earlier index, as torch.argmax."""
+    block_best = tl.max(z, axis=0)
+    block_index = start + tl.argmax(z, axis=0, tie_break_left=True)
+    return tl.maximum(best, block_best), tl.where(block_best > best, block_index, best_index)
 
 
 @torch.library.custom_op("nanochat::sample_rows", mutates_args=("sampled", "draws"))
