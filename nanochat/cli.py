@@ -16,10 +16,11 @@ import traceback
 
 from nanochat.checkpoints.errors import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
                                          RankLostError, UnknownStepError, UnknownTagError)
-from nanochat.common import SettingError, UserError, cleanup_after_error, get_rank
+from nanochat.distributed import cleanup_after_error, get_rank
+from nanochat.errors import SettingError, UserError
 from nanochat.engine.cuda_graphs import GraphsNeedCudaError
 from nanochat.engine.memory_budget import NoMemoryForRolloutsError
-from nanochat.model.compile import CompileFailed
+from nanochat.compiling.functions import CompileFailed
 from nanochat.rl.config import GROUPS, RLConfig
 from nanochat.rl.resume import NoStartCheckpointError, ResumeError, RunExistsError
 from nanochat.rl.run import NonFiniteStepsError

@@ -16,7 +16,9 @@ import time
 
 import torch
 
-from nanochat.common import cpu_bf16_kind, cpu_name, print0, synchronize
+from nanochat.common import print0
+from nanochat.cpu_features import cpu_bf16_kind, cpu_name
+from nanochat.device import synchronize
 
 
 def device_time(device):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from nanochat.engine.calculator import CALCULATOR_FORMATS
 from nanochat.engine.cuda_graphs import DECODE_MODES
 from nanochat.engine.memory_budget import AUTO, FIXED_GB, FRACTION, parse_budget
-from nanochat.model.compile import COMPILE_MODES, SFT_CPU_MIN_STEPS
+from nanochat.compiling.plan import COMPILE_MODES, SFT_CPU_MIN_STEPS
 from nanochat.model.generations import VE_ERA_WITH_NEW_META
 
 
@@ -75,7 +75,7 @@ SHARED = dict(
                                    f"memory free after the model, optimizer state and a training-peak reserve (stated "
                                    f"at the start), elsewhere {FIXED_GB:g}", type=parse_budget),
     decode=decode_setting(),
-    # whether the static decode step and the training pass run compiled (nanochat/model/compile.py's compile_plan),
+    # whether the static decode step and the training pass run compiled (nanochat/compiling/plan.py's compile_plan),
     # those of them the script runs
     compile=Setting("auto", f"torch.compile the static decode step and the training forward, where the script runs "
                             f"them: auto (on CUDA nothing yet: not measured to pay there; on a CPU, chat_rl: each "

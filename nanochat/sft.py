@@ -15,7 +15,7 @@ import random
 
 import torch
 
-from nanochat.common import rank_share
+from nanochat.distributed import rank_share
 
 
 def render_rows(tokenizer, conversations, max_seq_len):
@@ -76,7 +76,7 @@ def count_targets(micro_batches):
 
 def summed_cross_entropy(model, inputs, targets):
     """The cross-entropy summed over the trained-on positions (target != -1) of one micro-batch: inputs, targets
-    (B, T). A pure function of tensors: nanochat/model/compile.py compiles it for the training pass (dynamic shapes: the
+    (B, T). A pure function of tensors: nanochat/compiling/functions.py compiles it for the training pass (dynamic shapes: the
     rows' lengths vary from micro-batch to micro-batch)."""
     return model(inputs, targets, loss_reduction="sum")
 

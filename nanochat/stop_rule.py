@@ -20,7 +20,8 @@ test split belongs to the evaluations that come after the run, and training leav
 
 from dataclasses import dataclass, field
 
-from nanochat.common import SettingError, UserError, rank_and_world, rank_share
+from nanochat.distributed import rank_and_world, rank_share
+from nanochat.errors import SettingError, UserError
 from nanochat.rl.evaluation import aggregate_pass_at_k, sample_outcomes
 
 TEMPERATURE, TOP_K = 1.0, 50  # as chat_rl's eval

@@ -19,7 +19,8 @@ import rustbpe
 import tiktoken
 import torch
 
-from nanochat.common import UserError, get_base_dir
+from nanochat.common import get_base_dir
+from nanochat.errors import UserError
 from nanochat.files import atomic_write
 
 SPECIAL_TOKENS = [

@@ -7,7 +7,9 @@ under $WANDB_DIR/wandb/offline-run-* without touching the network (upload it lat
 WANDB_MODE=disabled turns every call into a no-op. WANDB_SILENT=true quiets its console output.
 """
 
-from nanochat.common import DummyWandb, UserError, get_rank
+from nanochat.common import DummyWandb
+from nanochat.distributed import get_rank
+from nanochat.errors import UserError
 
 SAMPLE_COLUMNS = ["step", "question", "completion", "reward"]
 
@@ -24,7 +26,7 @@ class WandbStartError(UserError):
 def init_wandb(run_name, project, config, rank=None):
     """A wandb run named `run_name` in `project` with `config` (the parsed CLI args, as a dict) recorded
     whole; `DummyWandb()` when run_name == "dummy" or on a rank other than 0 (one run per job).
-    rank: None = common.get_rank()."""
+    rank: None = distributed.get_rank()."""
     if run_name == "dummy" or (get_rank() if rank is None else rank) != 0:
         return DummyWandb()
     import wandb  # imported here: a dummy run (and every test that uses one) never pays for it

@@ -16,13 +16,15 @@ import time
 from nanochat.checkpoints.loading import load_model
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
                           add_shared, run_main)
-from nanochat.common import (UserError, autocast_context, compute_dtype, compute_init, print0, requested_dtype,
-                             synchronize)
+from nanochat.common import compute_init, print0
+from nanochat.device import synchronize
+from nanochat.dtypes import autocast_context, compute_dtype, requested_dtype
+from nanochat.errors import UserError
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch
 from nanochat.engine.engine import Engine
 from nanochat.engine.memory_budget import resolve_memory_budget
-from nanochat.model.compile import compile_models, resolve_compile_flag
+from nanochat.compiling.plan import compile_models, resolve_compile_flag
 from nanochat.rl.evaluation import evaluate_pass_at_k
 from tasks.registry import make_task
 

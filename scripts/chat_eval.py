@@ -19,12 +19,15 @@ import time
 from nanochat.checkpoints.loading import load_model, recorded_calculator_format
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
                           add_model_generation_flag, add_shared, run_main)
-from nanochat.common import (UserError, autocast_context, collective_device, compute_cleanup, compute_dtype,
-                             compute_init, get_base_dir, print0, requested_dtype, wait_for_all_ranks)
+from nanochat.common import compute_cleanup, compute_init, get_base_dir, print0
+from nanochat.distributed import collective_device, wait_for_all_ranks
+from nanochat.dtypes import autocast_context, compute_dtype, requested_dtype
+from nanochat.errors import UserError
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.engine import Engine
 from nanochat.engine.memory_budget import resolve_memory_budget
-from nanochat.model.compile import CompileClock, compile_models, resolve_compile_flag
+from nanochat.compiling.functions import CompileClock
+from nanochat.compiling.plan import compile_models, resolve_compile_flag
 from nanochat.rl.evaluation import evaluate_pass_at_k
 from nanochat.rl.metrics import reduce_metrics
 from tasks.registry import make_task

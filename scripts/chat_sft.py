@@ -41,12 +41,14 @@ from nanochat.checkpoints.loading import load_model
 from nanochat.checkpoints.store import list_steps, save_checkpoint
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_model_generation_flag,
                           add_optimizer_flags, add_runtime_flags, run_main)
-from nanochat.common import (UserError, all_reduce_mean, autocast_context, collective_device, compute_cleanup,
-                             compute_dtype, compute_init, dtype_name, get_base_dir, get_dist_info, print0, rank_share,
-                             requested_dtype, require, wait_for_all_ranks)
+from nanochat.common import compute_cleanup, compute_init, get_base_dir, print0
+from nanochat.distributed import all_reduce_mean, collective_device, get_dist_info, rank_share, wait_for_all_ranks
+from nanochat.dtypes import autocast_context, compute_dtype, dtype_name, requested_dtype
+from nanochat.errors import UserError, require
 from nanochat.engine.cuda_graphs import decode_mode
 from nanochat.engine.engine import Engine
-from nanochat.model.compile import SFT_CPU_MIN_STEPS, CompileClock, compile_models, maybe_compiled, resolve_compile_flag
+from nanochat.compiling.functions import CompileClock, maybe_compiled
+from nanochat.compiling.plan import SFT_CPU_MIN_STEPS, compile_models, resolve_compile_flag
 from nanochat.model.gpt import HEAD_DIM, build_fresh_model
 from nanochat.optim.optimizers import check_optimizer_flags, guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.sft import (accumulate_gradient, count_targets, loss_sums, make_micro_batches, mixture_order,

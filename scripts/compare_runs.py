@@ -23,7 +23,7 @@ from nanochat.checkpoints.errors import NoStepsError
 from nanochat.checkpoints.layout import meta_path
 from nanochat.checkpoints.store import find_last_step
 from nanochat.cli import ArgumentParser, add_debug_flag, run_main
-from nanochat.common import UserError
+from nanochat.errors import UserError
 from nanochat.files import atomic_write
 from nanochat.report import markdown_table, trailing_mean
 

@@ -15,7 +15,8 @@ import os
 import shutil
 
 from nanochat.cli import ArgumentParser, add_debug_flag, run_main
-from nanochat.common import UserError, get_base_dir
+from nanochat.common import get_base_dir
+from nanochat.errors import UserError
 from nanochat.files import atomic_write
 from tasks.gsm8k import HUB_NAME, SPLITS, hub_offline, hub_reachable, read_jsonl_rows, split_filename
 

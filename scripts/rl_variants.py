@@ -22,7 +22,8 @@ import sys
 import time
 
 from nanochat.cli import ArgumentParser, add_debug_flag, run_main
-from nanochat.common import UserError, get_base_dir
+from nanochat.common import get_base_dir
+from nanochat.errors import UserError
 
 # the speedrun's CPU RL configuration (speedrun.sh), without its step count and evals; in fp32, so that every run
 # has the same numerics (a bf16 CPU run picks its rollout dtype by timing both, which can differ from run to run)

@@ -20,7 +20,8 @@ import os
 import time
 
 from nanochat.cli import ArgumentParser, add_debug_flag, error_line, run_main
-from nanochat.common import UserError, get_base_dir, print0
+from nanochat.common import get_base_dir, print0
+from nanochat.errors import UserError
 from nanochat.tokenizer import Tokenizer
 
 HELD_OUT_FRACTION = 0.05  # of the --input text, kept out of training to measure compression

@@ -36,7 +36,7 @@ import hashlib
 import random
 import re
 
-from nanochat.common import UserError
+from nanochat.errors import UserError
 from nanochat.engine.calculator import format_result, use_calculator
 from tasks.common import FinalAnswerTask
 

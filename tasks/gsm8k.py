@@ -24,7 +24,8 @@ import urllib.request
 
 import numpy as np
 
-from nanochat.common import UserError, get_base_dir
+from nanochat.common import get_base_dir
+from nanochat.errors import UserError
 from tasks.common import (  # noqa: F401  (nanochat's tasks/gsm8k.py defines it: user code imports it from here)
     FinalAnswerTask, extract_answer)
 

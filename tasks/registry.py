@@ -8,7 +8,7 @@ A user task class is constructed as `Cls(split="train")` / `Cls(split="test")` a
 
 import importlib
 
-from nanochat.common import UserError
+from nanochat.errors import UserError
 
 BUILTIN_TASKS = {
     "gsm8k": ("tasks.gsm8k", "GSM8K"),

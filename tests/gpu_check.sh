@@ -42,7 +42,7 @@
 #    second keeps the first), 2 consecutive steps each: compile seconds and graphs per step, decode ms per step
 #    against the bound, tokens compared (compiled_d20.log with TORCH_LOGS=recompiles, compiled_d20.json); then, with
 #    the time left, the compiled static step replayed from CUDA graphs against itself run without them
-#    (tests/model/test_compile.py's cuda tests; they passed on an H200). Measurements first: on the first H100 run,
+#    (tests/compiling/test_compile.py's cuda tests; they passed on an H200). Measurements first: on the first H100 run,
 #    torch 2.11, the d20 step had not finished compiling after two minutes; on an H200 its first graph took 53 s (a
 #    batch's shapes now make one graph, or two where Inductor guards the first on all the batch's rows and the second
 #    comes from its cache), and beside checks with the tests first the bench found ~60 s (never its end).
@@ -237,7 +237,7 @@ checks)
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --profile=batched_bf16_graph \
         --early-stop-mean=0 --no-signal-fractions= --repeat=1 --force-advantages --output="$out/profile_d20.json"
     step "cuda tests" 200 "$out/cuda_tests.log" "$python" -m pytest -q -p no:cacheprovider -rs --durations=10 -m cuda \
-        --ignore=tests/model/test_compile.py tests
+        --ignore=tests/compiling/test_compile.py tests
     tests_rc=$?
     step "epoch estimate" 60 "$out/epoch_d20.log" \
         "$python" -m scripts.bench_epoch --bench="$out/bench_d20.json" --device-type=cuda --output="$out/epoch_d20.json"
@@ -265,7 +265,7 @@ compiled)
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/compiled_d20.json"
     compiled_rc=$?
     step "compiled gpu tests" 200 "$out/compiled_tests.log" \
-        "$python" -m pytest -q -p no:cacheprovider -rs -m cuda tests/model/test_compile.py
+        "$python" -m pytest -q -p no:cacheprovider -rs -m cuda tests/compiling/test_compile.py
     tests_rc=$?
     [ "$tests_rc" -eq 0 ] && [ "$compiled_rc" -eq 0 ]
     ;;
@@ -274,7 +274,7 @@ suite)
     # compiled stage's), then the tests that leave the GPU alone on 8 of the machine's 16 cores (~12 minutes on one
     # 2-core CPU), with the time left
     step "suite, cuda tests" 200 "$out/gpu_suite_cuda.log" "$python" -m pytest -q -p no:cacheprovider -rs -m cuda \
-        --ignore=tests/model/test_compile.py tests
+        --ignore=tests/compiling/test_compile.py tests
     cuda_rc=$?
     step "suite" 420 "$out/gpu_suite.log" "$python" -m pytest -q -p no:cacheprovider -rs --durations=20 \
         -n 8 --dist loadfile -m "not cuda" tests

@@ -8,7 +8,7 @@ import os
 import re
 
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS, meta_path, model_path
-from nanochat.common import UserError
+from nanochat.errors import UserError
 
 
 def _listing(items):

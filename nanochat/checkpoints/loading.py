@@ -13,7 +13,8 @@ import torch
 from nanochat.checkpoints.errors import CorruptCheckpointError, NoCheckpointsError, UnknownStepError, UnknownTagError
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS, meta_path, model_path
 from nanochat.checkpoints.store import find_largest_model, find_last_step, list_steps, list_tags, load_checkpoint
-from nanochat.common import UserError, get_base_dir, print0
+from nanochat.common import get_base_dir, print0
+from nanochat.errors import UserError
 from nanochat.model.generations import detect_generation, summarize_keys, supported_generations
 from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.tokenizer import get_tokenizer
@@ -24,7 +25,7 @@ def _patch_state_dict(model_data):
 
     nanochat's CUDA checkpoints store the embeddings in bf16 (its models keep them in the compute dtype). Here
     parameters are fp32 on every device, as a freshly built GPT's are: they are the weights the optimizers update,
-    and a run's compute dtype comes from autocast (common.autocast_context), not from the stored tensors. The rule
+    and a run's compute dtype comes from autocast (dtypes.autocast_context), not from the stored tensors. The rule
     does not look at the device: a bf16 embedding kept on CUDA (load_state_dict(assign=True) keeps the stored dtype)
     would meet fp32 matmuls in a --dtype=float32 run, and give the KV cache its dtype (engine.cache_geometry)."""
     prefix = "_orig_mod."  # left in the keys by saving a torch.compile'd module

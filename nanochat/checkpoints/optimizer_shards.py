@@ -23,7 +23,8 @@ import torch.distributed as dist
 from nanochat.checkpoints.errors import CheckpointError
 from nanochat.checkpoints.layout import optim_path
 from nanochat.checkpoints.store import first_failure, torch_load_checked
-from nanochat.common import UserError, get_rank
+from nanochat.distributed import get_rank
+from nanochat.errors import UserError
 from nanochat.optim.adamw import is_sharded
 from nanochat.optim.muon import Muon
 
@@ -89,7 +90,7 @@ def _agree(error, checkpoint_dir):
 def load_shard_for_resume(checkpoint_dir, step, device, meta, world_size, rank=None):
     """This rank's optimizer shard of step `step` saved by `world_size` ranks (the number this run has), checked
     before anything trusts it: there, readable, and this rank's of that save by the run the meta records. Reads no
-    other file. A collective under a process group (see _agree). rank: None = common.get_rank()."""
+    other file. A collective under a process group (see _agree). rank: None = distributed.get_rank()."""
     rank = get_rank() if rank is None else rank
     data, error = None, None
     try:

@@ -39,7 +39,8 @@ import torch.distributed as dist
 from nanochat.checkpoints.errors import (CorruptCheckpointError, MissingMetaError, NoStepsError, RankLostError,
                                          UnknownStepError)
 from nanochat.checkpoints.layout import MODEL_FILE_RE, TAG_RE, meta_path, model_path, optim_path
-from nanochat.common import UserError, get_rank
+from nanochat.distributed import get_rank
+from nanochat.errors import UserError
 from nanochat.files import atomic_write, fsync_dir, remove_if_exists, stage, temp_path
 
 # -----------------------------------------------------------------------------
@@ -68,7 +69,7 @@ def make_checkpoint_dir(checkpoint_dir):
 def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data, rank=None, all_ranks=False):
     """Save one step. Rank 0 writes the model state dict and the meta json; every rank whose
     optimizer_data is not None writes its own optimizer shard. Other ranks may pass model_data=None.
-    rank: this process's rank; None = common.get_rank().
+    rank: this process's rank; None = distributed.get_rank().
     all_ranks: every rank of the process group calls this together (chat_rl): model_N.pt appears only once every
     rank's shard of step N is in place, and a failure on any rank raises on every rank, with the message of the
     lowest failed rank, so rank 0 can say it (see the module docstring). Without a process group, as False.
@@ -293,7 +294,7 @@ def torch_load_checked(path, device, mmap=False):
 
 def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=None):
     """Returns (model_data, optimizer_data or None, meta_data); tensors are mapped onto `device`.
-    rank: whose optimizer shard to load; None = common.get_rank()."""
+    rank: whose optimizer shard to load; None = distributed.get_rank()."""
     mpath, jpath = model_path(checkpoint_dir, step), meta_path(checkpoint_dir, step)
     if not os.path.exists(mpath):
         raise UnknownStepError(checkpoint_dir, step, list_steps(checkpoint_dir))
@@ -318,7 +319,7 @@ def load_meta(checkpoint_dir, step):
 
 def load_optimizer_state(checkpoint_dir, step, device, rank=None):
     """This rank's optimizer shard of a saved step (without reading the model file, which a resume has already
-    loaded). rank: None = common.get_rank()."""
+    loaded). rank: None = distributed.get_rank()."""
     opath = optim_path(checkpoint_dir, step, get_rank() if rank is None else rank)
     if not os.path.exists(opath):
         raise UserError(f"no optimizer state {opath}: this checkpoint was saved without it (or with fewer ranks); "

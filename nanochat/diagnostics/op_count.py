@@ -22,7 +22,7 @@ from nanochat.engine.engine import STATIC_STEP_DYNAMIC
 from nanochat.engine.kv_cache import KVCache
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from nanochat.kernels.decode_step import BLOCK_RANGE, kernel_static_step
-from nanochat.model.compile import CompiledFunction, generated_kernels
+from nanochat.compiling.functions import CompiledFunction, generated_kernels
 
 
 @dataclass
@@ -122,7 +122,7 @@ def compiled_decode_step_kernels(model, rows, keys, share_prompts=True, prompt_l
                                  temperature=1.0, top_k=50):
     """What one static decode step of `model` (on its device, not meta: Inductor writes code for a real device)
     over `rows` rows reading `keys` keys each launches, compiled by Inductor as the engine compiles it (dynamic
-    shapes): GraphKernels (nanochat/model/inductor_code.py), in the unit of count_decode_step_ops' kernels. Compiles
+    shapes): GraphKernels (nanochat/compiling/inductor_code.py), in the unit of count_decode_step_ops' kernels. Compiles
     anew in this process (minutes for a d20 on a CPU)."""
     batch = static_batch(model, rows, keys, share_prompts, prompt_len, num_samples, temperature, top_k)
     step = CompiledFunction(static_step, STATIC_STEP_DYNAMIC, announce=False)

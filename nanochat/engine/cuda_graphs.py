@@ -10,7 +10,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from nanochat.common import SettingError, is_out_of_memory
+from nanochat.device import is_out_of_memory
+from nanochat.errors import SettingError
 
 
 def exact_shape(rows, keys, max_rows, max_keys):

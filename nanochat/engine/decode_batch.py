@@ -236,7 +236,7 @@ class DecodeBatch:
         # bound method kept): a batch in a reference cycle would hold its KV cache until the next garbage collection
         self.graphs = graphs() if graphs else None
         self.pool = PromptPool(cache.prompt_slots) if cache.holds_prompts() else None
-        # static_step(batch, rows, keys) or it compiled (nanochat/model/compile.py): a function, not a bound method
+        # static_step(batch, rows, keys) or it compiled (nanochat/compiling/functions.py): a function, not a bound method
         self.step = step or static_step
 
     @property

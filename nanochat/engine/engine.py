@@ -30,7 +30,8 @@ from nanochat.engine.scheduler import Admission, BatchShape, KeptBatch, KeptBatc
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from nanochat.kernels.decode_step import check_kernel_model, kernel_static_step
 from nanochat.kernels.launch import check_kernels
-from nanochat.model.compile import compile_plan, maybe_compiled
+from nanochat.compiling.functions import maybe_compiled
+from nanochat.compiling.plan import compile_plan
 
 # The static decode step compiles with dynamic shapes: one graph serves every bucketed
 # shape. Compiled once per shape instead, each of a static batch's 100+ shapes would cost a compile of its own
@@ -135,7 +136,7 @@ class Engine(NanochatGenerate):
     (SharedPromptKVCache: more rows fit, fewer bytes read per token); without, each row holds a copy, as
     nanochat does. Row r of a prompt with seed s samples with its own stream row_seed(s, r), so its output
     does not depend on the batch it shares. Under bf16/fp16 autocast the forwards use the matmul weights cast once
-    per rollout (DecodeWeights). compile (compile.py's modes, or a caller's True/False): whether the static decode
+    per rollout (DecodeWeights). compile (compiling/plan.py's modes, or True/False): whether the static decode
     step runs compiled (static and graph decode modes only; in graph mode the engine's CUDA graphs capture the
     compiled step), with dynamic shapes (STATIC_STEP_DYNAMIC). prefill_tokens: positions one prefill forward takes at
     most (several prompts, padded to the longest; 1: one prompt at a time). lag: the host one step behind the device,

@@ -26,7 +26,7 @@ try:
 except ImportError:  # torch before 2.9
     AuxRequest = None
 
-from nanochat.model.compile import compiled_so_far, maybe_compiled
+from nanochat.compiling.functions import compiled_so_far, maybe_compiled
 from nanochat.model.precision import without_autocast
 
 # the shared-prompt step's attention: hand-written, FlexAttention, or the step of the project's Triton kernels

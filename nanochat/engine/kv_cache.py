@@ -34,13 +34,13 @@ def _index_put_rows(store, layer, rows, positions, values, heads_first=False):
 
 
 # write_rows as an operator of its own, for torch.compile: it declares what it mutates (the schema's "Tensor(a!)").
-# Compiled (nanochat/model/compile.py), a plain index_put into a view of a graph input is functionalized into a write
+# Compiled (nanochat/compiling/functions.py), a plain index_put into a view of a graph input is functionalized into a write
 # of the whole cache, copied per layer and step (the compiled decode step was then several times slower than the eager
 # one; docs/performance.md), while an operator that mutates its argument is written in place by Inductor (vLLM writes
 # its KV cache through such an operator for the same reason). It takes the whole storage and the layer, not the
 # layer's view: with dynamic shapes (the compiled static step serves every bucket from one graph) Inductor (torch
 # 2.13) computed wrong results when a custom operator mutated a view of a graph input (greedy decoding took another
-# token within a few steps; tests/model/test_compile.py holds a minimal case). Defined through torch.library.Library, not
+# token within a few steps; tests/compiling/test_compile.py holds a minimal case). Defined through torch.library.Library, not
 # the custom_op decorator, whose Python wrapper (argument defaults, autograd redispatch) adds its cost to every call,
 # two per layer and step; vLLM registers its own operators directly for the same reason.
 _OPERATORS = torch.library.Library("nanochat", "FRAGMENT")  # a fragment: another module may define in the namespace

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.common import SettingError, UserError
+from nanochat.errors import SettingError, UserError
 from nanochat.engine.decode_weights import fusable_attention, qkv_weights
 
 AUTO = "auto"

@@ -8,7 +8,6 @@ The GPT model of every nanochat generation, and how a run computes with it.
     rotary.py       rotary position embeddings: every generation's tables, laid out once a forward
     sampling.py     sampling with per-row random streams (the engine's and the model's reference sampler)
     precision.py    the dtypes a run computes in, where that is a measured choice
-    compile.py      torch.compile of a run's two hot paths (the decode step, the training pass)
     flops.py        FLOP counts of training and rollouts, for MFU
 
 `nanochat.gpt` (nanochat's import path) re-exports gpt.py.

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat.common import UserError
+from nanochat.errors import UserError
 from nanochat.model.attention import SequenceAttention, SharedPrefixAttention
 from nanochat.model.flops import train_flops_per_token
 from nanochat.model.generations import (DEFAULT_GENERATION, SMEAR_GATE_CHANNELS, get_generation, has_value_embedding,
@@ -212,7 +212,7 @@ def block_after_attention(block, x, y):
 
 class BlockRegions(NamedTuple):
     """What a block runs before and after its attention: block_before_attention and block_after_attention, or
-    their compiled versions (nanochat/model/compile.py's compile_block_regions)."""
+    their compiled versions (nanochat/compiling/plan.py's compile_block_regions)."""
     before_attention: Callable
     after_attention: Callable
 

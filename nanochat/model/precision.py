@@ -2,13 +2,13 @@
 The dtypes a run computes in where that is a measured choice.
 
 On a GPU bf16 autocast is simply faster. On a CPU it depends on the chip and on the work: without AVX512-BF16
-or AMX, bf16 matmuls take a slow path (never chosen; see common.compute_dtype); with AVX512-BF16 but no AMX,
+or AMX, bf16 matmuls take a slow path (never chosen; see dtypes.compute_dtype); with AVX512-BF16 but no AMX,
 a small model's training step can be slower in bf16 than in fp32 (it was with PyTorch's fused bf16 attention;
 written out since, it is faster than fp32 on an AVX512-BF16 CPU) while a large decode batch may gain;
 with AMX bf16 usually wins. So a run that may use bf16 on a CPU or MPS times one step of its own work each way at its
 start, and keeps fp32 (nanochat's CPU numerics) unless bf16 is clearly faster. The choice is made on rank 0
 and every rank takes it, so that all ranks compute alike. fp16 is never measured: it is asked for (--dtype=float16),
-or auto's choice on a CUDA GPU without native bf16 (common.compute_dtype), and trains with loss scaling
+or auto's choice on a CUDA GPU without native bf16 (dtypes.compute_dtype), and trains with loss scaling
 (nanochat/optim/loss_scale.py). Also here: whether autocast is on, and its weight-cast cache turned off, as compiled
 code needs them asked and set.
 """
@@ -19,7 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanochat.common import autocast_context, synchronize
+from nanochat.device import synchronize
+from nanochat.dtypes import autocast_context
 
 # bf16 replaces fp32 only when this many times faster: timing noise on a busy machine must not flip a close
 # call from one run to the next

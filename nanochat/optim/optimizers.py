@@ -19,7 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.common import SettingError, grad_norm
+from nanochat.errors import SettingError
 from nanochat.optim.adamw import DistAdamW
 from nanochat.optim.muon import DistMuon, Muon
 from nanochat.optim.muon_adamw import MuonAdamW, split_param_groups
@@ -120,6 +120,12 @@ def all_ranks_finite_each(groups, device="cpu"):
     if dist.is_initialized():
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     return [f == 1.0 for f in finite.tolist()]
+
+
+def grad_norm(model):
+    """L2 norm of this rank's gradients (before the distributed optimizers average them); inf/nan if any is."""
+    norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
+    return torch.stack(norms).norm().item() if norms else 0.0
 
 
 def guarded_step(model, optimizers, lrm, loss, device="cpu", loss_scale=None):

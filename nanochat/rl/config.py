@@ -14,7 +14,8 @@ import dataclasses
 import os
 
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS
-from nanochat.common import DTYPES, UserError, requested_dtype, require
+from nanochat.dtypes import DTYPES, requested_dtype
+from nanochat.errors import UserError, require
 from nanochat.optim.optimizers import LR_SCHEDULES, check_optimizer_flags
 from nanochat.engine.calculator import CALCULATOR_FORMATS
 from nanochat.rl.objective import LOSS_CLIPS, LOSS_NORMS, LOSSES, REJECTED_TOKENS, ROLLOUT_CORRECTIONS

@@ -19,7 +19,7 @@ Keys of a metrics dict (all floats):
   captures                   decode shapes the step's rollouts captured into CUDA graphs (static decode: shapes a
                              new batch would capture); 0 once a run's batch is kept (the most of any rank)
   compiles, compile_s        graphs torch.compile made during the step (decode step and training forward) and the
-                             seconds of the calls that made them (nanochat/model/compile.py; the most of any rank)
+                             seconds of the calls that made them (nanochat/compiling/functions.py; the most of any rank)
 The objective's diagnostics (`objective_metrics`, from nanochat.rl.policy_gradient.TrainStats), when they apply:
   loss                       minus the on-policy objective (the step's, averaged over ranks like the gradients)
   trained_tokens             sampled tokens of the trained rows (their weight)
@@ -177,7 +177,7 @@ def reduce_metrics(metrics, device="cpu"):
     unknown = sorted(k for k in metrics if k not in REDUCTIONS)
     if unknown:
         raise ValueError(f"reduce_metrics does not know how to combine {unknown}; add them to "
-                         f"nanochat.rl.metrics.REDUCTIONS, or reduce them yourself (e.g. common.all_reduce_mean)")
+                         f"nanochat.rl.metrics.REDUCTIONS, or reduce them yourself (e.g. distributed.all_reduce_mean)")
     keys = [k for k in REDUCTIONS if k in metrics]  # a fixed order, the same on every rank
     for k in keys:
         kind, weight = REDUCTIONS[k]

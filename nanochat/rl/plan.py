@@ -13,13 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.common import compute_dtype, dtype_name, print0
+from nanochat.common import print0
+from nanochat.dtypes import compute_dtype, dtype_name
 from nanochat.engine.cuda_graphs import DECODE_DESCRIPTIONS, check_decode_flag
 from nanochat.engine.engine import Engine, rows_in_budget
 from nanochat.engine.kv_cache import cache_geometry
 from nanochat.engine.memory_budget import FIXED_GB, resolve_memory_budget
-from nanochat.model.compile import compile_models, resolve_compile_flag, run_decode_mode
-from nanochat.model.compile_rule import AutoCompile, CompileLedger, PartRule, part_key
+from nanochat.compiling.plan import compile_models, resolve_compile_flag, run_decode_mode
+from nanochat.compiling.rule import AutoCompile, CompileLedger, PartRule, part_key
 from nanochat.model.head import HEAD_CHUNK_TOKENS
 from nanochat.model.precision import MARGIN, PREFERENCE, fastest_rollout_dtype, fastest_training_dtype, rank0_choice
 
@@ -120,7 +121,7 @@ def resolve_rollout_dtype(config, dtype, decode, model, tokenizer, train_task, d
 def resolve_decode_and_compile(config, device, num_steps, dtype):
     """(the decode mode, the --compile that runs, the CompilePlan) of a run of num_steps steps in all training in
     `dtype` (printed with why): compile.run_decode_mode's mode, compile.compile_plan's plan for it (--compile=auto on
-    a CPU: measured during the run, nanochat/model/compile_rule.py; the run starts uncompiled). Decided on the run's
+    a CPU: measured during the run, nanochat/compiling/rule.py; the run starts uncompiled). Decided on the run's
     whole length, not the steps left, so that a resumed run decodes as it started (--decode and --compile are not
     restored by --resume; the compiled step may sample another token at a near-tie). Every rank takes the same plan
     (compile.resolve_compile); where it compiles nothing, the mode is the one --decode gives uncompiled. A decode

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanochat.common import to_device
-from nanochat.model.compile import maybe_compiled
+from nanochat.device import to_device
+from nanochat.compiling.functions import maybe_compiled
 from nanochat.rl.objective import (MASK_CORRECTIONS, PolicyLoss, QuestionRows, k3_kl, kl_penalty, on_policy_objective,
                                    ppo_objective, rollout_correction_weights, sampler_gap, sampler_gap_sums, step_counts,
                                    trainable_targets)
@@ -96,7 +96,7 @@ def chunk_logprobs(model, rows, prompts, prompt_lengths, row_prompt, row_index, 
     position (N,): each target's row and position among the kept positions (B, L), row-major; targets (N,) the
     sampled tokens. Logits only where there is a target
     (sampled tokens): no vocabulary-wide work for prompt, forced tool-output and padding positions. A pure
-    function of tensors with no host read: nanochat/model/compile.py compiles it (dynamic shapes) for the policy,
+    function of tensors with no host read: nanochat/compiling/functions.py compiles it (dynamic shapes) for the policy,
     PPO and reference forwards alike."""
     hidden = _chunk_hidden(model, rows, prompts, prompt_lengths, row_prompt)
     return model.sampled_logprobs(hidden[row_index, position], targets)  # the (N, V) logits a chunk at a time

@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from nanochat.common import format_duration, print0, remaining_seconds
+from nanochat.common import print0
 from nanochat.files import atomic_write
 from nanochat.optim.loss_scale import scale_text
 from nanochat.rl.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
@@ -24,6 +24,26 @@ def is_eval_step(step, num_steps, eval_every):
 def is_save_step(step, num_steps, save_every):
     """A checkpoint is saved every save_every steps after step 0, and after the last step (num_steps - 1)."""
     return (save_every > 0 and step > 0 and step % save_every == 0) or step == num_steps - 1
+
+
+def format_duration(seconds):
+    """12.3 -> '12s', 754 -> '12m34s', 7500 -> '2h05m'."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def remaining_seconds(step_seconds, steps_left, eval_seconds=(), evals_left=0):
+    """Time left in a run, as (training, eval) seconds: steps_left steps at the mean of step_seconds (each
+    step's rollout + training + optimizer time, evals excluded), and evals_left evals at the mean of
+    eval_seconds (0 until an eval has been timed). An eval takes far longer than a step, so counting it as
+    step time would inflate the estimate many times over at the start of a run."""
+    train = steps_left * sum(step_seconds) / len(step_seconds) if step_seconds else 0.0
+    evals = evals_left * sum(eval_seconds) / len(eval_seconds) if eval_seconds else 0.0
+    return train, evals
 
 
 def step_record(run, step, rollouts, result, t_rollout, t_train, trained=None):

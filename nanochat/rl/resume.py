@@ -14,7 +14,8 @@ from nanochat.checkpoints.layout import CHECKPOINT_DIRS
 from nanochat.checkpoints.loading import find_checkpoint, load_model
 from nanochat.checkpoints.optimizer_shards import optimizer_states_for_resume
 from nanochat.checkpoints.store import list_steps, list_tags, load_meta, make_checkpoint_dir
-from nanochat.common import UserError, get_base_dir, print0
+from nanochat.common import get_base_dir, print0
+from nanochat.errors import UserError
 from nanochat.rl.config import resolve_output_tag
 
 # flags that do not define the run: --resume keeps them as given (the rest it restores from the checkpoint)

@@ -9,9 +9,10 @@ a question has its own stream inside the engine, so a question's completions do 
 rows share the work.
 """
 
+import sys
 from dataclasses import dataclass
 
-from nanochat.common import progress_bar
+from nanochat.distributed import get_rank
 from nanochat.rl.advantages import QuestionBatch, make_question_batch
 
 
@@ -101,6 +102,23 @@ def longest_prompt(tokenizer, *tasks):
     longer prompt comes. A longer one past the scanned questions still fits: the batch is rebuilt for it."""
     return max(len(tokenizer.render_for_completion(task[i])) for task in tasks
                for i in range(min(len(task), PROMPTS_SCANNED)))
+
+
+class _NoProgress:
+    def update(self, n=1):
+        pass
+
+    def close(self):
+        pass
+
+
+def progress_bar(total, desc):
+    """A tqdm bar on rank 0 when stderr is a terminal; a no-op otherwise (CI and log files get the plain
+    per-step lines instead of carriage-return noise)."""
+    if get_rank() != 0 or not sys.stderr.isatty():
+        return _NoProgress()
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
 
 
 def sample_questions(engine, task, indices, seeds, sampling, score=None, scale_by_std=False, label="rollouts"):

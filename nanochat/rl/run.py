@@ -15,13 +15,17 @@ import torch
 from nanochat.checkpoints.checkpointer import Checkpointer
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS
 from nanochat.checkpoints.store import new_run_id
-from nanochat.common import (UserError, any_rank, autocast_context, collective_device, get_base_dir, is_out_of_memory,
-                             print0, release_cached_memory)
+from nanochat.common import get_base_dir, print0
+from nanochat.device import is_out_of_memory, release_cached_memory
+from nanochat.distributed import any_rank, collective_device
+from nanochat.dtypes import autocast_context
+from nanochat.errors import UserError
 from nanochat.engine.engine import Engine
 from nanochat.engine.decode_batch import static_step
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC
-from nanochat.model.compile import CompileClock, compile_models, compile_seconds
-from nanochat.model.compile_rule import AutoCompile
+from nanochat.compiling.functions import CompileClock, compile_seconds
+from nanochat.compiling.plan import compile_models
+from nanochat.compiling.rule import AutoCompile
 from nanochat.model.precision import ortho_dtype
 from nanochat.optim.loss_scale import loss_scale_for, scaled_forward
 from nanochat.optim.optimizers import guarded_step, lr_multiplier, scale_initial_lr
@@ -63,7 +67,7 @@ class RLRun:
     lean: bool = True  # train only rows with an advantage, each prompt once a forward (False: nanochat's way)
     extra_eval_tasks: tuple = ()           # --eval-tasks: ((name, test task), ...) evaluated beside val_task
     loss_scale: object = None              # --dtype=float16: the dynamic loss scale (nanochat/optim/loss_scale.py)
-    auto_compile: AutoCompile = None       # --compile=auto decided during the run (compile_rule.py), or None
+    auto_compile: AutoCompile = None       # --compile=auto decided during the run (nanochat/compiling/rule.py), or None
     start_checkpoint: dict = None          # {source, model_tag, step} the run started from
     run_id: str = None                     # recorded in every checkpoint's meta and shards (checked on --resume)
     segments: list = field(default_factory=list)  # [{start_step, world_size}] of the run's start and each --resume

@@ -12,7 +12,7 @@ import torch
 from nanochat.checkpoints import store
 from nanochat.checkpoints.background import BackgroundSaver, host_copy
 from nanochat.checkpoints.store import list_steps, load_checkpoint, save_checkpoint
-from nanochat.common import UserError
+from nanochat.errors import UserError
 
 
 def state(seed):

@@ -16,7 +16,7 @@ from nanochat.checkpoints.loading import build_model, load_model
 from nanochat.checkpoints.optimizer_shards import ShardError, check_shard
 from nanochat.checkpoints.pruning import prune_checkpoints, remove_extra_shards
 from nanochat.checkpoints.store import find_largest_model, find_last_step, list_steps, load_checkpoint, save_checkpoint
-from nanochat.common import UserError
+from nanochat.errors import UserError
 from nanochat.model.gpt import GPT
 
 # `base_dir` (a fresh $NANOCHAT_BASE_DIR holding the tokenizer) and `tiny_tokenizer` come from conftest.py

@@ -12,7 +12,7 @@ import torch
 from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS, assert_same_weights, weights
 
 from nanochat.cli import run_main
-from nanochat.common import UserError
+from nanochat.errors import UserError
 from nanochat.engine import Engine
 from nanochat.rl import run as rl_run
 from nanochat.rl.policy_gradient import TrainStats

@@ -15,9 +15,9 @@ from nanochat.engine.decode_batch import DecodeBatch
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.engine import Engine
 from nanochat.diagnostics.op_count import count_decode_step_ops
-from nanochat.model.compile import CompiledFunction
+from nanochat.compiling.functions import CompiledFunction
 from nanochat.model.gpt import GPT, GPTConfig
-from nanochat.model.inductor_code import GraphKernels, wrapper_calls
+from nanochat.compiling.inductor_code import GraphKernels, wrapper_calls
 from nanochat.model.rotary import Rotary, apply_rotary, rotary_tables
 from nanochat.model.sampling import row_uniforms, sample_with_logprobs
 

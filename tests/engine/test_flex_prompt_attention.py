@@ -10,13 +10,13 @@ import torch
 from helpers import FP32_GAP_BOUND, HAS_CUDA, install_generation, prompt_of, random_model, tiny_config
 from test_compile import no_pretend_cuda  # noqa: F401 (autouse: eagerly, FlexAttention runs through Dynamo too)
 
-import nanochat.model.compile as nc_compile
+from nanochat.compiling import functions as nc_functions
 from nanochat.checkpoints.loading import build_model
 from nanochat.engine.decode_batch import static_step
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine
 from nanochat.engine.flex_prompt_attention import FLEX_DYNAMIC, flex_compile_state, flex_prompt_attention
 from nanochat.engine.shared_prompt_cache import FlexPromptStep, SharedPromptKVCache, SharedPromptStep
-from nanochat.model.compile import CompiledFunction
+from nanochat.compiling.functions import CompiledFunction
 
 # eagerly FlexAttention is PyTorch's unfused reference, and says so once per process
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
@@ -139,7 +139,7 @@ def test_the_compiled_static_step_takes_flex_attention_in_whole(tiny_tokenizer, 
     config = tiny_config(sequence_len=128, vocab_size=tiny_tokenizer.get_vocab_size(), window_pattern="SL")
     model = random_model(config, generation="smear")
     traced = CompiledFunction(static_step, STATIC_STEP_DYNAMIC, announce=False, graph_compiler=graph_as_traced)
-    monkeypatch.setitem(nc_compile._COMPILED, (static_step, STATIC_STEP_DYNAMIC), traced)
+    monkeypatch.setitem(nc_functions._COMPILED, (static_step, STATIC_STEP_DYNAMIC), traced)
     prompts = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold 48 clips")]
     kwargs = dict(num_samples=3, max_tokens=20, temperature=1.0, top_k=50, seeds=[1, 2], max_rows=4)
     eager, _ = rollouts(Engine(model, tiny_tokenizer, decode="static", prompt_attention="flex"), prompts, **kwargs)

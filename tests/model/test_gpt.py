@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from helpers import TINY_CONFIG, random_model, tiny_config
 
-from nanochat.common import UserError
+from nanochat.errors import UserError
 from nanochat.engine.kv_cache import KVCache, forward_cached
 from nanochat.model.gpt import GPT
 from nanochat.model.sampling import row_seed, sample_next_token

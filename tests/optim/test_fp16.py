@@ -18,7 +18,8 @@ from rl_toy_task import OneStepArithmetic
 from nanochat.checkpoints.loading import load_model
 from nanochat.checkpoints.store import load_meta
 from nanochat.cli import run_main
-from nanochat.common import SettingError, UserError, autocast_context, compute_dtype, requested_dtype
+from nanochat.dtypes import autocast_context, compute_dtype, requested_dtype
+from nanochat.errors import SettingError, UserError
 from nanochat.engine.engine import Engine
 from nanochat.optim import loss_scale as loss_scale_module
 from nanochat.optim.loss_scale import LossScale, scaled_forward
@@ -62,10 +63,10 @@ def test_dtype_flags_accept_float16_only_where_it_is_scaled(monkeypatch):
 
 
 def test_auto_is_float16_on_a_gpu_without_native_bf16(monkeypatch, capsys):
-    from nanochat import common
+    from nanochat import dtypes
     cuda = torch.device("cuda")
     for native, expected in ((False, torch.float16), (True, torch.bfloat16)):
-        monkeypatch.setattr(common, "cuda_has_native_bf16", lambda device, native=native: native)
+        monkeypatch.setattr(dtypes, "cuda_has_native_bf16", lambda device, native=native: native)
         assert compute_dtype(cuda, "auto", float16=True) == expected
         assert compute_dtype(cuda, "auto") == torch.bfloat16  # a script without loss scaling keeps bf16
     assert "this GPU has no native bf16" in capsys.readouterr().out

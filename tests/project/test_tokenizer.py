@@ -8,7 +8,7 @@ import rustbpe
 import tiktoken
 import torch
 
-from nanochat.common import UserError
+from nanochat.errors import UserError
 from nanochat.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, TokenizerError, get_tokenizer
 from scripts import tok_train
 from tasks.gsm8k import GSM8K, load_rows

@@ -65,7 +65,7 @@ def test_rl_raises_held_out_pass_at_1_beyond_noise(one_step_sft, monkeypatch):
                                     f"--num-steps={RL_STEPS}", "--eval-every=-1", "--save-every=-1",
                                     # eager, as it ran: under the session's pretend CUDA (conftest) auto's compiler
                                     # probe failed and warned that compiling does not work here; compiled training
-                                    # is tested in tests/model/test_compile.py
+                                    # is tested in tests/compiling/test_compile.py
                                     "--compile=off"])
         after = per_question_pass_rates("rl", base)
     finally:

@@ -10,7 +10,7 @@ import pytest
 from helpers import TINY_RL_FLAGS
 
 from nanochat.checkpoints.loading import recorded_calculator_format
-from nanochat.common import UserError
+from nanochat.errors import UserError
 from nanochat.engine import engine as engine_module
 from nanochat.rl.config import RLConfig
 from nanochat.rl.rollout import longest_prompt

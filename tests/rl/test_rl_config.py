@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from nanochat import cli
-from nanochat.common import UserError
+from nanochat.errors import UserError
 from nanochat.rl.config import GROUPS, SETTINGS, RLConfig
 from nanochat.rl.plan import RunPlan
 from nanochat.settings import SHARED

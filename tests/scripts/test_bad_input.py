@@ -14,7 +14,7 @@ import torch
 from bad_input_table import CASES, TINY_FLAGS, build_base_dir, full_disk_save, run_case
 
 from nanochat.cli import run_main
-from nanochat.common import UserError
+from nanochat.errors import UserError
 from scripts import chat_rl
 
 # what each case's line must say: the problem and the fix (substrings)

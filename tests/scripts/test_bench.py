@@ -9,7 +9,7 @@ import torch
 from helpers import BF16_MIN_AGREEMENT, BF16_NEAR_TIE, FP32_GAP_BOUND, random_model, tiny_config
 
 from nanochat import machine
-from nanochat.common import UserError
+from nanochat.errors import UserError
 from greedy_agreement import greedy_agreement
 from nanochat.diagnostics.early_stop import EarlyStopModel
 from nanochat.engine.engine import Engine

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from nanochat.checkpoints.store import load_checkpoint
-from nanochat.common import UserError
+from nanochat.errors import UserError
 from scripts import bench_epoch
 
 

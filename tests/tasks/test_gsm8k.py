@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import REPO
 
-from nanochat.common import UserError
+from nanochat.errors import UserError
 from scripts import prepare_gsm8k
 from tasks.gsm8k import GSM8K, GSM8KUnavailableError, answer_to_parts, extract_answer, read_jsonl_rows
 

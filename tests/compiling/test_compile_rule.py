@@ -1,4 +1,4 @@
-"""--compile=auto decided during a run (nanochat/model/compile_rule.py): a part is compiled only where its measured
+"""--compile=auto decided during a run (nanochat/compiling/rule.py): a part is compiled only where its measured
 saving over the steps left pays for its expected compile; the figures a run measures go to a ledger beside Inductor's
 cache, which the next run decides from; a part slower compiled goes back to eager; rank 0 decides for every rank;
 chat_rl records the decisions in its checkpoints and --resume follows them. Timings are injected: what is checked is
@@ -11,10 +11,10 @@ import pytest
 import torch
 from helpers import HAS_CUDA, TINY_RL_FLAGS, random_model, tiny_config
 
-from nanochat.model import compile_rule
-from nanochat.model.compile import CompiledFunction
+from nanochat.compiling import rule as compile_rule
+from nanochat.compiling.functions import CompiledFunction
 from nanochat.model.gpt import GPT, GPTConfig
-from nanochat.model.compile_rule import (CHECK_STEPS, PRIOR_COLD_SECONDS_PER_LAYER, PRIOR_RATIO, PRIOR_WARM_FRACTION,
+from nanochat.compiling.rule import (CHECK_STEPS, PRIOR_COLD_SECONDS_PER_LAYER, PRIOR_RATIO, PRIOR_WARM_FRACTION,
                                          PROBE_STEPS, AutoCompile, CompileLedger, PartRule)
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.policy_gradient import accumulate_policy_gradient, chunk_logprobs, one_graph_forward
@@ -22,7 +22,7 @@ from nanochat.rl.policy_gradient import accumulate_policy_gradient, chunk_logpro
 @pytest.fixture(scope="module", autouse=True)
 def no_pretend_cuda():
     """Dynamo saves and restores the CUDA random state around a compile wherever torch.cuda says it is there: the
-    session's pretend CUDA (tests/conftest.py) must say what this machine has (as in tests/model/test_compile.py)."""
+    session's pretend CUDA (tests/conftest.py) must say what this machine has (as in tests/compiling/test_compile.py)."""
     with pytest.MonkeyPatch.context() as mp:
         if not HAS_CUDA:
             mp.setattr(torch.cuda, "is_available", lambda: False)
@@ -148,7 +148,7 @@ def test_an_unreadable_ledger_is_an_empty_one(tmp_path):
 
 RANK0_DECIDES = """
 import sys, torch, torch.distributed as dist
-from nanochat.model.compile_rule import AutoCompile, CompileLedger, PartRule, PROBE_STEPS
+from nanochat.compiling.rule import AutoCompile, CompileLedger, PartRule, PROBE_STEPS
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 auto = AutoCompile({"train": PartRule("train", "k", 4)}, 1000, CompileLedger(sys.argv[1] + f"/ledger{rank}.json"),
@@ -218,10 +218,10 @@ def test_chat_rl_auto_compiles_where_it_pays_records_it_and_resume_follows(sft, 
     eager for the first 1 + PROBE_STEPS steps, compiled from then on (the compiled steps' check put off past the run's
     end); the checkpoints record the step; --resume from a later step runs it compiled from its first step, where a
     decision made anew would not compile (cost made huge). The ledger is in Inductor's cache folder."""
-    from nanochat.model import compile as nc_compile
+    from nanochat.compiling import functions as nc_functions
     from scripts import chat_rl
     traced = CountedTraced()
-    monkeypatch.setitem(nc_compile._COMPILED, (chunk_logprobs, True), traced)
+    monkeypatch.setitem(nc_functions._COMPILED, (chunk_logprobs, True), traced)
     monkeypatch.setitem(compile_rule.PRIOR_COLD_SECONDS_PER_LAYER, "train", 0.0)
     monkeypatch.setitem(compile_rule.PRIOR_RATIO, "train", 0.5)
     monkeypatch.setattr(compile_rule, "CHECK_STEPS", 1000)
@@ -248,7 +248,7 @@ def test_chat_rl_auto_compiles_where_it_pays_records_it_and_resume_follows(sft, 
 def test_the_measured_plan_is_chat_rls_auto_on_a_cpu_only():
     """compile_plan(measured=True), chat_rl's: auto on a CPU compiles nothing at the start and measures; on CUDA,
     MPS, with on/off/blocks, or for a script that trains nothing, the plan is what it was without."""
-    from nanochat.model.compile import compile_plan
+    from nanochat.compiling.plan import compile_plan
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     plan = compile_plan("auto", cpu, "eager", 467, measured=True)
     assert plan.measured and (plan.decode, plan.train, plan.compiles) == (False, False, False)
@@ -282,7 +282,7 @@ def test_the_engine_decodes_in_the_resolved_mode_unless_auto_switched_before_the
     """--compile=on keeps --decode's mode (graph on CUDA: the engine's CUDA graphs capture the compiled step); auto,
     resumed after it switched the decode step, starts on the compiled static step; otherwise the resolved mode,
     uncompiled."""
-    from nanochat.model.compile import CompilePlan
+    from nanochat.compiling.plan import CompilePlan
     from nanochat.rl.plan import engine_decode
     ledger = CompileLedger(str(tmp_path / "ledger.json"))
     on = CompilePlan(True, True, "--compile=on")

@@ -14,7 +14,7 @@ Compiling is slow on a CPU (a cold Inductor cache: ~10 s a decode graph, ~50 s a
 backward): Inductor compiles where its code is what is checked (smear's decode step and training pass, the trained
 model's fp32 and bf16 decode steps, chat_sft's forward); elsewhere (the other generations, the scripts' wiring) the
 function is traced whole by Dynamo and run as traced (INDUCTOR_GENERATIONS says why). The compiled functions are
-the process's (nanochat.model.compile.compiled), so the tests share their graphs (head computes smear's forward and
+the process's (nanochat.compiling.functions.compiled), so the tests share their graphs (head computes smear's forward and
 compiles nothing anew), each test keeps to one or a few shapes, and the fp32 greedy rollouts serve three tests."""
 
 import io
@@ -42,10 +42,9 @@ from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine, make_batch
 from nanochat.engine.scheduler import BatchShape
 from nanochat.diagnostics.op_count import count_decode_step_ops
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
-from nanochat.model import compile as nc_compile
-from nanochat.model.compile import (CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, RECOMPILE_LIMIT, SFT_CPU_MIN_STEPS,
-                                    CompiledFunction, CompileFailed, compile_plan, compile_totals, compiled,
-                                    generated_kernels, resolve_compile, run_decode_mode)
+from nanochat.compiling import functions as nc_functions, plan as nc_plan
+from nanochat.compiling.functions import RECOMPILE_LIMIT, CompileFailed, CompiledFunction, compile_totals, compiled, generated_kernels
+from nanochat.compiling.plan import CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, SFT_CPU_MIN_STEPS, compile_plan, resolve_compile, run_decode_mode
 from nanochat.model.gpt import GPT
 from nanochat.rl import plan as rl_plan
 from nanochat.rl import progress as rl_progress
@@ -96,7 +95,7 @@ def compiled_for(name, fn, dynamic, monkeypatch):
     if name in INDUCTOR_GENERATIONS:
         return compiled(fn, dynamic)
     traced = CompiledFunction(fn, dynamic, graph_compiler=graph_as_traced)
-    monkeypatch.setitem(nc_compile._COMPILED, (fn, dynamic), traced)
+    monkeypatch.setitem(nc_functions._COMPILED, (fn, dynamic), traced)
     return traced
 
 
@@ -390,7 +389,7 @@ def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch):
     def no_compiler(self, graph_module, example_inputs):
         raise RuntimeError("Compiler: cc is not found")
 
-    monkeypatch.setattr(nc_compile._CountingInductor, "__call__", no_compiler)
+    monkeypatch.setattr(nc_functions._CountingInductor, "__call__", no_compiler)
     twice = lambda x: x * 2 + 1
     function = CompiledFunction(twice, dynamic=False)
     x = torch.arange(3.0)
@@ -404,7 +403,7 @@ def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch):
     with pytest.raises(CompileFailed, match="cc is not found"):
         CompiledFunction(twice, dynamic=False)(x, required=True)
 
-    monkeypatch.setattr(nc_compile, "_COMPILED", {})  # the probe is made afresh, and fails
+    monkeypatch.setattr(nc_functions, "_COMPILED", {})  # the probe is made afresh, and fails
     for mode in ("on", "blocks"):  # asked for by name: an error, not an eager run
         with pytest.raises(CompileFailed, match="does not work on cpu here"):
             resolve_compile(mode, torch.device("cpu"), "static")
@@ -728,8 +727,8 @@ def test_compile_on_where_compiling_fails_is_one_line_and_exit_2(script, sft, ba
 
     def no_compiler(self, graph_module, example_inputs):
         raise RuntimeError("Compiler: cc is not found")
-    monkeypatch.setattr(nc_compile._CountingInductor, "__call__", no_compiler)
-    monkeypatch.setattr(nc_compile, "_COMPILED", {})  # the probe is made afresh, and fails
+    monkeypatch.setattr(nc_functions._CountingInductor, "__call__", no_compiler)
+    monkeypatch.setattr(nc_functions, "_COMPILED", {})  # the probe is made afresh, and fails
     main, flags = {"chat_sft": (chat_sft.main, SFT_FLAGS + ["--output-tag=never"]),
                    "chat_eval": (chat_eval.main, ["--task=rl_toy_task:ParityTask", "--decode=static",
                                                   "--device-type=cpu", f"--output={base_dir / 'never.json'}"])}[script]
@@ -817,17 +816,17 @@ def test_chat_rl_decodes_with_the_static_step_where_it_compiles_it(dtype, rollou
 def test_a_long_cpu_runs_auto_decode_is_static_only_where_compiling_works(compiler, monkeypatch):
     """--decode=auto for a CPU run of 467 steps. --compile=auto: nothing compiled at the start and the compiler not
     probed, whether it works or not (stubbed to fail, as Inductor does without a C++ compiler): the run measures each
-    part first (tests/model/test_compile_rule.py), and a part that then fails to compile warns once and runs eagerly
+    part first (tests/compiling/test_compile_rule.py), and a part that then fails to compile warns once and runs eagerly
     (test_a_failed_compile_warns_once_and_runs_eagerly). --compile=on: the static step, compiled, where compiling
     works; else the one-line error."""
     if compiler == "fails":
         def no_compiler(self, graph_module, example_inputs):
             raise RuntimeError("Compiler: cc is not found")
-        monkeypatch.setattr(nc_compile._CountingInductor, "__call__", no_compiler)
-        monkeypatch.setattr(nc_compile, "_COMPILED", {})  # the probe is made afresh, and fails
+        monkeypatch.setattr(nc_functions._CountingInductor, "__call__", no_compiler)
+        monkeypatch.setattr(nc_functions, "_COMPILED", {})  # the probe is made afresh, and fails
     probes = []
-    real_check = nc_compile.check_compiler
-    monkeypatch.setattr(nc_compile, "check_compiler", lambda device: probes.append(device) or real_check(device))
+    real_check = nc_plan.check_compiler
+    monkeypatch.setattr(nc_plan, "check_compiler", lambda device: probes.append(device) or real_check(device))
     args = SimpleNamespace(decode="auto", compile="auto")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -839,21 +838,21 @@ def test_a_long_cpu_runs_auto_decode_is_static_only_where_compiling_works(compil
         decode, mode, plan = rl_plan.resolve_decode_and_compile(args, torch.device("cpu"), 467, "bfloat16")
         assert plan[:2] == (True, True) and (decode, mode) == ("static", "on") and len(probes) == 1
     else:
-        with pytest.raises(nc_compile.CompileFailed, match="torch.compile does not work on cpu here"):
+        with pytest.raises(nc_functions.CompileFailed, match="torch.compile does not work on cpu here"):
             rl_plan.resolve_decode_and_compile(args, torch.device("cpu"), 467, "bfloat16")
 
 
 AGREE_ON_COMPILING = """
 import sys, warnings, torch, torch.distributed as dist
-from nanochat.model import compile as nc_compile
+from nanochat.compiling import functions as nc_functions, plan as nc_plan
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-nc_compile.check_compiler = lambda device: None if rank == 0 else "Compiler: cc is not found"  # rank 1 cannot compile
+nc_plan.check_compiler = lambda device: None if rank == 0 else "Compiler: cc is not found"  # rank 1 cannot compile
 warnings.simplefilter("ignore")
 try:
-    plan = nc_compile.resolve_compile(sys.argv[1], torch.device("cpu"), "static", 467)
+    plan = nc_plan.resolve_compile(sys.argv[1], torch.device("cpu"), "static", 467)
     print("plan", plan.decode, plan.train)
-except nc_compile.CompileFailed as error:
+except nc_functions.CompileFailed as error:
     print("failed", "another rank" in str(error) or "cc is not found" in str(error))
 dist.destroy_process_group()
 """

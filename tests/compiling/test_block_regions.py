@@ -17,8 +17,9 @@ from nanochat.engine.decode_batch import RolloutStats
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.engine import Engine, make_batch
 from nanochat.engine.scheduler import BatchShape
-from nanochat.model import compile as nc_compile
-from nanochat.model.compile import CompiledFunction, compile_block_regions, compile_plan
+from nanochat.compiling import functions as nc_functions
+from nanochat.compiling.functions import CompiledFunction
+from nanochat.compiling.plan import compile_block_regions, compile_plan
 from nanochat.model.gpt import EAGER_REGIONS, BlockRegions
 from scripts import chat_rl
 
@@ -145,7 +146,7 @@ def test_chat_rl_with_compile_blocks_trains_as_the_eager_run(sft, base_dir, monk
     eager = capsys.readouterr().out
     regions, graphs = traced_regions()
     for fn, traced in zip(EAGER_REGIONS, regions):
-        monkeypatch.setitem(nc_compile._COMPILED, (fn, True), traced)
+        monkeypatch.setitem(nc_functions._COMPILED, (fn, True), traced)
     chat_rl.main(flags + ["--compile=blocks", "--overwrite"])
     out = capsys.readouterr().out
     assert "compile: each transformer block around its attention" in out
