@@ -16,7 +16,7 @@ import traceback
 
 from nanochat.checkpoints.errors import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
                                          RankLostError, UnknownStepError, UnknownTagError)
-from nanochat.distributed import cleanup_after_error, get_rank
+from nanochat.runtime.distributed import cleanup_after_error, get_rank
 from nanochat.errors import SettingError, UserError
 from nanochat.engine.cuda_graphs import GraphsNeedCudaError
 from nanochat.engine.memory_budget import NoMemoryForRolloutsError

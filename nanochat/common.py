@@ -2,7 +2,7 @@
 Process-level plumbing every script starts with, under nanochat's own names: rank-0 printing, the base directory,
 picking the device and setting up the process group (compute_init / compute_cleanup own the device, the seeds, the
 matmul precision and the process group; everything else asks `torch.distributed.is_initialized()`), and a no-op
-wandb. What a rank asks of the group is nanochat.distributed; the errors a user can fix are nanochat.errors.
+wandb. What a rank asks of the group is nanochat.runtime.distributed; the errors a user can fix are nanochat.errors.
 """
 
 import os
@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from nanochat.distributed import get_dist_info, get_rank, release_process_group
+from nanochat.runtime.distributed import get_dist_info, get_rank, release_process_group
 from nanochat.errors import SettingError
 
 

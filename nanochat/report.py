@@ -19,7 +19,7 @@ import subprocess
 import torch
 
 from nanochat.common import get_base_dir
-from nanochat.distributed import get_rank
+from nanochat.runtime.distributed import get_rank
 from nanochat.files import atomic_write
 
 # sections in pipeline order; a section not listed here goes after these, alphabetically

@@ -15,7 +15,7 @@ import random
 
 import torch
 
-from nanochat.distributed import rank_share
+from nanochat.runtime.distributed import rank_share
 
 
 def render_rows(tokenizer, conversations, max_seq_len):

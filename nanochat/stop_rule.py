@@ -20,7 +20,7 @@ test split belongs to the evaluations that come after the run, and training leav
 
 from dataclasses import dataclass, field
 
-from nanochat.distributed import rank_and_world, rank_share
+from nanochat.runtime.distributed import rank_and_world, rank_share
 from nanochat.errors import SettingError, UserError
 from nanochat.rl.evaluation import aggregate_pass_at_k, sample_outcomes
 

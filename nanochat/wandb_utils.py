@@ -8,7 +8,7 @@ WANDB_MODE=disabled turns every call into a no-op. WANDB_SILENT=true quiets its 
 """
 
 from nanochat.common import DummyWandb
-from nanochat.distributed import get_rank
+from nanochat.runtime.distributed import get_rank
 from nanochat.errors import UserError
 
 SAMPLE_COLUMNS = ["step", "question", "completion", "reward"]

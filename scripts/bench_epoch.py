@@ -25,7 +25,7 @@ from nanochat.checkpoints.background import BackgroundSaver
 from nanochat.checkpoints.store import save_checkpoint
 from nanochat.cli import ArgumentParser, add_debug_flag, add_shared, run_main
 from nanochat.common import autodetect_device_type, print0
-from nanochat.device import synchronize
+from nanochat.runtime.device import synchronize
 from nanochat.errors import UserError
 from nanochat.files import atomic_write
 from nanochat.model.gpt import build_fresh_model

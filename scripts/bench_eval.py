@@ -17,8 +17,8 @@ from nanochat.checkpoints.loading import load_model
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
                           add_shared, run_main)
 from nanochat.common import compute_init, print0
-from nanochat.device import synchronize
-from nanochat.dtypes import autocast_context, compute_dtype, requested_dtype
+from nanochat.runtime.device import synchronize
+from nanochat.runtime.dtypes import autocast_context, compute_dtype, requested_dtype
 from nanochat.errors import UserError
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch

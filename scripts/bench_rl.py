@@ -24,9 +24,9 @@ import torch
 
 from nanochat.cli import ArgumentParser, flag_name, parse_rl_args, run_main
 from nanochat.common import compute_cleanup, compute_init, get_base_dir, print0
-from nanochat.cpu_features import cpu_has_native_bf16
-from nanochat.distributed import get_dist_info
-from nanochat.dtypes import autocast_context, dtype_name
+from nanochat.runtime.cpu_features import cpu_has_native_bf16
+from nanochat.runtime.distributed import get_dist_info
+from nanochat.runtime.dtypes import autocast_context, dtype_name
 from nanochat.errors import require
 from nanochat.diagnostics import compiled_step_graphs, compiled_step_kernels, count_decode_step_ops, d20_train_step_kernels
 from nanochat.diagnostics.early_stop import EarlyStopModel
@@ -35,7 +35,7 @@ from nanochat.engine.engine import Engine
 from nanochat.engine.flex_prompt_attention import flex_compile_state
 from nanochat.engine.kv_cache import cache_geometry
 from nanochat.files import atomic_write
-from nanochat.machine import PeakMemory, device_time, load_average, measure_machine, profile_phases
+from nanochat.runtime.machine import PeakMemory, device_time, load_average, measure_machine, profile_phases
 from nanochat.compiling.plan import compile_block_regions, compile_plan
 from nanochat.model.flops import matmul_flops_per_token, rollout_flops, train_flops
 from nanochat.model.gpt import GPT, build_fresh_model

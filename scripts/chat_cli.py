@@ -27,8 +27,8 @@ from collections import namedtuple
 from nanochat.checkpoints.loading import load_model, recorded_calculator_format
 from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_flag, add_shared, run_main
 from nanochat.common import compute_cleanup, compute_init
-from nanochat.distributed import get_dist_info
-from nanochat.dtypes import autocast_context, compute_dtype, requested_dtype
+from nanochat.runtime.distributed import get_dist_info
+from nanochat.runtime.dtypes import autocast_context, compute_dtype, requested_dtype
 from nanochat.errors import UserError
 from nanochat.engine.engine import Engine
 from nanochat.engine.rows import SpecialIds

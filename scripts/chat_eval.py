@@ -20,8 +20,8 @@ from nanochat.checkpoints.loading import load_model, recorded_calculator_format
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
                           add_model_generation_flag, add_shared, run_main)
 from nanochat.common import compute_cleanup, compute_init, get_base_dir, print0
-from nanochat.distributed import collective_device, wait_for_all_ranks
-from nanochat.dtypes import autocast_context, compute_dtype, requested_dtype
+from nanochat.runtime.distributed import collective_device, wait_for_all_ranks
+from nanochat.runtime.dtypes import autocast_context, compute_dtype, requested_dtype
 from nanochat.errors import UserError
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.engine import Engine

@@ -28,8 +28,8 @@ import time
 
 from nanochat.cli import parse_rl_args, run_main
 from nanochat.common import compute_cleanup, compute_init, print0
-from nanochat.distributed import get_dist_info, wait_for_all_ranks
-from nanochat.graceful_stop import GracefulStop
+from nanochat.runtime.distributed import get_dist_info, wait_for_all_ranks
+from nanochat.runtime.graceful_stop import GracefulStop
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.report import get_report, log_chat_rl
 from nanochat.rl.config import RLConfig

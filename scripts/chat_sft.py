@@ -42,8 +42,8 @@ from nanochat.checkpoints.store import list_steps, save_checkpoint
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_model_generation_flag,
                           add_optimizer_flags, add_runtime_flags, run_main)
 from nanochat.common import compute_cleanup, compute_init, get_base_dir, print0
-from nanochat.distributed import all_reduce_mean, collective_device, get_dist_info, rank_share, wait_for_all_ranks
-from nanochat.dtypes import autocast_context, compute_dtype, dtype_name, requested_dtype
+from nanochat.runtime.distributed import all_reduce_mean, collective_device, get_dist_info, rank_share, wait_for_all_ranks
+from nanochat.runtime.dtypes import autocast_context, compute_dtype, dtype_name, requested_dtype
 from nanochat.errors import UserError, require
 from nanochat.engine.cuda_graphs import decode_mode
 from nanochat.engine.engine import Engine

@@ -75,6 +75,17 @@ def pytest_configure(config):
 SLOW_FIXTURES = {"one_step_sft", "uninterrupted", "disk_full_on_rank1", "two_ranks", "first_run"}
 
 
+# Under xdist (tests/run.sh, with --no-loadscope-reorder: workers take files in collection order) these files go first,
+# longest first: each takes a minute or more of one core (pytest --durations on the 2-core development machine), and
+# one started last is the suite's tail while the other worker idles (the longest-first rule of scheduling). A file
+# missing here costs wall time only; the order of tests within a file never changes.
+FILES_FIRST = ("optim/test_fp16.py", "scripts/test_speedrun.py", "checkpoints/test_resume_ranks.py",
+               "checkpoints/test_resume.py", "compiling/test_block_regions.py", "checkpoints/test_faults.py",
+               "rl/test_learning.py", "compiling/test_compile.py", "kernels/test_triton_kernels.py",
+               "gpu/test_gpu_setup.py", "scripts/test_gsm8k_chat_rl.py", "rl/test_dynamic_sampling.py",
+               "rl/test_steady_state.py")
+
+
 # NANOCHAT_TEST_ORDER=reverse runs the files in reversed order (each file's tests in their own): with
 # NANOCHAT_TEST_WORKERS=0, the check that no test leans on what an earlier one left (tests/run.sh's header)
 ORDER_ENV = "NANOCHAT_TEST_ORDER"
@@ -87,10 +98,14 @@ def pytest_collection_modifyitems(config, items):
     order = os.environ.get(ORDER_ENV, "files")
     if order not in ("files", "reverse"):
         raise pytest.UsageError(f"{ORDER_ENV} must be files or reverse, got {order!r}")
+    files = list(dict.fromkeys(item.fspath for item in items))
     if order == "reverse":
-        files = list(dict.fromkeys(item.fspath for item in items))[::-1]
-        rank = {path: i for i, path in enumerate(files)}
-        items.sort(key=lambda item: rank[item.fspath])  # stable: a file's tests keep their order
+        files = files[::-1]
+    elif os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects alike, so the controller sees this order
+        first = {TESTS / name: i for i, name in enumerate(FILES_FIRST)}
+        files.sort(key=lambda path: first.get(Path(path), len(first)))  # stable: the others keep file order
+    rank = {path: i for i, path in enumerate(files)}
+    items.sort(key=lambda item: rank[item.fspath])  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -42,7 +42,7 @@ fi
 # fixtures they share (a trained model, compiled graphs), on one worker.
 workers=${NANOCHAT_TEST_WORKERS:-$("$venv_python" -c "import os; print(min(4, os.cpu_count() or 1))")}
 parallel=()
-[ "$workers" -gt 0 ] && parallel=(-n "$workers" --dist loadfile)
+[ "$workers" -gt 0 ] && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)  # longest files first: conftest
 
 # with arguments they replace `tests` (a path selects; with options only, pyproject's testpaths is `tests`)
 [ $# -gt 0 ] || set -- tests

@@ -16,8 +16,8 @@ import threading
 import torch
 
 from nanochat.checkpoints.store import commit_save, stage_save
-from nanochat.device import synchronize
-from nanochat.distributed import get_rank
+from nanochat.runtime.device import synchronize
+from nanochat.runtime.distributed import get_rank
 
 
 def host_copy(data, reuse=()):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from nanochat.checkpoints.errors import CheckpointError
 from nanochat.checkpoints.layout import optim_path
 from nanochat.checkpoints.store import first_failure, torch_load_checked
-from nanochat.distributed import get_rank
+from nanochat.runtime.distributed import get_rank
 from nanochat.errors import UserError
 from nanochat.optim.adamw import is_sharded
 from nanochat.optim.muon import Muon

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from nanochat.checkpoints.layout import optim_path
 from nanochat.checkpoints.store import list_steps
-from nanochat.distributed import get_rank
+from nanochat.runtime.distributed import get_rank
 from nanochat.files import fsync_dir, remove_if_exists
 
 # every file of a step: model_N.pt, meta_N.json, optim_N_rank<r>.pt (groups 1-3: the step; group 4: the rank)

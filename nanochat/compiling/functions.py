@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from nanochat.common import print0
-from nanochat.device import out_of_memory_within
+from nanochat.runtime.device import out_of_memory_within
 from nanochat.errors import UserError
 from nanochat.compiling.inductor_code import GraphKernels, inductor_code_to
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import print0
-from nanochat.distributed import collective_device
+from nanochat.runtime.distributed import collective_device
 from nanochat.compiling.functions import CompileFailed, compiled, first_line, maybe_compiled
 from nanochat.model.gpt import EAGER_REGIONS, BlockRegions
 

@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from nanochat.device import is_out_of_memory
+from nanochat.runtime.device import is_out_of_memory
 from nanochat.errors import SettingError
 
 

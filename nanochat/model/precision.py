@@ -19,8 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanochat.device import synchronize
-from nanochat.dtypes import autocast_context
+from nanochat.runtime.device import synchronize
+from nanochat.runtime.dtypes import autocast_context
 
 # bf16 replaces fp32 only when this many times faster: timing noise on a busy machine must not flip a close
 # call from one run to the next

@@ -29,8 +29,8 @@ loop schedules it); the model records 'initial_lr' on each group.
 import torch
 import torch.distributed as dist
 
-from nanochat.cpu_features import cpu_has_native_bf16
-from nanochat.distributed import rank_and_world
+from nanochat.runtime.cpu_features import cpu_has_native_bf16
+from nanochat.runtime.distributed import rank_and_world
 
 # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): one odd quintic
 # x -> a x + b x^3 + c x^5 per iteration, each chosen minimax-optimal for where the singular values can

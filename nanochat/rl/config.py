@@ -14,7 +14,7 @@ import dataclasses
 import os
 
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS
-from nanochat.dtypes import DTYPES, requested_dtype
+from nanochat.runtime.dtypes import DTYPES, requested_dtype
 from nanochat.errors import UserError, require
 from nanochat.optim.optimizers import LR_SCHEDULES, check_optimizer_flags
 from nanochat.engine.calculator import CALCULATOR_FORMATS

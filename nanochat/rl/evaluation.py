@@ -13,7 +13,7 @@ from math import comb
 import torch
 import torch.distributed as dist
 
-from nanochat.distributed import rank_and_world, rank_share, reduction_dtype
+from nanochat.runtime.distributed import rank_and_world, rank_share, reduction_dtype
 from nanochat.rl.rollout import Sampling, sample_questions
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from nanochat.common import print0
-from nanochat.dtypes import compute_dtype, dtype_name
+from nanochat.runtime.dtypes import compute_dtype, dtype_name
 from nanochat.engine.cuda_graphs import DECODE_DESCRIPTIONS, check_decode_flag
 from nanochat.engine.engine import Engine, rows_in_budget
 from nanochat.engine.kv_cache import cache_geometry

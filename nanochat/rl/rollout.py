@@ -12,7 +12,7 @@ rows share the work.
 import sys
 from dataclasses import dataclass
 
-from nanochat.distributed import get_rank
+from nanochat.runtime.distributed import get_rank
 from nanochat.rl.advantages import QuestionBatch, make_question_batch
 
 

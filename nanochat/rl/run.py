@@ -16,9 +16,9 @@ from nanochat.checkpoints.checkpointer import Checkpointer
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS
 from nanochat.checkpoints.store import new_run_id
 from nanochat.common import get_base_dir, print0
-from nanochat.device import is_out_of_memory, release_cached_memory
-from nanochat.distributed import any_rank, collective_device
-from nanochat.dtypes import autocast_context
+from nanochat.runtime.device import is_out_of_memory, release_cached_memory
+from nanochat.runtime.distributed import any_rank, collective_device
+from nanochat.runtime.dtypes import autocast_context
 from nanochat.errors import UserError
 from nanochat.engine.engine import Engine
 from nanochat.engine.decode_batch import static_step

@@ -18,7 +18,7 @@ from rl_toy_task import OneStepArithmetic
 from nanochat.checkpoints.loading import load_model
 from nanochat.checkpoints.store import load_meta
 from nanochat.cli import run_main
-from nanochat.dtypes import autocast_context, compute_dtype, requested_dtype
+from nanochat.runtime.dtypes import autocast_context, compute_dtype, requested_dtype
 from nanochat.errors import SettingError, UserError
 from nanochat.engine.engine import Engine
 from nanochat.optim import loss_scale as loss_scale_module
@@ -63,7 +63,7 @@ def test_dtype_flags_accept_float16_only_where_it_is_scaled(monkeypatch):
 
 
 def test_auto_is_float16_on_a_gpu_without_native_bf16(monkeypatch, capsys):
-    from nanochat import dtypes
+    from nanochat.runtime import dtypes
     cuda = torch.device("cuda")
     for native, expected in ((False, torch.float16), (True, torch.bfloat16)):
         monkeypatch.setattr(dtypes, "cuda_has_native_bf16", lambda device, native=native: native)

@@ -1,12 +1,13 @@
 """What every script starts with: the compute dtype (--dtype, NANOCHAT_DTYPE) for a device and the autocast context it
-gives (nanochat.dtypes, nanochat.cpu_features), where the rank comes from and the reductions (nanochat.distributed),
+gives (nanochat.runtime.dtypes, nanochat.runtime.cpu_features), where the rank comes from and the reductions (nanochat.runtime.distributed),
 the device setup (nanochat.common), and the run's time estimate. (run_main's one-line errors: test_cli.py.)"""
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from nanochat import cpu_features, distributed, dtypes, errors
+from nanochat import errors
+from nanochat.runtime import cpu_features, distributed, dtypes
 from nanochat.rl import progress
 
 

@@ -94,3 +94,11 @@ def test_the_distribution_lists_every_package():
     found = {str(p.parent.relative_to(REPO)).replace("/", ".") for top in ("nanochat", "tasks", "scripts")
              for p in (REPO / top).rglob("__init__.py")}
     assert found == listed
+
+
+def test_the_files_scheduled_first_exist():
+    """tests/conftest.py's FILES_FIRST (the longest files, given to the xdist workers first) names test files that
+    exist: a renamed file would silently drop back to its place in file order, and the suite's tail would grow."""
+    from conftest import FILES_FIRST, TESTS
+    assert [name for name in FILES_FIRST if not (TESTS / name).is_file()] == []
+    assert len(set(FILES_FIRST)) == len(FILES_FIRST)

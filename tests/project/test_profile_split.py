@@ -1,4 +1,4 @@
-"""bench_rl --profile's split of a step (nanochat.machine.profile_split): per phase, the GPU's busy time (the union of
+"""bench_rl --profile's split of a step (nanochat.runtime.machine.profile_split): per phase, the GPU's busy time (the union of
 its kernels' and copies' intervals) against the gaps it waited on the host. The union against a brute-force count,
 the split on profiler events built by hand (kernels, annotations mirrored on the GPU, phases), and on a real CPU
 profile (the profiler's event API as this torch has it)."""
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from nanochat.machine import covered_length, profile_split, profiler_events, top_device_ops
+from nanochat.runtime.machine import covered_length, profile_split, profiler_events, top_device_ops
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 

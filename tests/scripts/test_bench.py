@@ -1,5 +1,5 @@
 """scripts/bench_rl: the report it writes, the step it times (chat_rl's), the early-stop wrapper and the FLOP accounting;
-nanochat/machine.py: the machine probes it reads (peak memory, matmul peak, bandwidth)."""
+nanochat/runtime/machine.py: the machine probes it reads (peak memory, matmul peak, bandwidth)."""
 
 import json
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import BF16_MIN_AGREEMENT, BF16_NEAR_TIE, FP32_GAP_BOUND, random_model, tiny_config
 
-from nanochat import machine
+from nanochat.runtime import machine
 from nanochat.errors import UserError
 from greedy_agreement import greedy_agreement
 from nanochat.diagnostics.early_stop import EarlyStopModel

@@ -313,8 +313,8 @@ def test_refuses_to_hide_its_checkpoint_behind_a_later_step(scratch_run, capsys)
 
 def test_checkpoint_records_the_dtype_the_run_computed_in(base_dir, monkeypatch, capsys):
     """Asked for bf16 on a CPU without native bf16, the run computes in fp32 and its saved config says so."""
-    import nanochat.dtypes
-    monkeypatch.setattr(nanochat.dtypes, "cpu_has_native_bf16", lambda: False)
+    import nanochat.runtime.dtypes
+    monkeypatch.setattr(nanochat.runtime.dtypes, "cpu_has_native_bf16", lambda: False)
     run_main(main, ["--depth=1", "--sequence-len=64", "--tasks=arithmetic", "--arithmetic-difficulty=1", "--num-steps=1",
                     "--examples-per-step=2", "--device-batch-size=2", "--eval-every=-1", "--device-type=cpu",
                     "--dtype=bfloat16", "--output-tag=dtype"])

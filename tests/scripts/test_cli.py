@@ -9,7 +9,7 @@ from nanochat.checkpoints.errors import CheckpointError
 from nanochat.checkpoints.loading import find_checkpoint
 from nanochat.checkpoints.store import load_checkpoint
 from nanochat.common import compute_init
-from nanochat.dtypes import requested_dtype
+from nanochat.runtime.dtypes import requested_dtype
 from nanochat.errors import UserError
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.memory_budget import parse_budget

@@ -85,7 +85,7 @@ def main():
 
 
 def _cpu():
-    from nanochat.cpu_features import cpu_summary
+    from nanochat.runtime.cpu_features import cpu_summary
     return cpu_summary()
 
 

@@ -203,7 +203,7 @@ def main(out_path):
     rank = dist.get_rank()
     torch.save({"resume": resume_check(rank), "golden": golden_check(rank)}, out_path)
     dist.barrier()
-    from nanochat.distributed import release_process_group
+    from nanochat.runtime.distributed import release_process_group
     release_process_group()  # the optimizers' gloo work objects freed now, not in the interpreter's exit
 
 

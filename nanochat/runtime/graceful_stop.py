@@ -8,7 +8,7 @@ import signal
 import sys
 
 from nanochat.common import print0
-from nanochat.distributed import any_rank
+from nanochat.runtime.distributed import any_rank
 
 
 class GracefulStop:

@@ -17,8 +17,8 @@ import time
 import torch
 
 from nanochat.common import print0
-from nanochat.cpu_features import cpu_bf16_kind, cpu_name
-from nanochat.device import synchronize
+from nanochat.runtime.cpu_features import cpu_bf16_kind, cpu_name
+from nanochat.runtime.device import synchronize
 
 
 def device_time(device):

@@ -10,7 +10,7 @@ import os
 import torch
 
 from nanochat.common import print0
-from nanochat.cpu_features import cpu_has_native_bf16
+from nanochat.runtime.cpu_features import cpu_has_native_bf16
 from nanochat.errors import SettingError, UserError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
