@@ -65,6 +65,14 @@ def add_shared(parser, *names):
     return add_settings(parser, {name: SHARED[name] for name in names})
 
 
+def add_shared_flag(parser, name, *aliases, **changes):
+    """The flag of the shared setting `name` as this script declares it: the setting with `changes` (its own help; only
+    where the script's differs on purpose, its own default: Setting.varied), and `aliases`, its other option strings,
+    before its name (chat_cli's -t --temperature; the first long one names the value). Returns the parser."""
+    parser.add_argument(*aliases, flag_name(name), **SHARED[name].varied(**changes).argparse_kwargs())
+    return parser
+
+
 def rl_parser(description="RL on GSM8K (or --task) with on-policy policy gradients"):
     """chat_rl's parser, built from RLConfig's fields: their defaults and help, in --help's groups (GROUPS)."""
     parser = ArgumentParser(description=description, formatter_class=DefaultsShown)

@@ -27,7 +27,7 @@ HELD_OUT_FRACTION = 0.05  # of the --input text, kept out of training to measure
 CHUNK_CHARS = 1 << 16  # the --input text reaches rustbpe in pieces of about this size, cut at newlines
 
 
-def parse_args(argv):
+def build_parser():
     p = ArgumentParser(description="Train the BPE tokenizer (rustbpe) and save it for nanochat")
     # what to learn
     p.add_argument("--vocab-size", type=int, default=2048,
@@ -40,8 +40,11 @@ def parse_args(argv):
     p.add_argument("--output-dir", type=str, default=None, help="default: $NANOCHAT_BASE_DIR/tokenizer")
     p.add_argument("--force", action="store_true",
                    help="overwrite an existing tokenizer (checkpoints trained with the old one become unusable)")
-    add_debug_flag(p)
-    args = p.parse_args(argv)
+    return add_debug_flag(p)
+
+
+def parse_args(argv):
+    args = build_parser().parse_args(argv)
     if args.max_chars < 1:
         raise UserError(f"--max-chars must be positive, got {args.max_chars}")
     return args

@@ -14,6 +14,7 @@ from nanochat.checkpoints.errors import CorruptCheckpointError, NoCheckpointsErr
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS, meta_path, model_path
 from nanochat.checkpoints.store import find_largest_model, find_last_step, list_steps, list_tags, load_checkpoint
 from nanochat.common import UserError, get_base_dir, print0
+from nanochat.engine.calculator import DEFAULT_FORMAT
 from nanochat.model.generations import detect_generation, summarize_keys, supported_generations
 from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.tokenizer import get_tokenizer
@@ -140,6 +141,6 @@ def load_model(source, device, phase, model_tag=None, step=None, generation=None
 
 def recorded_calculator_format(meta):
     """How the run that wrote a checkpoint had the calculator write its results (an RL run's --calculator-format,
-    in its meta's user_config), so that evaluating or chatting with it forces the same text; "str" (nanochat's) for
-    any other checkpoint."""
-    return (meta.get("user_config") or {}).get("calculator_format") or "str"
+    in its meta's user_config), so that evaluating or chatting with it forces the same text; nanochat's (DEFAULT_FORMAT)
+    for any other checkpoint."""
+    return (meta.get("user_config") or {}).get("calculator_format") or DEFAULT_FORMAT

@@ -48,7 +48,7 @@ class RunPlan:
     def as_given(cls, config):
         """The plan of a config whose values need no resolving (bench_rl's, built per configuration)."""
         given = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)}
-        return cls(**given | {"keep_last": config.keep_last or 0})
+        return cls(**given | {"keep_last": resolve_keep_last(config, meta={})})
 
     def recorded(self, config):
         """The run's settings as a checkpoint, wandb and the report record them: config's, in its order, with this
@@ -185,11 +185,14 @@ def resolve_memory(config, model, device, optimizers, rows, rollout_dtype, compi
     return rows, gb
 
 
+KEEP_ALL = 0  # --keep-last's "keep every checkpoint" (nanochat's): a new run's, where the flag is not given
+
+
 def resolve_keep_last(config, meta):
-    """--keep-last, where it is not given: a resumed run's own (`meta`: its step's), a new run's 0 (every checkpoint)."""
+    """--keep-last, where it is not given: a resumed run's own (`meta`: its step's), a new run's KEEP_ALL."""
     if config.keep_last is not None:
         return config.keep_last
-    return (meta.get("user_config", {}).get("keep_last") if config.resume else None) or 0
+    return (meta.get("user_config", {}).get("keep_last") if config.resume else None) or KEEP_ALL
 
 
 def describe_engine(engine, compiling, config, rows):

@@ -17,7 +17,9 @@ from nanochat.rl.advantages import QuestionBatch, make_question_batch
 
 @dataclass(frozen=True)
 class Sampling:
-    """How completions are sampled (nanochat's chat_rl defaults)."""
+    """How completions are sampled. The defaults are nanochat's, for its chat_rl rollouts and its eval alike: the one
+    source of chat_rl's --num-samples, the shared --max-new-tokens, --temperature and --top-k (nanochat/settings.py),
+    and of how the pass@k eval samples (nanochat/rl/evaluation.py)."""
     num_samples: int = 16         # completions per question
     max_new_tokens: int = 256     # completion length cap in tokens
     temperature: float = 1.0      # 0 = greedy
