@@ -16,14 +16,14 @@ import traceback
 
 from nanochat.checkpoints.errors import (CorruptCheckpointError, MissingMetaError, NoCheckpointsError, NoStepsError,
                                          RankLostError, UnknownStepError, UnknownTagError)
-from nanochat.runtime.distributed import cleanup_after_error, get_rank
-from nanochat.errors import SettingError, UserError
+from nanochat.compiling.functions import CompileFailed
 from nanochat.engine.cuda_graphs import GraphsNeedCudaError
 from nanochat.engine.memory_budget import NoMemoryForRolloutsError
-from nanochat.compiling.functions import CompileFailed
+from nanochat.errors import SettingError, UserError
 from nanochat.rl.config import GROUPS, RLConfig
 from nanochat.rl.resume import NoStartCheckpointError, ResumeError, RunExistsError
 from nanochat.rl.run import NonFiniteStepsError
+from nanochat.runtime.distributed import cleanup_after_error, get_rank
 from nanochat.settings import SHARED
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
 from nanochat.tokenizer import TokenizerError
@@ -64,6 +64,14 @@ def add_settings(parser, settings):
 
 def add_shared(parser, *names):
     return add_settings(parser, {name: SHARED[name] for name in names})
+
+
+def add_shared_flag(parser, name, *aliases, **changes):
+    """The flag of the shared setting `name` as this script declares it: the setting with `changes` (its own help; only
+    where the script's differs on purpose, its own default: Setting.varied), and `aliases`, its other option strings,
+    before its name (chat_cli's -t --temperature; the first long one names the value). Returns the parser."""
+    parser.add_argument(*aliases, flag_name(name), **SHARED[name].varied(**changes).argparse_kwargs())
+    return parser
 
 
 def rl_parser(description="RL on GSM8K (or --task) with on-policy policy gradients"):

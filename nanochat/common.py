@@ -1,5 +1,5 @@
 """
-Process-level plumbing every script starts with, under nanochat's own names: rank-0 printing, the base directory,
+Process-level plumbing every script starts with, under nanochat's own names: the base directory,
 picking the device and setting up the process group (compute_init / compute_cleanup own the device, the seeds, the
 matmul precision and the process group; everything else asks `torch.distributed.is_initialized()`), and a no-op
 wandb. What a rank asks of the group is nanochat.runtime.distributed; the errors a user can fix are nanochat.errors.
@@ -10,14 +10,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from nanochat.runtime.distributed import get_dist_info, get_rank, release_process_group
 from nanochat.errors import SettingError
-
-
-def print0(*args, **kwargs):
-    """print() on rank 0 only."""
-    if get_rank() == 0:
-        print(*args, **kwargs, flush=True)
+from nanochat.runtime.distributed import get_dist_info, release_process_group
 
 
 def get_base_dir():

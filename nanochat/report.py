@@ -19,8 +19,8 @@ import subprocess
 import torch
 
 from nanochat.common import get_base_dir
-from nanochat.runtime.distributed import get_rank
 from nanochat.files import atomic_write
+from nanochat.runtime.distributed import get_rank
 
 # sections in pipeline order; a section not listed here goes after these, alphabetically
 SECTION_ORDER = [

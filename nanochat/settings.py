@@ -3,18 +3,21 @@ The scripts' settings, each written once: its default, its help and how argparse
 setting's name is its flag's with underscores (device_type <- --device-type, nanochat.cli.flag_name).
 
 chat_rl's settings are a table in nanochat/rl/config.py, RLConfig's fields derived from it; the settings several
-scripts share are SHARED below, which that table and nanochat.cli's add_* helpers (chat_sft, chat_eval, bench_eval,
-chat_cli) both take. Checks that argparse cannot make are the config's (RLConfig's construction) or the function's
-that takes the value (a SettingError, shown under the flag's name).
+scripts share are SHARED below, which that table and nanochat.cli's add_* helpers (every other script) both take. No
+script declares a shared flag itself (tests/rl/test_one_source.py): where its help says more, or its default is its
+own (chat_cli's --temperature), it takes the setting varied (Setting.varied), the rest from SHARED. Where the library
+needs a default too (the sampling, the calculator's format, the memory budget), the setting takes the library's value.
+Checks that argparse cannot make are the config's (RLConfig's construction) or the function's that takes the value (a
+SettingError, shown under the flag's name).
 """
 
 import dataclasses
 from dataclasses import dataclass
 
-from nanochat.engine.calculator import CALCULATOR_FORMATS
+from nanochat.compiling.plan import COMPILE_MODES, SFT_CPU_MIN_STEPS
+from nanochat.engine.calculator import CALCULATOR_FORMATS, DEFAULT_FORMAT
 from nanochat.engine.cuda_graphs import DECODE_MODES
 from nanochat.engine.memory_budget import AUTO, FIXED_GB, FRACTION, parse_budget
-from nanochat.compiling.plan import COMPILE_MODES, SFT_CPU_MIN_STEPS
 from nanochat.model.generations import VE_ERA_WITH_NEW_META
 
 
@@ -29,16 +32,23 @@ class Setting:
     nargs: str = None     # with const: --resume alone means --resume=latest
     const: object = None
     group: str = None     # the heading chat_rl's --help shows it under
+    typed: bool = True    # False: no type= at all (argparse keeps the text), as bench_rl has always declared its flags
 
     def shown_in(self, group):
         return dataclasses.replace(self, group=group)
+
+    def varied(self, **changes):
+        """This setting as one script declares it: its own help (or group), and only where the script's differs on
+        purpose, its own default; everything not changed stays the shared setting's."""
+        return dataclasses.replace(self, **changes)
 
     def argparse_kwargs(self):
         """add_argument's keyword arguments for this setting."""
         if self.default is False:
             return {"action": "store_true", "help": self.help}
-        kwargs = {"type": self.type or (str if self.default is None else type(self.default)), "default": self.default,
-                  "help": self.help}
+        kwargs = {"default": self.default, "help": self.help}
+        if self.typed:
+            kwargs["type"] = self.type or (str if self.default is None else type(self.default))
         return kwargs | {k: v for k, v in (("choices", self.choices), ("nargs", self.nargs), ("const", self.const))
                          if v is not None}
 
@@ -54,10 +64,24 @@ def decode_setting(auto_note=""):
 
 # the settings several scripts share, by name
 SHARED = dict(
-    # chat_eval's and chat_cli's; chat_rl's own (default str, nanochat's) is in nanochat/rl/config.py
+    # chat_eval's and chat_cli's; chat_rl's varies its default to nanochat's DEFAULT_FORMAT (nanochat/rl/config.py)
     calculator_format=Setting(None, "how the calculator's result is written: str (nanochat: str(), 10/2 gives 5.0) or "
                                     "int (an integral float without its .0); default: the checkpoint's own (an RL "
-                                    "run's --calculator-format), else str", choices=CALCULATOR_FORMATS),
+                                    f"run's --calculator-format), else {DEFAULT_FORMAT}", choices=CALCULATOR_FORMATS),
+    # the checkpoint a script starts from or evaluates (chat_rl, chat_sft, chat_eval, bench_eval, chat_cli, bench_rl)
+    source=Setting("sft", "checkpoint family: base|mid|sft|rl"),
+    model_tag=Setting(None, "model tag (subdirectory) to load; default: the largest d<N>"),
+    model_step=Setting(None, "checkpoint step to load; default: the last one", type=int),
+    # the task chat_rl trains on and the evals measure (chat_sft's --tasks, a mixture, is its own)
+    task=Setting("gsm8k", "gsm8k, arithmetic, or package.module:ClassName"),
+    # how completions are sampled: nanochat's, for chat_rl's rollouts and for every eval (nanochat.rl.rollout.Sampling's
+    # defaults; chat_rl's periodic eval keeps them whatever its flags, nanochat/rl/evaluation.py), and the evals' seeds
+    max_new_tokens=Setting(256, "completion length cap in tokens"),
+    temperature=Setting(1.0, "sampling temperature (0 = greedy)"),
+    top_k=Setting(50, "top-k sampling (0 = whole vocabulary)"),
+    seed=Setting(0, "base sampling seed (question i uses seed + i)"),
+    # the engine's cap on the rows decoded at once (0: none, the memory budget alone decides)
+    max_rows=Setting(0, "max rows decoded together in one rollout batch (0 = as many as --memory-budget-gb allows)"),
     run=Setting("dummy", "wandb run name ('dummy' disables wandb)"),
     device_type=Setting("", "cuda|cpu|mps (empty = autodetect)"),
     dtype=Setting(None, "auto|float32|bfloat16 compute dtype (autocast; chat_rl also float16, with dynamic loss "

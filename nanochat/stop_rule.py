@@ -20,11 +20,9 @@ test split belongs to the evaluations that come after the run, and training leav
 
 from dataclasses import dataclass, field
 
-from nanochat.runtime.distributed import rank_and_world, rank_share
 from nanochat.errors import SettingError, UserError
-from nanochat.rl.evaluation import aggregate_pass_at_k, sample_outcomes
-
-TEMPERATURE, TOP_K = 1.0, 50  # as chat_rl's eval
+from nanochat.rl.evaluation import EVAL_TEMPERATURE, EVAL_TOP_K, aggregate_pass_at_k, sample_outcomes
+from nanochat.runtime.distributed import rank_and_world, rank_share
 
 
 class MissedBandError(UserError):
@@ -120,7 +118,7 @@ def measure_pass1(engine, task, indices, num_samples, max_new_tokens, autocast, 
     try:
         with autocast:
             outcomes = sample_outcomes(engine, task, mine, num_samples, max_new_tokens,
-                                       TEMPERATURE, TOP_K, seed=seed) if mine else []
+                                       EVAL_TEMPERATURE, EVAL_TOP_K, seed=seed) if mine else []
     finally:
         model.train(was_training)
     return aggregate_pass_at_k(outcomes, num_samples, device=reduce_device).unbiased[0]

@@ -8,8 +8,8 @@ WANDB_MODE=disabled turns every call into a no-op. WANDB_SILENT=true quiets its 
 """
 
 from nanochat.common import DummyWandb
-from nanochat.runtime.distributed import get_rank
 from nanochat.errors import UserError
+from nanochat.runtime.distributed import get_rank
 
 SAMPLE_COLUMNS = ["step", "question", "completion", "reward"]
 

@@ -24,39 +24,49 @@ import torch
 from nanochat.checkpoints.background import BackgroundSaver
 from nanochat.checkpoints.store import save_checkpoint
 from nanochat.cli import ArgumentParser, add_debug_flag, add_shared, run_main
-from nanochat.common import autodetect_device_type, print0
-from nanochat.runtime.device import synchronize
+from nanochat.common import autodetect_device_type
 from nanochat.errors import UserError
 from nanochat.files import atomic_write
 from nanochat.model.gpt import build_fresh_model
+from nanochat.rl.config import SETTINGS
 from nanochat.rl.progress import is_eval_step, is_save_step
+from nanochat.runtime.device import synchronize
+from nanochat.runtime.distributed import print0
+from nanochat.settings import SHARED
 
 GSM8K_TRAIN = 7473  # questions: nanochat's epoch is 7473 // 16 = 467 steps
+RL = {name: setting.default for name, setting in SETTINGS.items()}  # chat_rl's defaults: the epoch this one estimates
 
 
-def parse_args(argv):
+def build_parser():
     p = ArgumentParser(description="Estimate a chat_rl epoch from a bench_rl step and timed saves")
     p.add_argument("--bench", type=str, default=None, help="bench_rl's JSON; its last config's step (or --config)")
     p.add_argument("--config", type=str, default=None, help="which of the bench's configs is the run's step")
     p.add_argument("--depth", type=int, default=None, help="model depth for the saves (default: the bench's model)")
     p.add_argument("--vocab-size", type=int, default=None, help="its vocabulary (default: the bench's)")
     add_shared(p, "device_type")
-    p.add_argument("--steps", type=int, default=GSM8K_TRAIN // 16, help="steps of the epoch (nanochat: 467)")
-    p.add_argument("--eval-every", type=int, default=60, help="chat_rl's --eval-every")
-    p.add_argument("--save-every", type=int, default=60, help="chat_rl's --save-every")
-    p.add_argument("--eval-rows", type=int, default=400 * 8, help="rows of an eval (--eval-examples x device batch)")
+    epoch = GSM8K_TRAIN // RL["examples_per_step"]
+    p.add_argument("--steps", type=int, default=epoch, help=f"steps of the epoch (nanochat: {epoch})")
+    p.add_argument("--eval-every", type=int, default=RL["eval_every"], help="chat_rl's --eval-every")
+    p.add_argument("--save-every", type=int, default=RL["save_every"], help="chat_rl's --save-every")
+    p.add_argument("--eval-rows", type=int, default=RL["eval_examples"] * RL["device_batch_size"],
+                   help="rows of an eval (--eval-examples x device batch)")
     p.add_argument("--overlap-seconds", type=float, default=None,
                    help="work between a save's start and its commit (default: the bench's rollout seconds)")
     p.add_argument("--output", type=str, default="bench_epoch.json", help="where to write the numbers as JSON")
     add_debug_flag(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    return build_parser().parse_args(argv)
 
 
 def model_with_optimizer_state(depth, vocab_size, device):
     """A random d<depth> model and its 2026-01 optimizers after one step: the tensors a chat_rl save writes."""
     model = build_fresh_model(depth, 256, vocab_size, device)
-    optimizers = model.setup_optimizers(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,
-                                        recipe="2026-01")
+    optimizers = model.setup_optimizers(**{name: SHARED[name].default for name in (
+        "unembedding_lr", "embedding_lr", "matrix_lr", "weight_decay", "recipe")})  # chat_rl's: its state's tensors
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     for opt in optimizers:

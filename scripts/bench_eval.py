@@ -15,17 +15,19 @@ import time
 
 from nanochat.checkpoints.loading import load_model
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
-                          add_shared, run_main)
-from nanochat.common import compute_init, print0
-from nanochat.runtime.device import synchronize
-from nanochat.runtime.dtypes import autocast_context, compute_dtype, requested_dtype
-from nanochat.errors import UserError
+                          add_shared, add_shared_flag, run_main)
+from nanochat.common import compute_init
+from nanochat.compiling.plan import compile_models, resolve_compile_flag
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch
 from nanochat.engine.engine import Engine
 from nanochat.engine.memory_budget import resolve_memory_budget
-from nanochat.compiling.plan import compile_models, resolve_compile_flag
-from nanochat.rl.evaluation import evaluate_pass_at_k
+from nanochat.errors import UserError
+from nanochat.rl.config import SETTINGS
+from nanochat.rl.evaluation import EVAL_MAX_NEW_TOKENS, evaluate_pass_at_k
+from nanochat.runtime.device import synchronize
+from nanochat.runtime.distributed import print0
+from nanochat.runtime.dtypes import autocast_context, compute_dtype, requested_dtype
 from tasks.registry import make_task
 
 WAYS = {"batched": PREFILL_TOKENS, "one_by_one": 1}  # positions a prefill forward takes at most
@@ -45,22 +47,28 @@ def timed_prefills(device, seconds):
     return timed
 
 
-def parse_args(argv):
+def build_parser():
     p = ArgumentParser(description="Seconds of a pass@k eval, prompts prefilled together and one at a time")
-    p.add_argument("--source", type=str, default="sft", help="checkpoint family: base|mid|sft|rl")
-    p.add_argument("--task", type=str, default="gsm8k", help="gsm8k, arithmetic, or package.module:ClassName")
-    p.add_argument("--eval-examples", type=int, default=400, help="test questions (chat_rl's --eval-examples)")
-    p.add_argument("--num-samples", type=int, default=8, help="samples per question (chat_rl: --device-batch-size)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="completion length cap (chat_rl's eval: 256)")
+    add_shared(p, "source", "task")
+    # the eval chat_rl runs by default (its --eval-examples questions, --device-batch-size samples each)
+    p.add_argument("--eval-examples", type=int, default=SETTINGS["eval_examples"].default,
+                   help="test questions (chat_rl's --eval-examples)")
+    p.add_argument("--num-samples", type=int, default=SETTINGS["device_batch_size"].default,
+                   help="samples per question (chat_rl: --device-batch-size)")
+    add_shared_flag(p, "max_new_tokens", help=f"completion length cap (chat_rl's eval: {EVAL_MAX_NEW_TOKENS})")
     p.add_argument("--repeats", type=int, default=2, help="evals timed each way, alternately")
     add_shared(p, "device_type")
-    p.add_argument("--dtype", type=str, default=None, help="auto|float32|bfloat16 (default: $NANOCHAT_DTYPE, else auto)")
+    add_shared_flag(p, "dtype", help="auto|float32|bfloat16 (default: $NANOCHAT_DTYPE, else auto)")
     add_memory_budget_flag(p)
     add_decode_flag(p)
     add_compile_flag(p)
     p.add_argument("--output", type=str, default="bench_eval.json", help="where to write the numbers as JSON")
     add_debug_flag(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    return build_parser().parse_args(argv)
 
 
 def main(argv):

@@ -22,21 +22,18 @@ from typing import Optional
 
 import torch
 
-from nanochat.cli import ArgumentParser, flag_name, parse_rl_args, run_main
-from nanochat.common import compute_cleanup, compute_init, get_base_dir, print0
-from nanochat.runtime.cpu_features import cpu_has_native_bf16
-from nanochat.runtime.distributed import get_dist_info
-from nanochat.runtime.dtypes import autocast_context, dtype_name
-from nanochat.errors import require
-from nanochat.diagnostics import compiled_step_graphs, compiled_step_kernels, count_decode_step_ops, d20_train_step_kernels
+from nanochat.cli import ArgumentParser, add_shared_flag, flag_name, parse_rl_args, run_main
+from nanochat.common import compute_cleanup, compute_init, get_base_dir
+from nanochat.compiling.plan import compile_block_regions, compile_plan
+from nanochat.diagnostics import (compiled_step_graphs, compiled_step_kernels, count_decode_step_ops,
+                                  d20_train_step_kernels)
 from nanochat.diagnostics.early_stop import EarlyStopModel
 from nanochat.engine.decode_weights import matmul_modules
 from nanochat.engine.engine import Engine
 from nanochat.engine.flex_prompt_attention import flex_compile_state
 from nanochat.engine.kv_cache import cache_geometry
+from nanochat.errors import require
 from nanochat.files import atomic_write
-from nanochat.runtime.machine import PeakMemory, device_time, load_average, measure_machine, profile_phases
-from nanochat.compiling.plan import compile_block_regions, compile_plan
 from nanochat.model.flops import matmul_flops_per_token, rollout_flops, train_flops
 from nanochat.model.gpt import GPT, build_fresh_model
 from nanochat.report import text_table
@@ -46,6 +43,10 @@ from nanochat.rl.plan import RunPlan, resolve_memory, train_rows
 from nanochat.rl.policy_gradient import accumulate_policy_gradient
 from nanochat.rl.rollout import QuestionRollout, StepRollouts, longest_prompt, step_question_indices
 from nanochat.rl.run import build_run, make_optimizers, sample_rollouts
+from nanochat.runtime.cpu_features import cpu_has_native_bf16
+from nanochat.runtime.distributed import get_dist_info, print0
+from nanochat.runtime.dtypes import autocast_context, dtype_name
+from nanochat.runtime.machine import PeakMemory, device_time, load_average, measure_machine, profile_phases
 from nanochat.tokenizer import Tokenizer
 from tasks.gsm8k import GSM8K
 from tasks.registry import make_task
@@ -85,17 +86,18 @@ PER_CONFIG = {"dtype": None, "rollout_dtype": "auto", "decode": "auto"}  # chat_
 ENGINE_WORK = ("prefill_tokens", "decode_forwards", "row_steps", "kv_positions_read")  # Engine.last_stats, summed
 
 
-def parse_args(argv):
-    """The benchmark's flags, and chat_rl's (every other flag, nanochat.cli.rl_parser's) as args.rl: an RLConfig."""
+def build_parser():
+    """The benchmark's own flags (every other flag is chat_rl's: parse_args)."""
     p = ArgumentParser(description="Benchmark one chat_rl step, several ways", epilog="Every other flag is chat_rl's (--task, "
                        "--examples-per-step, --num-samples, ...: its --help) but --dtype, --rollout-dtype, --decode: per config.")
     add = p.add_argument
     add("--configs", default="", help=f"comma-separated subset of {', '.join(CONFIGS)} (empty: all that run at speed here)")
     add("--output", default="bench_rl.json", help="where to write every number as JSON")
-    add("--source", default="", help="empty: a random-init model of --depth; sft|rl: load that checkpoint")
-    add("--model-tag", help="with --source: model tag to load (default: the largest d<N>)")
-    add("--model-step", type=int, help="with --source: checkpoint step (default: the last one)")
-    add("--seed", type=int, default=42, help="seed of the random-init model")
+    add_shared_flag(p, "source", default="", typed=False, help="empty: a random-init model of --depth; sft|rl: load that "
+                                                               "checkpoint")
+    add_shared_flag(p, "model_tag", typed=False, help="with --source: model tag to load (default: the largest d<N>)")
+    add_shared_flag(p, "model_step", help="with --source: checkpoint step (default: the last one)")
+    add_shared_flag(p, "seed", default=42, help="seed of the random-init model")
     add("--depth", type=int, default=4, help="layers of the random-init model (width 64 * depth, heads of 64)")
     add("--vocab-size", type=int, default=8192, help="its vocabulary ($NANOCHAT_BASE_DIR/tokenizer's, or a GSM8K BPE's)")
     add("--sequence-len", type=int, default=1024, help="its context length")
@@ -108,7 +110,12 @@ def parse_args(argv):
     add("--peak-matmul-size", type=int, default=2048, help="n of the n x n matmul timed for the FLOP/s peak")
     add("--profile", default="", choices=("",) + tuple(CONFIGS), metavar="CONFIG", help="then profile a step of CONFIG (after one unprofiled)")
     add("--profile-rows", type=int, default=25, help="rows of each profile table")
-    args, rest = p.parse_known_args(argv)
+    return p
+
+
+def parse_args(argv):
+    """The benchmark's flags, and chat_rl's (every other flag, nanochat.cli.rl_parser's) as args.rl: an RLConfig."""
+    args, rest = build_parser().parse_known_args(argv)
     flags = parse_rl_args(rest)
     given = [flag_name(name) for name, default in PER_CONFIG.items() if getattr(flags, name) != default]
     require(not given, f"{', '.join(given)}: bench_rl sets them per configuration (choose those with --configs)")

@@ -24,15 +24,17 @@ import os
 import sys
 from collections import namedtuple
 
-from nanochat.checkpoints.loading import load_model, recorded_calculator_format
-from nanochat.cli import ArgumentParser, add_debug_flag, add_model_generation_flag, add_shared, run_main
+from nanochat.checkpoints.loading import load_model
+from nanochat.cli import (ArgumentParser, add_debug_flag, add_model_generation_flag, add_shared, add_shared_flag,
+                          run_main)
 from nanochat.common import compute_cleanup, compute_init
-from nanochat.runtime.distributed import get_dist_info
-from nanochat.runtime.dtypes import autocast_context, compute_dtype, requested_dtype
-from nanochat.errors import UserError
+from nanochat.engine.calculator import recorded_calculator_format
 from nanochat.engine.engine import Engine
 from nanochat.engine.rows import SpecialIds
+from nanochat.errors import UserError
 from nanochat.model.gpt import ROTARY_OVERSIZE
+from nanochat.runtime.distributed import get_dist_info
+from nanochat.runtime.dtypes import autocast_context, compute_dtype, requested_dtype
 
 BANNER = ("NanoChat interactive mode\n" + "-" * 50 + "\n"
           "Type 'quit' or 'exit' (or Ctrl-D) to end the conversation\n"
@@ -42,25 +44,28 @@ BANNER = ("NanoChat interactive mode\n" + "-" * 50 + "\n"
 CYAN, GREEN, RESET = "\033[36m", "\033[32m", "\033[0m"
 
 
-def parse_args(argv):
+def build_parser():
     p = ArgumentParser(description="Chat with a model in the terminal")
-    # model
-    p.add_argument("-i", "--source", type=str, default="sft", help="checkpoint family: sft|mid|rl")
-    p.add_argument("-g", "--model-tag", type=str, default=None, help="model tag; default: the largest d<N>")
-    p.add_argument("-s", "--step", "--model-step", dest="step", type=int, default=None,
-                   help="checkpoint step; default: the last one")
+    # model (nanochat's short flags; the step is args.step, as in nanochat)
+    add_shared_flag(p, "source", "-i", help="checkpoint family: sft|mid|rl")
+    add_shared_flag(p, "model_tag", "-g", help="model tag; default: the largest d<N>")
+    add_shared_flag(p, "model_step", "-s", "--step", help="checkpoint step; default: the last one")
     add_model_generation_flag(p)
-    # chat
+    # chat: chat_cli's own temperature and seed (T=0.6 as nanochat's chat_cli; the evals sample at the shared T=1)
     p.add_argument("-p", "--prompt", type=str, default="", help="answer this one question, print the answer and exit")
-    p.add_argument("-t", "--temperature", type=float, default=0.6, help="sampling temperature (0 = greedy)")
-    p.add_argument("-k", "--top-k", type=int, default=50, help="top-k sampling (0 = whole vocabulary)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap in tokens")
-    p.add_argument("--seed", type=int, default=42, help="sampling seed; the session's t-th answer uses seed + t")
+    add_shared_flag(p, "temperature", "-t", default=0.6)
+    add_shared_flag(p, "top_k", "-k")
+    add_shared_flag(p, "max_new_tokens", help="answer length cap in tokens")
+    add_shared_flag(p, "seed", default=42, help="sampling seed; the session's t-th answer uses seed + t")
     # runtime
     add_shared(p, "device_type", "calculator_format")
-    p.add_argument("-d", "--dtype", type=str, default=None, help="float32|bfloat16; default: $NANOCHAT_DTYPE, else bfloat16")
+    add_shared_flag(p, "dtype", "-d", help="float32|bfloat16; default: $NANOCHAT_DTYPE, else bfloat16")
     add_debug_flag(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    return build_parser().parse_args(argv)
 
 
 def validate_args(args):

@@ -16,51 +16,57 @@ import json
 import os
 import time
 
-from nanochat.checkpoints.loading import load_model, recorded_calculator_format
+from nanochat.checkpoints.loading import load_model
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
-                          add_model_generation_flag, add_shared, run_main)
-from nanochat.common import compute_cleanup, compute_init, get_base_dir, print0
-from nanochat.runtime.distributed import collective_device, wait_for_all_ranks
-from nanochat.runtime.dtypes import autocast_context, compute_dtype, requested_dtype
-from nanochat.errors import UserError
+                          add_model_generation_flag, add_shared, add_shared_flag, run_main)
+from nanochat.common import compute_cleanup, compute_init, get_base_dir
+from nanochat.compiling.functions import CompileClock
+from nanochat.compiling.plan import compile_models, resolve_compile_flag
+from nanochat.engine.calculator import recorded_calculator_format
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.engine import Engine
 from nanochat.engine.memory_budget import resolve_memory_budget
-from nanochat.compiling.functions import CompileClock
-from nanochat.compiling.plan import compile_models, resolve_compile_flag
+from nanochat.errors import UserError
 from nanochat.rl.evaluation import evaluate_pass_at_k
 from nanochat.rl.metrics import reduce_metrics
+from nanochat.runtime.distributed import collective_device, print0, wait_for_all_ranks
+from nanochat.runtime.dtypes import autocast_context, compute_dtype, requested_dtype
+from nanochat.settings import SHARED
 from tasks.registry import make_task
 
 
-def parse_args(argv):
+def build_parser():
     p = ArgumentParser(description="pass@k of a chat checkpoint on a task's test split")
     # model
-    p.add_argument("--source", type=str, default="sft", help="checkpoint family: base|mid|sft|rl")
-    p.add_argument("--model-tag", type=str, default=None, help="model tag; default: the largest d<N>")
-    p.add_argument("--model-step", type=int, default=None, help="checkpoint step; default: the last one")
+    add_shared(p, "source")
+    add_shared_flag(p, "model_tag", help="model tag; default: the largest d<N>")
+    add_shared_flag(p, "model_step", help="checkpoint step; default: the last one")
     add_model_generation_flag(p)
     # task
-    p.add_argument("--task", type=str, default="gsm8k", help="gsm8k, arithmetic, or package.module:ClassName; several, "
-                   "comma-separated, are evaluated in turn (the JSON then holds {\"tasks\": [one result each]})")
+    add_shared_flag(p, "task", help=f"{SHARED['task'].help}; several, comma-separated, are evaluated in turn (the JSON "
+                                    f"then holds {{\"tasks\": [one result each]}})")
     p.add_argument("--num-examples", type=int, default=-1, help="test questions to use (-1 = all)")
-    # sampling
+    # sampling: chat_rl's eval's by default (nanochat/rl/evaluation.py)
     p.add_argument("--num-samples", type=int, default=8, help="samples per question for pass@k")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="completion length cap in tokens")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for pass@k")
-    p.add_argument("--top-k", type=int, default=50, help="top-k for pass@k sampling (0 = disabled)")
-    p.add_argument("--max-rows", type=int, default=0, help="max rows per rollout batch (0 = from the memory budget)")
+    add_shared(p, "max_new_tokens")
+    add_shared_flag(p, "temperature", help="sampling temperature for pass@k")
+    add_shared_flag(p, "top_k", help="top-k for pass@k sampling (0 = disabled)")
+    add_shared_flag(p, "max_rows", help="max rows per rollout batch (0 = from the memory budget)")
     add_memory_budget_flag(p)
     add_decode_flag(p)
     add_compile_flag(p)
     # runtime and output
     add_shared(p, "device_type", "calculator_format")
-    p.add_argument("--dtype", type=str, default=None,
-                   help="auto|float32|bfloat16; default: $NANOCHAT_DTYPE, else auto (bfloat16 where it is native)")
+    add_shared_flag(p, "dtype", help="auto|float32|bfloat16; default: $NANOCHAT_DTYPE, else auto (bfloat16 where it is "
+                                     "native)")
     p.add_argument("--output", type=str, default="", help="JSON output path (default: $NANOCHAT_BASE_DIR/report/chat_eval_<source>.json)")
-    p.add_argument("--seed", type=int, default=0, help="base sampling seed (question i uses seed + i)")
+    add_shared(p, "seed")
     add_debug_flag(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    return build_parser().parse_args(argv)
 
 
 def validate_args(args):

@@ -27,9 +27,7 @@ import sys
 import time
 
 from nanochat.cli import parse_rl_args, run_main
-from nanochat.common import compute_cleanup, compute_init, print0
-from nanochat.runtime.distributed import get_dist_info, wait_for_all_ranks
-from nanochat.runtime.graceful_stop import GracefulStop
+from nanochat.common import compute_cleanup, compute_init
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.report import get_report, log_chat_rl
 from nanochat.rl.config import RLConfig
@@ -38,6 +36,8 @@ from nanochat.rl.metrics import reduce_metrics
 from nanochat.rl.progress import is_eval_step, is_save_step, no_signal_settings, report_step, sample_table
 from nanochat.rl.resume import restore_settings
 from nanochat.rl.run import auto_compile_step, meta_data, setup_run
+from nanochat.runtime.distributed import get_dist_info, print0, wait_for_all_ranks
+from nanochat.runtime.graceful_stop import GracefulStop
 from nanochat.wandb_utils import init_wandb, log_samples_table
 
 
@@ -47,9 +47,10 @@ def evaluate(run, step):
     run.model.eval()
     t0 = time.time()
     with run.autocast(rollouts=True):
+        # sampled as nanochat's eval samples (nanochat/rl/evaluation.py), whatever the rollouts' flags
         passk, *extra = [evaluate_pass_at_k(run.engine, task, run.config.eval_examples, run.config.device_batch_size,
-                                            max_new_tokens=256, temperature=1.0, top_k=50, device=run.reduce_device,
-                                            seed=0)[0] for task in [run.val_task] + [t for _, t in run.extra_eval_tasks]]
+                                            device=run.reduce_device)[0]
+                         for task in [run.val_task] + [t for _, t in run.extra_eval_tasks]]
     t_eval = time.time() - t0
     # what compiled since the last step line is the eval's own (its batch's shapes): said here, not in the next step's
     # line, and left out of the ETA, which counts what every later eval costs

@@ -40,17 +40,19 @@ import torch
 from nanochat.checkpoints.loading import load_model
 from nanochat.checkpoints.store import list_steps, save_checkpoint
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_model_generation_flag,
-                          add_optimizer_flags, add_runtime_flags, run_main)
-from nanochat.common import compute_cleanup, compute_init, get_base_dir, print0
-from nanochat.runtime.distributed import all_reduce_mean, collective_device, get_dist_info, rank_share, wait_for_all_ranks
-from nanochat.runtime.dtypes import autocast_context, compute_dtype, dtype_name, requested_dtype
-from nanochat.errors import UserError, require
-from nanochat.engine.cuda_graphs import decode_mode
-from nanochat.engine.engine import Engine
+                          add_optimizer_flags, add_runtime_flags, add_shared, add_shared_flag, run_main)
+from nanochat.common import compute_cleanup, compute_init, get_base_dir
 from nanochat.compiling.functions import CompileClock, maybe_compiled
 from nanochat.compiling.plan import SFT_CPU_MIN_STEPS, compile_models, resolve_compile_flag
+from nanochat.engine.cuda_graphs import decode_mode
+from nanochat.engine.engine import Engine
+from nanochat.errors import UserError, require
 from nanochat.model.gpt import HEAD_DIM, build_fresh_model
 from nanochat.optim.optimizers import check_optimizer_flags, guarded_step, lr_multiplier, scale_initial_lr
+from nanochat.rl.evaluation import EVAL_TEMPERATURE, EVAL_TOP_K
+from nanochat.runtime.distributed import (all_reduce_mean, collective_device, get_dist_info, print0, rank_share,
+                                          wait_for_all_ranks)
+from nanochat.runtime.dtypes import autocast_context, compute_dtype, dtype_name, requested_dtype
 from nanochat.sft import (accumulate_gradient, count_targets, loss_sums, make_micro_batches, mixture_order,
                           rank_positions, summed_cross_entropy)
 from nanochat.stop_rule import MissedBandError, PassBand, held_out_indices, measure_pass1, parse_band
@@ -68,16 +70,15 @@ STOP_CHECK_DEFAULTS = {"stop_check_every": 10, "stop_check_questions": 64, "stop
                        "stop_check_max_tokens": 256}
 
 
-def parse_args(argv):
+def build_parser():
     p = ArgumentParser(description="Supervised finetuning on a mixture of chat tasks")
     # logging and runtime
     add_runtime_flags(p)
     add_compile_flag(p)
-    p.add_argument("--seed", type=int, default=42, help="seed for the model init and the example order")
-    # model to start from
-    p.add_argument("--source", type=str, default="mid", help="checkpoint family to finetune: base|mid|sft (unused with --depth)")
-    p.add_argument("--model-tag", type=str, default=None, help="model tag (subdirectory) to load; default: the largest d<N>")
-    p.add_argument("--model-step", type=int, default=None, help="checkpoint step to load; default: the last one")
+    add_shared_flag(p, "seed", default=42, help="seed for the model init and the example order")
+    # model to start from (nanochat's SFT finetunes the midtrained model)
+    add_shared_flag(p, "source", default="mid", help="checkpoint family to finetune: base|mid|sft (unused with --depth)")
+    add_shared(p, "model_tag", "model_step")
     add_model_generation_flag(p)
     p.add_argument("--depth", type=int, default=0,
                    help=f"> 0: train a fresh model with this many layers, width {HEAD_DIM}*depth, heads of {HEAD_DIM} "
@@ -118,12 +119,16 @@ def parse_args(argv):
                    help=f"held-out questions: the last ones of the first task's train split, left out of training "
                         f"(default {STOP_CHECK_DEFAULTS['stop_check_questions']})")
     p.add_argument("--stop-check-samples", type=int, default=None,
-                   help=f"samples per held-out question, at T=1 and top-k 50 "
+                   help=f"samples per held-out question, at T={EVAL_TEMPERATURE:g} and top-k {EVAL_TOP_K} "
                         f"(default {STOP_CHECK_DEFAULTS['stop_check_samples']})")
     p.add_argument("--stop-check-max-tokens", type=int, default=None,
                    help=f"cap on a held-out sample's length in tokens (default {STOP_CHECK_DEFAULTS['stop_check_max_tokens']})")
     add_debug_flag(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    return build_parser().parse_args(argv)
 
 
 def parse_task_names(spec):

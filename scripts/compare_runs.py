@@ -36,13 +36,17 @@ PANELS = [  # (title, y label)
 IGNORED_FLAGS = {"run", "resume", "overwrite", "debug", "output_tag", "device_type", "max_rows", "memory_budget_gb"}
 
 
-def parse_args(argv):
+def build_parser():
     p = ArgumentParser(description="plot and tabulate several chat_rl runs on shared axes")
     p.add_argument("runs", nargs="+", help="chat_rl run directories (chatrl_checkpoints/<tag>)")
     p.add_argument("--output", type=str, default="compare_runs.png", help="the PNG to write")
     p.add_argument("--smooth", type=int, default=10, help="trailing-mean window (steps) for reward, length and entropy")
     add_debug_flag(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    return build_parser().parse_args(argv)
 
 
 def load_run(run_dir):

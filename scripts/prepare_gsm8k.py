@@ -26,7 +26,7 @@ OFFLINE_FIX = ("point NANOCHAT_GSM8K_DIR (or --from) at a directory holding GSM8
 HUB_SIZES = {("main", "train"): 7473, ("main", "test"): 1319, ("socratic", "train"): 7473, ("socratic", "test"): 1319}
 
 
-def parse_args(argv):
+def build_parser():
     p = ArgumentParser(description="Copy or download GSM8K into $NANOCHAT_BASE_DIR/data/gsm8k")
     p.add_argument("--from", dest="source", type=str, default=os.environ.get("NANOCHAT_GSM8K_DIR") or None,
                    help="directory holding train.jsonl and test.jsonl to copy (default: $NANOCHAT_GSM8K_DIR, as "
@@ -36,7 +36,11 @@ def parse_args(argv):
     p.add_argument("--output-dir", type=str, default=None,
                    help="where to write (default: $NANOCHAT_BASE_DIR/data/gsm8k)")
     add_debug_flag(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    return build_parser().parse_args(argv)
 
 
 def write_jsonl(path, rows):

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from nanochat.cli import ArgumentParser, add_debug_flag, run_main
+from nanochat.cli import ArgumentParser, add_debug_flag, add_shared_flag, run_main
 from nanochat.common import get_base_dir
 from nanochat.errors import UserError
 
@@ -37,18 +37,22 @@ VARIANTS = {
 }
 
 
-def parse_args(argv):
+def build_parser():
     p = ArgumentParser(description="chat_rl with nanochat's defaults and algorithm variants, then compare_runs")
     p.add_argument("--variants", type=str, default=",".join(VARIANTS),
                    help=f"comma-separated names among {', '.join(VARIANTS)}")
     p.add_argument("--steps", type=int, default=50, help="RL steps per run")
     p.add_argument("--eval-every", type=int, default=25, help="pass@1 eval period (also step 0 and the last step)")
     p.add_argument("--eval-examples", type=int, default=200, help="held-out questions per eval")
-    p.add_argument("--device-type", type=str, default="cpu", help="cuda|cpu|mps")
+    add_shared_flag(p, "device_type", default="cpu", help="cuda|cpu|mps")  # small runs, meant for a CPU
     p.add_argument("--output", type=str, default=None,
                    help="the comparison PNG; default $NANOCHAT_BASE_DIR/report/rl_variants.png")
     add_debug_flag(p)  # passed on to the chat_rl runs
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    return build_parser().parse_args(argv)
 
 
 def main(argv):

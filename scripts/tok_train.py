@@ -20,15 +20,16 @@ import os
 import time
 
 from nanochat.cli import ArgumentParser, add_debug_flag, error_line, run_main
-from nanochat.common import get_base_dir, print0
+from nanochat.common import get_base_dir
 from nanochat.errors import UserError
+from nanochat.runtime.distributed import print0
 from nanochat.tokenizer import Tokenizer
 
 HELD_OUT_FRACTION = 0.05  # of the --input text, kept out of training to measure compression
 CHUNK_CHARS = 1 << 16  # the --input text reaches rustbpe in pieces of about this size, cut at newlines
 
 
-def parse_args(argv):
+def build_parser():
     p = ArgumentParser(description="Train the BPE tokenizer (rustbpe) and save it for nanochat")
     # what to learn
     p.add_argument("--vocab-size", type=int, default=2048,
@@ -41,8 +42,11 @@ def parse_args(argv):
     p.add_argument("--output-dir", type=str, default=None, help="default: $NANOCHAT_BASE_DIR/tokenizer")
     p.add_argument("--force", action="store_true",
                    help="overwrite an existing tokenizer (checkpoints trained with the old one become unusable)")
-    add_debug_flag(p)
-    args = p.parse_args(argv)
+    return add_debug_flag(p)
+
+
+def parse_args(argv):
+    args = build_parser().parse_args(argv)
     if args.max_chars < 1:
         raise UserError(f"--max-chars must be positive, got {args.max_chars}")
     return args

@@ -36,8 +36,8 @@ import hashlib
 import random
 import re
 
-from nanochat.errors import UserError
 from nanochat.engine.calculator import format_result, use_calculator
+from nanochat.errors import UserError
 from tasks.common import FinalAnswerTask
 
 SPLITS = ("train", "test")

@@ -17,7 +17,7 @@ import contextlib
 from nanochat.checkpoints.background import BackgroundSaver
 from nanochat.checkpoints.pruning import prune_checkpoints, remove_extra_shards
 from nanochat.checkpoints.store import update_meta
-from nanochat.common import print0
+from nanochat.runtime.distributed import print0
 
 
 class Checkpointer:

@@ -13,10 +13,11 @@ import torch
 from nanochat.checkpoints.errors import CorruptCheckpointError, NoCheckpointsError, UnknownStepError, UnknownTagError
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS, meta_path, model_path
 from nanochat.checkpoints.store import find_largest_model, find_last_step, list_steps, list_tags, load_checkpoint
-from nanochat.common import get_base_dir, print0
+from nanochat.common import get_base_dir
 from nanochat.errors import UserError
 from nanochat.model.generations import detect_generation, summarize_keys, supported_generations
 from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.runtime.distributed import print0
 from nanochat.tokenizer import get_tokenizer
 
 
@@ -137,10 +138,3 @@ def load_model(source, device, phase, model_tag=None, step=None, generation=None
     checkpoint_dir, _, step = find_checkpoint(source, model_tag, step)
     print0(f"Loading model from {checkpoint_dir} with step {step}")
     return build_model(checkpoint_dir, step, device, phase, generation)
-
-
-def recorded_calculator_format(meta):
-    """How the run that wrote a checkpoint had the calculator write its results (an RL run's --calculator-format,
-    in its meta's user_config), so that evaluating or chatting with it forces the same text; "str" (nanochat's) for
-    any other checkpoint."""
-    return (meta.get("user_config") or {}).get("calculator_format") or "str"

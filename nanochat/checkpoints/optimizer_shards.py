@@ -23,10 +23,10 @@ import torch.distributed as dist
 from nanochat.checkpoints.errors import CheckpointError
 from nanochat.checkpoints.layout import optim_path
 from nanochat.checkpoints.store import first_failure, torch_load_checked
-from nanochat.runtime.distributed import get_rank
 from nanochat.errors import UserError
 from nanochat.optim.adamw import is_sharded
 from nanochat.optim.muon import Muon
+from nanochat.runtime.distributed import get_rank
 
 
 class ShardError(CheckpointError):

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from nanochat.checkpoints.layout import optim_path
 from nanochat.checkpoints.store import list_steps
-from nanochat.runtime.distributed import get_rank
 from nanochat.files import fsync_dir, remove_if_exists
+from nanochat.runtime.distributed import get_rank
 
 # every file of a step: model_N.pt, meta_N.json, optim_N_rank<r>.pt (groups 1-3: the step; group 4: the rank)
 STEP_FILE_RE = re.compile(r"^(?:model_(\d+)\.pt|meta_(\d+)\.json|optim_(\d+)_rank(\d+)\.pt)$")

@@ -39,9 +39,9 @@ import torch.distributed as dist
 from nanochat.checkpoints.errors import (CorruptCheckpointError, MissingMetaError, NoStepsError, RankLostError,
                                          UnknownStepError)
 from nanochat.checkpoints.layout import MODEL_FILE_RE, TAG_RE, meta_path, model_path, optim_path
-from nanochat.runtime.distributed import get_rank
 from nanochat.errors import UserError
 from nanochat.files import atomic_write, fsync_dir, remove_if_exists, stage, temp_path
+from nanochat.runtime.distributed import get_rank
 
 # -----------------------------------------------------------------------------
 # saving

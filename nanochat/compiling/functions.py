@@ -22,10 +22,10 @@ import warnings
 
 import torch
 
-from nanochat.common import print0
-from nanochat.runtime.device import out_of_memory_within
-from nanochat.errors import UserError
 from nanochat.compiling.inductor_code import GraphKernels, inductor_code_to
+from nanochat.errors import UserError
+from nanochat.runtime.device import out_of_memory_within
+from nanochat.runtime.distributed import print0
 
 RECOMPILE_LIMIT = 256  # graphs per compiled function: every decode bucket of a large batch (Dynamo's default is 8)
 # The autocast regions our graphs hold (fp32 attention scores under bf16 autocast: attention.fp32_scores) marked as

@@ -26,10 +26,9 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from nanochat.common import print0
-from nanochat.runtime.distributed import collective_device
 from nanochat.compiling.functions import CompileFailed, compiled, first_line, maybe_compiled
 from nanochat.model.gpt import EAGER_REGIONS, BlockRegions
+from nanochat.runtime.distributed import collective_device, print0
 
 COMPILE_MODES = ("auto", "on", "off", "blocks")
 

@@ -17,12 +17,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from nanochat.compiling.functions import CompiledFunction, generated_kernels
 from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, static_step
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC
 from nanochat.engine.kv_cache import KVCache
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from nanochat.kernels.decode_step import BLOCK_RANGE, kernel_static_step
-from nanochat.compiling.functions import CompiledFunction, generated_kernels
 
 
 @dataclass

@@ -126,11 +126,12 @@ def use_calculator(expr, timeout=3.0):
 # How a tool result is written (--calculator-format): "str", nanochat's str(value), so an integral float is `10.0`;
 # "int", an integral float written without its `.0` where it is exact (|x| < 2**53), as GSM8K's SFT data writes
 # results (nanochat PR #786, open). The forced tokens differ, so a checkpoint records the choice.
-CALCULATOR_FORMATS = ("str", "int")
+DEFAULT_FORMAT = "str"  # nanochat's: the engine's, chat_rl's --calculator-format, a checkpoint's that records none
+CALCULATOR_FORMATS = (DEFAULT_FORMAT, "int")
 EXACT_INTEGER_FLOAT = 2.0 ** 53  # beyond it a float's integer part is no longer every integer
 
 
-def format_result(value, style="str"):
+def format_result(value, style=DEFAULT_FORMAT):
     """The text the engine forces after <|output_start|>: str(value) as nanochat prints it (`'abc'.upper()`
     gives ABC without quotes, `()` gives ()), or with style "int" an integral float below 2**53 as an int (10.0 ->
     10; 1e+20 stays 1e+20), or None if there is no value or it cannot be printed (Python refuses int->str beyond
@@ -143,3 +144,10 @@ def format_result(value, style="str"):
         return str(value)
     except ValueError:
         return None
+
+
+def recorded_calculator_format(meta):
+    """How the run that wrote a checkpoint had the calculator write its results (an RL run's --calculator-format,
+    in the user_config of its checkpoint's meta), so that evaluating or chatting with it forces the same text; nanochat's (DEFAULT_FORMAT)
+    for any other checkpoint."""
+    return (meta.get("user_config") or {}).get("calculator_format") or DEFAULT_FORMAT

@@ -10,8 +10,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from nanochat.runtime.device import is_out_of_memory
 from nanochat.errors import SettingError
+from nanochat.runtime.device import is_out_of_memory
 
 
 def exact_shape(rows, keys, max_rows, max_keys):

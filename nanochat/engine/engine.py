@@ -19,19 +19,20 @@ from functools import partial
 
 import torch
 
-from nanochat.engine.calculator import CALCULATOR_FORMATS
+from nanochat.compiling.functions import maybe_compiled
+from nanochat.compiling.plan import compile_plan
+from nanochat.engine.calculator import CALCULATOR_FORMATS, DEFAULT_FORMAT
 from nanochat.engine.cuda_graphs import PROMPT_BUCKET, decode_mode, decode_plan
 from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch, RolloutStats, prepare_shapes, static_step
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.flex_prompt_attention import check_prompt_attention
 from nanochat.engine.kv_cache import KVCache, cache_geometry
+from nanochat.engine.memory_budget import FIXED_GB
 from nanochat.engine.rows import Row, SpecialIds
 from nanochat.engine.scheduler import Admission, BatchShape, KeptBatch, KeptBatches, cache_bytes
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from nanochat.kernels.decode_step import check_kernel_model, kernel_static_step
 from nanochat.kernels.launch import check_kernels
-from nanochat.compiling.functions import maybe_compiled
-from nanochat.compiling.plan import compile_plan
 
 # The static decode step compiles with dynamic shapes: one graph serves every bucketed
 # shape. Compiled once per shape instead, each of a static batch's 100+ shapes would cost a compile of its own
@@ -145,8 +146,8 @@ class Engine(NanochatGenerate):
     prompt_attention: the shared-prompt step's, "explicit", "flex" (flex_prompt_attention.py) or "triton" (kernels/).
     """
 
-    def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=4.0, share_prompts=True, decode="auto",
-                 compile="off", prefill_tokens=PREFILL_TOKENS, lag=None, calculator_format="str",
+    def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=FIXED_GB, share_prompts=True, decode="auto",
+                 compile="off", prefill_tokens=PREFILL_TOKENS, lag=None, calculator_format=DEFAULT_FORMAT,
                  prompt_attention="explicit"):
         self.model, self.tokenizer, self.special = model, tokenizer, SpecialIds(tokenizer)
         self.max_rows, self.memory_budget_gb = max_rows, memory_budget_gb

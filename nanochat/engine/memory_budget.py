@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.errors import SettingError, UserError
 from nanochat.engine.decode_weights import fusable_attention, qkv_weights
+from nanochat.errors import SettingError, UserError
 
 AUTO = "auto"
 FIXED_GB = 4.0  # off CUDA, and the budget nanochat-rl had everywhere before "auto"

@@ -7,7 +7,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanochat.engine.calculator import format_result, use_calculator
+from nanochat.engine.calculator import DEFAULT_FORMAT, format_result, use_calculator
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Row:
     its max_tokens-th step.
     """
 
-    def __init__(self, request, sample, max_tokens, special, tokenizer, calculator_format="str"):
+    def __init__(self, request, sample, max_tokens, special, tokenizer, calculator_format=DEFAULT_FORMAT):
         self.request = request         # index of the prompt this row belongs to
         self.sample = sample           # index among that prompt's samples
         self.max_tokens = max_tokens

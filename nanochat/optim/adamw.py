@@ -15,8 +15,8 @@ The per-parameter pieces (`launch_adamw_reduce`, `adamw_shard_step_`) also serve
 
 import torch
 
-from nanochat.runtime.distributed import rank_and_world
 from nanochat.optim.muon import all_gather, all_reduce_sum, reduce_scatter_sum
+from nanochat.runtime.distributed import rank_and_world
 
 MIN_SHARD_NUMEL = 1024  # below this, a reduce-scatter + all-gather pair costs more than it saves
 

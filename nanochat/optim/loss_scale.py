@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from nanochat.common import print0
+from nanochat.runtime.distributed import print0
 
 # GradScaler's defaults
 INIT_SCALE, GROWTH_FACTOR, BACKOFF_FACTOR, GROWTH_INTERVAL = 2.0 ** 16, 2.0, 0.5, 2000

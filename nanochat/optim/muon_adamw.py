@@ -24,11 +24,11 @@ world size. A parameter with no gradient contributes zeros and is still stepped.
 
 import torch
 
-from nanochat.runtime.distributed import rank_and_world
 from nanochat.optim.adamw import adamw_shard_step_, launch_adamw_reduce
 from nanochat.optim.muon import (cautious_step_, copy_gathered_matrices, init_muon_state, launch_matrix_gather,
                                  launch_matrix_grad_reduce, normalize_variance_, orthogonalize, owned_matrices,
                                  shape_lr_scale)
+from nanochat.runtime.distributed import rank_and_world
 
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 MUON_KEYS = ("lr", "momentum", "ns_steps", "beta2", "weight_decay")

@@ -14,12 +14,13 @@ import dataclasses
 import os
 
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS
-from nanochat.runtime.dtypes import DTYPES, requested_dtype
+from nanochat.engine.calculator import CALCULATOR_FORMATS, DEFAULT_FORMAT
 from nanochat.errors import UserError, require
 from nanochat.optim.optimizers import LR_SCHEDULES, check_optimizer_flags
-from nanochat.engine.calculator import CALCULATOR_FORMATS
-from nanochat.rl.objective import LOSS_CLIPS, LOSS_NORMS, LOSSES, REJECTED_TOKENS, ROLLOUT_CORRECTIONS
-from nanochat.rl.plan import AUTO_TRAIN_ROWS, OTHER_AUTO_TRAIN_ROWS
+from nanochat.rl.objective import LOSSES, LOSS_CLIPS, LOSS_NORMS, REJECTED_TOKENS, ROLLOUT_CORRECTIONS
+from nanochat.rl.plan import AUTO_TRAIN_ROWS, KEEP_ALL, OTHER_AUTO_TRAIN_ROWS
+from nanochat.rl.rollout import Sampling
+from nanochat.runtime.dtypes import DTYPES, requested_dtype
 from nanochat.settings import SHARED, Setting, dataclass_of, decode_setting
 from tasks.registry import resolve_task_class
 
@@ -34,8 +35,22 @@ def flag(group, default, help, **argparse):
     return Setting(default, help, group=group, **argparse)
 
 
-def shared(name, group):
-    return SHARED[name].shown_in(group)
+def shared(name, group, **changes):
+    """The shared setting `name` in chat_rl's --help group, with `changes` where chat_rl's help says more."""
+    return SHARED[name].varied(group=group, **changes)
+
+
+def short(x):
+    """A number as the help writes it: 0.2, 1, and 3e-4 where Python writes 0.0003."""
+    if x == 0 or abs(x) >= 1e-3:
+        return f"{x:g}"
+    mantissa, exponent = f"{x:e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
+
+
+def clip_defaults(side):
+    """Each loss's default clip on `side` (0: low, 1: high; LOSS_CLIPS), as --clip-low's and --clip-high's help say."""
+    return ", ".join(f"{loss} {short(clips[side])}" for loss, clips in LOSS_CLIPS.items())
 
 
 # chat_rl's settings in the order a checkpoint records them (its user_config); each default is nanochat's where
@@ -48,13 +63,14 @@ SETTINGS = dict(
                        "where training is float16; else bfloat16 on a GPU, and on a CPU/MPS bfloat16 only where the "
                        "run's rollout, timed shortened at the start, is 1.2x faster, or as --dtype where the decode step "
                        "is compiled; kept on --resume), float32, bfloat16 or float16"),
-    source=flag(MODEL, "sft", "checkpoint family to start from: base|mid|sft|rl (rl: a new run from an RL checkpoint)"),
-    model_tag=flag(MODEL, None, "model tag (subdirectory) to load; default: the largest d<N>"),
-    model_step=flag(MODEL, None, "checkpoint step to load; default: the last one", type=int),
+    source=shared("source", MODEL, help="checkpoint family to start from: base|mid|sft|rl (rl: a new run from an RL "
+                                        "checkpoint)"),
+    model_tag=shared("model_tag", MODEL),
+    model_step=shared("model_step", MODEL),
     model_generation=shared("model_generation", MODEL),
     output_tag=flag(CHECKPOINTS, None, "write the run to chatrl_checkpoints/<tag>; default: the model tag (d<depth> "
                     "without --model-tag), or <model tag>_cont with --source=rl"),
-    task=flag(MODEL, "gsm8k", "task to train and evaluate on: gsm8k, arithmetic, or package.module:ClassName"),
+    task=shared("task", MODEL, help=f"task to train and evaluate on: {SHARED['task'].help}"),
     num_epochs=flag(MODEL, 1, "epochs over the task's train split"),
     num_steps=flag(MODEL, -1, "override the number of steps (-1 = from epochs)"),
     device_batch_size=flag(ROLLOUTS, 8, "rows per pass: nanochat's micro-batch, whose valid tokens each row's loss "
@@ -65,12 +81,11 @@ SETTINGS = dict(
                     "denominator of its --device-batch-size pass. More rows make larger matmuls and fewer forwards (on "
                     "a GPU, fewer and fuller kernels) and need more memory; halved on out-of-memory"),
     examples_per_step=flag(ROLLOUTS, 16, "questions per optimizer step, summed over ranks"),
-    num_samples=flag(ROLLOUTS, 16, "completions sampled per question"),
-    max_new_tokens=flag(ROLLOUTS, 256, "completion length cap in tokens"),
-    temperature=flag(ROLLOUTS, 1.0, "sampling temperature (0 = greedy)"),
-    top_k=flag(ROLLOUTS, 50, "top-k sampling (0 = whole vocabulary)"),
-    max_rows=flag(PERFORMANCE, 0, "max rows decoded together in one rollout batch (0 = as many as --memory-budget-gb "
-                  "allows)"),
+    num_samples=flag(ROLLOUTS, Sampling.num_samples, "completions sampled per question"),
+    max_new_tokens=shared("max_new_tokens", ROLLOUTS),
+    temperature=shared("temperature", ROLLOUTS),
+    top_k=shared("top_k", ROLLOUTS),
+    max_rows=shared("max_rows", PERFORMANCE),
     memory_budget_gb=shared("memory_budget_gb", PERFORMANCE),  # "auto" or GiB
     decode=decode_setting(auto_note="; on a CPU, in bf16, static where --compile compiles it: on always, auto once "
                           "measured to pay").shown_in(PERFORMANCE),
@@ -99,10 +114,10 @@ SETTINGS = dict(
     loss=flag(ALGORITHM, "pg", "the term of PPO epochs after the first: pg (PPO's clipped ratio), gspo (sequence-level "
               "ratio) or cispo (clipped, detached ratio weighing logp); the first epoch is on-policy: the policy "
               "gradient"),
-    clip_low=flag(ALGORITHM, None, "ratio clipped below at 1 - clip-low (default by --loss: pg 0.2, gspo 3e-4, cispo 1 "
-                  "= no floor)", type=float),  # None (not given) -> the loss's default (LOSS_CLIPS)
-    clip_high=flag(ALGORITHM, None, "ratio clipped above at 1 + clip-high (default by --loss: pg 0.2, gspo 4e-4, cispo "
-                   "0.28; DAPO: 0.28)", type=float),
+    clip_low=flag(ALGORITHM, None, f"ratio clipped below at 1 - clip-low (default by --loss: {clip_defaults(0)} = no "
+                  f"floor)", type=float),  # None (not given) -> the loss's default (LOSS_CLIPS)
+    clip_high=flag(ALGORITHM, None, f"ratio clipped above at 1 + clip-high (default by --loss: {clip_defaults(1)}; "
+                   f"DAPO: 0.28)", type=float),
     kl_coef=flag(ALGORITHM, 0.0, "weight of the k3 KL penalty to the starting model (0 = none; > 0 loads a second "
                  "copy)"),
     rollout_correction=flag(ALGORITHM, "none", "correct for the gap between the sampler's and the trainer's "
@@ -120,9 +135,9 @@ SETTINGS = dict(
     eval_every=flag(CHECKPOINTS, 60, "pass@k eval period in steps (-1 = never)"),
     eval_examples=flag(CHECKPOINTS, 400, "test questions used by the eval"),
     save_every=flag(CHECKPOINTS, 60, "checkpoint period in steps (-1 = only the last step)"),
-    keep_last=flag(CHECKPOINTS, None, "after each save, remove this run's older checkpoints beyond the last N (0 = keep "
-                   "all, as nanochat; the default, except that --resume keeps the run's own value unless given)",
-                   type=int),
+    keep_last=flag(CHECKPOINTS, None, f"after each save, remove this run's older checkpoints beyond the last N "
+                   f"({KEEP_ALL} = keep all, as nanochat; the default, except that --resume keeps the run's own value "
+                   f"unless given)", type=int),  # None (not given) -> resolve_keep_last (nanochat/rl/plan.py)
     save_rollouts=flag(CHECKPOINTS, False, "append every sample (question, text, reward, advantage, length, tool calls) "
                        "as a JSON line to chatrl_checkpoints/<tag>/rollouts_rank<r>.jsonl, one file per rank, each "
                        "step's lines whole"),
@@ -135,9 +150,10 @@ SETTINGS = dict(
                          "to learn from); 0 = never"),
     debug=shared("debug", LOGGING),
     # issue 61's, recorded after the older ones (a checkpoint's user_config keeps its order)
-    calculator_format=flag(ROLLOUTS, "str", "how the calculator's result is written into the rollout: str (nanochat: "
-                           "str(), so 10/2 gives 5.0) or int (an integral float below 2**53 without its .0, as GSM8K's "
-                           "answers write numbers; nanochat PR #786); kept on --resume", choices=CALCULATOR_FORMATS),
+    calculator_format=shared("calculator_format", ROLLOUTS, default=DEFAULT_FORMAT, help="how the calculator's result "
+                             "is written into the rollout: str (nanochat: str(), so 10/2 gives 5.0) or int (an integral "
+                             "float below 2**53 without its .0, as GSM8K's answers write numbers; nanochat PR #786); "
+                             "kept on --resume"),  # nanochat's, where chat_eval and chat_cli follow the checkpoint
     rejected_tokens=flag(ALGORITHM, "counted", "with a masking --rollout-correction (sequence-mask, geo-mask, "
                          "token-mask): counted (today's: a dropped token still counts in the denominators) or uncounted "
                          "(slime's, verl's: dropped tokens leave them; a no-grad forward of the step's rows first)",

@@ -13,8 +13,15 @@ from math import comb
 import torch
 import torch.distributed as dist
 
-from nanochat.runtime.distributed import rank_and_world, rank_share, reduction_dtype
 from nanochat.rl.rollout import Sampling, sample_questions
+from nanochat.runtime.distributed import rank_and_world, rank_share, reduction_dtype
+from nanochat.settings import SHARED
+
+# How the pass@k eval samples where not told otherwise: nanochat's chat_rl eval, whose sampling is fixed whatever the
+# run's rollout flags (Sampling's defaults), question i seeded with EVAL_SEED + i. chat_rl's periodic eval samples so,
+# chat_eval's and bench_eval's flags default to it (nanochat/settings.py), and chat_sft's held-out checks follow it.
+EVAL_MAX_NEW_TOKENS, EVAL_TEMPERATURE, EVAL_TOP_K = Sampling.max_new_tokens, Sampling.temperature, Sampling.top_k
+EVAL_SEED = SHARED["seed"].default
 
 
 @dataclass
@@ -37,7 +44,7 @@ def unbiased_pass_at_k(n, c, k):
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def sample_outcomes(engine, task, indices, num_samples, max_new_tokens, temperature, top_k, seed=0):
+def sample_outcomes(engine, task, indices, num_samples, max_new_tokens, temperature, top_k, seed=EVAL_SEED):
     """Sample num_samples answers for each task question in `indices` (one batched rollout) and grade them
     with task.evaluate: [QuestionRollout] whose rewards are 1.0 (correct) or 0.0. Question i is seeded with
     seed + i, so its samples do not depend on the rank layout."""
@@ -62,8 +69,8 @@ def aggregate_pass_at_k(outcomes, num_samples, device="cpu"):
     return PassAtK(num_questions=int(counts[-1].item()), any=values[:num_samples], unbiased=values[num_samples:])
 
 
-def evaluate_pass_at_k(engine, task, num_examples, num_samples, max_new_tokens=256, temperature=1.0, top_k=50,
-                       device="cpu", seed=0):
+def evaluate_pass_at_k(engine, task, num_examples, num_samples, max_new_tokens=EVAL_MAX_NEW_TOKENS,
+                       temperature=EVAL_TEMPERATURE, top_k=EVAL_TOP_K, device="cpu", seed=EVAL_SEED):
     """pass@k on the first `num_examples` questions of `task`, split across the ranks of the process group.
     Returns (PassAtK, this rank's [QuestionRollout])."""
     num_examples = min(num_examples, len(task))

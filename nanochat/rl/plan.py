@@ -13,16 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.common import print0
-from nanochat.runtime.dtypes import compute_dtype, dtype_name
+from nanochat.compiling.plan import compile_models, resolve_compile_flag, run_decode_mode
+from nanochat.compiling.rule import AutoCompile, CompileLedger, PartRule, part_key
 from nanochat.engine.cuda_graphs import DECODE_DESCRIPTIONS, check_decode_flag
 from nanochat.engine.engine import Engine, rows_in_budget
 from nanochat.engine.kv_cache import cache_geometry
 from nanochat.engine.memory_budget import FIXED_GB, resolve_memory_budget
-from nanochat.compiling.plan import compile_models, resolve_compile_flag, run_decode_mode
-from nanochat.compiling.rule import AutoCompile, CompileLedger, PartRule, part_key
 from nanochat.model.head import HEAD_CHUNK_TOKENS
 from nanochat.model.precision import MARGIN, PREFERENCE, fastest_rollout_dtype, fastest_training_dtype, rank0_choice
+from nanochat.runtime.distributed import print0
+from nanochat.runtime.dtypes import compute_dtype, dtype_name
 
 # trained rows per training forward under --train-rows=0 (auto), by device type: more rows than nanochat's
 # --device-batch-size make larger, fuller matmuls and fewer forwards for the same rows. On CUDA 64: on an H200 (d20,
@@ -49,7 +49,7 @@ class RunPlan:
     def as_given(cls, config):
         """The plan of a config whose values need no resolving (bench_rl's, built per configuration)."""
         given = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)}
-        return cls(**given | {"keep_last": config.keep_last or 0})
+        return cls(**given | {"keep_last": resolve_keep_last(config, meta={})})
 
     def recorded(self, config):
         """The run's settings as a checkpoint, wandb and the report record them: config's, in its order, with this
@@ -186,11 +186,14 @@ def resolve_memory(config, model, device, optimizers, rows, rollout_dtype, compi
     return rows, gb
 
 
+KEEP_ALL = 0  # --keep-last's "keep every checkpoint" (nanochat's): a new run's, where the flag is not given
+
+
 def resolve_keep_last(config, meta):
-    """--keep-last, where it is not given: a resumed run's own (`meta`: its step's), a new run's 0 (every checkpoint)."""
+    """--keep-last, where it is not given: a resumed run's own (`meta`: its step's), a new run's KEEP_ALL."""
     if config.keep_last is not None:
         return config.keep_last
-    return (meta.get("user_config", {}).get("keep_last") if config.resume else None) or 0
+    return (meta.get("user_config", {}).get("keep_last") if config.resume else None) or KEEP_ALL
 
 
 def describe_engine(engine, compiling, config, rows):

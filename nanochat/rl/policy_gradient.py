@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanochat.runtime.device import to_device
 from nanochat.compiling.functions import maybe_compiled
 from nanochat.rl.objective import (MASK_CORRECTIONS, PolicyLoss, QuestionRows, k3_kl, kl_penalty, on_policy_objective,
-                                   ppo_objective, rollout_correction_weights, sampler_gap, sampler_gap_sums, step_counts,
-                                   trainable_targets)
+                                   ppo_objective, rollout_correction_weights, sampler_gap, sampler_gap_sums,
+                                   step_counts, trainable_targets)
+from nanochat.runtime.device import to_device
 
 
 @dataclass

@@ -10,10 +10,11 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from nanochat.common import print0
 from nanochat.files import atomic_write
 from nanochat.optim.loss_scale import scale_text
 from nanochat.rl.metrics import drop_unmeasured, objective_metrics, reduce_metrics, rollout_metrics
+from nanochat.rl.rollout import Sampling
+from nanochat.runtime.distributed import print0
 
 
 def is_eval_step(step, num_steps, eval_every):
@@ -120,12 +121,15 @@ def no_signal_settings(cfg):
     same = "every sample of a question is the same completion, so every advantage is 0 and the run trains nothing"
     lines = []
     if cfg.temperature == 0:
-        lines.append(f"warning: --temperature=0 samples greedily: {same}; sample with --temperature=1.0 (nanochat's)")
+        lines.append(f"warning: --temperature=0 samples greedily: {same}; sample with --temperature="
+                     f"{Sampling.temperature} (nanochat's)")
     if cfg.top_k == 1:
-        lines.append(f"warning: --top-k=1 always takes the most likely token: {same}; use --top-k=50 (nanochat's) or 0")
+        lines.append(f"warning: --top-k=1 always takes the most likely token: {same}; use --top-k={Sampling.top_k} "
+                     f"(nanochat's) or 0")
     if cfg.num_samples == 1:
-        lines.append("warning: --num-samples=1: a question's one sample is its own mean reward, so every advantage is 0 "
-                     "and the run trains nothing; sample several completions per question (nanochat: --num-samples=16)")
+        lines.append(f"warning: --num-samples=1: a question's one sample is its own mean reward, so every advantage is "
+                     f"0 and the run trains nothing; sample several completions per question (nanochat: --num-samples="
+                     f"{Sampling.num_samples})")
     return lines
 
 

@@ -14,9 +14,10 @@ from nanochat.checkpoints.layout import CHECKPOINT_DIRS
 from nanochat.checkpoints.loading import find_checkpoint, load_model
 from nanochat.checkpoints.optimizer_shards import optimizer_states_for_resume
 from nanochat.checkpoints.store import list_steps, list_tags, load_meta, make_checkpoint_dir
-from nanochat.common import get_base_dir, print0
+from nanochat.common import get_base_dir
 from nanochat.errors import UserError
 from nanochat.rl.config import resolve_output_tag
+from nanochat.runtime.distributed import print0
 
 # flags that do not define the run: --resume keeps them as given (the rest it restores from the checkpoint)
 RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows", "memory_budget_gb", "max_bad_steps",

@@ -12,17 +12,20 @@ rows share the work.
 import sys
 from dataclasses import dataclass
 
-from nanochat.runtime.distributed import get_rank
 from nanochat.rl.advantages import QuestionBatch, make_question_batch
+from nanochat.runtime.distributed import get_rank
+from nanochat.settings import SHARED
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """How completions are sampled (nanochat's chat_rl defaults)."""
-    num_samples: int = 16         # completions per question
-    max_new_tokens: int = 256     # completion length cap in tokens
-    temperature: float = 1.0      # 0 = greedy
-    top_k: int = 50               # 0 = the whole vocabulary
+    """How completions are sampled. The defaults are nanochat's, for its chat_rl rollouts and its eval alike: the shared
+    --max-new-tokens, --temperature and --top-k (nanochat/settings.py's table), and the one source of chat_rl's
+    --num-samples; the pass@k eval samples so too (nanochat/rl/evaluation.py)."""
+    num_samples: int = 16                                  # completions per question
+    max_new_tokens: int = SHARED["max_new_tokens"].default  # completion length cap in tokens
+    temperature: float = SHARED["temperature"].default      # 0 = greedy
+    top_k: int = SHARED["top_k"].default                    # 0 = the whole vocabulary
 
 
 @dataclass

@@ -15,17 +15,13 @@ import torch
 from nanochat.checkpoints.checkpointer import Checkpointer
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS
 from nanochat.checkpoints.store import new_run_id
-from nanochat.common import get_base_dir, print0
-from nanochat.runtime.device import is_out_of_memory, release_cached_memory
-from nanochat.runtime.distributed import any_rank, collective_device
-from nanochat.runtime.dtypes import autocast_context
-from nanochat.errors import UserError
-from nanochat.engine.engine import Engine
-from nanochat.engine.decode_batch import static_step
-from nanochat.engine.engine import STATIC_STEP_DYNAMIC
+from nanochat.common import get_base_dir
 from nanochat.compiling.functions import CompileClock, compile_seconds
 from nanochat.compiling.plan import compile_models
 from nanochat.compiling.rule import AutoCompile
+from nanochat.engine.decode_batch import static_step
+from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine
+from nanochat.errors import UserError
 from nanochat.model.precision import ortho_dtype
 from nanochat.optim.loss_scale import loss_scale_for, scaled_forward
 from nanochat.optim.optimizers import guarded_step, lr_multiplier, scale_initial_lr
@@ -39,6 +35,9 @@ from nanochat.rl.progress import RolloutLog, RunProgress, drop_rollouts_after
 from nanochat.rl.resume import load_reference, load_start, prepare_output_dir, restore_optimizers
 from nanochat.rl.rollout import (Sampling, StepRollouts, has_signal, longest_prompt, question_indices_at, question_seed,
                                  sample_questions, step_questions)
+from nanochat.runtime.device import is_out_of_memory, release_cached_memory
+from nanochat.runtime.distributed import any_rank, collective_device, print0
+from nanochat.runtime.dtypes import autocast_context
 from tasks.registry import make_task
 
 

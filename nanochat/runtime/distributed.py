@@ -28,6 +28,12 @@ def get_rank():
     return rank_and_world()[0]
 
 
+def print0(*args, **kwargs):
+    """print() on rank 0 only."""
+    if get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
 def is_ddp_launch():
     """True when launched by torchrun (which sets RANK, LOCAL_RANK and WORLD_SIZE)."""
     return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))

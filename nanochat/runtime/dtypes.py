@@ -9,9 +9,9 @@ import os
 
 import torch
 
-from nanochat.common import print0
-from nanochat.runtime.cpu_features import cpu_has_native_bf16
 from nanochat.errors import SettingError, UserError
+from nanochat.runtime.cpu_features import cpu_has_native_bf16
+from nanochat.runtime.distributed import print0
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

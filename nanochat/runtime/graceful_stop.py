@@ -7,8 +7,7 @@ import os
 import signal
 import sys
 
-from nanochat.common import print0
-from nanochat.runtime.distributed import any_rank
+from nanochat.runtime.distributed import any_rank, print0
 
 
 class GracefulStop:

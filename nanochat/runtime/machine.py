@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from nanochat.common import print0
 from nanochat.runtime.cpu_features import cpu_bf16_kind, cpu_name
 from nanochat.runtime.device import synchronize
+from nanochat.runtime.distributed import print0
 
 
 def device_time(device):

@@ -12,8 +12,8 @@ import torch
 from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS, assert_same_weights, weights
 
 from nanochat.cli import run_main
-from nanochat.errors import UserError
 from nanochat.engine import Engine
+from nanochat.errors import UserError
 from nanochat.rl import run as rl_run
 from nanochat.rl.policy_gradient import TrainStats
 from scripts import chat_rl

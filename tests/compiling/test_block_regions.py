@@ -12,14 +12,14 @@ from helpers import HAS_CUDA, TINY_RL_FLAGS, prompt_of, random_model, tiny_confi
 from test_compile import no_pretend_cuda  # noqa: F401 (autouse: Dynamo must see this machine's CUDA, or none)
 from test_static_decode import ENDING_KWARGS, ENDING_PROMPTS, ending_model, logprobs, rollouts
 
+from nanochat.compiling import functions as nc_functions
+from nanochat.compiling.functions import CompiledFunction
+from nanochat.compiling.plan import compile_block_regions, compile_plan
 from nanochat.engine.cuda_graphs import DecodePlan, GraphedStep, bucketed_shape
 from nanochat.engine.decode_batch import RolloutStats
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.engine import Engine, make_batch
 from nanochat.engine.scheduler import BatchShape
-from nanochat.compiling import functions as nc_functions
-from nanochat.compiling.functions import CompiledFunction
-from nanochat.compiling.plan import compile_block_regions, compile_plan
 from nanochat.model.gpt import EAGER_REGIONS, BlockRegions
 from scripts import chat_rl
 

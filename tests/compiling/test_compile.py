@@ -35,20 +35,20 @@ from test_static_decode import ENDING_KWARGS, ENDING_PROMPTS, DeviceOnly, ending
 from nanochat.checkpoints.loading import build_model, load_model
 from nanochat.cli import error_line
 from greedy_agreement import greedy_agreement
+from nanochat.compiling import functions as nc_functions, plan as nc_plan
+from nanochat.compiling.functions import (RECOMPILE_LIMIT, CompileFailed, CompiledFunction, compile_totals, compiled,
+                                          generated_kernels)
+from nanochat.compiling.plan import (CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, SFT_CPU_MIN_STEPS, compile_plan,
+                                     resolve_compile, run_decode_mode)
+from nanochat.diagnostics.op_count import count_decode_step_ops
 from nanochat.engine.cuda_graphs import DecodePlan, GraphedStep, bucket_shapes, bucketed_shape, decode_plan
 from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, static_step
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine, make_batch
 from nanochat.engine.scheduler import BatchShape
-from nanochat.diagnostics.op_count import count_decode_step_ops
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
-from nanochat.compiling import functions as nc_functions, plan as nc_plan
-from nanochat.compiling.functions import RECOMPILE_LIMIT, CompileFailed, CompiledFunction, compile_totals, compiled, generated_kernels
-from nanochat.compiling.plan import CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, SFT_CPU_MIN_STEPS, compile_plan, resolve_compile, run_decode_mode
 from nanochat.model.gpt import GPT
-from nanochat.rl import plan as rl_plan
-from nanochat.rl import progress as rl_progress
-from nanochat.rl import policy_gradient
+from nanochat.rl import plan as rl_plan, policy_gradient, progress as rl_progress
 from nanochat.rl.objective import pass_denominators
 from nanochat.rl.policy_gradient import chunk_logprobs
 

@@ -13,9 +13,9 @@ from helpers import HAS_CUDA, TINY_RL_FLAGS, random_model, tiny_config
 
 from nanochat.compiling import rule as compile_rule
 from nanochat.compiling.functions import CompiledFunction
-from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.compiling.rule import (CHECK_STEPS, PRIOR_COLD_SECONDS_PER_LAYER, PRIOR_RATIO, PRIOR_WARM_FRACTION,
-                                         PROBE_STEPS, AutoCompile, CompileLedger, PartRule)
+                                     PROBE_STEPS, AutoCompile, CompileLedger, PartRule)
+from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.policy_gradient import accumulate_policy_gradient, chunk_logprobs, one_graph_forward
 

@@ -11,13 +11,13 @@ from helpers import prompt_of, random_model, tiny_config
 from test_compile import no_pretend_cuda  # noqa: F401 (autouse: Dynamo must see this machine's CUDA, or none)
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from nanochat.compiling.functions import CompiledFunction
+from nanochat.compiling.inductor_code import GraphKernels, wrapper_calls
+from nanochat.diagnostics.op_count import count_decode_step_ops
 from nanochat.engine.decode_batch import DecodeBatch
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.engine import Engine
-from nanochat.diagnostics.op_count import count_decode_step_ops
-from nanochat.compiling.functions import CompiledFunction
 from nanochat.model.gpt import GPT, GPTConfig
-from nanochat.compiling.inductor_code import GraphKernels, wrapper_calls
 from nanochat.model.rotary import Rotary, apply_rotary, rotary_tables
 from nanochat.model.sampling import row_uniforms, sample_with_logprobs
 

@@ -10,13 +10,13 @@ import torch
 from helpers import FP32_GAP_BOUND, HAS_CUDA, install_generation, prompt_of, random_model, tiny_config
 from test_compile import no_pretend_cuda  # noqa: F401 (autouse: eagerly, FlexAttention runs through Dynamo too)
 
-from nanochat.compiling import functions as nc_functions
 from nanochat.checkpoints.loading import build_model
+from nanochat.compiling import functions as nc_functions
+from nanochat.compiling.functions import CompiledFunction
 from nanochat.engine.decode_batch import static_step
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine
 from nanochat.engine.flex_prompt_attention import FLEX_DYNAMIC, flex_compile_state, flex_prompt_attention
 from nanochat.engine.shared_prompt_cache import FlexPromptStep, SharedPromptKVCache, SharedPromptStep
-from nanochat.compiling.functions import CompiledFunction
 
 # eagerly FlexAttention is PyTorch's unfused reference, and says so once per process
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")

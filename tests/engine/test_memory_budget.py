@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from nanochat.cli import error_line
-from nanochat.errors import SettingError, UserError
 from nanochat.engine import memory_budget
 from nanochat.engine.engine import Engine
 from nanochat.engine.memory_budget import GiB, parse_budget, plan_budget, resolve_memory_budget
+from nanochat.errors import SettingError, UserError
 from nanochat.model.gpt import GPT, GPTConfig
 
 

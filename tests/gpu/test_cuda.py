@@ -14,9 +14,9 @@ import torch
 from helpers import HAS_CUDA, PYTHONPATH, REPO, TINY_RL_FLAGS, make_sft_checkpoint, random_model, tiny_config
 
 from nanochat.checkpoints.loading import load_model
-from nanochat.runtime.device import to_device
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.policy_gradient import accumulate_policy_gradient
+from nanochat.runtime.device import to_device
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 

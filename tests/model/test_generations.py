@@ -15,9 +15,9 @@ from helpers import generation_reference, install_generation, random_model, tiny
 from nanochat.checkpoints.loading import build_model
 from nanochat.checkpoints.store import save_checkpoint
 from nanochat.cli import run_main
-from nanochat.errors import UserError
 from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import KVCache, forward_cached
+from nanochat.errors import UserError
 from nanochat.model.generations import GENERATIONS, summarize_keys
 from nanochat.model.gpt import GPT, UNLIMITED_WINDOW, GPTConfig, layer_windows
 

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from helpers import TINY_CONFIG, random_model, tiny_config
 
-from nanochat.errors import UserError
 from nanochat.engine.kv_cache import KVCache, forward_cached
+from nanochat.errors import UserError
 from nanochat.model.gpt import GPT
 from nanochat.model.sampling import row_seed, sample_next_token
 from nanochat.optim.adamw import DistAdamW

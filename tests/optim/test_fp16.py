@@ -18,9 +18,8 @@ from rl_toy_task import OneStepArithmetic
 from nanochat.checkpoints.loading import load_model
 from nanochat.checkpoints.store import load_meta
 from nanochat.cli import run_main
-from nanochat.runtime.dtypes import autocast_context, compute_dtype, requested_dtype
-from nanochat.errors import SettingError, UserError
 from nanochat.engine.engine import Engine
+from nanochat.errors import SettingError, UserError
 from nanochat.optim import loss_scale as loss_scale_module
 from nanochat.optim.loss_scale import LossScale, scaled_forward
 from nanochat.optim.optimizers import guarded_step
@@ -29,6 +28,7 @@ from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.evaluation import sample_outcomes
 from nanochat.rl.objective import PolicyLoss
 from nanochat.rl.policy_gradient import accumulate_policy_gradient, chunk_logprobs
+from nanochat.runtime.dtypes import autocast_context, compute_dtype, requested_dtype
 from scripts import chat_rl
 
 CPU = torch.device("cpu")

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from nanochat import errors
-from nanochat.runtime import cpu_features, distributed, dtypes
 from nanochat.rl import progress
+from nanochat.runtime import cpu_features, distributed, dtypes
 
 
 @pytest.mark.parametrize("device, native, requested, expected", [

@@ -9,9 +9,9 @@ import json
 import pytest
 from helpers import TINY_RL_FLAGS
 
-from nanochat.checkpoints.loading import recorded_calculator_format
-from nanochat.errors import UserError
 from nanochat.engine import engine as engine_module
+from nanochat.engine.calculator import recorded_calculator_format
+from nanochat.errors import UserError
 from nanochat.rl.config import RLConfig
 from nanochat.rl.rollout import longest_prompt
 from nanochat.rl.run import policy_loss_of

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from nanochat import cli
+from nanochat.engine.calculator import DEFAULT_FORMAT
 from nanochat.errors import UserError
 from nanochat.rl.config import GROUPS, SETTINGS, RLConfig
 from nanochat.rl.plan import RunPlan
@@ -60,16 +61,20 @@ def test_the_parser_is_built_from_rlconfig_with_its_defaults():
         top_k=5, resume="latest", dynamic_sampling=True)
 
 
+# chat_rl's own help of a shared setting: what its --source=rl, its --task and its auto decode do besides
+OWN_HELP = {"source", "task", "decode", "calculator_format"}
+
+
 def test_the_shared_settings_are_taken_under_their_own_names():
-    """A setting chat_rl shares with chat_sft or chat_eval is the shared one (nanochat/settings.py), under its name,
-    but for --decode, whose help says what chat_rl's auto does besides, and --calculator-format, whose default is
-    nanochat's str in chat_rl and the checkpoint's own in chat_eval and chat_cli (the same choices)."""
-    for name in SHARED.keys() & SETTINGS.keys() - {"decode", "calculator_format"}:
-        assert SETTINGS[name] == SHARED[name].shown_in(SETTINGS[name].group), name
-    decode, shared_decode = SETTINGS["decode"], SHARED["decode"]
-    assert (decode.default, decode.choices) == (shared_decode.default, shared_decode.choices)
-    calculator, shared_calculator = SETTINGS["calculator_format"], SHARED["calculator_format"]
-    assert calculator.choices == shared_calculator.choices and (calculator.default, shared_calculator.default) == ("str", None)
+    """A setting chat_rl shares with other scripts is the shared one (nanochat/settings.py), under its name, but for
+    the help of OWN_HELP's, and --calculator-format's default, nanochat's str in chat_rl and the checkpoint's own in
+    chat_eval and chat_cli (the same choices)."""
+    for name in SHARED.keys() & SETTINGS.keys():
+        changes = {"group": SETTINGS[name].group} | ({"help": SETTINGS[name].help} if name in OWN_HELP else {})
+        if name == "calculator_format":
+            changes["default"] = DEFAULT_FORMAT
+        assert SETTINGS[name] == SHARED[name].varied(**changes), name
+    assert (SETTINGS["calculator_format"].default, SHARED["calculator_format"].default) == ("str", None)
     assert {s.group for s in SETTINGS.values()} == set(GROUPS)
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import BF16_MIN_AGREEMENT, BF16_NEAR_TIE, FP32_GAP_BOUND, random_model, tiny_config
 
-from nanochat.runtime import machine
 from nanochat.errors import UserError
+from nanochat.runtime import machine
 from greedy_agreement import greedy_agreement
 from nanochat.diagnostics.early_stop import EarlyStopModel
 from nanochat.engine.engine import Engine

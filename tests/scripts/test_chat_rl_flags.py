@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers import TINY_RL_FLAGS, assert_same_weights, weights
 
-from nanochat.errors import UserError
 from nanochat.engine.engine import Engine
+from nanochat.errors import UserError
 from nanochat.rl import run as rl_run
 from nanochat.rl.plan import AUTO_TRAIN_ROWS, train_rows
 from scripts import chat_rl

@@ -9,12 +9,12 @@ from nanochat.checkpoints.errors import CheckpointError
 from nanochat.checkpoints.loading import find_checkpoint
 from nanochat.checkpoints.store import load_checkpoint
 from nanochat.common import compute_init
-from nanochat.runtime.dtypes import requested_dtype
-from nanochat.errors import UserError
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.memory_budget import parse_budget
+from nanochat.errors import UserError
 from nanochat.rl.resume import Resume, prepare_output_dir, resolve_resume
 from nanochat.rl.run import NonFiniteStepsError, load_reference
+from nanochat.runtime.dtypes import requested_dtype
 from nanochat.tokenizer import get_tokenizer
 from nanochat.wandb_utils import WandbStartError
 from tasks.gsm8k import find_local_dir

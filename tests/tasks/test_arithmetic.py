@@ -11,8 +11,8 @@ from statistics import mean
 import pytest
 from helpers import REPO
 
-from nanochat.errors import UserError
 from nanochat.engine.calculator import format_result, use_calculator
+from nanochat.errors import UserError
 from tasks.arithmetic import LEVELS, Arithmetic, number_to_words, split_of_question
 from tasks.registry import resolve_task_class
 
