@@ -10,12 +10,23 @@ import torch
 
 from nanochat.diagnostics.op_count import count_meta_ops
 from nanochat.model.gpt import GPT, GPTConfig
-from nanochat.rl.advantages import synthetic_question_batches
+from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.policy_gradient import accumulate_policy_gradient
 
 # nanochat's d20 (January 2026): the shapes count_train_step_ops counts at by default
 D20_CONFIG = dict(sequence_len=2048, vocab_size=65536, n_layer=20, n_head=10, n_kv_head=10, n_embd=1280,
                   window_pattern="SSSL")
+
+
+def synthetic_question_batches(questions, rows, prompt_len, completion_len, vocab_size, seed=0):
+    """`questions` QuestionBatches (on the host) of `rows` samples each: prompts of prompt_len - 4 .. prompt_len + 3
+    tokens (a step's questions differ), completions of completion_len sampled tokens, rewards 0, 1, 0, ... (every
+    row has an advantage, every row is trained)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = lambda n: torch.randint(0, vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    return [make_question_batch(tokens(max(prompt_len + q % 8 - 4, 1)),
+                                [(tokens(completion_len), [1] * completion_len) for _ in range(rows)],
+                                [float(r % 2) for r in range(rows)], 0) for q in range(questions)]
 
 
 def count_train_step_ops(model=None, questions=16, rows=16, prompt_len=100, completion_len=256, rows_per_forward=16):

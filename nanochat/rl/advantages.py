@@ -63,14 +63,3 @@ def make_question_batch(prompt, completions, rewards, pad_token, truncated=None,
                          advantages=advantages_from_rewards(rewards, scale_by_std),
                          completion_lengths=[len(toks) for toks, _ in completions], prompt_length=len(prompt),
                          truncated=truncated, sampler_logprobs=sampler)
-
-
-def synthetic_question_batches(questions, rows, prompt_len, completion_len, vocab_size, seed=0):
-    """`questions` QuestionBatches (on the host) of `rows` samples each: prompts of prompt_len - 4 .. prompt_len + 3
-    tokens (a step's questions differ), completions of completion_len sampled tokens, rewards 0, 1, 0, ... (every
-    row has an advantage, every row is trained)."""
-    gen = torch.Generator().manual_seed(seed)
-    tokens = lambda n: torch.randint(0, vocab_size, (n,), generator=gen).tolist()  # noqa: E731
-    return [make_question_batch(tokens(max(prompt_len + q % 8 - 4, 1)),
-                                [(tokens(completion_len), [1] * completion_len) for _ in range(rows)],
-                                [float(r % 2) for r in range(rows)], 0) for q in range(questions)]

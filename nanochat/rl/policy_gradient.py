@@ -51,22 +51,9 @@ def _trained_rows(targets, weights, any_weight=False):
 
 
 def _prompt_offset(prompt_length, length, share_prompt):
-    """The first position a forward keeps of one question's rows of `length` inputs (see _Chunk; _row_hidden_states,
-    which tests/rl/test_rl_options.py's frozen loop uses): with a shared prompt of
-    prompt_length tokens, its last position (the one predicting the first completion token), else 0."""
+    """The first position a forward keeps of one question's rows of `length` inputs (see _Chunk): with a shared prompt
+    of prompt_length tokens, its last position (the one predicting the first completion token), else 0."""
     return prompt_length - 1 if share_prompt and 1 <= prompt_length <= length else 0
-
-
-def _row_hidden_states(model, inputs, prompt_length, share_prompt):
-    """Hidden states (B, T', C) of the positions that can carry a target, and the offset T - T' they start at, for
-    rows (B, T) of one question. With share_prompt the prompt (the first prompt_length tokens, the same in every
-    row) goes through the model once and each row's tokens after it attend to it; its last position (the one
-    predicting the first completion token) is the only prompt position kept."""
-    P = prompt_length
-    offset = _prompt_offset(P, inputs.size(1), share_prompt)
-    if offset == 0:
-        return model.hidden_states(inputs), 0
-    return _chunk_hidden(model, inputs[:, P:], inputs[:1, :P], None, None), offset
 
 
 def _chunk_hidden(model, rows, prompts, prompt_lengths, row_prompt):

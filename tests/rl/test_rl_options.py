@@ -19,7 +19,7 @@ from nanochat.cli import run_main
 from nanochat.rl.advantages import advantages_from_rewards, make_question_batch
 from nanochat.rl.objective import (PolicyLoss, clipped_surrogate, k3_kl, pass_denominators, step_counts,
                                    token_logprobs_and_entropy)
-from nanochat.rl.policy_gradient import _row_hidden_states, _trained_rows, accumulate_policy_gradient
+from nanochat.rl.policy_gradient import _chunk_hidden, _prompt_offset, _trained_rows, accumulate_policy_gradient
 from scripts import chat_rl, compare_runs, rl_variants
 
 LN2, LN8 = math.log(2), math.log(8)
@@ -32,10 +32,22 @@ def row_weights(targets, advantages, device_batch_size, examples_per_rank):
     return advantages / pass_denominators(targets, device_batch_size, examples_per_rank).to(advantages.dtype)
 
 
+def row_hidden_states(model, inputs, prompt_length, share_prompt):
+    """Hidden states (B, T', C) of the positions that can carry a target, and the offset T - T' they start at, for
+    rows (B, T) of one question. With share_prompt the prompt (the first prompt_length tokens, the same in every
+    row) goes through the model once and each row's tokens after it attend to it; its last position (the one
+    predicting the first completion token) is the only prompt position kept."""
+    P = prompt_length
+    offset = _prompt_offset(P, inputs.size(1), share_prompt)
+    if offset == 0:
+        return model.hidden_states(inputs), 0
+    return _chunk_hidden(model, inputs[:, P:], inputs[:1, :P], None, None), offset
+
+
 def frozen_pre_options_loop(model, batches, device_batch_size, examples_per_rank, micro_batch_rows=None,
                             share_prompt=True, skip_zero_advantage=True):
     """The policy-gradient loop as it was before the algorithm options, frozen here: a regression guard, not a
-    reference. It is built from nanochat.rl's own helpers (pass_denominators, _trained_rows, _row_hidden_states,
+    reference. It is built from nanochat.rl's own helpers (pass_denominators, _trained_rows, _chunk_hidden,
     token_logprobs_and_entropy), so it catches the options changing what the defaults compute (same rows, same
     chunks, same operations in the same order: bit for bit), not a mistake those helpers share. The objective
     checked against formulas written independently of nanochat.rl is in test_rl_reference.py."""
@@ -47,7 +59,7 @@ def frozen_pre_options_loop(model, batches, device_batch_size, examples_per_rank
         for lo in range(0, len(rows), micro):
             chunk = torch.tensor(rows[lo:lo + micro])
             inputs, targets = batch.inputs[chunk], batch.targets[chunk]
-            hidden, offset = _row_hidden_states(model, inputs, batch.prompt_length, share_prompt)
+            hidden, offset = row_hidden_states(model, inputs, batch.prompt_length, share_prompt)
             targets = targets[:, offset:]
             valid = targets >= 0
             logp, _ = token_logprobs_and_entropy(model.logits(hidden[valid]), targets[valid])
