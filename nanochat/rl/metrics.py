@@ -94,14 +94,7 @@ def rollout_metrics(rewards_per_question, completions_per_question, max_new_toke
     tells "no calls" apart from "every call failed". The cross-rank reduction weights it by
     num_tool_calls, so a rank without calls does not pull the combined value toward 0.
     """
-    if len(rewards_per_question) != len(completions_per_question):
-        raise ValueError(f"{len(rewards_per_question)} questions of rewards but {len(completions_per_question)} "
-                         f"of completions; pass both for the same questions")
-    if not rewards_per_question:
-        raise ValueError("rollout_metrics needs at least one question")
-    if len(prompt_lengths) != len(rewards_per_question):
-        raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(rewards_per_question)} questions; "
-                         f"pass one per question")
+    _check_questions(rewards_per_question, completions_per_question, prompt_lengths)
     rewards, lengths, prompt_tokens = [], [], 0
     zero_std = truncated = calls = successes = 0
     for q, (question_rewards, completions) in enumerate(zip(rewards_per_question, completions_per_question)):
@@ -138,6 +131,19 @@ def rollout_metrics(rewards_per_question, completions_per_question, max_new_toke
         "tool_success_fraction": successes / calls if calls else 0.0,
         "rows_trained": float(rows_trained),
     }
+
+
+def _check_questions(rewards_per_question, completions_per_question, prompt_lengths):
+    """rollout_metrics' arguments describe the same questions, at least one (each question's own lengths are checked
+    as it is read)."""
+    if len(rewards_per_question) != len(completions_per_question):
+        raise ValueError(f"{len(rewards_per_question)} questions of rewards but {len(completions_per_question)} "
+                         f"of completions; pass both for the same questions")
+    if not rewards_per_question:
+        raise ValueError("rollout_metrics needs at least one question")
+    if len(prompt_lengths) != len(rewards_per_question):
+        raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(rewards_per_question)} questions; "
+                         f"pass one per question")
 
 
 def objective_metrics(first, last):
