@@ -102,3 +102,13 @@ def test_the_files_scheduled_first_exist():
     from conftest import FILES_FIRST, TESTS
     assert [name for name in FILES_FIRST if not (TESTS / name).is_file()] == []
     assert len(set(FILES_FIRST)) == len(FILES_FIRST)
+
+
+def test_every_mutation_still_applies_to_the_code_it_names():
+    """tests/support/mutations.py's rows (the bugs the suite is proved against) name code by its exact text: each
+    original occurs exactly once in its file, and each test it names exists. A refactor that moves or rewrites the
+    code leaves a row that the runner refuses, and the row's bug unguarded, unless the row moves with it."""
+    from mutations import MUTATIONS
+    stale = [m.name for m in MUTATIONS if (REPO / m.file).read_text().count(m.original) != 1]
+    missing = [(m.name, t) for m in MUTATIONS for t in m.tests if not (REPO / t.split("::")[0]).is_file()]
+    assert stale == [] and missing == []
