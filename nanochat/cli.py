@@ -19,7 +19,7 @@ from nanochat.checkpoints.errors import (CorruptCheckpointError, MissingMetaErro
 from nanochat.distributed import cleanup_after_error, get_rank
 from nanochat.errors import SettingError, UserError
 from nanochat.engine.cuda_graphs import GraphsNeedCudaError
-from nanochat.engine.memory_budget import NoMemoryForRolloutsError
+from nanochat.engine.spec import NoMemoryForRolloutsError
 from nanochat.compiling.functions import CompileFailed
 from nanochat.rl.config import GROUPS, RLConfig
 from nanochat.rl.resume import NoStartCheckpointError, ResumeError, RunExistsError

@@ -25,7 +25,7 @@ from nanochat.dtypes import autocast_context, compute_dtype, requested_dtype
 from nanochat.errors import UserError
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.engine import Engine
-from nanochat.engine.memory_budget import resolve_memory_budget
+from nanochat.engine.spec import resolve_memory_budget
 from nanochat.compiling.functions import CompileClock
 from nanochat.compiling.plan import compile_models, resolve_compile_flag
 from nanochat.rl.evaluation import evaluate_pass_at_k

@@ -12,7 +12,7 @@ from nanochat.common import compute_init
 from nanochat.dtypes import requested_dtype
 from nanochat.errors import UserError
 from nanochat.engine.cuda_graphs import check_decode_flag
-from nanochat.engine.memory_budget import parse_budget
+from nanochat.engine.spec import parse_budget
 from nanochat.rl.resume import Resume, prepare_output_dir, resolve_resume
 from nanochat.rl.run import NonFiniteStepsError, load_reference
 from nanochat.tokenizer import get_tokenizer
