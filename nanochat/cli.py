@@ -18,7 +18,7 @@ from nanochat.checkpoints.errors import (CorruptCheckpointError, MissingMetaErro
                                          RankLostError, UnknownStepError, UnknownTagError)
 from nanochat.compiling.functions import CompileFailed
 from nanochat.engine.cuda_graphs import GraphsNeedCudaError
-from nanochat.engine.memory_budget import NoMemoryForRolloutsError
+from nanochat.engine.spec import NoMemoryForRolloutsError
 from nanochat.errors import SettingError, UserError
 from nanochat.rl.config import GROUPS, RLConfig
 from nanochat.rl.resume import NoStartCheckpointError, ResumeError, RunExistsError

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from nanochat.compiling.plan import COMPILE_MODES, SFT_CPU_MIN_STEPS
 from nanochat.engine.calculator import CALCULATOR_FORMATS, DEFAULT_FORMAT
 from nanochat.engine.cuda_graphs import DECODE_MODES
-from nanochat.engine.memory_budget import AUTO, FIXED_GB, FRACTION, parse_budget
+from nanochat.engine.spec import AUTO, FIXED_GB, FRACTION, parse_budget
 from nanochat.model.generations import VE_ERA_WITH_NEW_META
 
 
@@ -93,7 +93,7 @@ SHARED = dict(
                                    "(03-02..03-03), ve_late (03-04..03-08, the default); every other checkpoint's "
                                    "generation is detected", choices=VE_ERA_WITH_NEW_META),
     # the KV cache the rollout batches in memory at once may use: resolve it with
-    # nanochat.engine.memory_budget.resolve_memory_budget before building the Engine, which takes GiB
+    # nanochat.engine.spec.resolve_memory_budget before building the Engine, which takes GiB
     memory_budget_gb=Setting(AUTO, f"KV-cache memory (GiB) the rollout batches in memory at once (a step's, an eval's "
                                    f"kept beside it) may use together; auto (the default): on CUDA {FRACTION:g} of the "
                                    f"memory free after the model, optimizer state and a training-peak reserve (stated "

@@ -10,6 +10,7 @@ seconds (DecodeBatch.prefill, synchronized) are measured in one more eval each w
     python -m scripts.bench_eval --source=sft --task=gsm8k --eval-examples=400 --num-samples=8   # chat_rl's eval
 """
 
+import dataclasses
 import json
 import time
 
@@ -21,7 +22,7 @@ from nanochat.compiling.plan import compile_models, resolve_compile_flag
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch
 from nanochat.engine.engine import Engine
-from nanochat.engine.memory_budget import resolve_memory_budget
+from nanochat.engine.spec import resolve_memory_budget
 from nanochat.errors import UserError
 from nanochat.rl.config import SETTINGS
 from nanochat.rl.evaluation import EVAL_MAX_NEW_TOKENS, evaluate_pass_at_k
@@ -87,7 +88,7 @@ def main(argv):
     engine = Engine(model, tokenizer, memory_budget_gb=budget, decode=decode, compile=args.compile)
 
     def evaluate(way):
-        engine.prefill_tokens = WAYS[way]
+        engine.reconfigure(dataclasses.replace(engine.spec, prefill_tokens=WAYS[way]))  # the same batches serve
         with autocast:
             return evaluate_pass_at_k(engine, task, args.eval_examples, args.num_samples,
                                       max_new_tokens=args.max_new_tokens, device=device)[0]

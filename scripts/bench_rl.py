@@ -222,9 +222,9 @@ def bench_run(model, rollout_model, tokenizer, task, config, rl, device, optimiz
     engine = Engine(rollout_model, tokenizer, max_rows=(rl.max_rows or None) if config.batched else None,
                     memory_budget_gb=rl.memory_budget_gb, share_prompts=config.lean, decode=config.decode,
                     compile="on" if config.compiled else "off", lag=config.lag, prompt_attention=config.prompt_attention)
-    if engine.decode != "eager":  # as chat_rl's: one static batch, sized for the task's longest prompt
+    if engine.spec.decode != "eager":  # as chat_rl's: one static batch, sized for the task's longest prompt
         engine.reserve_prompt_length(longest_prompt(tokenizer, task))
-    return build_run(rl, RunPlan.as_given(rl), model, tokenizer, engine, make_optimizers(rl, model) if optimize else [],
+    return build_run(rl, RunPlan.as_given(rl, engine.spec), model, tokenizer, engine, make_optimizers(rl, model) if optimize else [],
                      (task, None), device, steps=(BENCH_STEP, BENCH_STEP + 1), lean=config.lean, compiled=config.compiled,
                      rows=train_rows(rl, device.type) if config.batched else rl.device_batch_size, required=True,
                      reference=copy.deepcopy(model).requires_grad_(False) if rl.kl_coef else None)

@@ -25,7 +25,7 @@ from nanochat.compiling.plan import compile_models, resolve_compile_flag
 from nanochat.engine.calculator import recorded_calculator_format
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.engine import Engine
-from nanochat.engine.memory_budget import resolve_memory_budget
+from nanochat.engine.spec import resolve_memory_budget
 from nanochat.errors import UserError
 from nanochat.rl.evaluation import evaluate_pass_at_k
 from nanochat.rl.metrics import reduce_metrics

@@ -28,7 +28,6 @@ import time
 
 from nanochat.cli import parse_rl_args, run_main
 from nanochat.common import compute_cleanup, compute_init
-from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.report import get_report, log_chat_rl
 from nanochat.rl.config import RLConfig
 from nanochat.rl.evaluation import evaluate_pass_at_k
@@ -77,7 +76,6 @@ def main(argv):
     else:
         config.check_ranks(world_size)
     _, rank, _, world_size, device = compute_init(config.device_type)
-    check_decode_flag(config.decode, device)  # before the model loads: graph off CUDA is a one-line error
     stop = GracefulStop().install()
     try:
         train(setup_run(config, resume, rank, world_size, device), stop)

@@ -16,8 +16,9 @@ What a run compiles (its CompilePlan), for a run's two hot paths, and the rule o
 
 compile_plan says what --compile=auto|on|off means on each device (chat_rl and bench_rl have both parts, chat_sft the
 training forward and the decode step of its stop checks, chat_eval the decode step). chat_rl's --decode=auto on a CPU
-is the static step where the plan compiles it (run_decode_mode). Where chat_rl's auto is measured during the run, part
-by part, the rule is nanochat/compiling/rule.py's.
+is the static step where the plan compiles it (the engine's rule: nanochat/engine/spec.py's run_decode_mode and
+rollout_decode_mode). Where chat_rl's auto is measured during the run, part by part, the rule is
+nanochat/compiling/rule.py's.
 """
 
 import warnings
@@ -84,10 +85,10 @@ CPU_MIN_STEPS = 50
 # takes about this many steps to make up a cold compile (docs/performance.md)
 SFT_CPU_MIN_STEPS = 500
 # a CPU run of chat_rl compiles its static decode step from this many steps on (--compile=auto; with --decode=auto
-# it then decodes with that step, see run_decode_mode). On a 2-core CPU with native bf16 (a d4 SFT model on
-# arithmetic, bf16 rollouts) the compiled step saves a fraction of a second a step over the eager exact-shape step,
-# and its graphs (all rows, some, one; the eval's batch) compile in under two minutes with a cold Inductor cache,
-# well under one warm: a cold compile pays back within a few hundred steps, a warm one within 150
+# it then decodes with that step, see nanochat/engine/spec.py's run_decode_mode). On a 2-core CPU with native bf16
+# (a d4 SFT model on arithmetic, bf16 rollouts) the compiled step saves a fraction of a second a step over the eager
+# exact-shape step, and its graphs (all rows, some, one; the eval's batch) compile in under two minutes with a cold
+# Inductor cache, well under one warm: a cold compile pays back within a few hundred steps, a warm one within 150
 # (docs/performance.md). 300 keeps the default GSM8K run (467 steps) and leaves short trial runs uncompiled
 CPU_DECODE_MIN_STEPS = 300
 
@@ -100,11 +101,11 @@ def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min
     docs/performance.md; `tests/gpu_check.sh compiled` measures it); on a CPU the training forward for a run of at
     least `cpu_min_steps` steps, from which it was measured to pay for its compile there (CPU_MIN_STEPS for chat_rl,
     SFT_CPU_MIN_STEPS for chat_sft), and the static decode step (--decode=static; chat_rl's --decode=auto becomes it,
-    see run_decode_mode) for a training run of at least CPU_DECODE_MIN_STEPS steps (not for chat_eval's or the SFT
-    checks' sampling alone: not measured to pay there); elsewhere (MPS) nothing: not measured. on: both where they
-    apply (the decode step only in static and graph modes: the eager step's exact shapes would compile at every new
-    shape). measured (chat_rl): auto on a CPU compiles nothing at the start and decides each part during the run from
-    its own timings (nanochat/compiling/rule.py), in place of the step thresholds."""
+    see engine/spec.py's run_decode_mode) for a training run of at least CPU_DECODE_MIN_STEPS steps (not for
+    chat_eval's or the SFT checks' sampling alone: not measured to pay there); elsewhere (MPS) nothing: not measured.
+    on: both where they apply (the decode step only in static and graph modes: the eager step's exact shapes would
+    compile at every new shape). measured (chat_rl): auto on a CPU compiles nothing at the start and decides each part
+    during the run from its own timings (nanochat/compiling/rule.py), in place of the step thresholds."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
 
@@ -138,20 +139,6 @@ def compile_plan(mode, device, decode=None, num_steps=None, trains=True, cpu_min
     if num_steps is not None and num_steps < CPU_DECODE_MIN_STEPS:
         return plan(False, True, why + f"; not the decode step (it pays from {CPU_DECODE_MIN_STEPS} steps)")
     return plan(True, True, why + f" and the static decode step (from {CPU_DECODE_MIN_STEPS})")
-
-
-def run_decode_mode(decode_flag, decode, compile_mode, device, num_steps, dtype="bfloat16", measured=False):
-    """The decode mode a chat_rl run of num_steps steps uses for --decode=`decode_flag`, whose mode is `decode`
-    (cuda_graphs.decode_mode's answer: auto is graph on CUDA, eager elsewhere), except that auto on a CPU is static
-    where --compile=`compile_mode` compiles the static step for such a run (compile_plan: auto from
-    CPU_DECODE_MIN_STEPS steps, on always) and it trains in bf16 (`dtype`, its rollouts then too): compiled in bf16,
-    the static step is the faster one there, uncompiled the exact-shape eager step is; in fp32 the compiled step's
-    gain is too small to pay for its compile (docs/performance.md). measured: see compile_plan (the run starts with the
-    uncompiled mode)."""
-    if (decode_flag == "auto" and device.type == "cpu" and dtype == "bfloat16"
-            and compile_plan(compile_mode, device, "static", num_steps, measured=measured).decode):
-        return "static"
-    return decode
 
 
 def check_compiler(device):

@@ -2,9 +2,11 @@
 The batched rollout engine: prompts in, sampled completions out, with the calculator tool run in between.
 
 One rollout, top-down through the modules:
-    engine.py               Engine: nanochat's generate / generate_batch, and generate_many for rollouts
+    engine.py               Engine: nanochat's generate / generate_batch, and generate_many for rollouts; the
+                            memory it holds between rollouts and gives back (RolloutMemory)
+    spec.py                 RolloutSpec, what an Engine is built from, resolved once (decode mode, compiled step,
+                            rows, ...), and how much memory the rollout's KV caches may take (the budget)
     scheduler.py            the static batches kept between rollouts, and a rollout's prompts on their way in
-    memory_budget.py        how much memory the rollout's KV caches may take, decided once per run
     decode_batch.py         the rows decoded together: admission, the static decode step, retirement
     kv_cache.py             the cache each row keeps its own keys and values in, and the RolloutCache contract
     shared_prompt_cache.py  the cache where rows share their prompt's keys and values

@@ -8,7 +8,11 @@ rollouts), built from rooms of its own:
 - nanochat/engine/kv_cache.py, nanochat/engine/shared_prompt_cache.py: the caches behind one interface (RolloutCache);
 - nanochat/model/attention.py: the contract between the model and a cache (CacheStep);
 - nanochat/engine/cuda_graphs.py: the step's shapes, its CUDA graphs and the decode modes;
-- nanochat/engine/decode_weights.py: bf16/fp16 copies of the matmul weights, made once per rollout.
+- nanochat/engine/decode_weights.py: bf16/fp16 copies of the matmul weights, made once per rollout;
+- nanochat/engine/spec.py: what an Engine is built from (RolloutSpec), resolved once, and its memory budget.
+
+The engine owns its memory (RolloutMemory, below): the batches and weights it keeps between rollouts, what it gives
+back when training runs short (yield_memory), and its rows halved where a rollout runs out (run_within_memory).
 
 The engine knows nothing about text beyond the special-token ids it needs for the tool state machine:
 token ids in, token ids and masks out. Sampling (per-row random streams) is nanochat/model/sampling.py.
@@ -20,24 +24,27 @@ from functools import partial
 import torch
 
 from nanochat.compiling.functions import maybe_compiled
-from nanochat.compiling.plan import compile_plan
-from nanochat.engine.calculator import CALCULATOR_FORMATS, DEFAULT_FORMAT
-from nanochat.engine.cuda_graphs import PROMPT_BUCKET, decode_mode, decode_plan
+from nanochat.engine.calculator import DEFAULT_FORMAT
+from nanochat.engine.cuda_graphs import PROMPT_BUCKET, decode_plan
 from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch, RolloutStats, prepare_shapes, static_step
 from nanochat.engine.decode_weights import DecodeWeights
-from nanochat.engine.flex_prompt_attention import check_prompt_attention
 from nanochat.engine.kv_cache import KVCache, cache_geometry
-from nanochat.engine.memory_budget import FIXED_GB
 from nanochat.engine.rows import Row, SpecialIds
 from nanochat.engine.scheduler import Admission, BatchShape, KeptBatch, KeptBatches, cache_bytes
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
+from nanochat.engine.spec import FIXED_GB, resolve_rollout_spec
 from nanochat.kernels.decode_step import check_kernel_model, kernel_static_step
 from nanochat.kernels.launch import check_kernels
+from nanochat.runtime.device import with_fewer_rows_on_oom
 
 # The static decode step compiles with dynamic shapes: one graph serves every bucketed
 # shape. Compiled once per shape instead, each of a static batch's 100+ shapes would cost a compile of its own
 # (seconds each on a CPU), most of them in the run's first rollout.
 STATIC_STEP_DYNAMIC = True
+# what a batch is made and decoded with: a spec that changes one of them starts the engine afresh (Engine.reconfigure)
+STEP_FIELDS = ("decode", "compiled", "compile_required", "share_prompts", "prompt_attention")
+
+
 def prompt_slots(rows, num_samples, num_prompts):
     """Prompts held at once with shared prompts: the ones the rows are on, plus room for prompts whose last rows
     are still running while the next ones start."""
@@ -49,15 +56,15 @@ def autocast_dtype(device):
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
-def decode_step_function(model, compile, compiles, prompt_attention):
-    """The static decode step an engine's batches run: static_step, compiled where `compiles`; or with prompt
-    attention "triton" the kernels' step (never compiled: its kernels are the fusion), or a one-line ValueError where
-    it cannot run."""
-    if prompt_attention != "triton":
-        return maybe_compiled(static_step, compiles, dynamic=STATIC_STEP_DYNAMIC, required=compile == "on")
+def decode_step_function(model, spec):
+    """The static decode step the batches of an engine of RolloutSpec `spec` run: static_step, compiled where
+    spec.compiled (a failure to compile it an error where spec.compile_required); or with prompt attention "triton"
+    the kernels' step (never compiled: its kernels are the fusion), or a one-line ValueError where it cannot run."""
+    if spec.prompt_attention != "triton":
+        return maybe_compiled(static_step, spec.compiled, dynamic=STATIC_STEP_DYNAMIC, required=spec.compile_required)
     check_kernels(model.get_device())
     check_kernel_model(model)
-    if compile is True or compile == "on":
+    if spec.compiled:
         raise ValueError("prompt attention triton is not compiled (its kernels are the fusion): use compile off or auto")
     return kernel_static_step
 
@@ -85,12 +92,6 @@ def rows_in_budget(bytes_per_token, budget_bytes, prompt_len, max_tokens, num_sa
     if not share_prompts:
         return max(at_least, int(budget_tokens // (prompt_len + max_tokens)))
     return max(at_least, int((budget_tokens - prompt_len) // (max_tokens + 2 * prompt_len / num_samples)))
-
-
-def check_calculator_format(style):
-    if style not in CALCULATOR_FORMATS:
-        raise ValueError(f"calculator_format must be one of {', '.join(CALCULATOR_FORMATS)}, got {style!r}")
-    return style
 
 
 def check_rollout_arguments(prompts, num_samples, temperature):
@@ -127,53 +128,11 @@ class NanochatGenerate:
         return results, masks
 
 
-class Engine(NanochatGenerate):
-    """KV-cached sampling with the calculator tool.
-
-    `generate`/`generate_batch` are nanochat's one-prompt API. `generate_many` is the batched rollout API:
-    many prompts, `num_samples` rows each, decoded together in one KV-cached batch of at most `max_rows`
-    rows; each prompt is prefilled once; finished rows leave the batch at once and waiting rows take their
-    place. With share_prompts (the default) a prompt's keys and values are stored once for all its rows
-    (SharedPromptKVCache: more rows fit, fewer bytes read per token); without, each row holds a copy, as
-    nanochat does. Row r of a prompt with seed s samples with its own stream row_seed(s, r), so its output
-    does not depend on the batch it shares. Under bf16/fp16 autocast the forwards use the matmul weights cast once
-    per rollout (DecodeWeights). compile (compiling/plan.py's modes, or True/False): whether the static decode
-    step runs compiled (static and graph decode modes only; in graph mode the engine's CUDA graphs capture the
-    compiled step), with dynamic shapes (STATIC_STEP_DYNAMIC). prefill_tokens: positions one prefill forward takes at
-    most (several prompts, padded to the longest; 1: one prompt at a time). lag: the host one step behind the device,
-    the same tokens (DecodeBatch.decode_step); None: on CUDA (a CPU is its own device: nothing to overlap).
-    calculator_format: how a tool result is written ("str", nanochat's; "int": calculator.format_result).
-    prompt_attention: the shared-prompt step's, "explicit", "flex" (flex_prompt_attention.py) or "triton" (kernels/).
-    """
-
-    def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=FIXED_GB, share_prompts=True, decode="auto",
-                 compile="off", prefill_tokens=PREFILL_TOKENS, lag=None, calculator_format=DEFAULT_FORMAT,
-                 prompt_attention="explicit"):
-        self.model, self.tokenizer, self.special = model, tokenizer, SpecialIds(tokenizer)
-        self.max_rows, self.memory_budget_gb = max_rows, memory_budget_gb
-        self.share_prompts, self.prefill_tokens = share_prompts, prefill_tokens
-        self.calculator_format = check_calculator_format(calculator_format)
-        self.prompt_attention = check_prompt_attention(prompt_attention, share_prompts)
-        self.lag = model.get_device().type == "cuda" if lag is None else lag
-        self.decode = decode_mode(decode, model.get_device())  # an unusable mode fails here, not at a rollout
-        compiles = compile if isinstance(compile, bool) else compile_plan(compile, model.get_device(), self.decode).decode
-        self.step = decode_step_function(model, compile, compiles, self.prompt_attention)
-        self.kept = KeptBatches()  # between rollouts (see _new_batch); release() drops them
-        self.prompt_floor = 0  # static batches are sized for prompts this long at least (it never shrinks)
-        self.keeps_between_rollouts = True  # the static batch and the decode weights; release() may turn it off
-        self.weights = DecodeWeights(model)
-        self.last_stats = RolloutStats()
-
-    def reserve_prompt_length(self, length):
-        """Size static batches for prompts of up to `length` tokens from now on (e.g. a task's longest), so that a
-        run's batch, and its captured graphs, serve every rollout instead of being rebuilt when a longer prompt
-        comes."""
-        self.prompt_floor = max(self.prompt_floor, length)
-
-    @property
-    def kept_batch(self):
-        """The static batch kept last (by the last rollout that ran to its end), or None."""
-        return self.kept.latest
+class RolloutMemory:
+    """The memory an Engine holds, and how it gives it back: the static batches it keeps between rollouts
+    (self.kept), its decode weights (self.weights), whether it keeps them at all (self.keeps_between_rollouts), and
+    the rows a rollout decodes at once at most (self.max_rows: its spec's, halved where a rollout runs out of memory).
+    Nothing outside the engine writes them: a run asks through these methods."""
 
     def release(self, keep_from_now_on=True):
         """Drop what is kept between rollouts: the static batch (its KV cache and CUDA graphs, captured over the
@@ -189,6 +148,100 @@ class Engine(NanochatGenerate):
         latest (in chat_rl's training, the step's own: an eval's goes), e.g. after an out-of-memory. Returns how
         many it dropped."""
         return self.kept.drop(keep_latest)
+
+    def yield_memory(self):
+        """Give memory to other work that ran out of it (chat_rl's training, before it retries): first the batches
+        kept from other rollouts (an eval's), the latest rollout's staying; at the next call that one and the decode
+        weights, and later rollouts keep none (rebuilding them each rollout costs less than running short of memory
+        each step). What it gave back, in words, or None if it held nothing."""
+        dropped = self.drop_kept_batches(keep_latest=True)
+        if dropped:
+            return f"the {dropped} decode batch(es) the rollout engine keeps from other rollouts (an eval's)"
+        if self.release(keep_from_now_on=False):
+            return ("the KV cache, decode graphs and weights the rollout engine keeps between rollouts (it keeps none "
+                    "from now on)")
+        return None
+
+    def run_within_memory(self, rollout, retry_line):
+        """rollout() (rollouts of this engine: a chat_rl step's), retried where it runs out of memory: first once the
+        batches kept from other rollouts are given back (the same rows), then with half the rows the failed rollout
+        held (retry_line, formatted with them, printed) until one row fails too (nanochat.runtime.device's
+        with_fewer_rows_on_oom). The rows stay halved for later rollouts. What a rollout samples does not depend on
+        its rows (per-row sampling streams). Returns rollout()'s result."""
+        def attempt(rows):
+            self.max_rows = rows
+            return rollout()
+
+        def give_back_kept_batches():  # an eval's batch kept beside the steps' (Engine._new_batch), or theirs beside it
+            dropped = self.drop_kept_batches()
+            return (f"out of memory during rollouts: gave back the {dropped} decode batch(es) kept from other "
+                    "rollouts; retrying") if dropped else None
+        result, _ = with_fewer_rows_on_oom(
+            attempt, self.max_rows, retry_line, free_memory=give_back_kept_batches,
+            rows_in_use=lambda: max(self.last_stats.rows_allocated, self.last_stats.max_batch_rows))
+        return result
+
+    def rows_for_budget(self, prompt_len, max_tokens, dtype, num_samples=1, budget_bytes=None, at_least=1):
+        """How many rows' KV cache fit in the memory budget (or in budget_bytes), and at least `at_least` (1: a
+        rollout runs with one row whatever the budget; 0: what truly fits), see rows_in_budget. The budget is the
+        KV caches': bf16 decode weights (DecodeWeights) come on top."""
+        budget_bytes = self.spec.memory_budget_gb * (1 << 30) if budget_bytes is None else budget_bytes
+        return rows_in_budget(cache_geometry(self.model).bytes_per_token(dtype), budget_bytes, prompt_len, max_tokens,
+                              num_samples, self.spec.share_prompts, at_least)
+
+
+class Engine(NanochatGenerate, RolloutMemory):
+    """KV-cached sampling with the calculator tool.
+
+    `generate`/`generate_batch` are nanochat's one-prompt API. `generate_many` is the batched rollout API:
+    many prompts, `num_samples` rows each, decoded together in one KV-cached batch of at most `max_rows`
+    rows; each prompt is prefilled once; finished rows leave the batch at once and waiting rows take their
+    place. With share_prompts (the default) a prompt's keys and values are stored once for all its rows
+    (SharedPromptKVCache: more rows fit, fewer bytes read per token); without, each row holds a copy, as
+    nanochat does. Row r of a prompt with seed s samples with its own stream row_seed(s, r), so its output
+    does not depend on the batch it shares. Under bf16/fp16 autocast the forwards use the matmul weights cast once
+    per rollout (DecodeWeights). The keywords are nanochat's and RolloutSpec's fields as resolve_rollout_spec takes
+    them (spec.py: compile, a compiling/plan.py mode or True/False, whether the static decode step runs compiled,
+    with dynamic shapes: STATIC_STEP_DYNAMIC); `spec`, a RolloutSpec resolved already (a run's plan's), takes
+    their place. What the engine holds between rollouts is RolloutMemory's.
+    """
+
+    def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=FIXED_GB, share_prompts=True, decode="auto",
+                 compile="off", prefill_tokens=PREFILL_TOKENS, lag=None, calculator_format=DEFAULT_FORMAT,
+                 prompt_attention="explicit", spec=None):
+        self.model, self.tokenizer, self.special = model, tokenizer, SpecialIds(tokenizer)
+        self.spec = spec or resolve_rollout_spec(  # an unusable setting fails here, not at a rollout
+            model.get_device(), decode, compile, lag, max_rows=max_rows, memory_budget_gb=memory_budget_gb,
+            share_prompts=share_prompts, prompt_attention=prompt_attention, calculator_format=calculator_format,
+            prefill_tokens=prefill_tokens)
+        self.step = decode_step_function(model, self.spec)
+        self.max_rows = self.spec.max_rows  # halved where a rollout runs out of memory (run_within_memory)
+        self.kept = KeptBatches()  # between rollouts (see _new_batch); release() drops them
+        self.prompt_floor = 0  # static batches are sized for prompts this long at least (it never shrinks)
+        self.keeps_between_rollouts = True  # the static batch and the decode weights; release() may turn it off
+        self.weights = DecodeWeights(model)
+        self.last_stats = RolloutStats()
+
+    def reconfigure(self, spec):
+        """Run the next rollouts as RolloutSpec `spec` says (a run's new spec, once --compile=auto switched its decode
+        step; a benchmark's other prefill). Where it makes or decodes batches otherwise (STEP_FIELDS), what the engine
+        keeps goes and it starts afresh, as a new engine of the spec would (the prompts it is sized for stay); else
+        its batches serve on. Its rows are the spec's again."""
+        if any(getattr(spec, name) != getattr(self.spec, name) for name in STEP_FIELDS):
+            self.release()
+            self.step, self.last_stats = decode_step_function(self.model, spec), RolloutStats()
+        self.spec, self.max_rows = spec, spec.max_rows
+
+    def reserve_prompt_length(self, length):
+        """Size static batches for prompts of up to `length` tokens from now on (e.g. a task's longest), so that a
+        run's batch, and its captured graphs, serve every rollout instead of being rebuilt when a longer prompt
+        comes."""
+        self.prompt_floor = max(self.prompt_floor, length)
+
+    @property
+    def kept_batch(self):
+        """The static batch kept last (by the last rollout that ran to its end), or None."""
+        return self.kept.latest
 
     def generate_many(self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42,
                       seeds=None, max_rows=None, progress=None):
@@ -208,14 +261,6 @@ class Engine(NanochatGenerate):
                 progress(len(finished))
         return results
 
-    def rows_for_budget(self, prompt_len, max_tokens, dtype, num_samples=1, budget_bytes=None, at_least=1):
-        """How many rows' KV cache fit in the memory budget (or in budget_bytes), and at least `at_least` (1: a
-        rollout runs with one row whatever the budget; 0: what truly fits), see rows_in_budget. The budget is the
-        KV caches': bf16 decode weights (DecodeWeights) come on top."""
-        budget_bytes = self.memory_budget_gb * (1 << 30) if budget_bytes is None else budget_bytes
-        return rows_in_budget(cache_geometry(self.model).bytes_per_token(dtype), budget_bytes, prompt_len, max_tokens,
-                              num_samples, self.share_prompts, at_least)
-
     def _new_batch(self, num_prompts, longest, num_samples, max_tokens, temperature, top_k, max_rows):
         """An empty DecodeBatch: max_rows rows (else the engine's, else what the memory budget holds beside the
         batches kept, see rows_beside_kept), at most one per sample of every prompt, with a cache for prompts of up
@@ -228,14 +273,14 @@ class Engine(NanochatGenerate):
         once per run, not once per rollout; up to KEEP_BATCHES shapes are kept at once. Returns (the batch, its
         KeptBatch to keep once the rollout ends; None: not to be kept)."""
         dtype = autocast_dtype(self.model.get_device()) or cache_geometry(self.model).dtype
-        plan = decode_plan(self.decode)
+        plan = decode_plan(self.spec.decode)
         if plan.static:
             self.prompt_floor = max(self.prompt_floor, longest)
             longest = -(-self.prompt_floor // PROMPT_BUCKET) * PROMPT_BUCKET
         samples, limit = num_prompts * num_samples, max_rows or self.max_rows
 
         def shape_of(rows):
-            return BatchShape(rows, prompt_slots(rows, num_samples, num_prompts) if self.share_prompts else None,
+            return BatchShape(rows, prompt_slots(rows, num_samples, num_prompts) if self.spec.share_prompts else None,
                               longest, max_tokens, num_samples, dtype, temperature, top_k)
 
         self.kept.forget_shorter(longest)
@@ -244,11 +289,12 @@ class Engine(NanochatGenerate):
             self.last_stats = RolloutStats(rows_allocated=kept.shape.rows)
             kept.batch.begin_rollout(self.last_stats)
             return kept.batch, kept
-        rows = self.kept.rows_beside(self.memory_budget_gb * (1 << 30), limit, samples,
+        rows = self.kept.rows_beside(self.spec.memory_budget_gb * (1 << 30), limit, samples,
                                      partial(self.rows_for_budget, longest, max_tokens, dtype, num_samples))
         shape = shape_of(rows)
         self.last_stats = RolloutStats(rows_allocated=rows)
-        batch = make_batch(self.model, shape, plan, self.last_stats, self.weights, self.step, self.prompt_attention)
+        batch = make_batch(self.model, shape, plan, self.last_stats, self.weights, self.step,
+                           self.spec.prompt_attention)
         keep = KeptBatch(shape, batch, cache_bytes(batch.cache), not limit and rows < samples) if plan.static else None
         return batch, keep
 
@@ -263,11 +309,11 @@ class Engine(NanochatGenerate):
         # the trainer has changed the weights since the last rollout
         self.weights.refresh(autocast_dtype(self.model.get_device()))
         batch, keep = self._new_batch(len(prompts), longest, num_samples, max_tokens, temperature, top_k, max_rows)
-        batch.lag = self.lag if lag is None else lag  # a kept batch ends each rollout with every row fed
+        batch.lag = self.spec.lag if lag is None else lag  # a kept batch ends each rollout with every row fed
         admission = Admission(prompts, seeds, num_samples,
                               partial(Row, max_tokens=max_tokens, special=self.special, tokenizer=self.tokenizer,
-                                      calculator_format=self.calculator_format),
-                              self.prefill_tokens)
+                                      calculator_format=self.spec.calculator_format),
+                              self.spec.prefill_tokens)
         while batch.in_flight or admission.open:
             events = batch.decode_step()
             events += admission.admit(batch)

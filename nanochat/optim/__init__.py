@@ -6,6 +6,8 @@ The optimizers of a nanochat recipe.
     muon.py          Muon (the 2026-01 recipe) and its distributed form
     adamw.py         AdamW, sharded ZeRO-2 style across ranks
     muon_adamw.py    MuonAdamW: both in one optimizer (the 2026-07 recipe)
+    training_memory.py  what training allocates beyond the model (gradients, optimizer state, a pass's activations),
+                     which a run reserves beside the rollouts' KV caches
 
 What used to be `nanochat.optim` (one module) is re-exported here, with nanochat's names since 2026-01-29
 (`from nanochat.optim import MuonAdamW, DistMuonAdamW`; DistMuonAdamW is MuonAdamW itself).

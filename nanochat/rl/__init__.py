@@ -5,7 +5,7 @@ The run, in the order scripts/chat_rl.py uses it:
     config.py           chat_rl's settings, one table (SETTINGS), and RLConfig: the frozen dataclass of them, checked
     resume.py           where a run starts: a new run from --source, or --resume of a saved step
     plan.py             every "auto" resolved once and printed, into the run's frozen RunPlan: dtypes, decode mode,
-                        compile, memory budget, output tag, --keep-last
+                        compile, memory budget, output tag, --keep-last, and the engine's RolloutSpec
     run.py              RLRun (what is fixed for a run) and its step(); setup_run and build_run, the one factory;
                         a step's two halves (sample_rollouts, train_on_rollouts)
     progress.py         RunProgress (what changes each step: history, data position, counters, timings), each

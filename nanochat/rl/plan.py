@@ -5,6 +5,8 @@ Every "auto" of a chat_rl run, resolved once at its start and printed with why: 
 
 The resolved values are the run's RunPlan, frozen, which the run reads; the config stays as given. Checkpoints record
 the config with the plan's values in place of the flags' (RunPlan.recorded): a resumed run computes as it started.
+The plan holds the engine's RolloutSpec too, resolved by the engine's own function (nanochat/engine/spec.py) from
+the config and the values above; --compile=auto's switches replace it (nanochat/rl/run.py's auto_compile_step).
 Decisions that are measured (a dtype on a CPU) are measured on rank 0 and taken by every rank.
 """
 
@@ -13,14 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.compiling.plan import compile_models, resolve_compile_flag, run_decode_mode
+from nanochat.compiling.plan import compile_models, resolve_compile_flag
 from nanochat.compiling.rule import AutoCompile, CompileLedger, PartRule, part_key
-from nanochat.engine.cuda_graphs import DECODE_DESCRIPTIONS, check_decode_flag
 from nanochat.engine.engine import Engine, rows_in_budget
 from nanochat.engine.kv_cache import cache_geometry
-from nanochat.engine.memory_budget import FIXED_GB, resolve_memory_budget
+from nanochat.engine.spec import (FIXED_GB, RolloutSpec, resolve_memory_budget, resolve_rollout_spec,
+                                  rollout_decode_mode, run_decode_mode)
 from nanochat.model.head import HEAD_CHUNK_TOKENS
 from nanochat.model.precision import MARGIN, PREFERENCE, fastest_rollout_dtype, fastest_training_dtype, rank0_choice
+from nanochat.optim.training_memory import optimizer_bytes, training_peak_bytes
 from nanochat.runtime.distributed import print0
 from nanochat.runtime.dtypes import compute_dtype, dtype_name
 
@@ -36,7 +39,8 @@ OTHER_AUTO_TRAIN_ROWS = 16  # MPS and any other device: a CPU's choice until mea
 class RunPlan:
     """What a run resolved at its start, each value once (printed with why), read by the run in place of its config's
     flag: the config itself stays as given. A checkpoint records the config with these values in their place
-    (recorded), so that --resume continues the run it was."""
+    (recorded), so that --resume continues the run it was; `spec`, how the engine runs rollouts, is built from them
+    and not recorded (a resumed run resolves it again)."""
     dtype: str                # what training computes in (--dtype)
     rollout_dtype: str        # what rollouts and evals decode in (--rollout-dtype)
     decode: str               # the decode mode (--decode): the uncompiled one where nothing compiles the static step
@@ -44,17 +48,24 @@ class RunPlan:
     memory_budget_gb: float   # the KV caches' budget in GiB (--memory-budget-gb)
     output_tag: str           # the run's directory under chatrl_checkpoints (--output-tag)
     keep_last: int            # checkpoints kept after each save, 0 = all (--keep-last)
+    spec: RolloutSpec = None  # what the run's engine is built from (run_rollout_spec): decode as the engine runs it
+    #                           now (--compile=auto may have switched its static step since the start), the budget above
 
     @classmethod
-    def as_given(cls, config):
-        """The plan of a config whose values need no resolving (bench_rl's, built per configuration)."""
-        given = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)}
-        return cls(**given | {"keep_last": resolve_keep_last(config, meta={})})
+    def recorded_fields(cls):
+        return [f.name for f in dataclasses.fields(cls) if f.name != "spec"]
+
+    @classmethod
+    def as_given(cls, config, spec=None):
+        """The plan of a config whose values need no resolving (bench_rl's, built per configuration, with its
+        engine's spec)."""
+        given = {name: getattr(config, name) for name in cls.recorded_fields()}
+        return cls(**given | {"keep_last": resolve_keep_last(config, meta={})}, spec=spec)
 
     def recorded(self, config):
         """The run's settings as a checkpoint, wandb and the report record them: config's, in its order, with this
         plan's values in place of the flags'."""
-        return vars(config) | dataclasses.asdict(self)
+        return vars(config) | {name: getattr(self, name) for name in self.recorded_fields()}
 
 
 def auto_train_rows(device_type):
@@ -120,16 +131,16 @@ def resolve_rollout_dtype(config, dtype, decode, model, tokenizer, train_task, d
 
 def resolve_decode_and_compile(config, device, num_steps, dtype):
     """(the decode mode, the --compile that runs, the CompilePlan) of a run of num_steps steps in all training in
-    `dtype` (printed with why): compile.run_decode_mode's mode, compile.compile_plan's plan for it (--compile=auto on
-    a CPU: measured during the run, nanochat/compiling/rule.py; the run starts uncompiled). Decided on the run's
-    whole length, not the steps left, so that a resumed run decodes as it started (--decode and --compile are not
-    restored by --resume; the compiled step may sample another token at a near-tie). Every rank takes the same plan
-    (compile.resolve_compile); where it compiles nothing, the mode is the one --decode gives uncompiled. A decode
-    step that fails to compile later, at its first call, warns once and runs uncompiled (the same tokens)."""
-    uncompiled = check_decode_flag(config.decode, device)
-    decode = run_decode_mode(config.decode, uncompiled, config.compile, device, num_steps, dtype, measured=True)
+    `dtype` (printed with why): compile.compile_plan's plan for the mode the engine's run_decode_mode asks about
+    (--compile=auto on a CPU: measured during the run, nanochat/compiling/rule.py; the run starts uncompiled), and the
+    mode the engine then runs (rollout_decode_mode: where the plan compiles nothing, the one --decode gives
+    uncompiled). Decided on the run's whole length, not the steps left, so that a resumed run decodes as it started
+    (--decode and --compile are not restored by --resume; the compiled step may sample another token at a near-tie).
+    Every rank takes the same plan (compile.resolve_compile). A decode step that fails to compile later, at its first
+    call, warns once and runs uncompiled (the same tokens)."""
+    decode = run_decode_mode(config.decode, config.compile, device, num_steps, dtype, measured=True)
     compiling, compile_mode = resolve_compile_flag(config.compile, device, decode, num_steps, measured=True)
-    return decode if compiling.decode else uncompiled, compile_mode, compiling
+    return rollout_decode_mode(config.decode, device, bool(compiling.decode)), compile_mode, compiling
 
 
 def measured_parts(compiling, decode_flag, rollout_dtype):
@@ -166,13 +177,13 @@ def resolve_memory(config, model, device, optimizers, rows, rollout_dtype, compi
     prompt_tokens), the rows fall back to the other devices' auto: a rollout cut in two passes costs more than the
     larger forwards save (an H200's d20 figures, docs/performance.md). Returns (the rows per training forward, the
     budget in GiB)."""
-    def budget(rows):
+    def budget(rows):  # what training reserves counted here (nanochat/optim/training_memory.py), the rest the engine's
         head_tokens = None if compiled_training else min(rows * config.max_new_tokens, HEAD_CHUNK_TOKENS)
-        return resolve_memory_budget(
-            config.memory_budget_gb, model, device, optimizers, rows=rows,
-            completion_tokens=config.max_new_tokens, prompt_tokens=model.config.sequence_len,
-            rollout_dtype=getattr(torch, rollout_dtype), prompts=-(-rows // config.num_samples) + 1,
-            head_tokens=head_tokens)
+        peak = training_peak_bytes(model.config, rows, config.max_new_tokens, model.config.sequence_len,
+                                   -(-rows // config.num_samples) + 1, head_tokens) if rows else 0
+        return resolve_memory_budget(config.memory_budget_gb, model, device, getattr(torch, rollout_dtype),
+                                     optimizer=optimizer_bytes(model, optimizers) if optimizers else 0,
+                                     training_peak=peak)
     gb, line = budget(rows)
     smaller = train_rows(config, "other")  # the auto of a device without an entry of its own
     if line and not config.train_rows and smaller < rows and rollout_rows:
@@ -196,21 +207,21 @@ def resolve_keep_last(config, meta):
     return (meta.get("user_config", {}).get("keep_last") if config.resume else None) or KEEP_ALL
 
 
-def describe_engine(engine, compiling, config, rows):
-    """The plan's lines about rollouts and training passes, once the engine is built."""
-    how = DECODE_DESCRIPTIONS[engine.decode]
-    how = "bucketed static shapes, compiled" if compiling.decode and engine.decode == "static" else how
-    print0(f"rollouts: {engine.decode} decode step ({how}; --decode to choose)")
+def describe_plan(plan, config, rows):
+    """The plan's lines about rollouts (its RolloutSpec's) and training passes, once the engine is built."""
+    print0(plan.spec.describe())
     print0(f"training: {rows} trained rows per forward, of one question or several "
            f"({'--train-rows' if config.train_rows else 'auto'}; the same gradient for any count)")
 
 
-def engine_decode(decode, compiling, auto_compile):
-    """(decode mode, compiled) of the run's engine at its start: --decode's resolved mode, compiled where the plan says
-    (--compile=on: graph stays graph on CUDA); the static step, compiled, where --compile=auto switched to it before
-    the resumed step (a CPU run, whose mode was the eager step)."""
-    switched = not compiling.decode and auto_compile is not None and auto_compile.compiled_now("decode")
-    return ("static", True) if switched else (decode, bool(compiling.decode))
+def run_rollout_spec(config, device, compiling, auto_compile, memory_budget_gb):
+    """The RolloutSpec of the run's engine at its start (the engine's resolve_rollout_spec, from the config and the
+    plan's values): its static step compiled where the CompilePlan `compiling` compiles it (--compile=on: graph stays
+    graph on CUDA), or where --compile=auto switched it before the resumed step (a CPU run: the static step then, as
+    the switch makes it, RolloutSpec.with_step_compiled); in the plan's memory budget."""
+    compiled = bool(compiling.decode) or bool(auto_compile is not None and auto_compile.compiled_now("decode"))
+    return resolve_rollout_spec(device, config.decode, compiled, max_rows=config.max_rows or None,
+                                memory_budget_gb=memory_budget_gb, calculator_format=config.calculator_format)
 
 
 def auto_compile_of(resolved, model, parts, compiling, num_steps, start_step, meta, rank):

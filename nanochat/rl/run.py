@@ -6,6 +6,7 @@ is one step, its two halves sample_rollouts and train_on_rollouts; the run's Che
 gradient.
 """
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from nanochat.common import get_base_dir
 from nanochat.compiling.functions import CompileClock, compile_seconds
 from nanochat.compiling.plan import compile_models
 from nanochat.compiling.rule import AutoCompile
+from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.decode_batch import static_step
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine
 from nanochat.errors import UserError
@@ -27,15 +29,15 @@ from nanochat.optim.loss_scale import loss_scale_for, scaled_forward
 from nanochat.optim.optimizers import guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.rl.config import RLConfig
 from nanochat.rl.objective import PolicyLoss, step_counts
-from nanochat.rl.plan import (RunPlan, auto_compile_of, describe_engine, engine_decode, resolve_compute_plan,
-                              resolve_keep_last, resolve_memory, train_rows)
+from nanochat.rl.plan import (RunPlan, auto_compile_of, describe_plan, resolve_compute_plan, resolve_keep_last,
+                              resolve_memory, run_rollout_spec, train_rows)
 from nanochat.rl.policy_gradient import (TrainStats, accumulate_policy_gradient, chunk_logprobs, compiled_chunk_forward,
                                          without_rejected_tokens)
 from nanochat.rl.progress import RolloutLog, RunProgress, drop_rollouts_after
 from nanochat.rl.resume import load_reference, load_start, prepare_output_dir, restore_optimizers
 from nanochat.rl.rollout import (Sampling, StepRollouts, has_signal, longest_prompt, question_indices_at, question_seed,
                                  sample_questions, step_questions)
-from nanochat.runtime.device import is_out_of_memory, release_cached_memory
+from nanochat.runtime.device import with_fewer_rows_on_oom
 from nanochat.runtime.distributed import any_rank, collective_device, print0
 from nanochat.runtime.dtypes import autocast_context
 from tasks.registry import make_task
@@ -45,14 +47,16 @@ from tasks.registry import make_task
 class RLRun:
     """One run. Fixed for it, set once by build_run: `config` as given (the flags, after --resume put back the run's
     own), `plan` what the run resolved from it at its start (dtypes, decode mode, compiling, memory budget, output
-    tag, --keep-last; every checkpoint records the two together, RunPlan.recorded), the model, optimizers, objective,
-    tasks and ranks. What changes from step to step: `progress` (history, data position, counters, timings) through
-    its methods, the saves through `checkpointer`, and the engine, training forward and rows per forward through
-    this module (--compile=auto's switches, out-of-memory retries). step() runs one step."""
+    tag, --keep-last; every checkpoint records the two together, RunPlan.recorded; and the engine's RolloutSpec),
+    the model, optimizers, objective, tasks, engine and ranks. What changes from step to step: `progress` (history,
+    data position, counters, timings) through its methods, the saves through `checkpointer`, the plan's spec (the
+    engine reconfigured with it), training forward and rows per forward through this module (--compile=auto's
+    switches, out-of-memory retries), and what the engine holds through the engine's own methods. step() runs one
+    step."""
     config: RLConfig
     plan: RunPlan
     model: torch.nn.Module
-    tokenizer: object                      # the engine's, for another engine (auto_compile_step)
+    tokenizer: object                      # the engine's, to size its batches for the tasks' prompts
     optimizers: list
     policy_loss: PolicyLoss
     reference: torch.nn.Module             # --kl-coef's frozen starting model, or None
@@ -74,8 +78,8 @@ class RLRun:
     checkpointer: Checkpointer = None      # its saves (chat_rl's runs), or None
     compile_clock: CompileClock = field(default_factory=CompileClock)  # what each step compiled
     progress: RunProgress = field(default_factory=RunProgress)
+    engine: Engine = None                  # built from plan.spec, reconfigured with its new one (auto_compile_step)
     # changed in this module only
-    engine: Engine = None
     forward: object = chunk_logprobs       # the training pass's chunk forward: compiled or not (--compile)
     micro_rows: int = 0                    # rows per training forward; halved on out-of-memory
     compile_marks: dict = field(default_factory=lambda: {"seen": _part_compile_seconds()})  # parts' compile seconds
@@ -177,6 +181,7 @@ def policy_loss_of(config):
 def setup_run(config, resume, rank, world_size, device):
     """Load the model (a new run, or `resume`: restore_settings' Resume), resolve the plan (nanochat/rl/plan.py),
     and build the optimizers, the engine and the tasks: an RLRun at its first step (build_run)."""
+    check_decode_flag(config.decode, device)  # before the model loads: graph off CUDA is a one-line error
     model, tokenizer, meta, output_tag, start_step = load_start(config, resume, device)
     start = meta.get("start_checkpoint")
     train_task, val_task = make_task(config.task, "train"), make_task(config.task, "test")
@@ -200,11 +205,13 @@ def setup_run(config, resume, rank, world_size, device):
                                   compiled_training=compiling.train or "train" in measured,
                                   rollout_rows=config.examples_per_step // world_size * config.num_samples,
                                   prompt_tokens=longest_prompt(tokenizer, train_task) if device.type == "cuda" else 0)
-    plan = RunPlan(**resolved, memory_budget_gb=budget, output_tag=output_tag, keep_last=resolve_keep_last(config, meta))
-    engine = make_engine(config, plan, model, tokenizer, *engine_decode(plan.decode, compiling, auto_compile),
-                         (train_task, val_task, *(task for _, task in extra_eval_tasks)))
-    describe_engine(engine, compiling, config, rows)
-    if engine.decode != "eager":
+    plan = RunPlan(**resolved, memory_budget_gb=budget, output_tag=output_tag,
+                   keep_last=resolve_keep_last(config, meta),
+                   spec=run_rollout_spec(config, device, compiling, auto_compile, budget))
+    engine = Engine(model, tokenizer, spec=plan.spec)
+    size_for_prompts(engine, tokenizer, (train_task, val_task, *(task for _, task in extra_eval_tasks)))
+    describe_plan(plan, config, rows)
+    if plan.spec.decode != "eager":
         print0(f"rollouts: static batch sized for prompts of up to {engine.prompt_floor} tokens (the task's longest)")
     if not config.resume:  # last: --overwrite clears the old run only once everything else has loaded
         prepare_output_dir(checkpoint_dir, config.overwrite, rank == 0)
@@ -245,15 +252,11 @@ def build_run(config, plan, model, tokenizer, engine, optimizers, tasks, device,
     return run
 
 
-def make_engine(config, plan, model, tokenizer, decode, compiled, tasks):
-    """The run's rollout engine in decode mode `decode`, its static step compiled or not, in the plan's memory budget;
-    a static batch is sized for every prompt of `tasks`, --eval-tasks' too (one batch for the run, its graphs captured
-    once, not rebuilt for an eval's longer prompts)."""
-    engine = Engine(model, tokenizer, max_rows=config.max_rows or None, memory_budget_gb=plan.memory_budget_gb,
-                    decode=decode, compile=compiled, calculator_format=config.calculator_format)
-    if engine.decode != "eager":
+def size_for_prompts(engine, tokenizer, tasks):
+    """A static batch of the run's engine sized for every prompt of `tasks`, --eval-tasks' too (one batch for the
+    run, its graphs captured once, not rebuilt for an eval's longer prompts); nothing to size in the eager mode."""
+    if engine.spec.decode != "eager":
         engine.reserve_prompt_length(longest_prompt(tokenizer, *tasks))
-    return engine
 
 
 def _part_compile_seconds():  # what each part has compiled so far, in seconds
@@ -277,51 +280,19 @@ def auto_compile_step(run, step, t_rollout, t_train):
     for part, on in switches:
         if part == "train":
             run.forward = scaled_forward(compiled_chunk_forward(on), run.loss_scale)
-        else:  # the kept static batch of the engine left behind is freed with it
-            run.engine.release(keep_from_now_on=False)
-            run.engine = make_engine(run.config, run.plan, run.model, run.tokenizer, "static" if on else run.plan.decode,
-                                     on, (run.train_task, run.val_task, *(task for _, task in run.extra_eval_tasks)))
-
-
-def with_fewer_rows_on_oom(attempt, rows, message, rows_in_use=None, free_memory=None):
-    """attempt(rows), retried on out-of-memory with half the rows the failed attempt used (rows_in_use(), by
-    default rows) until one row fails too; message is formatted with the new rows and printed. First, if given,
-    free_memory() may give back memory held for later and return what to print: then the same rows are tried
-    again. The result does not depend on the rows (per-row sampling streams; gradients summed in chunks).
-    Returns (result, rows)."""
-    while True:
-        try:
-            return attempt(rows), rows
-        except RuntimeError as error:
-            if not is_out_of_memory(error):
-                raise
-            runtime_error = not isinstance(error, torch.OutOfMemoryError)
-            freed = free_memory() if free_memory else None
-            if freed:
-                print0(freed)
-            else:
-                used = (rows_in_use() if rows_in_use else rows) or 1
-                if used <= 1:
-                    raise
-                rows = used // 2
-                print0(message.format(rows=rows))
-        # out of the except clause: the failed attempt's frames, and the tensors they held, are gone with the error
-        release_cached_memory(runtime_error)
+        else:  # a new spec, which the engine runs from the next rollout on (what it kept for the other step goes)
+            run.plan = dataclasses.replace(run.plan, spec=run.plan.spec.with_step_compiled(on, run.config.decode,
+                                                                                           run.device))
+            run.engine.reconfigure(run.plan.spec)
+            size_for_prompts(run.engine, run.tokenizer,
+                             (run.train_task, run.val_task, *(task for _, task in run.extra_eval_tasks)))
 
 
 def give_back_rollout_memory(engine):
-    """After an out-of-memory in training: first the batches the engine keeps from other rollouts (an eval's) go,
-    the step's own staying; at the next, the engine's batch and weight copies kept for the next rollout go, and
-    later rollouts keep none (rebuilding them each rollout costs less than running short of memory each step).
-    What to print, or None if it held nothing."""
-    dropped = engine.drop_kept_batches(keep_latest=True)
-    if dropped:
-        return (f"out of memory during training: gave back the {dropped} decode batch(es) the rollout engine keeps "
-                "from other rollouts (an eval's); retrying")
-    if engine.release(keep_from_now_on=False):
-        return ("out of memory during training: gave back the KV cache, decode graphs and weights the rollout engine "
-                "keeps between rollouts (it keeps none from now on); retrying")
-    return None
+    """After an out-of-memory in training: what the engine gives back for it (Engine.yield_memory: first the batches
+    it keeps from other rollouts, then all it keeps), as the line to print, or None if it held nothing."""
+    given = engine.yield_memory()
+    return f"out of memory during training: gave back {given}; retrying" if given else None
 
 
 def sample_rollouts(run, step, position=None):
@@ -352,22 +323,13 @@ def sample_draw(run, step, position, draw):
     sampling = Sampling(num_samples=cfg.num_samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                         top_k=cfg.top_k)
 
-    def attempt(max_rows):
-        run.engine.max_rows = max_rows
+    def sample():
         with run.autocast(rollouts=True):
             return sample_questions(run.engine, run.train_task, indices, [question_seed(step, i, draw) for i in indices],
                                     sampling, scale_by_std=cfg.advantage_std, label=f"step {step} rollouts")
-
-    def give_back_kept_batches():  # an eval's batch kept beside the steps' (Engine._new_batch), or theirs beside it
-        dropped = run.engine.drop_kept_batches()
-        return (f"out of memory during rollouts: gave back the {dropped} decode batch(es) kept from other rollouts; "
-                "retrying") if dropped else None
     run.model.eval()
-    rollouts, _ = with_fewer_rows_on_oom(attempt, run.engine.max_rows, "out of memory during rollouts: retrying with "
-                                         "--max-rows={rows}", rows_in_use=lambda: max(run.engine.last_stats.rows_allocated,
-                                                                                 run.engine.last_stats.max_batch_rows),
-                                         free_memory=give_back_kept_batches)
-    return rollouts
+    # out of memory, the engine gives back what it keeps from other rollouts, then halves its rows
+    return run.engine.run_within_memory(sample, "out of memory during rollouts: retrying with --max-rows={rows}")
 
 
 @dataclass

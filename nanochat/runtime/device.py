@@ -1,11 +1,14 @@
 """
 A run's device beyond computing on it: waiting for its queued work, feeding it host tensors without waiting, and
-running out of its memory (telling it from other errors, and giving the cached blocks back before a retry).
+running out of its memory (telling it from other errors, giving the cached blocks back before a retry, and retrying
+with fewer rows at a time: with_fewer_rows_on_oom, which the engine's rollouts and the run's training both take).
 """
 
 import gc
 
 import torch
+
+from nanochat.runtime.distributed import print0
 
 
 def synchronize(device):
@@ -53,3 +56,29 @@ def release_cached_memory(runtime_error):
     if runtime_error and torch.cuda.is_initialized():
         gc.collect()  # a failed frame caught in a reference cycle, with the tensors it held
         torch.cuda.empty_cache()
+
+
+def with_fewer_rows_on_oom(attempt, rows, message, rows_in_use=None, free_memory=None):
+    """attempt(rows), retried on out-of-memory with half the rows the failed attempt used (rows_in_use(), by
+    default rows) until one row fails too; message is formatted with the new rows and printed. First, if given,
+    free_memory() may give back memory held for later and return what to print: then the same rows are tried
+    again. The result does not depend on the rows (per-row sampling streams; gradients summed in chunks).
+    Returns (result, rows)."""
+    while True:
+        try:
+            return attempt(rows), rows
+        except RuntimeError as error:
+            if not is_out_of_memory(error):
+                raise
+            runtime_error = not isinstance(error, torch.OutOfMemoryError)
+            freed = free_memory() if free_memory else None
+            if freed:
+                print0(freed)
+            else:
+                used = (rows_in_use() if rows_in_use else rows) or 1
+                if used <= 1:
+                    raise
+                rows = used // 2
+                print0(message.format(rows=rows))
+        # out of the except clause: the failed attempt's frames, and the tensors they held, are gone with the error
+        release_cached_memory(runtime_error)

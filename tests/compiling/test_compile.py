@@ -39,7 +39,7 @@ from nanochat.compiling import functions as nc_functions, plan as nc_plan
 from nanochat.compiling.functions import (RECOMPILE_LIMIT, CompileFailed, CompiledFunction, compile_totals, compiled,
                                           generated_kernels)
 from nanochat.compiling.plan import (CPU_DECODE_MIN_STEPS, CPU_MIN_STEPS, SFT_CPU_MIN_STEPS, compile_plan,
-                                     resolve_compile, run_decode_mode)
+                                     resolve_compile)
 from nanochat.diagnostics.op_count import count_decode_step_ops
 from nanochat.engine.cuda_graphs import DecodePlan, GraphedStep, bucket_shapes, bucketed_shape, decode_plan
 from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, static_step
@@ -47,6 +47,7 @@ from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine, make_batch
 from nanochat.engine.scheduler import BatchShape
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
+from nanochat.engine.spec import run_decode_mode
 from nanochat.model.gpt import GPT
 from nanochat.rl import plan as rl_plan, policy_gradient, progress as rl_progress
 from nanochat.rl.objective import pass_denominators
@@ -545,11 +546,10 @@ def test_chat_rls_auto_decode_is_the_static_step_on_a_cpu_where_that_step_is_com
     """--decode=auto is graph on CUDA and, on a CPU, the eager exact-shape step, except where the run compiles the
     static step (--compile=auto from CPU_DECODE_MIN_STEPS steps, --compile=on always): compiled, the static step is
     the faster there. A mode the user gave is kept."""
-    from nanochat.engine.cuda_graphs import decode_mode
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
 
     def mode(flag, compile_mode, device, steps):
-        return run_decode_mode(flag, decode_mode(flag, device), compile_mode, device, steps)
+        return run_decode_mode(flag, compile_mode, device, steps)
     assert mode("auto", "auto", cpu, 467) == "static"
     assert mode("auto", "auto", cpu, CPU_DECODE_MIN_STEPS - 1) == "eager"
     assert mode("auto", "auto", cpu, CPU_MIN_STEPS - 1) == "eager"
@@ -558,8 +558,8 @@ def test_chat_rls_auto_decode_is_the_static_step_on_a_cpu_where_that_step_is_com
     assert mode("auto", "auto", cuda, 467) == "graph" and mode("auto", "on", cuda, 467) == "graph"
     assert mode("auto", "auto", torch.device("mps"), 467) == "eager"
     # in fp32 the compiled step's gain does not pay for its compile: the eager step, unless asked for
-    assert run_decode_mode("auto", "eager", "auto", cpu, 467, dtype="float32") == "eager"
-    assert run_decode_mode("static", "static", "auto", cpu, 467, dtype="float32") == "static"
+    assert run_decode_mode("auto", "auto", cpu, 467, dtype="float32") == "eager"
+    assert run_decode_mode("static", "auto", cpu, 467, dtype="float32") == "static"
 
 
 @pytest.mark.slow

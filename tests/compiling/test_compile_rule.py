@@ -280,22 +280,34 @@ def test_a_run_compiling_from_its_start_records_its_compile_for_a_later_auto_run
 
 def test_the_engine_decodes_in_the_resolved_mode_unless_auto_switched_before_the_resume(tmp_path):
     """--compile=on keeps --decode's mode (graph on CUDA: the engine's CUDA graphs capture the compiled step); auto,
-    resumed after it switched the decode step, starts on the compiled static step; otherwise the resolved mode,
-    uncompiled."""
+    resumed after it switched the decode step, starts on the compiled static step, the spec the switch made
+    (RolloutSpec.with_step_compiled); otherwise the resolved mode, uncompiled (the run's RolloutSpec:
+    run_rollout_spec)."""
+    from types import SimpleNamespace
+
     from nanochat.compiling.plan import CompilePlan
-    from nanochat.rl.plan import engine_decode
+    from nanochat.rl.plan import run_rollout_spec
     ledger = CompileLedger(str(tmp_path / "ledger.json"))
+    config = lambda decode: SimpleNamespace(decode=decode, max_rows=0, calculator_format="str")  # noqa: E731
+
+    def spec(decode, device, compiling, auto_compile):
+        return run_rollout_spec(config(decode), torch.device(device), compiling, auto_compile, 4.0)
     on = CompilePlan(True, True, "--compile=on")
     recording_on = AutoCompile({"decode": PartRule("decode", KEY, 4)}, 100, ledger, compiled=("decode",))
-    assert engine_decode("graph", on, recording_on) == ("graph", True)
-    assert engine_decode("static", on, recording_on) == ("static", True)
+    assert (spec("auto", "cuda", on, recording_on).decode, spec("auto", "cuda", on, recording_on).compiled) == (
+        "graph", True)
+    static = spec("static", "cpu", on, recording_on)
+    assert (static.decode, static.compiled) == ("static", True)
     measured = CompilePlan(False, False, "auto on a CPU", measured=True)
     switched = AutoCompile({"decode": PartRule("decode", KEY, 4)}, 100, ledger, start_step=7,
                            state={"decode": {"status": "kept", "switched_at": 3, "back_at": None}})
-    assert engine_decode("eager", measured, switched) == ("static", True)
     fresh = AutoCompile({"decode": PartRule("decode", KEY, 4)}, 100, ledger)
-    assert engine_decode("eager", measured, fresh) == ("eager", False)
-    assert engine_decode("eager", CompilePlan(False, False, "--compile=off"), None) == ("eager", False)
+    resumed, started = spec("auto", "cpu", measured, switched), spec("auto", "cpu", measured, fresh)
+    assert (resumed.decode, resumed.compiled, started.decode, started.compiled) == ("static", True, "eager", False)
+    assert resumed == started.with_step_compiled(True, "auto", torch.device("cpu"))
+    assert started == resumed.with_step_compiled(False, "auto", torch.device("cpu"))
+    off = spec("auto", "cpu", CompilePlan(False, False, "--compile=off"), None)
+    assert (off.decode, off.compiled, off.memory_budget_gb, off.max_rows) == ("eager", False, 4.0, None)
 
 
 def test_the_ledger_key_changes_with_everything_a_compile_depends_on(monkeypatch):

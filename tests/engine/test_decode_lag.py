@@ -101,7 +101,7 @@ def test_on_a_gpu_lagging_rows_sample_the_same_tokens(decode, tiny_tokenizer):
     kwargs = dict(num_samples=6, max_tokens=40, temperature=1.0, top_k=0, seeds=[1, 2, 3, 4, 5], max_rows=9)
     (want, want_lp, _), (got, got_lp, _) = both(model, tiny_tokenizer, prompts, decode, True, **kwargs)
     assert got == want and got_lp == want_lp
-    assert Engine(model, tiny_tokenizer).lag  # the default on CUDA
+    assert Engine(model, tiny_tokenizer).spec.lag  # the default on CUDA
 
 
 @pytest.mark.parametrize("decode", ["eager", "static"])
@@ -137,7 +137,7 @@ def test_an_engine_lags_by_default_on_cuda_and_not_on_a_cpu(tiny_tokenizer):
     built) gets the lag, and an explicit lag wins either way."""
     cpu_model, cuda_model = bigram_model(tiny_tokenizer), bigram_model(tiny_tokenizer)
     cuda_model.get_device = lambda: torch.device("cuda")
-    assert Engine(cuda_model, tiny_tokenizer, decode="eager").lag is True
-    assert Engine(cuda_model, tiny_tokenizer, decode="eager", lag=False).lag is False
-    assert Engine(cpu_model, tiny_tokenizer).lag is False
-    assert Engine(cpu_model, tiny_tokenizer, lag=True).lag is True
+    assert Engine(cuda_model, tiny_tokenizer, decode="eager").spec.lag is True
+    assert Engine(cuda_model, tiny_tokenizer, decode="eager", lag=False).spec.lag is False
+    assert Engine(cpu_model, tiny_tokenizer).spec.lag is False
+    assert Engine(cpu_model, tiny_tokenizer, lag=True).spec.lag is True

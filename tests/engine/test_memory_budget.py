@@ -1,6 +1,7 @@
 """--memory-budget-gb=auto (issue 35, item 2): on CUDA the KV budget is a fraction of the memory free after the
 model, the optimizer and a training-peak reserve; elsewhere a fixed 4 GiB. The arithmetic against numbers worked
-out by hand, with the device's free memory stubbed (no GPU needed), and the rows the Engine then chooses."""
+out by hand, with the device's free memory stubbed (no GPU needed), and the rows the Engine then chooses. The budget
+is the engine's (nanochat/engine/spec.py); what training reserves, training's (nanochat/optim/training_memory.py)."""
 
 from types import SimpleNamespace
 
@@ -8,11 +9,13 @@ import pytest
 import torch
 
 from nanochat.cli import error_line
-from nanochat.engine import memory_budget
+from nanochat.engine import spec
 from nanochat.engine.engine import Engine
-from nanochat.engine.memory_budget import GiB, parse_budget, plan_budget, resolve_memory_budget
+from nanochat.engine.spec import GiB, parse_budget, plan_budget, resolve_memory_budget
 from nanochat.errors import SettingError, UserError
 from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.optim import training_memory
+from nanochat.optim.training_memory import optimizer_bytes, training_peak_bytes
 
 
 def test_the_budget_and_the_rows_it_holds_are_as_computed_by_hand(tiny_tokenizer):
@@ -64,14 +67,17 @@ def test_auto_on_cuda_reserves_the_optimizer_decode_weights_and_training_peak(fr
     rows, completion, prompt = 8, 16, 32
     tokens = rows * completion + prompt  # one shared prompt through the model once
     peak = 2 * (24 * 4) * 64 * tokens + (6 * 4) * 100 * rows * completion  # layers x channels; logits of sampled tokens
-    gb, line = resolve_memory_budget("auto", model, torch.device("cuda"), [stub_optimizer(model)], rows=rows,
-                                     completion_tokens=completion, prompt_tokens=prompt, rollout_dtype=torch.bfloat16)
+    assert optimizer_bytes(model, [stub_optimizer(model)]) == optimizer
+    assert training_peak_bytes(model.config, rows, completion, prompt) == peak
+    gb, line = resolve_memory_budget("auto", model, torch.device("cuda"), torch.bfloat16, optimizer=optimizer,
+                                     training_peak=peak)
     assert gb == int(0.9 * (GiB - optimizer - decode_weights - peak)) / GiB
     assert line.startswith("KV cache budget (--memory-budget-gb=auto): ")
     # fp32 rollouts copy no weights; optimizer state already there (a resume) is in the free memory already
     resumed = stub_optimizer(model, state={model.wte.weight: {"exp_avg": 0}, model.fc.weight: {"momentum_buffer": 0}})
-    gb, _ = resolve_memory_budget("auto", model, torch.device("cuda"), [resumed], rows=rows, completion_tokens=completion,
-                                  prompt_tokens=prompt, rollout_dtype=torch.float32)
+    assert optimizer_bytes(model, [resumed]) == grads
+    gb, _ = resolve_memory_budget("auto", model, torch.device("cuda"), torch.float32, optimizer=grads,
+                                  training_peak=peak)
     assert gb == int(0.9 * (GiB - grads - peak)) / GiB
 
 
@@ -79,14 +85,15 @@ def test_auto_off_cuda_is_the_fixed_default_and_a_number_is_taken_as_given(free_
     model = Stub()
     assert resolve_memory_budget("auto", model, torch.device("cpu")) == (
         4.0, "KV cache budget (--memory-budget-gb=auto): 4 GiB, the fixed default on cpu")
-    assert resolve_memory_budget(16.0, model, torch.device("cuda"), [stub_optimizer(model)], rows=8) == (16.0, None)
+    assert resolve_memory_budget(16.0, model, torch.device("cuda"), optimizer=GiB, training_peak=GiB) == (16.0, None)
 
 
 def test_no_memory_left_is_one_line_naming_the_flag(free_memory):
     free_memory[0] = 64 * 1024  # less than the optimizer will need
     model = Stub()
     with pytest.raises(UserError, match=r"^no device memory left for rollouts: ") as refused:
-        resolve_memory_budget("auto", model, torch.device("cuda"), [stub_optimizer(model)], rows=8, completion_tokens=16)
+        resolve_memory_budget("auto", model, torch.device("cuda"),
+                              optimizer=optimizer_bytes(model, [stub_optimizer(model)]))
     assert "--" not in str(refused.value)  # the library states the facts; the script names the flags
     line = error_line(refused.value)
     assert "\n" not in line and line.startswith(str(refused.value) + "; pass --memory-budget-gb=N to choose")
@@ -98,20 +105,20 @@ def test_a_bad_budget_is_refused(text):
     with pytest.raises(SettingError, match="^memory_budget_gb must be auto or a number of GiB > 0") as refused:
         parse_budget(text)
     assert error_line(refused.value) == f"--memory-budget-gb must be auto or a number of GiB > 0, got {text!r}"
-    assert parse_budget("auto") == memory_budget.AUTO and parse_budget("2.5") == 2.5
+    assert parse_budget("auto") == spec.AUTO and parse_budget("2.5") == 2.5
 
 
 def test_the_training_reserve_counts_each_prompt_and_one_chunk_of_logits():
     """A forward of 64 rows spans questions: its prompts each count once; the chunked head holds one chunk of
     logits (nanochat/model/head.py), the whole head every sampled token's: by hand, at nanochat's d20 shapes."""
     config = SimpleNamespace(n_layer=20, n_embd=1280, vocab_size=65536)
-    per_token = 20 * memory_budget.ACTIVATION_BYTES_PER_CHANNEL * 1280
-    logit = memory_budget.LOGIT_BYTES_PER_ENTRY * 65536
-    whole = memory_budget.training_peak_bytes(config, 64, 256, 100, prompts=5)
+    per_token = 20 * training_memory.ACTIVATION_BYTES_PER_CHANNEL * 1280
+    logit = training_memory.LOGIT_BYTES_PER_ENTRY * 65536
+    whole = training_peak_bytes(config, 64, 256, 100, prompts=5)
     assert whole == per_token * (64 * 256 + 5 * 100) + logit * 64 * 256
-    chunked = memory_budget.training_peak_bytes(config, 64, 256, 100, prompts=5, head_tokens=2048)
+    chunked = training_peak_bytes(config, 64, 256, 100, prompts=5, head_tokens=2048)
     assert chunked == per_token * (64 * 256 + 5 * 100) + logit * 2048
-    assert memory_budget.training_peak_bytes(config, 16, 256, 100) == per_token * (16 * 256 + 100) + logit * 16 * 256
+    assert training_peak_bytes(config, 16, 256, 100) == per_token * (16 * 256 + 100) + logit * 16 * 256
 
 
 def test_the_decode_weights_reserve_is_what_decode_weights_holds():
@@ -124,7 +131,7 @@ def test_the_decode_weights_reserve_is_what_decode_weights_holds():
         weights.refresh(dtype if dtype != torch.float32 else None)
         storages = [t.untyped_storage() for t in list(weights.copies) + list(weights.fused or [])]
         held = {s.data_ptr(): s.nbytes() for s in storages}  # a q/k/v copy is a view of its concatenation
-        assert memory_budget.decode_weight_bytes(model, dtype) == sum(held.values()) > 0
+        assert spec.decode_weight_bytes(model, dtype) == sum(held.values()) > 0
 
 
 def test_cudas_auto_train_rows_give_way_when_their_reserve_would_cut_the_rollout(free_memory, capsys):

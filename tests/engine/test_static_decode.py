@@ -5,6 +5,7 @@ CUDA graphs, and on a GPU with the real ones). nanochat's own greedy generations
 modes in test_generations.py."""
 
 import contextlib
+import dataclasses
 import gc
 import weakref
 
@@ -15,13 +16,13 @@ from helpers import HAS_CUDA, BigramModel, ScriptedModel, install_generation, pr
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanochat.checkpoints.loading import build_model
+from nanochat.diagnostics.op_count import CountOps, OpCount, count_decode_step_ops
 from nanochat.engine.cuda_graphs import (KEY_BUCKET, ROW_BUCKETS, DecodePlan, GraphedStep, bucket_shapes,
                                          bucketed_shape, capture_cuda_graph, decode_mode, decode_plan, exact_shape)
 from nanochat.engine.decode_batch import DecodeBatch, RolloutStats
 from nanochat.engine.engine import Engine
-from nanochat.engine.scheduler import KEEP_BATCHES
 from nanochat.engine.kv_cache import KVCache
-from nanochat.diagnostics.op_count import CountOps, OpCount, count_decode_step_ops
+from nanochat.engine.scheduler import KEEP_BATCHES
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from nanochat.model.gpt import GPT
 
@@ -288,11 +289,11 @@ def test_two_shapes_alternating_keep_a_batch_each(tiny_tokenizer):
     tight = Engine(model, tiny_tokenizer, decode="static")
     rollouts(tight, prompts[:2], seeds=[0, 1], **step)
     step_batch = tight.kept[-1]
-    tight.memory_budget_gb = step_batch.nbytes * 1.2 / 2 ** 30
+    tight.reconfigure(dataclasses.replace(tight.spec, memory_budget_gb=step_batch.nbytes * 1.2 / 2 ** 30))
     rows_alone = tight.rows_for_budget(64, evals["max_tokens"], torch.float32, evals["num_samples"])
     assert rows_alone < 8  # the budget binds the eval's rows
     assert tight.rows_for_budget(64, evals["max_tokens"], torch.float32, evals["num_samples"],
-                                 tight.memory_budget_gb * 2 ** 30 - step_batch.nbytes) * 2 < rows_alone
+                                 tight.spec.memory_budget_gb * 2 ** 30 - step_batch.nbytes) * 2 < rows_alone
     rollouts(tight, prompts, seeds=[0, 1, 2, 3], **evals)
     eval_batch = tight.kept_batch
     assert [k.batch for k in tight.kept] == [eval_batch] and eval_batch.cache.batch_size == rows_alone
@@ -302,7 +303,8 @@ def test_two_shapes_alternating_keep_a_batch_each(tiny_tokenizer):
     rollouts(tight, prompts[:2], seeds=[0, 1], **step)
     step_rows = min(8, tight.rows_for_budget(64, step["max_tokens"], torch.float32, step["num_samples"]))
     assert [(k.shape.num_samples, k.batch.cache.batch_size) for k in tight.kept] == [(4, step_rows)]  # made way
-    tight.memory_budget_gb = tight.kept[0].nbytes / 2 ** 30  # the kept batch fills the budget: not one row beside it
+    # the kept batch fills the budget: not one row beside it
+    tight.reconfigure(dataclasses.replace(tight.spec, memory_budget_gb=tight.kept[0].nbytes / 2 ** 30))
     rollouts(tight, prompts[:1], seeds=[0], num_samples=1, max_tokens=8)
     assert [k.shape.num_samples for k in tight.kept] == [1]
 
@@ -313,9 +315,9 @@ def test_two_shapes_alternating_keep_a_batch_each(tiny_tokenizer):
     step_batch = both.kept[-1]
     room = lambda budget: both.rows_for_budget(64, evals["max_tokens"], torch.float32, evals["num_samples"], budget)
     eval_bytes = next(b for b in range(0, 10 ** 9, 1024) if room(b) >= 10)
-    both.memory_budget_gb = (step_batch.nbytes + eval_bytes) / 2 ** 30
+    both.reconfigure(dataclasses.replace(both.spec, memory_budget_gb=(step_batch.nbytes + eval_bytes) / 2 ** 30))
     questions = prompts * 4  # 32 samples: more than the budget holds
-    assert 10 < room(both.memory_budget_gb * 2 ** 30) <= 20
+    assert 10 < room(both.spec.memory_budget_gb * 2 ** 30) <= 20
     eval_batches = []
     for _ in range(2):
         assert rollouts(both, questions, seeds=list(range(16)), **evals) == rollouts(eager, questions, seeds=list(range(16)), **evals)

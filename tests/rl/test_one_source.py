@@ -4,15 +4,26 @@
 - no script imports another script (shared logic belongs in the library);
 - nothing writes a field of a config once it is built (what a run resolves is its RunPlan);
 - nothing but nanochat/rl/run.py writes a field of the run, and nothing changes its progress but RunProgress's methods;
+- nothing outside nanochat/engine/ writes a field of an engine, and a run's engine runs its plan's RolloutSpec, the one
+  resolved for it, after --compile=auto switches too (issue 68);
 - no error raised below the config names a flag: the library states the facts, nanochat.cli or the config the flag."""
 
 import ast
 
-from helpers import REPO
+import torch
+from helpers import REPO, random_model, tiny_config
 
 from nanochat import cli
+from nanochat.compiling.plan import CompilePlan
+from nanochat.engine.decode_batch import static_step
+from nanochat.engine.engine import Engine
+from nanochat.rl import run as rl_run
 from nanochat.rl.config import RLConfig
+from nanochat.rl.plan import RunPlan, run_rollout_spec
+from nanochat.rl.rollout import longest_prompt
+from nanochat.rl.run import auto_compile_step, build_run
 from nanochat.settings import SHARED
+from tasks.arithmetic import Arithmetic
 
 CONFIG_FIELDS = set(RLConfig.__dataclass_fields__)
 # where flags may be named in messages: the command-line layer, the settings and the config that checks them
@@ -133,6 +144,84 @@ def test_only_the_run_s_module_writes_the_run_and_only_its_methods_change_its_pr
                     and isinstance(node.func.value, ast.Attribute) and is_progress(node.func.value.value)):
                 found.append(f"{path}:{node.lineno} {ast.unparse(node)}")
     assert found == []
+
+
+def is_engine(node):
+    """A name the library and the scripts give an Engine: engine, or something's .engine (run.engine)."""
+    return (isinstance(node, ast.Name) and node.id == "engine") or (
+        isinstance(node, ast.Attribute) and node.attr == "engine")
+
+
+def engine_writes(path, tree):
+    """Each assignment to an engine's field (or into one: engine.kept[0] = ...) and each setattr on an engine."""
+    found = []
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
+                   if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        found += [f"{path}:{node.lineno} {ast.unparse(t)} =" for target in targets for t in ast.walk(target)
+                  if isinstance(t, ast.Attribute) and is_engine(t.value)]
+    found += [f"{path}:{call.lineno} {ast.unparse(call)}" for call in calls_named(tree, "setattr")
+              if call.args and is_engine(call.args[0])]
+    return found
+
+
+def test_nothing_outside_the_engine_writes_an_engines_field():
+    """The engine owns how its rollouts run and the memory it holds (issue 68): outside nanochat/engine/ nothing
+    assigns an engine's field (run.py set `engine.max_rows` for its out-of-memory retries, bench_eval
+    `engine.prefill_tokens`); a run asks through its methods (reconfigure, yield_memory, run_within_memory)."""
+    assert engine_writes("snippet", ast.parse("run.engine.max_rows = 4\nengine.prefill_tokens += 1\n"
+                                              "setattr(engine, 'decode', 'static')")) == [
+        "snippet:1 run.engine.max_rows =", "snippet:2 engine.prefill_tokens =",
+        "snippet:3 setattr(engine, 'decode', 'static')"]
+    assert engine_writes("snippet", ast.parse("run.engine = Engine(model, tokenizer, spec=spec)")) == []
+    found = [write for path, tree in list(sources("nanochat")) + list(sources("scripts"))
+             if not path.startswith("nanochat/engine/") for write in engine_writes(path, tree)]
+    assert found == []
+
+
+class Switches:
+    """--compile=auto's AutoCompile as auto_compile_step sees it, deciding `switches` one step after another."""
+
+    def __init__(self, *switches):
+        self.switches = list(switches)
+
+    def observe(self, step, seconds, compiled, device, world_size):
+        return [self.switches.pop(0)]
+
+    def take_said(self):
+        return []
+
+
+def test_the_engine_runs_the_plans_spec_after_an_auto_switch(tiny_tokenizer):
+    """A run's RolloutSpec is resolved once, into its plan (run_rollout_spec, through the engine's
+    resolve_rollout_spec), and its engine is built from it. Where --compile=auto switches the decode step, a new spec
+    replaces the plan's and the same engine runs it (Engine.reconfigure): the plan's spec and the engine's are one
+    (the engine was rebuilt from flags, its decode apart from the frozen plan's), its batch still sized for the tasks'
+    prompts, and what a checkpoint records is as it was (user_config; compile_auto is the AutoCompile's)."""
+    cpu, config = torch.device("cpu"), RLConfig(device_type="cpu", compile="auto")
+    model = random_model(tiny_config(vocab_size=tiny_tokenizer.get_vocab_size()))
+    measured = CompilePlan(False, False, "auto on a CPU", measured=True)
+    plan = RunPlan(dtype="float32", rollout_dtype="float32", decode="eager", compile="auto", memory_budget_gb=4.0,
+                   output_tag="d2", keep_last=0, spec=run_rollout_spec(config, cpu, measured, None, 4.0))
+    task = Arithmetic(size=4)
+    engine = Engine(model, tiny_tokenizer, spec=plan.spec)
+    run = build_run(config, plan, model, tiny_tokenizer, engine, [], (task, task), cpu, steps=(0, 10), rows=4,
+                    compiled=False, auto_compile=Switches(("decode", True), ("decode", False)))
+    recorded = run.user_config
+
+    def end_of_step(step):  # the compile seconds a step's rollouts start from (sample_rollouts), then its end
+        marks = rl_run._part_compile_seconds()
+        run.compile_marks = {**marks, "seen": marks}
+        auto_compile_step(run, step, 1.0, 1.0)
+    assert (engine.spec.decode, engine.spec.compiled, engine.step) == ("eager", False, static_step)
+    end_of_step(0)
+    assert run.engine is engine and engine.spec is run.plan.spec
+    assert run.plan.spec == plan.spec.with_step_compiled(True, "auto", cpu) != plan.spec
+    assert (engine.spec.decode, engine.spec.compiled, engine.step is static_step) == ("static", True, False)
+    assert engine.prompt_floor == longest_prompt(tiny_tokenizer, task) and run.user_config == recorded
+    end_of_step(1)
+    assert engine.spec is run.plan.spec and run.plan.spec == plan.spec and engine.step is static_step
+    assert run.user_config == recorded
 
 
 def raised_texts(tree):

@@ -13,11 +13,10 @@ import pytest
 import torch
 from helpers import FP32_GAP_BOUND, PYTHONPATH, REPO, TINY_RL_FLAGS
 
+from nanochat import device as nc_device
 from nanochat.checkpoints.loading import load_model
 from nanochat.cli import run_main
-from nanochat.rl import plan as rl_plan
-from nanochat.rl import progress as rl_progress
-from nanochat.rl import run as rl_run
+from nanochat.rl import plan as rl_plan, progress as rl_progress, run as rl_run
 from nanochat.rl.rollout import step_question_indices
 from scripts import chat_rl
 
@@ -404,7 +403,7 @@ def test_the_cached_memory_is_given_back_after_the_failed_attempts_tensors_are_g
 
     def release(runtime_error):
         released.append((runtime_error, held[-1]() is None))
-    monkeypatch.setattr(rl_run, "release_cached_memory", release)
+    monkeypatch.setattr(nc_device, "release_cached_memory", release)
 
     def attempt(rows):
         cache = torch.zeros(rows, 1000)  # what the failed attempt had allocated when it ran out
@@ -413,7 +412,7 @@ def test_the_cached_memory_is_given_back_after_the_failed_attempts_tensors_are_g
             error = OUT_OF_MEMORY_ERRORS[1 if rows == 16 else 0]
             raise type(error)(*error.args)
         return rows
-    assert rl_run.with_fewer_rows_on_oom(attempt, 16, "retrying with --max-rows={rows}") == (4, 4)
+    assert nc_device.with_fewer_rows_on_oom(attempt, 16, "retrying with --max-rows={rows}") == (4, 4)
     assert released == [(True, True), (False, True)]
 
 
@@ -425,7 +424,7 @@ def test_other_errors_are_not_taken_for_out_of_memory():
         tried.append(rows)
         raise getattr(torch, "AcceleratorError", RuntimeError)("CUDA error: an illegal memory access was encountered")
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        rl_run.with_fewer_rows_on_oom(attempt, 16, "retrying with --max-rows={rows}")
+        nc_device.with_fewer_rows_on_oom(attempt, 16, "retrying with --max-rows={rows}")
     assert tried == [16]
 
 

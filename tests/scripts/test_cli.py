@@ -10,7 +10,7 @@ from nanochat.checkpoints.loading import find_checkpoint
 from nanochat.checkpoints.store import load_checkpoint
 from nanochat.common import compute_init
 from nanochat.engine.cuda_graphs import check_decode_flag
-from nanochat.engine.memory_budget import parse_budget
+from nanochat.engine.spec import parse_budget
 from nanochat.errors import UserError
 from nanochat.rl.resume import Resume, prepare_output_dir, resolve_resume
 from nanochat.rl.run import NonFiniteStepsError, load_reference

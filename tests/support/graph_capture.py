@@ -132,6 +132,7 @@ def use_recorded_graphs(monkeypatch):
     recorded graphs. Returns the counts of captures and replays."""
     import nanochat.engine.cuda_graphs as cuda_graphs
     import nanochat.engine.engine as engine
+    import nanochat.engine.spec as spec
     from nanochat.engine.cuda_graphs import DecodePlan, GraphedStep, bucketed_shape
     counts = GraphCounts()
 
@@ -144,10 +145,10 @@ def use_recorded_graphs(monkeypatch):
             replay()
         return counted, pool
 
-    real_mode, real_plan = engine.decode_mode, engine.decode_plan
+    real_mode, real_plan = spec.decode_mode, engine.decode_plan
     graphed = partial(GraphedStep, capture=capture, warm_up=lambda step: step())  # no streams on a CPU
     graph_anywhere = lambda mode, device: mode if mode == "graph" else real_mode(mode, device)  # noqa: E731
-    monkeypatch.setattr(engine, "decode_mode", graph_anywhere)
+    monkeypatch.setattr(spec, "decode_mode", graph_anywhere)  # resolve_rollout_spec
     monkeypatch.setattr(cuda_graphs, "decode_mode", graph_anywhere)  # check_decode_flag, before anything is built
     monkeypatch.setattr(engine, "decode_plan", lambda mode: DecodePlan(bucketed_shape, graphed, True)
                         if mode == "graph" else real_plan(mode))
