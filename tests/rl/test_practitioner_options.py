@@ -42,8 +42,8 @@ def engines_made(monkeypatch):
     real = engine_module.Engine.__init__
 
     def recording(self, *args, **kwargs):
-        made.append(kwargs.get("calculator_format", "str"))
         real(self, *args, **kwargs)
+        made.append(self.spec.calculator_format)  # as the engine resolved it, from its keywords or a run's spec
     monkeypatch.setattr(engine_module.Engine, "__init__", recording)
     return made
 
