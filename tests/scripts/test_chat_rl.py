@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import FP32_GAP_BOUND, PYTHONPATH, REPO, TINY_RL_FLAGS
 
-from nanochat import device as nc_device
+from nanochat.runtime import device as nc_device
 from nanochat.checkpoints.loading import load_model
 from nanochat.cli import run_main
 from nanochat.rl import plan as rl_plan, progress as rl_progress, run as rl_run
