@@ -11,7 +11,7 @@ from nanochat import cli
 from nanochat.engine.calculator import DEFAULT_FORMAT
 from nanochat.errors import UserError
 from nanochat.rl.config import GROUPS, SETTINGS, RLConfig
-from nanochat.rl.plan import RunPlan
+from nanochat.rl.plan import KEEP_ALL, RunPlan, resolve_keep_last
 from nanochat.settings import SHARED
 from scripts import chat_rl
 
@@ -109,6 +109,18 @@ def test_the_config_is_frozen_and_a_changed_copy_is_checked_again():
     assert dataclasses.replace(config, temperature=0.7).temperature == 0.7 and config.temperature == 0.5
     with pytest.raises(UserError, match="--temperature must be >= 0"):
         dataclasses.replace(config, temperature=-1.0)
+
+
+def test_keep_last_is_the_flags_else_a_resumed_runs_own_else_keep_all():
+    """--keep-last where it is not given (plan.resolve_keep_last): --resume keeps the run's own value (its meta's
+    user_config), and a new run keeps every checkpoint (nanochat's) even when it starts from an RL checkpoint whose
+    run pruned: the source's value is its own run's, not the new one's (issue 67: a new run inheriting it passed)."""
+    pruned = {"user_config": {"keep_last": 2}}
+    assert resolve_keep_last(RLConfig(device_type="cpu", resume="latest"), pruned) == 2
+    assert resolve_keep_last(RLConfig(device_type="cpu"), pruned) == KEEP_ALL == 0
+    assert resolve_keep_last(RLConfig(device_type="cpu", resume="latest"), {}) == KEEP_ALL
+    assert resolve_keep_last(RLConfig(device_type="cpu", resume="latest", keep_last=5), pruned) == 5
+    assert resolve_keep_last(RLConfig(device_type="cpu", keep_last=3), pruned) == 3
 
 
 def test_a_checkpoint_records_the_config_with_the_plans_values_in_place():
