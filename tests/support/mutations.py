@@ -15,8 +15,8 @@ version. A table at the end says, for each mutation, whether it was caught and b
 The first eight are issue 59's: bugs a reviewer put into features whose own tests did not notice; then bugs of the
 same kinds in the RL objective, the rollouts, the optimizers, the checkpoints, the engine's rows and the FlexAttention
 variant of the shared-prompt attention; issue 67's (what got through the suite III, and bugs of the same kinds in the
-compile rule, the rollout corrections, the calculator, pruning, the scheduler, pass@k, the run's progress); issue 66's
-Triton kernels.
+compile rule, the rollout corrections and rejected tokens, the eval tasks, the calculator, the plan's --keep-last,
+pruning, the checkpointer, the scheduler, pass@k, the run's progress); issue 66's Triton kernels.
 """
 
 import os
