@@ -249,3 +249,22 @@ def test_a_run_alone_that_fails_while_its_save_is_pending_commits_it(sft, base_d
     with pytest.raises(RuntimeError, match="simulated failure"):
         chat_rl.main(TINY_RL_FLAGS + ["--num-steps=7", "--save-every=3"])
     assert load_model("rl", "cpu", "eval")[2]["step"] == 3  # the latest complete step
+
+
+def test_the_final_evals_meta_goes_to_the_step_saved_last_and_nowhere_else(tmp_path):
+    """Checkpointer.refresh_meta (a step's meta rewritten with what followed it: chat_rl's final eval) rewrites the step
+    the run saved last, and writes nothing for a step it did not save: a meta without its model would read as a
+    broken checkpoint (issue 67: a refresh of any step passed the checkpoint tests)."""
+    from nanochat.checkpoints.checkpointer import Checkpointer
+    from nanochat.checkpoints.layout import meta_path
+
+    def snapshot(step):
+        return state(step), optimizer_shard(step), {"step": step, "user_config": {}}
+    checkpointer = Checkpointer(str(tmp_path), rank=0, world_size=1, keep_last=0, snapshot=snapshot)
+    checkpointer.save(2)
+    checkpointer.finish()
+    checkpointer.refresh_meta(3, {"step": 3, "final_eval": 0.5})  # step 3 ran, but was never saved
+    assert sorted(os.listdir(tmp_path)) == ["meta_000002.json", "model_000002.pt", "optim_000002_rank0.pt"]
+    checkpointer.refresh_meta(2, {"step": 2, "final_eval": 0.25})
+    _, _, meta = load_checkpoint(str(tmp_path), 2, "cpu")
+    assert meta == {"step": 2, "final_eval": 0.25} and os.path.exists(meta_path(str(tmp_path), 2))

@@ -337,7 +337,7 @@ MUTATIONS = [
              "a new run from an RL checkpoint prunes as the run that wrote it did"),
     Mutation("refresh-meta-of-an-unsaved-step", "nanochat/checkpoints/checkpointer.py",
              "if self.last_saved == step and self.rank == 0:", "if self.rank == 0:",
-             ("tests/checkpoints/test_files.py", "tests/checkpoints/test_resume.py", "tests/scripts/test_chat_rl.py"),
+             ("tests/checkpoints/test_background_save.py::test_the_final_evals_meta_goes_to_the_step_saved_last_and_nowhere_else",),
              "the final eval's meta written for a step that was never saved"),
     Mutation("save-at-step-zero", "nanochat/rl/progress.py",
              "return (save_every > 0 and step > 0 and step % save_every == 0)",
