@@ -11,7 +11,11 @@ import torch
 import torch.distributed as dist
 
 from nanochat.errors import SettingError
-from nanochat.runtime.distributed import get_dist_info, release_process_group
+from nanochat.runtime.distributed import get_dist_info, print0, release_process_group
+
+# nanochat's own scripts import these from nanochat.common (print0 and get_dist_info live in runtime/distributed.py)
+__all__ = ["autodetect_device_type", "compute_cleanup", "compute_init", "DummyWandb", "get_base_dir", "get_dist_info",
+           "print0"]
 
 
 def get_base_dir():

@@ -187,7 +187,7 @@ def _probe(x):
 
 
 def resolve_compile_flag(mode, device, *plan_args, **plan_kwargs):
-    """--compile=`mode` for this run (compile.resolve_compile with compile_plan's arguments), printed with why.
+    """--compile=`mode` for this run (resolve_compile with compile_plan's arguments), printed with why.
     Returns (the CompilePlan, whose models a script hands to compile_models; the mode that runs: `mode`, or off where
     the plan compiles nothing (torch.compile unavailable under auto, or nothing that pays here), so that a run records
     what runs and an engine given it compiles nothing)."""

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from nanochat.compiling.plan import compile_plan
+from nanochat.compiling.plan import COMPILE_MODES, compile_plan
 from nanochat.engine.calculator import CALCULATOR_FORMATS, DEFAULT_FORMAT
 from nanochat.engine.cuda_graphs import DECODE_DESCRIPTIONS, decode_mode
 from nanochat.engine.decode_batch import PREFILL_TOKENS
@@ -104,6 +104,8 @@ def resolve_rollout_spec(device, decode="auto", compile="off", lag=None, **field
     --compile=auto's switch; a failure warns): auto then decodes with that step (rollout_decode_mode). Prompt
     attention triton compiles nothing (its kernels are the fusion): asked to (True or on), the Engine refuses. lag:
     None is on CUDA (a CPU is its own device: nothing to overlap). fields: RolloutSpec's others, as given."""
+    if not isinstance(compile, bool) and compile not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
     if fields.get("prompt_attention") == "triton":
         compiled = compile is True or compile == "on"
     elif isinstance(compile, bool):

@@ -131,13 +131,13 @@ def resolve_rollout_dtype(config, dtype, decode, model, tokenizer, train_task, d
 
 def resolve_decode_and_compile(config, device, num_steps, dtype):
     """(the decode mode, the --compile that runs, the CompilePlan) of a run of num_steps steps in all training in
-    `dtype` (printed with why): compile.compile_plan's plan for the mode the engine's run_decode_mode asks about
+    `dtype` (printed with why): compiling.plan.compile_plan's plan for the mode the engine's run_decode_mode asks about
     (--compile=auto on a CPU: measured during the run, nanochat/compiling/rule.py; the run starts uncompiled), and the
     mode the engine then runs (rollout_decode_mode: where the plan compiles nothing, the one --decode gives
     uncompiled). Decided on the run's whole length, not the steps left, so that a resumed run decodes as it started
     (--decode and --compile are not restored by --resume; the compiled step may sample another token at a near-tie).
-    Every rank takes the same plan (compile.resolve_compile). A decode step that fails to compile later, at its first
-    call, warns once and runs uncompiled (the same tokens)."""
+    Every rank takes the same plan (compiling.plan.resolve_compile). A decode step that fails to compile later, at its
+    first call, warns once and runs uncompiled (the same tokens)."""
     decode = run_decode_mode(config.decode, config.compile, device, num_steps, dtype, measured=True)
     compiling, compile_mode = resolve_compile_flag(config.compile, device, decode, num_steps, measured=True)
     return rollout_decode_mode(config.decode, device, bool(compiling.decode)), compile_mode, compiling

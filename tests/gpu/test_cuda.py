@@ -77,7 +77,7 @@ def test_a_bf16_step_stays_near_the_fp32_step(tiny_tokenizer):
 
 
 def test_to_device_queues_the_copy_instead_of_waiting_for_the_gpu():
-    """nanochat.common.to_device (the training pass's host-to-GPU copies): with a kernel still running, the copy
+    """nanochat.runtime.device.to_device (the training pass's host-to-GPU copies): with a kernel still running, the copy
     returns at once and the stream is still busy; a plain .to("cuda") waits for the kernel first (the stall the
     training pass had once per index tensor). The copied values are the host's."""
     device = torch.device("cuda")
