@@ -35,7 +35,7 @@ else
 fi
 "$venv_python" -m pip install --quiet -e ".[test]"
 # which machine this is, so that a red log says which CPU kind (and bf16 path) the numbers came from
-"$venv_python" -c "from nanochat.common import cpu_summary; print('tests/run.sh: ' + cpu_summary())"
+"$venv_python" -c "from nanochat.runtime.cpu_features import cpu_summary; print('tests/run.sh: ' + cpu_summary())"
 
 # One worker per core: most tests are single-threaded (tiny models, Inductor's code generation, processes starting),
 # so a 2-core machine runs two at a time in ~half the time. --dist loadfile keeps a file's tests, and the module

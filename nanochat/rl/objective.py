@@ -39,6 +39,7 @@ The training pass (nanochat/rl/policy_gradient.py) sums these over each forward'
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -296,6 +297,37 @@ def ppo_objective(loss, logp, old_logp, advantages, denominators, row_index, num
 def kl_penalty(kl_coef, kl, denominators):
     """What the KL penalty takes off the objective: kl_coef * sum_t k3_t / D_t, kl the k3 of each token (k3_kl)."""
     return kl_coef * (kl / denominators).sum()
+
+
+class EpochTerms(NamedTuple):
+    """One forward's objective in an epoch (0-dim, to be maximised) and what the epoch tallies of it, 0-dim sums on the
+    device (None where the epoch has none): the tokens the clip changed and the k3 KL from the old policy (the epochs
+    after the first), the k3 KL from the reference (kl_coef > 0)."""
+    objective: torch.Tensor
+    clipped: Optional[torch.Tensor] = None
+    approx_kl: Optional[torch.Tensor] = None
+    kl_ref: Optional[torch.Tensor] = None
+
+
+def epoch_objective(loss, first, logp, row_values, row_index, num_rows, correction=None, old_logp=None, ref_logp=None):
+    """One forward's objective, where every option of `loss` applies: nanochat's on-policy term in the first epoch
+    (on_policy_objective), loss.loss's clipped term against the first epoch's log-probabilities old_logp in a later
+    one (ppo_objective), either times the rollout correction's weights (None: none), minus the KL penalty against the
+    reference's ref_logp where loss.kl_coef > 0 (in every epoch alike). row_values(name): (N,) each token's row's
+    weights, advantages or denominators (QuestionRows), asked for where a term needs them. Returns EpochTerms."""
+    if first:
+        terms = EpochTerms(on_policy_objective(logp, row_values("weights"), correction))
+    else:
+        objective, clipped = ppo_objective(loss, logp, old_logp, row_values("advantages"), row_values("denominators"),
+                                           row_index, num_rows, correction)
+        with torch.no_grad():
+            log_ratio = logp - old_logp
+            terms = EpochTerms(objective, clipped.sum(), (torch.expm1(log_ratio) - log_ratio).sum())
+    if loss.kl_coef > 0:
+        kl = k3_kl(logp, ref_logp)  # (N,)
+        penalty = kl_penalty(loss.kl_coef, kl, row_values("denominators"))
+        terms = terms._replace(objective=terms.objective - penalty, kl_ref=kl.detach().sum())
+    return terms
 
 
 def sampler_gap(logp, sampler_logp):

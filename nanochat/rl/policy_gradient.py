@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from nanochat.compiling.functions import maybe_compiled
-from nanochat.rl.objective import (MASK_CORRECTIONS, PolicyLoss, QuestionRows, k3_kl, kl_penalty, on_policy_objective,
-                                   ppo_objective, rollout_correction_weights, sampler_gap, sampler_gap_sums,
-                                   step_counts, trainable_targets)
+from nanochat.rl.objective import (MASK_CORRECTIONS, PolicyLoss, QuestionRows, epoch_objective, rollout_correction_weights,
+                                   sampler_gap, sampler_gap_sums, step_counts, trainable_targets)
 from nanochat.runtime.device import to_device
 
 
@@ -286,11 +285,16 @@ class _Tally:
             if self.correction_weights is not None:
                 self.correction_weights.append(torch.ones(targets.shape, device=device))
 
-    def add_chunk(self, objective, entropy, tokens):
-        """A forward's objective and mean entropy (kept on the device) over its `tokens` sampled tokens."""
-        self.chunk_sums.append(torch.stack([objective.detach().float(), entropy.float()]))
+    def add_chunk(self, terms, entropy, tokens):
+        """A forward's EpochTerms and mean entropy (kept on the device) over its `tokens` sampled tokens."""
+        self.chunk_sums.append(torch.stack([terms.objective.detach().float(), entropy.float()]))
         self.chunk_tokens.append(tokens)
         self.tokens += tokens
+        if terms.clipped is not None:
+            self.clipped = self.clipped + terms.clipped
+            self.approx_kl_sum = self.approx_kl_sum + terms.approx_kl
+        if terms.kl_ref is not None:
+            self.kl_ref_sum = self.kl_ref_sum + terms.kl_ref
 
     def add_gap(self, gap, known, corrected):
         """gap: (N,) trainer minus sampler log-probabilities of a chunk's tokens (0 where `known` is False: the
@@ -369,26 +373,24 @@ class _Tokens:
 
 
 def _backward_chunk(model, chunk, loss, first, reference, device, autocast, tally, forward):
-    """Forward and backward the rows of `chunk` (a _Chunk), adding their terms (nanochat/rl/objective.py) to the
-    model's gradient and to the tally: nanochat's on-policy term in the first epoch, a PPO epoch's after it, either
-    times the rollout correction's weights if there is one, minus the KL penalty if kl_coef > 0."""
+    """Forward and backward the rows of `chunk` (a _Chunk), adding their objective (objective.epoch_objective, where
+    every option of the loss applies) to the model's gradient and its sums to the tally. The first epoch keeps what
+    the later ones read: the old policy's log-probabilities, the reference's (kl_coef > 0) and the rollout
+    correction's weights."""
     tokens = _Tokens(chunk, device)
     with autocast:  # the log-probabilities are computed in fp32 inside, whatever autocast says
         logp, entropy = forward(model, *tokens.forward_inputs)  # (N,) the sampled tokens' log-probabilities
     correction = _correction_weights(logp, tokens, loss, first, tally)  # (N,), or None (nanochat: no correction)
-    if first:  # on-policy: sum of logp * A / D over the tokens, nanochat's objective
-        objective = on_policy_objective(logp, tokens.per_row("weights", logp.dtype), correction)
+    if first:
         tokens.store(tally.old_logprobs, logp.detach())  # the old policy's, for PPO's later epochs
-    else:
-        objective = _ppo_objective(logp, tokens, loss, correction, tally)
-    if loss.kl_coef > 0:
-        if first:  # the reference's log-probabilities, kept for the later epochs
+        if loss.kl_coef > 0:  # the reference's log-probabilities, kept for the later epochs
             with torch.no_grad(), autocast:
-                ref_logp = forward(reference, *tokens.forward_inputs)[0]
-            tokens.store(tally.ref_logprobs, ref_logp)
-        objective = objective - _kl_penalty(logp, tokens, loss, tally)
-    (-objective).backward()
-    tally.add_chunk(objective, entropy, tokens.count)
+                tokens.store(tally.ref_logprobs, forward(reference, *tokens.forward_inputs)[0])
+    terms = epoch_objective(loss, first, logp, lambda name: tokens.per_row(name, logp.dtype), tokens.row_index,
+                            tokens.num_rows, correction, old_logp=None if first else tokens.gather(tally.old_logprobs),
+                            ref_logp=tokens.gather(tally.ref_logprobs) if loss.kl_coef > 0 else None)
+    (-terms.objective).backward()
+    tally.add_chunk(terms, entropy, tokens.count)
 
 
 def _correction_weights(logp, tokens, loss, first, tally):
@@ -406,25 +408,3 @@ def _correction_weights(logp, tokens, loss, first, tally):
     if weights is not None:
         tokens.store(tally.correction_weights, weights)
     return weights
-
-
-def _ppo_objective(logp, tokens, loss, correction, tally):
-    """ppo_objective of the tokens against the first epoch's log-probabilities (the old policy's); tallies the tokens
-    the clip changed and the k3 estimate of KL(old || current)."""
-    old_logp = tokens.gather(tally.old_logprobs)
-    objective, clipped = ppo_objective(loss, logp, old_logp, tokens.per_row("advantages", logp.dtype),
-                                       tokens.per_row("denominators", logp.dtype), tokens.row_index, tokens.num_rows,
-                                       correction)
-    with torch.no_grad():
-        tally.clipped = tally.clipped + clipped.sum()
-        log_ratio = logp - old_logp
-        tally.approx_kl_sum = tally.approx_kl_sum + (torch.expm1(log_ratio) - log_ratio).sum()
-    return objective
-
-
-def _kl_penalty(logp, tokens, loss, tally):
-    """kl_penalty of the tokens against the reference's log-probabilities as kept (fp32), in every epoch alike;
-    tallies the k3 KL."""
-    kl = k3_kl(logp, tokens.gather(tally.ref_logprobs))  # (N,)
-    tally.kl_ref_sum = tally.kl_ref_sum + kl.detach().sum()
-    return kl_penalty(loss.kl_coef, kl, tokens.per_row("denominators", logp.dtype))

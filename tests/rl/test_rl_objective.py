@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from helpers import TableModel, random_model, tiny_config
 
 from nanochat.rl.advantages import advantages_from_rewards, make_question_batch
-from nanochat.rl.objective import (PolicyLoss, k3_kl, kl_penalty, on_policy_objective, pass_denominators,
+from nanochat.rl.objective import (PolicyLoss, epoch_objective, k3_kl, kl_penalty, on_policy_objective, pass_denominators,
                                    pass_objective, ppo_objective, rollout_correction_weights, sampler_gap,
                                    token_logprobs_and_entropy)
 from nanochat.rl.policy_gradient import accumulate_policy_gradient
@@ -209,3 +209,38 @@ def test_rollout_correction_weights_hand_computed():
                                                       gap, known, row_index, 3, logp.dtype)
         assert weights.tolist() == kept and int(changed) == kept.count(0)
     assert rollout_correction_weights(PolicyLoss(), gap, known, row_index, 3, logp.dtype)[0] is None
+
+
+@pytest.mark.parametrize("first, kl_coef", [(True, 0.0), (True, 0.1), (False, 0.0), (False, 0.1)])
+def test_epoch_objective_composes_each_option_as_written_out_by_hand(first, kl_coef):
+    """objective.epoch_objective, the one place a forward's terms are chosen by the loss's options, against the terms
+    written out here for 4 tokens of 2 rows: the first epoch sum(logp * w * c) (w = A/D, c the correction's weights),
+    a later one PPO's sum(min(rho * A, clip(rho) * A) * c / D) with rho = exp(logp - old), minus kl_coef * sum(k3 / D)
+    with k3 = exp(ref - logp) - (ref - logp) - 1; the tallies: the tokens whose clipped term is the smaller, sum of
+    exp(r) - r - 1 with r = logp - old, sum of k3."""
+    logp = torch.tensor([-1.0, -0.5, -2.0, -0.1], dtype=torch.float64)
+    old = torch.tensor([-1.3, -0.5, -1.0, -0.2], dtype=torch.float64)
+    ref = torch.tensor([-0.9, -0.7, -2.5, -0.1], dtype=torch.float64)
+    rows = {"advantages": torch.tensor([0.5, 0.5, -1.0, -1.0], dtype=torch.float64),
+            "denominators": torch.tensor([4.0, 4.0, 8.0, 8.0], dtype=torch.float64)}
+    rows["weights"] = rows["advantages"] / rows["denominators"]
+    correction = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    loss = PolicyLoss(clip_low=0.2, clip_high=0.28, kl_coef=kl_coef)
+    terms = epoch_objective(loss, first, logp, rows.__getitem__, torch.tensor([0, 0, 1, 1]), 2, correction,
+                            old_logp=None if first else old, ref_logp=ref if kl_coef else None)
+    w, a, d = rows["weights"].tolist(), rows["advantages"].tolist(), rows["denominators"].tolist()
+    lp, o, r, c = logp.tolist(), old.tolist(), ref.tolist(), correction.tolist()
+    if first:
+        want = sum(lp[t] * w[t] * c[t] for t in range(4))
+    else:
+        rho = [math.exp(lp[t] - o[t]) for t in range(4)]
+        clip = [min(max(x, 0.8), 1.28) for x in rho]
+        want = sum(min(rho[t] * a[t], clip[t] * a[t]) * c[t] / d[t] for t in range(4))
+        assert terms.clipped.item() == sum(clip[t] * a[t] < rho[t] * a[t] for t in range(4)) == 2
+        assert terms.approx_kl.item() == pytest.approx(sum(math.exp(lp[t] - o[t]) - (lp[t] - o[t]) - 1 for t in range(4)))
+    k3 = [math.exp(r[t] - lp[t]) - (r[t] - lp[t]) - 1 for t in range(4)]
+    want -= kl_coef * sum(k3[t] / d[t] for t in range(4))
+    assert terms.objective.item() == pytest.approx(want, rel=1e-12)
+    assert (terms.clipped is None) == first and (terms.kl_ref is None) == (kl_coef == 0)
+    if kl_coef:
+        assert terms.kl_ref.item() == pytest.approx(sum(k3))
