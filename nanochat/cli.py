@@ -24,7 +24,7 @@ from nanochat.rl.config import GROUPS, RLConfig
 from nanochat.rl.resume import NoStartCheckpointError, ResumeError, RunExistsError
 from nanochat.rl.run import NonFiniteStepsError
 from nanochat.runtime.distributed import cleanup_after_error, get_rank
-from nanochat.settings import SHARED
+from nanochat.settings import SCRIPT_DEFAULTS, SHARED
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
 from nanochat.tokenizer import TokenizerError
 from nanochat.wandb_utils import WandbStartError
@@ -66,10 +66,13 @@ def add_shared(parser, *names):
     return add_settings(parser, {name: SHARED[name] for name in names})
 
 
-def add_shared_flag(parser, name, *aliases, **changes):
-    """The flag of the shared setting `name` as this script declares it: the setting with `changes` (its own help; only
-    where the script's differs on purpose, its own default: Setting.varied), and `aliases`, its other option strings,
-    before its name (chat_cli's -t --temperature; the first long one names the value). Returns the parser."""
+def add_shared_flag(parser, name, *aliases, script=None, **changes):
+    """The flag of the shared setting `name` as `script` declares it: the setting with `changes` (its own help:
+    Setting.varied) and, where the script's default differs on purpose, SCRIPT_DEFAULTS' (settings.py), and `aliases`,
+    its other option strings, before its name (chat_cli's -t --temperature; the first long one names the value).
+    Returns the parser."""
+    own = SCRIPT_DEFAULTS.get(script, {})
+    changes = {"default": own[name], **changes} if name in own else changes
     parser.add_argument(*aliases, flag_name(name), **SHARED[name].varied(**changes).argparse_kwargs())
     return parser
 

@@ -93,11 +93,11 @@ def build_parser():
     add = p.add_argument
     add("--configs", default="", help=f"comma-separated subset of {', '.join(CONFIGS)} (empty: all that run at speed here)")
     add("--output", default="bench_rl.json", help="where to write every number as JSON")
-    add_shared_flag(p, "source", default="", typed=False, help="empty: a random-init model of --depth; sft|rl: load that "
+    add_shared_flag(p, "source", script="bench_rl", typed=False, help="empty: a random-init model of --depth; sft|rl: load that "
                                                                "checkpoint")
     add_shared_flag(p, "model_tag", typed=False, help="with --source: model tag to load (default: the largest d<N>)")
     add_shared_flag(p, "model_step", help="with --source: checkpoint step (default: the last one)")
-    add_shared_flag(p, "seed", default=42, help="seed of the random-init model")
+    add_shared_flag(p, "seed", script="bench_rl", help="seed of the random-init model")
     add("--depth", type=int, default=4, help="layers of the random-init model (width 64 * depth, heads of 64)")
     add("--vocab-size", type=int, default=8192, help="its vocabulary ($NANOCHAT_BASE_DIR/tokenizer's, or a GSM8K BPE's)")
     add("--sequence-len", type=int, default=1024, help="its context length")

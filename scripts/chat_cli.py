@@ -53,10 +53,10 @@ def build_parser():
     add_model_generation_flag(p)
     # chat: chat_cli's own temperature and seed (T=0.6 as nanochat's chat_cli; the evals sample at the shared T=1)
     p.add_argument("-p", "--prompt", type=str, default="", help="answer this one question, print the answer and exit")
-    add_shared_flag(p, "temperature", "-t", default=0.6)
+    add_shared_flag(p, "temperature", "-t", script="chat_cli")
     add_shared_flag(p, "top_k", "-k")
     add_shared_flag(p, "max_new_tokens", help="answer length cap in tokens")
-    add_shared_flag(p, "seed", default=42, help="sampling seed; the session's t-th answer uses seed + t")
+    add_shared_flag(p, "seed", script="chat_cli", help="sampling seed; the session's t-th answer uses seed + t")
     # runtime
     add_shared(p, "device_type", "calculator_format")
     add_shared_flag(p, "dtype", "-d", help="float32|bfloat16; default: $NANOCHAT_DTYPE, else bfloat16")

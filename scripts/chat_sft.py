@@ -75,9 +75,9 @@ def build_parser():
     # logging and runtime
     add_runtime_flags(p)
     add_compile_flag(p)
-    add_shared_flag(p, "seed", default=42, help="seed for the model init and the example order")
+    add_shared_flag(p, "seed", script="chat_sft", help="seed for the model init and the example order")
     # model to start from (nanochat's SFT finetunes the midtrained model)
-    add_shared_flag(p, "source", default="mid", help="checkpoint family to finetune: base|mid|sft (unused with --depth)")
+    add_shared_flag(p, "source", script="chat_sft", help="checkpoint family to finetune: base|mid|sft (unused with --depth)")
     add_shared(p, "model_tag", "model_step")
     add_model_generation_flag(p)
     p.add_argument("--depth", type=int, default=0,

@@ -44,7 +44,7 @@ def build_parser():
     p.add_argument("--steps", type=int, default=50, help="RL steps per run")
     p.add_argument("--eval-every", type=int, default=25, help="pass@1 eval period (also step 0 and the last step)")
     p.add_argument("--eval-examples", type=int, default=200, help="held-out questions per eval")
-    add_shared_flag(p, "device_type", default="cpu", help="cuda|cpu|mps")  # small runs, meant for a CPU
+    add_shared_flag(p, "device_type", script="rl_variants", help="cuda|cpu|mps")
     p.add_argument("--output", type=str, default=None,
                    help="the comparison PNG; default $NANOCHAT_BASE_DIR/report/rl_variants.png")
     add_debug_flag(p)  # passed on to the chat_rl runs

@@ -22,7 +22,7 @@ from nanochat.rl.config import RLConfig
 from nanochat.rl.plan import RunPlan, run_rollout_spec
 from nanochat.rl.rollout import longest_prompt
 from nanochat.rl.run import auto_compile_step, build_run
-from nanochat.settings import SHARED
+from nanochat.settings import SCRIPT_DEFAULTS, SHARED
 from tasks.arithmetic import Arithmetic
 
 CONFIG_FIELDS = set(RLConfig.__dataclass_fields__)
@@ -83,6 +83,21 @@ def test_the_scan_finds_a_shared_flag_declared_by_hand():
                        'add_shared_flag(p, "top_k", "-k")\n')
     assert declared_outside_their_settings("scripts/made_up.py", script) == [
         "scripts/made_up.py:1 ['--temperature']", "scripts/made_up.py:3 ['--seed']"]
+
+
+def test_a_scripts_own_defaults_are_the_tables_not_literals():
+    """A shared flag whose default a script changes on purpose takes it from settings.SCRIPT_DEFAULTS (by script and
+    setting), never from a default= of its own in the add_shared_flag call; the table names real scripts and shared
+    settings, and each script that has an entry declares the flags it names."""
+    literal = [f"{path}:{call.lineno}" for path, tree in sources("scripts") for call in calls_named(tree, "add_shared_flag")
+               if any(k.arg == "default" for k in call.keywords)]
+    assert literal == []
+    for script, defaults in SCRIPT_DEFAULTS.items():
+        assert set(defaults) <= set(SHARED) and (REPO / "scripts" / f"{script}.py").is_file()
+        tree = ast.parse((REPO / "scripts" / f"{script}.py").read_text())
+        named = {call.args[1].value for call in calls_named(tree, "add_shared_flag")
+                 if any(k.arg == "script" and getattr(k.value, "value", None) == script for k in call.keywords)}
+        assert named == set(defaults), script
 
 
 def test_no_script_imports_another_script():
