@@ -209,7 +209,7 @@ def setup_run(config, resume, rank, world_size, device):
                    keep_last=resolve_keep_last(config, meta),
                    spec=run_rollout_spec(config, device, compiling, auto_compile, budget))
     engine = Engine(model, tokenizer, spec=plan.spec)
-    size_for_prompts(engine, tokenizer, (train_task, val_task, *(task for _, task in extra_eval_tasks)))
+    size_for_prompts(engine, tokenizer, train_task, val_task, extra_eval_tasks)
     describe_plan(plan, config, rows)
     if plan.spec.decode != "eager":
         print0(f"rollouts: static batch sized for prompts of up to {engine.prompt_floor} tokens (the task's longest)")
@@ -252,10 +252,12 @@ def build_run(config, plan, model, tokenizer, engine, optimizers, tasks, device,
     return run
 
 
-def size_for_prompts(engine, tokenizer, tasks):
-    """A static batch of the run's engine sized for every prompt of `tasks`, --eval-tasks' too (one batch for the
-    run, its graphs captured once, not rebuilt for an eval's longer prompts); nothing to size in the eager mode."""
+def size_for_prompts(engine, tokenizer, train_task, val_task, extra_eval_tasks):
+    """A static batch of the run's engine sized for every prompt of the tasks it samples, --eval-tasks' ((name, task),
+    ...) too (one batch for the run, its graphs captured once, not rebuilt for an eval's longer prompts); nothing to
+    size in the eager mode."""
     if engine.spec.decode != "eager":
+        tasks = (train_task, val_task, *(task for _, task in extra_eval_tasks))
         engine.reserve_prompt_length(longest_prompt(tokenizer, *tasks))
 
 
@@ -284,8 +286,7 @@ def auto_compile_step(run, step, t_rollout, t_train):
             run.plan = dataclasses.replace(run.plan, spec=run.plan.spec.with_step_compiled(on, run.config.decode,
                                                                                            run.device))
             run.engine.reconfigure(run.plan.spec)
-            size_for_prompts(run.engine, run.tokenizer,
-                             (run.train_task, run.val_task, *(task for _, task in run.extra_eval_tasks)))
+            size_for_prompts(run.engine, run.tokenizer, run.train_task, run.val_task, run.extra_eval_tasks)
 
 
 def give_back_rollout_memory(engine):
