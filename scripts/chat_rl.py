@@ -45,11 +45,10 @@ def evaluate(run, step):
     --eval-tasks' (a field each on the line, their keys prefixed with the task's name); logged."""
     run.model.eval()
     t0 = time.time()
-    with run.autocast(rollouts=True):
-        # sampled as nanochat's eval samples (nanochat/rl/evaluation.py), whatever the rollouts' flags
-        passk, *extra = [evaluate_pass_at_k(run.engine, task, run.config.eval_examples, run.config.device_batch_size,
-                                            device=run.reduce_device)[0]
-                         for task in [run.val_task] + [t for _, t in run.extra_eval_tasks]]
+    # sampled as nanochat's eval samples (nanochat/rl/evaluation.py), whatever the rollouts' flags, in their dtype
+    passk, *extra = [evaluate_pass_at_k(run.engine, task, run.config.eval_examples, run.config.device_batch_size,
+                                        device=run.reduce_device)[0]
+                     for task in [run.val_task] + [t for _, t in run.extra_eval_tasks]]
     t_eval = time.time() - t0
     # what compiled since the last step line is the eval's own (its batch's shapes): said here, not in the next step's
     # line, and left out of the ETA, which counts what every later eval costs

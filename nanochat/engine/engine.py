@@ -18,6 +18,7 @@ The engine knows nothing about text beyond the special-token ids it needs for th
 token ids in, token ids and masks out. Sampling (per-row random streams) is nanochat/model/sampling.py.
 """
 
+import contextlib
 import math
 from functools import partial
 
@@ -199,8 +200,8 @@ class Engine(NanochatGenerate, RolloutMemory):
     place. With share_prompts (the default) a prompt's keys and values are stored once for all its rows
     (SharedPromptKVCache: more rows fit, fewer bytes read per token); without, each row holds a copy, as
     nanochat does. Row r of a prompt with seed s samples with its own stream row_seed(s, r), so its output
-    does not depend on the batch it shares. Under bf16/fp16 autocast the forwards use the matmul weights cast once
-    per rollout (DecodeWeights). The keywords are nanochat's and RolloutSpec's fields as resolve_rollout_spec takes
+    does not depend on the batch it shares. Under bf16/fp16 autocast (its spec's dtype, else its caller's) the forwards
+    use the matmul weights cast once per rollout (DecodeWeights). The keywords are nanochat's and RolloutSpec's fields as resolve_rollout_spec takes
     them (spec.py: compile, a compiling/plan.py mode or True/False, whether the static decode step runs compiled,
     with dynamic shapes: STATIC_STEP_DYNAMIC); `spec`, a RolloutSpec resolved already (a run's plan's), takes
     their place. What the engine holds between rollouts is RolloutMemory's.
@@ -208,12 +209,12 @@ class Engine(NanochatGenerate, RolloutMemory):
 
     def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=FIXED_GB, share_prompts=True, decode="auto",
                  compile="off", prefill_tokens=PREFILL_TOKENS, lag=None, calculator_format=DEFAULT_FORMAT,
-                 prompt_attention="explicit", spec=None):
+                 prompt_attention="explicit", dtype=None, spec=None):
         self.model, self.tokenizer, self.special = model, tokenizer, SpecialIds(tokenizer)
         self.spec = spec or resolve_rollout_spec(  # an unusable setting fails here, not at a rollout
             model.get_device(), decode, compile, lag, max_rows=max_rows, memory_budget_gb=memory_budget_gb,
             share_prompts=share_prompts, prompt_attention=prompt_attention, calculator_format=calculator_format,
-            prefill_tokens=prefill_tokens)
+            prefill_tokens=prefill_tokens, dtype=dtype)
         self.step = decode_step_function(model, self.spec)
         self.max_rows = self.spec.max_rows  # halved where a rollout runs out of memory (run_within_memory)
         self.kept = KeptBatches()  # between rollouts (see _new_batch); release() drops them
@@ -298,10 +299,31 @@ class Engine(NanochatGenerate, RolloutMemory):
         keep = KeptBatch(shape, batch, cache_bytes(batch.cache), not limit and rows < samples) if plan.static else None
         return batch, keep
 
-    @torch.no_grad()
+    def decoding_precision(self):
+        """The autocast the engine decodes under: its spec's dtype (float32: none, whatever its caller's), or where
+        the spec names none, its caller's (nanochat's Engine decodes under the script's autocast)."""
+        if self.spec.dtype is None:
+            return contextlib.nullcontext()
+        device_type = self.model.get_device().type
+        if self.spec.dtype == "float32":
+            return torch.autocast(device_type, enabled=False)
+        return torch.autocast(device_type, dtype=getattr(torch, self.spec.dtype))
+
     def _rollout(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows=None, lag=None):
-        """The decode loop every API adapts. Yields, per step, the events [(row, token, mask)] of the rows
-        that emitted a token; a row whose `finished` is set has just left the batch (once). lag: None: the engine's."""
+        """The decode loop every API adapts (_decode_loop), each of its steps run in the engine's precision
+        (decoding_precision), entered step by step: between steps the caller runs under its own autocast."""
+        steps = self._decode_loop(prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows, lag)
+        while True:
+            with self.decoding_precision():
+                events = next(steps, None)
+            if events is None:
+                return
+            yield events
+
+    @torch.no_grad()
+    def _decode_loop(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows, lag):
+        """Yields, per step, the events [(row, token, mask)] of the rows that emitted a token; a row whose `finished`
+        is set has just left the batch (once). lag: None: the engine's."""
         check_rollout_arguments(prompts, num_samples, temperature)
         longest = max(len(p) for p in prompts)
         if max_tokens is None:

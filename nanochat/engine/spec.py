@@ -1,6 +1,6 @@
 """
 How an engine runs its rollouts, resolved once: RolloutSpec, what an Engine is built from (its decode mode, whether
-its static step is compiled, the KV caches' memory budget, the rows it decodes at once at most, the shared prompts'
+its static step is compiled, the dtype it decodes in, the KV caches' memory budget, the rows it decodes at once at most, the shared prompts'
 attention, the calculator's format, a prefill's positions, the host's lag behind the device), and
 resolve_rollout_spec, the one function that resolves it from a script's settings. A chat_rl run's plan holds its spec
 (nanochat/rl/plan.py's RunPlan) and prints it (RolloutSpec.describe); where --compile=auto switches the decode step
@@ -50,6 +50,7 @@ AUTO = "auto"
 FIXED_GB = 4.0  # off CUDA, and the budget nanochat-rl had everywhere before "auto"
 FRACTION = 0.9
 GiB = 1 << 30
+ROLLOUT_DTYPES = (None, "float32", "bfloat16", "float16")  # None: the caller's autocast
 
 
 def check_calculator_format(style):
@@ -71,9 +72,13 @@ class RolloutSpec:
     calculator_format: str = DEFAULT_FORMAT  # how a tool result is written (calculator.format_result)
     prefill_tokens: int = PREFILL_TOKENS  # positions one prefill forward takes at most (1: one prompt at a time)
     lag: bool = False                  # the host one step behind the device (DecodeBatch.decode_step)
+    dtype: Optional[str] = None        # what it decodes in (float32, bfloat16, float16: the engine's own autocast,
+    #                                    Engine.decoding_precision); None: its caller's autocast, as nanochat's Engine
 
     def __post_init__(self):
         check_calculator_format(self.calculator_format)
+        if self.dtype not in ROLLOUT_DTYPES:
+            raise ValueError(f"a rollout dtype must be one of {', '.join(map(str, ROLLOUT_DTYPES))}, got {self.dtype!r}")
         check_prompt_attention(self.prompt_attention, self.share_prompts)
 
     def describe(self):

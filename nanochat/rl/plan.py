@@ -214,14 +214,16 @@ def describe_plan(plan, config, rows):
            f"({'--train-rows' if config.train_rows else 'auto'}; the same gradient for any count)")
 
 
-def run_rollout_spec(config, device, compiling, auto_compile, memory_budget_gb):
+def run_rollout_spec(config, device, compiling, auto_compile, memory_budget_gb, rollout_dtype):
     """The RolloutSpec of the run's engine at its start (the engine's resolve_rollout_spec, from the config and the
     plan's values): its static step compiled where the CompilePlan `compiling` compiles it (--compile=on: graph stays
     graph on CUDA), or where --compile=auto switched it before the resumed step (a CPU run: the static step then, as
-    the switch makes it, RolloutSpec.with_step_compiled); in the plan's memory budget."""
+    the switch makes it, RolloutSpec.with_step_compiled); in the plan's memory budget and rollout dtype (the engine
+    decodes in it, its steps' and evals' alike, whatever autocast the run trains under)."""
     compiled = bool(compiling.decode) or bool(auto_compile is not None and auto_compile.compiled_now("decode"))
     return resolve_rollout_spec(device, config.decode, compiled, max_rows=config.max_rows or None,
-                                memory_budget_gb=memory_budget_gb, calculator_format=config.calculator_format)
+                                memory_budget_gb=memory_budget_gb, calculator_format=config.calculator_format,
+                                dtype=rollout_dtype)
 
 
 def auto_compile_of(resolved, model, parts, compiling, num_steps, start_step, meta, rank):

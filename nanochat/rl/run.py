@@ -207,7 +207,7 @@ def setup_run(config, resume, rank, world_size, device):
                                   prompt_tokens=longest_prompt(tokenizer, train_task) if device.type == "cuda" else 0)
     plan = RunPlan(**resolved, memory_budget_gb=budget, output_tag=output_tag,
                    keep_last=resolve_keep_last(config, meta),
-                   spec=run_rollout_spec(config, device, compiling, auto_compile, budget))
+                   spec=run_rollout_spec(config, device, compiling, auto_compile, budget, resolved["rollout_dtype"]))
     engine = Engine(model, tokenizer, spec=plan.spec)
     size_for_prompts(engine, tokenizer, train_task, val_task, extra_eval_tasks)
     describe_plan(plan, config, rows)
@@ -234,6 +234,9 @@ def build_run(config, plan, model, tokenizer, engine, optimizers, tasks, device,
     the meta `resumed`) and, given a checkpoint_dir, its checkpointer and --save-rollouts log. steps: (start step,
     number of steps); rows: rows per training forward; ranks: (rank, world size); fixed: more of RLRun's fields."""
     (start_step, num_steps), (rank, world_size) = steps, ranks
+    if engine.spec.dtype != plan.rollout_dtype:  # its steps' rollouts and evals sample in it, under no one's autocast
+        raise ValueError(f"a run's engine decodes in its plan's rollout dtype {plan.rollout_dtype}, not "
+                         f"{engine.spec.dtype}: build it with dtype={plan.rollout_dtype!r}")
     progress = RunProgress() if resumed is None else RunProgress.restored(resumed, start_step, config.examples_per_step)
     required = plan.compile == "on" if required is None else required
     run = RLRun(config=config, plan=plan, model=model, tokenizer=tokenizer, optimizers=optimizers,
@@ -324,10 +327,9 @@ def sample_draw(run, step, position, draw):
     sampling = Sampling(num_samples=cfg.num_samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                         top_k=cfg.top_k)
 
-    def sample():
-        with run.autocast(rollouts=True):
-            return sample_questions(run.engine, run.train_task, indices, [question_seed(step, i, draw) for i in indices],
-                                    sampling, scale_by_std=cfg.advantage_std, label=f"step {step} rollouts")
+    def sample():  # in the plan's rollout dtype (the engine's spec)
+        return sample_questions(run.engine, run.train_task, indices, [question_seed(step, i, draw) for i in indices],
+                                sampling, scale_by_std=cfg.advantage_std, label=f"step {step} rollouts")
     run.model.eval()
     # out of memory, the engine gives back what it keeps from other rollouts, then halves its rows
     return run.engine.run_within_memory(sample, "out of memory during rollouts: retrying with --max-rows={rows}")

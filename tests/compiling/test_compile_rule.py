@@ -291,7 +291,7 @@ def test_the_engine_decodes_in_the_resolved_mode_unless_auto_switched_before_the
     config = lambda decode: SimpleNamespace(decode=decode, max_rows=0, calculator_format="str")  # noqa: E731
 
     def spec(decode, device, compiling, auto_compile):
-        return run_rollout_spec(config(decode), torch.device(device), compiling, auto_compile, 4.0)
+        return run_rollout_spec(config(decode), torch.device(device), compiling, auto_compile, 4.0, "float32")
     on = CompilePlan(True, True, "--compile=on")
     recording_on = AutoCompile({"decode": PartRule("decode", KEY, 4)}, 100, ledger, compiled=("decode",))
     assert (spec("auto", "cuda", on, recording_on).decode, spec("auto", "cuda", on, recording_on).compiled) == (

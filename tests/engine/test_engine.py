@@ -277,3 +277,36 @@ def test_the_calculator_format_writes_integral_floats_as_nanochat_or_as_ints(tin
     assert forced == {"str": "<|output_start|>5.0<|output_end|>", "int": "<|output_start|>5<|output_end|>"}
     with pytest.raises(ValueError, match="calculator_format must be one of str, int, got 'float'"):
         Engine(random_model(tiny_config()), tok, calculator_format="float")
+
+
+def _sampled(engine, prompts):
+    out = engine.generate_many(prompts, num_samples=3, max_tokens=10, temperature=1.0, top_k=20, seeds=[5, 6])
+    return [[(c.tokens, c.masks, c.logprobs) for c in per] for per in out]
+
+
+def test_an_engine_of_a_dtype_decodes_in_it_whatever_its_callers_autocast(tiny_model, tiny_tokenizer):
+    """An engine whose spec names a dtype (a chat_rl run's: --rollout-dtype) decodes in it on its own: bitwise the
+    rollouts of an engine without one under its caller's autocast to that dtype, and in float32 whatever autocast
+    its caller runs under; without one it takes its caller's (nanochat's Engine)."""
+    prompts = [prompt_of(tiny_tokenizer, q) for q in ["Natalia sold 48 clips", "Weng earns"]]
+    fp32 = _sampled(Engine(tiny_model, tiny_tokenizer), prompts)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = _sampled(Engine(tiny_model, tiny_tokenizer), prompts)
+        assert _sampled(Engine(tiny_model, tiny_tokenizer, dtype="float32"), prompts) == fp32
+    assert bf16 != fp32  # the two precisions are told apart
+    assert _sampled(Engine(tiny_model, tiny_tokenizer, dtype="bfloat16"), prompts) == bf16
+
+
+def test_the_engines_dtype_does_not_reach_its_caller_between_steps(tiny_model, tiny_tokenizer):
+    """The engine enters its dtype's autocast for each decode step and leaves it before yielding (generate streams
+    its steps to the caller): the caller's code between steps runs under its own autocast, not the engine's."""
+    engine = Engine(tiny_model, tiny_tokenizer, dtype="bfloat16")
+    seen = [torch.is_autocast_enabled("cpu") for _ in engine.generate(prompt_of(tiny_tokenizer, "a b"), num_samples=2,
+                                                                      max_tokens=6, seed=1)]
+    assert seen and not any(seen)
+
+
+def test_a_rollout_spec_refuses_a_dtype_it_cannot_decode_in():
+    from nanochat.engine.spec import RolloutSpec
+    with pytest.raises(ValueError, match="rollout dtype must be one of"):
+        RolloutSpec(dtype="bf16")

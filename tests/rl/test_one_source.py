@@ -10,6 +10,7 @@
 
 import ast
 
+import pytest
 import torch
 from helpers import REPO, random_model, tiny_config
 
@@ -217,7 +218,7 @@ def test_the_engine_runs_the_plans_spec_after_an_auto_switch(tiny_tokenizer):
     model = random_model(tiny_config(vocab_size=tiny_tokenizer.get_vocab_size()))
     measured = CompilePlan(False, False, "auto on a CPU", measured=True)
     plan = RunPlan(dtype="float32", rollout_dtype="float32", decode="eager", compile="auto", memory_budget_gb=4.0,
-                   output_tag="d2", keep_last=0, spec=run_rollout_spec(config, cpu, measured, None, 4.0))
+                   output_tag="d2", keep_last=0, spec=run_rollout_spec(config, cpu, measured, None, 4.0, "float32"))
     task = Arithmetic(size=4)
     engine = Engine(model, tiny_tokenizer, spec=plan.spec)
     run = build_run(config, plan, model, tiny_tokenizer, engine, [], (task, task), cpu, steps=(0, 10), rows=4,
@@ -257,3 +258,19 @@ def test_no_error_raised_below_the_config_names_a_flag():
     found = [f"{path}:{line} {text!r}" for path, tree in sources("nanochat", "tasks") if path not in FLAG_SOURCES
              for line, text in raised_texts(tree) if "--" in text]
     assert found == []
+
+
+def test_a_runs_engine_must_decode_in_the_plans_rollout_dtype(tiny_tokenizer):
+    """The plan's rollout dtype is the one the run's engine decodes in (its spec's: the rollouts and evals take no
+    autocast from the run); an engine built otherwise is refused where the run is made, naming the fix."""
+    cpu, config = torch.device("cpu"), RLConfig(device_type="cpu")
+    model = random_model(tiny_config(vocab_size=tiny_tokenizer.get_vocab_size()))
+    plan = RunPlan(dtype="bfloat16", rollout_dtype="bfloat16", decode="eager", compile="off", memory_budget_gb=4.0,
+                   output_tag="d2", keep_last=0)
+    task = Arithmetic(size=4)
+    with pytest.raises(ValueError, match="build it with dtype='bfloat16'"):
+        build_run(config, plan, model, tiny_tokenizer, Engine(model, tiny_tokenizer), [], (task, task), cpu,
+                  steps=(0, 10), rows=4, compiled=False)
+    run = build_run(config, plan, model, tiny_tokenizer, Engine(model, tiny_tokenizer, dtype="bfloat16"), [],
+                    (task, task), cpu, steps=(0, 10), rows=4, compiled=False)
+    assert run.engine.spec.dtype == run.plan.rollout_dtype
