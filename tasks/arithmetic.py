@@ -114,7 +114,7 @@ class _Rejected(Exception):
 class _Problem:
     """Builds one problem: question sentences (each with the person it is about, for pronouns) and the
     reference solution's calculator steps, in solution order. render_question turns the sentences into the
-    question's text."""
+    question's text, render_solution the steps into the reference answer."""
 
     def __init__(self, rng, level):
         self.rng, self.level = rng, level
@@ -255,17 +255,6 @@ class _Problem:
             return f"How many dollars does {who} get?"
         raise ValueError(kind)
 
-    def solution_parts(self):
-        """The reference answer in GSM8K's parsed form: text, python, python_output per step, then "#### N"."""
-        parts, text = [], ""
-        for lead, expr, output, tail in self.steps:
-            parts.append({"type": "text", "text": text + lead})
-            parts.append({"type": "python", "text": expr})
-            parts.append({"type": "python_output", "text": output})
-            text = tail
-        parts.append({"type": "text", "text": f"{text}#### {self.value}"})
-        return parts
-
 
 def _distractors(problem, count):
     """`count` different sentences with irrelevant numbers (different, so that none contradicts another)."""
@@ -278,6 +267,18 @@ def _distractors(problem, count):
              (problem.main, "{S} is in a class of %s kids.")]
     return [{"subject": subject, "text": text % problem.num(problem.draw(2, 99)), "tag": "distractor"}
             for subject, text in problem.rng.sample(kinds, count)]
+
+
+def render_solution(problem):
+    """The reference answer in GSM8K's parsed form: text, python, python_output per step, then "#### N"."""
+    parts, text = [], ""
+    for lead, expr, output, tail in problem.steps:
+        parts.append({"type": "text", "text": text + lead})
+        parts.append({"type": "python", "text": expr})
+        parts.append({"type": "python_output", "text": output})
+        text = tail
+    parts.append({"type": "text", "text": f"{text}#### {problem.value}"})
+    return parts
 
 
 def render_question(problem, question):
@@ -353,7 +354,7 @@ def generate(rng, difficulty):
             question = problem.final(final)
         except _Rejected:
             continue
-        return render_question(problem, question), problem.solution_parts()
+        return render_question(problem, question), render_solution(problem)
     raise RuntimeError(f"could not draw an arithmetic problem at difficulty {difficulty} in {MAX_DRAWS} tries")
 
 

@@ -18,7 +18,6 @@ The engine knows nothing about text beyond the special-token ids it needs for th
 token ids in, token ids and masks out. Sampling (per-row random streams) is nanochat/model/sampling.py.
 """
 
-import contextlib
 import math
 from functools import partial
 
@@ -299,22 +298,12 @@ class Engine(NanochatGenerate, RolloutMemory):
         keep = KeptBatch(shape, batch, cache_bytes(batch.cache), not limit and rows < samples) if plan.static else None
         return batch, keep
 
-    def decoding_precision(self):
-        """The autocast the engine decodes under: its spec's dtype (float32: none, whatever its caller's), or where
-        the spec names none, its caller's (nanochat's Engine decodes under the script's autocast)."""
-        if self.spec.dtype is None:
-            return contextlib.nullcontext()
-        device_type = self.model.get_device().type
-        if self.spec.dtype == "float32":
-            return torch.autocast(device_type, enabled=False)
-        return torch.autocast(device_type, dtype=getattr(torch, self.spec.dtype))
-
     def _rollout(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows=None, lag=None):
-        """The decode loop every API adapts (_decode_loop), each of its steps run in the engine's precision
-        (decoding_precision), entered step by step: between steps the caller runs under its own autocast."""
+        """The decode loop every API adapts (_decode_loop), each of its steps run under the spec's autocast
+        (RolloutSpec.autocast), entered step by step: between steps the caller runs under its own."""
         steps = self._decode_loop(prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows, lag)
         while True:
-            with self.decoding_precision():
+            with self.spec.autocast(self.model.get_device()):
                 events = next(steps, None)
             if events is None:
                 return

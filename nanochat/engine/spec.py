@@ -32,6 +32,7 @@ The arithmetic is `plan_budget`, a pure function of byte counts; `resolve_memory
 returns the GiB the spec takes, with the line that states how it was chosen.
 """
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
@@ -73,13 +74,22 @@ class RolloutSpec:
     prefill_tokens: int = PREFILL_TOKENS  # positions one prefill forward takes at most (1: one prompt at a time)
     lag: bool = False                  # the host one step behind the device (DecodeBatch.decode_step)
     dtype: Optional[str] = None        # what it decodes in (float32, bfloat16, float16: the engine's own autocast,
-    #                                    Engine.decoding_precision); None: its caller's autocast, as nanochat's Engine
+    #                                    see autocast); None: its caller's autocast, as nanochat's Engine
 
     def __post_init__(self):
         check_calculator_format(self.calculator_format)
         if self.dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"a rollout dtype must be one of {', '.join(map(str, ROLLOUT_DTYPES))}, got {self.dtype!r}")
         check_prompt_attention(self.prompt_attention, self.share_prompts)
+
+    def autocast(self, device):
+        """The autocast an engine of this spec decodes under on `device`: its dtype's (float32: none, whatever its
+        caller's), or where it names none, its caller's (nanochat's Engine decodes under the script's autocast)."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        if self.dtype == "float32":
+            return torch.autocast(device.type, enabled=False)
+        return torch.autocast(device.type, dtype=getattr(torch, self.dtype))
 
     def describe(self):
         """The line a run prints about its rollouts' decode step."""
@@ -167,6 +177,15 @@ class MemoryPlan:
     @property
     def budget_gb(self):
         return self.budget_bytes / GiB
+
+    def autocast(self, device):
+        """The autocast an engine of this spec decodes under on `device`: its dtype's (float32: none, whatever its
+        caller's), or where it names none, its caller's (nanochat's Engine decodes under the script's autocast)."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        if self.dtype == "float32":
+            return torch.autocast(device.type, enabled=False)
+        return torch.autocast(device.type, dtype=getattr(torch, self.dtype))
 
     def describe(self):
         gb = lambda n: f"{n / GiB:.1f} GiB"

@@ -374,37 +374,36 @@ class _Tokens:
 
 def _backward_chunk(model, chunk, loss, first, reference, device, autocast, tally, forward):
     """Forward and backward the rows of `chunk` (a _Chunk), adding their objective (objective.epoch_objective, where
-    every option of the loss applies) to the model's gradient and its sums to the tally. The first epoch keeps what
-    the later ones read: the old policy's log-probabilities, the reference's (kl_coef > 0) and the rollout
-    correction's weights."""
+    every option of the loss applies) to the model's gradient and its sums to the tally."""
     tokens = _Tokens(chunk, device)
     with autocast:  # the log-probabilities are computed in fp32 inside, whatever autocast says
         logp, entropy = forward(model, *tokens.forward_inputs)  # (N,) the sampled tokens' log-probabilities
-    correction = _correction_weights(logp, tokens, loss, first, tally)  # (N,), or None (nanochat: no correction)
-    if first:
-        tokens.store(tally.old_logprobs, logp.detach())  # the old policy's, for PPO's later epochs
-        if loss.kl_coef > 0:  # the reference's log-probabilities, kept for the later epochs
-            with torch.no_grad(), autocast:
-                tokens.store(tally.ref_logprobs, forward(reference, *tokens.forward_inputs)[0])
+    correction, old_logp, ref_logp = _epoch_inputs(logp, tokens, loss, first, tally, reference, autocast, forward)
     terms = epoch_objective(loss, first, logp, lambda name: tokens.per_row(name, logp.dtype), tokens.row_index,
-                            tokens.num_rows, correction, old_logp=None if first else tokens.gather(tally.old_logprobs),
-                            ref_logp=tokens.gather(tally.ref_logprobs) if loss.kl_coef > 0 else None)
+                            tokens.num_rows, correction, old_logp=old_logp, ref_logp=ref_logp)
     (-terms.objective).backward()
     tally.add_chunk(terms, entropy, tokens.count)
 
 
-def _correction_weights(logp, tokens, loss, first, tally):
-    """(N,) the rollout correction's weight of each token, or None (no correction, or no sampler log-probability
-    known). The first epoch measures the gap to the sampler (tallied, with or without a correction) and keeps the
-    weights; a later epoch reuses them: the policy that sampled is the first epoch's."""
+def _epoch_inputs(logp, tokens, loss, first, tally, reference, autocast, forward):
+    """What this epoch's objective reads beside the policy's log-probabilities logp (N,), each (N,) or None: the
+    rollout correction's weights (None: no correction, or no sampler log-probability known), the old policy's
+    log-probabilities (later epochs) and the reference's (kl_coef > 0). The first epoch measures and keeps them
+    (the tally's stores, for the later epochs: the policy that sampled is the first epoch's) and tallies the gap to
+    the sampler, with or without a correction; a later epoch reads them back."""
+    kl = loss.kl_coef > 0
     if not first:
-        return None if tally.correction_weights is None else tokens.gather(tally.correction_weights)
-    sampler = tokens.sampler_logprobs()
-    if sampler is None:
-        return None
-    gap, known = sampler_gap(logp.detach(), sampler)
-    weights, changed = rollout_correction_weights(loss, gap, known, tokens.row_index, tokens.num_rows, logp.dtype)
-    tally.add_gap(gap, known, changed)
-    if weights is not None:
-        tokens.store(tally.correction_weights, weights)
-    return weights
+        weights = None if tally.correction_weights is None else tokens.gather(tally.correction_weights)
+        return weights, tokens.gather(tally.old_logprobs), tokens.gather(tally.ref_logprobs) if kl else None
+    weights, sampler = None, tokens.sampler_logprobs()
+    if sampler is not None:
+        gap, known = sampler_gap(logp.detach(), sampler)
+        weights, changed = rollout_correction_weights(loss, gap, known, tokens.row_index, tokens.num_rows, logp.dtype)
+        tally.add_gap(gap, known, changed)
+        if weights is not None:
+            tokens.store(tally.correction_weights, weights)
+    tokens.store(tally.old_logprobs, logp.detach())
+    if kl:
+        with torch.no_grad(), autocast:
+            tokens.store(tally.ref_logprobs, forward(reference, *tokens.forward_inputs)[0])
+    return weights, None, tokens.gather(tally.ref_logprobs) if kl else None
