@@ -1,6 +1,6 @@
 """
 What one of chat_rl's pass@k evals costs, with its prompts prefilled several at a time (the engine's default,
-nanochat.engine.decode_batch.PREFILL_TOKENS positions a forward) and one at a time (as before), side by side on the
+nanochat.engine.scheduler.PREFILL_TOKENS positions a forward) and one at a time (as before), side by side on the
 same model and questions, alternately, so that both see the same machine, with one engine (one static batch, its
 graphs captured once). Both sample from the same seeds, so they sample the same tokens where the prefill's shapes
 round alike (fp32 on a CPU; in bf16 on a GPU a token may differ): the timings differ by the prefill, whose own
@@ -20,8 +20,9 @@ from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_
 from nanochat.common import compute_init
 from nanochat.compiling.plan import compile_models, resolve_compile_flag
 from nanochat.engine.cuda_graphs import check_decode_flag
-from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch
+from nanochat.engine.decode_batch import DecodeBatch
 from nanochat.engine.engine import Engine
+from nanochat.engine.scheduler import PREFILL_TOKENS
 from nanochat.engine.spec import resolve_memory_budget
 from nanochat.errors import UserError
 from nanochat.rl.config import SETTINGS

@@ -6,8 +6,9 @@ One rollout, top-down through the modules:
                             memory it holds between rollouts and gives back (RolloutMemory)
     spec.py                 RolloutSpec, what an Engine is built from, resolved once (decode mode, compiled step,
                             rows, ...), and how much memory the rollout's KV caches may take (the budget)
-    scheduler.py            the static batches kept between rollouts, and a rollout's prompts on their way in
-    decode_batch.py         the rows decoded together: admission, the static decode step, retirement
+    scheduler.py            the static batches kept between rollouts, a rollout's prompts on their way in, and the
+                            prompt slots that hold them
+    decode_batch.py         the rows decoded together: prefill, admission, the static decode step, retirement
     kv_cache.py             the cache each row keeps its own keys and values in, and the RolloutCache contract
     shared_prompt_cache.py  the cache where rows share their prompt's keys and values
     flex_prompt_attention.py  its decode step's attention through FlexAttention, for benchmarks

@@ -8,23 +8,17 @@ that input from the host where the host knows it, else from `sampled` on the dev
 rows one step behind, while the next step runs (DecodeBatch.decode_step).
 """
 
-from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
 
 import torch
 
 from nanochat.engine.cuda_graphs import bucket_shapes, exact_shape
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.kv_cache import KVCache
+from nanochat.engine.scheduler import PromptPool, prefilled_prompts
 from nanochat.model.attention import run_cached
 from nanochat.model.precision import autocast_cache_off
 from nanochat.model.sampling import row_seeds, sample_with_logprobs
-
-# Prompt positions one prefill forward takes at most, padding included: a step's 16 prompts, or 64 of an eval's, in one
-# forward, while its transient KV cache and activations stay small beside the memory budget (d20 in bf16: 100 KB of
-# keys and values a position, 0.8 GB at this limit)
-PREFILL_TOKENS = 8192
 
 
 @dataclass
@@ -47,58 +41,6 @@ class RolloutStats:
         self.decode_forwards += 1
         self.row_steps += rows
         self.max_batch_rows = max(self.max_batch_rows, rows)
-
-
-class StoredPrompt(NamedTuple):
-    """What the rows of a prompt held in a prompt slot take from its prefill (SharedPromptKVCache.admit_rows)."""
-    prev_embedding: Optional[torch.Tensor]  # (1, 1, C) smear's state of its last token, or None
-
-
-@dataclass
-class PrefilledPrompt:
-    """A prompt that went through the model once, while its samples wait for rows."""
-    request: int               # index of the prompt
-    seed: int                  # sample r draws from the stream row_seed(seed, r)
-    num_samples: int
-    cache: KVCache             # one row: the prompt's keys and values (a StoredPrompt once a prompt slot holds them)
-    logits: torch.Tensor       # (1, V) after the prompt: every sample's first token is drawn from these
-    length: int                # the prompt's tokens
-    pool_slot: int = None      # the prompt slot holding its keys, when the batch's cache holds prompts
-    admitted: int = 0          # samples 0..admitted-1 have had a row
-
-    @property
-    def fully_admitted(self):
-        return self.admitted == self.num_samples
-
-    def next_samples(self, free_rows):
-        """The samples that take the next `free_rows` rows (fewer if fewer are left)."""
-        return range(self.admitted, min(self.num_samples, self.admitted + free_rows))
-
-
-class PromptPool:
-    """Which prompt slot of a cache that holds prompts (SharedPromptKVCache) holds which prompt: a prompt takes
-    a slot at its prefill and gives it back when the last of its rows finishes (nano-vllm's block manager, for
-    whole prompts)."""
-
-    def __init__(self, slots):
-        self.free = deque(range(slots))
-        self.slot_of, self.rows_left = {}, {}  # request -> its slot; -> its rows not finished, admitted or not
-
-    def has_room(self):
-        return len(self.free) > 0
-
-    def free_slots(self):
-        return len(self.free)
-
-    def take(self, request, num_rows):
-        self.slot_of[request], self.rows_left[request] = self.free.popleft(), num_rows
-        return self.slot_of[request]
-
-    def row_finished(self, request):
-        self.rows_left[request] -= 1
-        if self.rows_left[request] == 0:  # its prompt's keys are no longer read
-            del self.rows_left[request]
-            self.free.append(self.slot_of.pop(request))
 
 
 class HostExchange:
@@ -360,23 +302,6 @@ def prepare_shapes(batch):
         return
     for rows, keys in shapes:  # each warm-up runs every row free: nothing moves, nothing is read back
         batch.stats.captures += batch.graphs.prepare((rows, keys), lambda: batch.run_step(rows, keys))
-
-
-def prefilled_prompts(prefill, requests, prompts, seeds, num_samples, pool, cache):
-    """The PrefilledPrompts of `prompts` from their prefill (prefill_forward's KVCache and logits), in order. With a
-    prompt pool each takes a prompt slot of `cache` and its keys are stored there; its rows then need only its smear
-    state, and the prefill's (N, L) buffer is freed as soon as it is stored, not when the group's last prompt has all
-    its rows (an eval's prompts wait for rows a long time)."""
-    kv, logits = prefill
-    out = []
-    for i, (request, prompt, seed) in enumerate(zip(requests, prompts, seeds)):
-        one = PrefilledPrompt(request, seed, num_samples, kv.row_prefix(i, len(prompt)), logits[i:i + 1], len(prompt))
-        if pool is not None:
-            one.pool_slot = pool.take(request, num_samples)
-            cache.store_prompt(one.pool_slot, one.cache)
-            one.cache = StoredPrompt(None if kv.prev_embedding is None else kv.prev_embedding[i:i + 1].clone())
-        out.append(one)
-    return out
 
 
 def prefill_forward(model, prompts, dtype):

@@ -26,11 +26,11 @@ import torch
 from nanochat.compiling.functions import maybe_compiled
 from nanochat.engine.calculator import DEFAULT_FORMAT
 from nanochat.engine.cuda_graphs import PROMPT_BUCKET, decode_plan
-from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch, RolloutStats, prepare_shapes, static_step
+from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, prepare_shapes, static_step
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.kv_cache import KVCache, cache_geometry
 from nanochat.engine.rows import Row, SpecialIds
-from nanochat.engine.scheduler import Admission, BatchShape, KeptBatch, KeptBatches, cache_bytes
+from nanochat.engine.scheduler import PREFILL_TOKENS, Admission, BatchShape, KeptBatch, KeptBatches, cache_bytes
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from nanochat.engine.spec import FIXED_GB, resolve_rollout_spec
 from nanochat.kernels.decode_step import check_kernel_model, kernel_static_step

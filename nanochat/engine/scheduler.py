@@ -1,16 +1,23 @@
 """
-What a rollout's batch is made of and fed with, apart from the decoding itself (the two jobs of nano-vllm's
-Scheduler): KeptBatches, the static batches kept between rollouts within the memory budget, so that a run makes its
-batch and captures its CUDA graphs once; and Admission, a rollout's prompts on their way into the batch (waiting for
-a prefill, then their samples waiting for free rows).
+What a rollout's batch is made of and fed with, apart from running the model (the jobs of nano-vllm's Scheduler and
+block manager): KeptBatches, the static batches kept between rollouts within the memory budget, so that a run makes
+its batch and captures its CUDA graphs once; and Admission, a rollout's prompts on their way into the batch (waiting
+for a prefill, then, prefilled, PrefilledPrompts, their samples waiting for free rows), their keys held in the prompt
+slots a PromptPool gives out where the batch's cache holds prompts once for all their rows.
 """
 
 from collections import deque
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 
-from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch
+from nanochat.engine.kv_cache import KVCache
+
+# Prompt positions one prefill forward takes at most, padding included: a step's 16 prompts, or 64 of an eval's, in one
+# forward, while its transient KV cache and activations stay small beside the memory budget (d20 in bf16: 100 KB of
+# keys and values a position, 0.8 GB at this limit)
+PREFILL_TOKENS = 8192
 
 # Static batches kept between rollouts at most, within the budget together: chat_rl's evals sample another shape
 # than its steps, and with one batch kept each eval would replace the training batch and the next step make it
@@ -34,7 +41,7 @@ class KeptBatch(NamedTuple):
     """A static batch kept between rollouts, the shape it was made for, its cache's bytes, and whether its rows were
     what the memory budget left (fewer than the rollout's samples) rather than every sample (see Engine._new_batch)."""
     shape: BatchShape
-    batch: DecodeBatch
+    batch: object                # the DecodeBatch (nanochat/engine/decode_batch.py)
     nbytes: int
     budget_bound: bool
 
@@ -113,6 +120,75 @@ class KeptBatches:
             if not self.batches or (rows <= room and 2 * rows >= whole):  # room 0: nothing fits beside them
                 return rows
             del self.batches[0]  # the oldest; its memory is free before the new cache is allocated
+
+
+class StoredPrompt(NamedTuple):
+    """What the rows of a prompt held in a prompt slot take from its prefill (SharedPromptKVCache.admit_rows)."""
+    prev_embedding: Optional[torch.Tensor]  # (1, 1, C) smear's state of its last token, or None
+
+
+@dataclass
+class PrefilledPrompt:
+    """A prompt that went through the model once, while its samples wait for rows."""
+    request: int               # index of the prompt
+    seed: int                  # sample r draws from the stream row_seed(seed, r)
+    num_samples: int
+    cache: KVCache             # one row: the prompt's keys and values (a StoredPrompt once a prompt slot holds them)
+    logits: torch.Tensor       # (1, V) after the prompt: every sample's first token is drawn from these
+    length: int                # the prompt's tokens
+    pool_slot: int = None      # the prompt slot holding its keys, when the batch's cache holds prompts
+    admitted: int = 0          # samples 0..admitted-1 have had a row
+
+    @property
+    def fully_admitted(self):
+        return self.admitted == self.num_samples
+
+    def next_samples(self, free_rows):
+        """The samples that take the next `free_rows` rows (fewer if fewer are left)."""
+        return range(self.admitted, min(self.num_samples, self.admitted + free_rows))
+
+
+class PromptPool:
+    """Which prompt slot of a cache that holds prompts (SharedPromptKVCache) holds which prompt: a prompt takes
+    a slot at its prefill and gives it back when the last of its rows finishes (nano-vllm's block manager, for
+    whole prompts)."""
+
+    def __init__(self, slots):
+        self.free = deque(range(slots))
+        self.slot_of, self.rows_left = {}, {}  # request -> its slot; -> its rows not finished, admitted or not
+
+    def has_room(self):
+        return len(self.free) > 0
+
+    def free_slots(self):
+        return len(self.free)
+
+    def take(self, request, num_rows):
+        self.slot_of[request], self.rows_left[request] = self.free.popleft(), num_rows
+        return self.slot_of[request]
+
+    def row_finished(self, request):
+        self.rows_left[request] -= 1
+        if self.rows_left[request] == 0:  # its prompt's keys are no longer read
+            del self.rows_left[request]
+            self.free.append(self.slot_of.pop(request))
+
+
+def prefilled_prompts(prefill, requests, prompts, seeds, num_samples, pool, cache):
+    """The PrefilledPrompts of `prompts` from their prefill (prefill_forward's KVCache and logits), in order. With a
+    prompt pool each takes a prompt slot of `cache` and its keys are stored there; its rows then need only its smear
+    state, and the prefill's (N, L) buffer is freed as soon as it is stored, not when the group's last prompt has all
+    its rows (an eval's prompts wait for rows a long time)."""
+    kv, logits = prefill
+    out = []
+    for i, (request, prompt, seed) in enumerate(zip(requests, prompts, seeds)):
+        one = PrefilledPrompt(request, seed, num_samples, kv.row_prefix(i, len(prompt)), logits[i:i + 1], len(prompt))
+        if pool is not None:
+            one.pool_slot = pool.take(request, num_samples)
+            cache.store_prompt(one.pool_slot, one.cache)
+            one.cache = StoredPrompt(None if kv.prev_embedding is None else kv.prev_embedding[i:i + 1].clone())
+        out.append(one)
+    return out
 
 
 class Admission:

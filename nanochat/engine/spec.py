@@ -42,9 +42,9 @@ import torch
 from nanochat.compiling.plan import COMPILE_MODES, compile_plan
 from nanochat.engine.calculator import CALCULATOR_FORMATS, DEFAULT_FORMAT
 from nanochat.engine.cuda_graphs import DECODE_DESCRIPTIONS, decode_mode
-from nanochat.engine.decode_batch import PREFILL_TOKENS
 from nanochat.engine.decode_weights import fusable_attention, qkv_weights
 from nanochat.engine.flex_prompt_attention import check_prompt_attention
+from nanochat.engine.scheduler import PREFILL_TOKENS
 from nanochat.errors import SettingError, UserError
 
 AUTO = "auto"

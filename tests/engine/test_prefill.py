@@ -6,10 +6,10 @@ import pytest
 import torch
 from helpers import prompt_of, random_model, tiny_config
 
-from nanochat.engine.decode_batch import PREFILL_TOKENS, DecodeBatch, RolloutStats
+from nanochat.engine.decode_batch import DecodeBatch, RolloutStats
 from nanochat.engine.engine import Engine
-from nanochat.engine.scheduler import Admission
 from nanochat.engine.kv_cache import KVCache, forward_cached
+from nanochat.engine.scheduler import PREFILL_TOKENS, Admission
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 
 TOL = dict(rtol=1e-12, atol=1e-12)

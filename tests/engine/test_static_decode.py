@@ -6,8 +6,6 @@ modes in test_generations.py."""
 
 import contextlib
 import dataclasses
-import gc
-import weakref
 
 import pytest
 import torch
