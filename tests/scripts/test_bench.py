@@ -1,4 +1,5 @@
-"""scripts/bench_rl: the report it writes, the step it times (chat_rl's), the early-stop wrapper and the FLOP accounting;
+"""scripts/bench_rl: the report it writes, the step it times (chat_rl's; nanochat/diagnostics/bench_configs.py,
+bench_measure.py, bench_results.py), the early-stop wrapper and the FLOP accounting;
 nanochat/runtime/machine.py: the machine probes it reads (peak memory, matmul peak, bandwidth)."""
 
 import json
@@ -11,6 +12,7 @@ from helpers import BF16_MIN_AGREEMENT, BF16_NEAR_TIE, FP32_GAP_BOUND, random_mo
 from nanochat.errors import UserError
 from nanochat.runtime import machine
 from greedy_agreement import greedy_agreement
+from nanochat.diagnostics import bench_configs, bench_measure, bench_results
 from nanochat.diagnostics.early_stop import EarlyStopModel
 from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import KVCache, forward_cached
@@ -69,7 +71,7 @@ def test_triton_config_samples_the_hand_written_steps_tokens_in_its_kernel_count
     assert results["batched_fp32_static_triton+early"]["tokens_identical_to"] == ["batched_fp32_static+early", True]
     assert ours["decode_step_kernels_per_layer"] == [9] and hand_written["decode_step_kernels_per_layer"][0] > 9
     results = {name: {"tokens_digest": "d"} for name in ("batched_bf16_graph", "batched_bf16_graph_triton")}
-    bench_rl.mark_identical_tokens(results, [bench_rl.CONFIGS[n] for n in results])
+    bench_results.mark_identical_tokens(results, [bench_configs.CONFIGS[n] for n in results])
     assert results["batched_bf16_graph_triton"]["tokens_identical_to"] == ("batched_bf16_graph", True)
 
 
@@ -88,7 +90,7 @@ def test_flex_config_samples_the_hand_written_steps_tokens(base_dir, tmp_path, m
     assert results["batched_fp32_static_flex"]["rollout_tokens"] == results["batched_fp32_static"]["rollout_tokens"] > 0
     names = ("batched_bf16_graph", "batched_bf16_graph_flex", "batched_bf16_graph_compiled", "batched_bf16_graph_compiled_flex")
     results = {name: {"tokens_digest": "d"} for name in names}
-    bench_rl.mark_identical_tokens(results, [bench_rl.CONFIGS[n] for n in results])
+    bench_results.mark_identical_tokens(results, [bench_configs.CONFIGS[n] for n in results])
     assert results["batched_bf16_graph_flex"]["tokens_identical_to"] == ("batched_bf16_graph", True)
     assert results["batched_bf16_graph_compiled_flex"]["tokens_identical_to"] == ("batched_bf16_graph_compiled", True)
 
@@ -171,21 +173,21 @@ def test_config_subset_without_baseline_has_no_ratios(base_dir, tmp_path, monkey
     report = json.loads(output.read_text())
     assert list(report["results"]) == ["batched_fp32"] and report["complete"] is True
     assert "step_speedup_x" not in report["results"]["batched_fp32"]
-    assert runs == [("token", 0, bench_rl.BENCH_STEP), ("token", 2, bench_rl.BENCH_STEP)]  # AdamW and Muon
+    assert runs == [("token", 0, bench_measure.BENCH_STEP), ("token", 2, bench_measure.BENCH_STEP)]  # AdamW and Muon
     assert report["settings"]["rl"]["loss_norm"] == "token" and report["settings"]["rl"]["examples_per_step"] == 2
 
 
 def test_the_json_is_written_after_every_config(base_dir, tmp_path, monkeypatch):
     """A bench stopped by a time limit keeps what finished: after each config the JSON holds the configs measured so
     far, marked incomplete; here the second config fails, and the first's numbers are on disk."""
-    real_measure, seen = bench_rl.measure, []
+    real_measure, seen = bench_measure.measure, []
 
     def measure(*args):
         if seen:
             raise KeyboardInterrupt  # the time limit
         seen.append(1)
         return real_measure(*args)
-    monkeypatch.setattr(bench_rl, "measure", measure)
+    monkeypatch.setattr(bench_measure, "measure", measure)
     output = tmp_path / "bench.json"
     with pytest.raises(KeyboardInterrupt):
         bench_rl.main(TINY_FLAGS + ["--configs=batched_fp32,batched_fp32_static", "--early-stop-mean=0",
@@ -200,7 +202,7 @@ def test_default_configs_measure_bf16_only_where_it_is_native(kind, monkeypatch,
     monkeypatch.setenv("NANOCHAT_CPU_BF16", kind)
     native_bf16 = kind != "none"
     assert bench_rl.validate_args(bench_rl.parse_args([])) is None  # no --configs: the device decides
-    names = [c.name for c in bench_rl.default_configs(torch.device("cpu"))]
+    names = [c.name for c in bench_configs.default_configs(torch.device("cpu"))]
     expected = ["baseline", "batched_plain", "batched_fp32", "batched_fp32_static"] + (
         ["batched_bf16", "batched_bf16_static"] if native_bf16 else []) + [
         "batched_fp32_compiled", "batched_fp32_static_compiled"] + (
@@ -276,9 +278,9 @@ def test_early_stop_wrapper_leaves_logits_alone_unless_it_fires(tiny_tokenizer):
 
 
 def test_row_steps_count_the_terminal_token_only_before_the_cap():
-    assert bench_rl.row_steps_of([1, 2], 8) == 3      # ended: two tokens then <|assistant_end|>
-    assert bench_rl.row_steps_of([1] * 7, 8) == 8     # ended at the last step
-    assert bench_rl.row_steps_of([1] * 8, 8) == 8     # cut at the cap
+    assert bench_measure.row_steps_of([1, 2], 8) == 3      # ended: two tokens then <|assistant_end|>
+    assert bench_measure.row_steps_of([1] * 7, 8) == 8     # ended at the last step
+    assert bench_measure.row_steps_of([1] * 8, 8) == 8     # cut at the cap
 
 
 def test_peak_memory_is_reset_between_measurements():
@@ -343,11 +345,11 @@ def test_graph_configs_are_checked_against_the_static_step_and_static_ones_again
     digests = {"batched_bf16": "eager", "batched_bf16_static": "static", "batched_bf16_graph": "static",
                "batched_bf16+early": "e", "batched_bf16_static+early": "e", "batched_bf16_graph+early": "e"}
     results = {name: {"tokens_digest": digest} for name, digest in digests.items()}
-    bench_rl.mark_identical_tokens(results, [bench_rl.CONFIGS[n] for n in names])
+    bench_results.mark_identical_tokens(results, [bench_configs.CONFIGS[n] for n in names])
     assert results["batched_bf16_graph"]["tokens_identical_to"] == ("batched_bf16_static", True)
     assert results["batched_bf16_static"]["tokens_identical_to"] == ("batched_bf16", False)
     assert results["batched_bf16_graph+early"]["tokens_identical_to"] == ("batched_bf16_static+early", True)
     assert "tokens_identical_to" not in results["batched_bf16"]
     del results["batched_bf16_static"], results["batched_bf16_static+early"]
-    bench_rl.mark_identical_tokens(results, [bench_rl.CONFIGS[n] for n in ("batched_bf16", "batched_bf16_graph")])
+    bench_results.mark_identical_tokens(results, [bench_configs.CONFIGS[n] for n in ("batched_bf16", "batched_bf16_graph")])
     assert results["batched_bf16_graph"]["tokens_identical_to"] == ("batched_bf16", False)
