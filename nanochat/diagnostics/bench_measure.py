@@ -50,10 +50,9 @@ def step_rollouts(run, config):
     for i in step_question_indices(BENCH_STEP, run.examples_per_rank, run.rank, run.world_size, len(task)):
         prompt, completions = tokenizer.render_for_completion(task[i]), []
         for j in range(cfg.num_samples // cfg.device_batch_size):
-            with run.autocast(rollouts=True):
-                seqs, masks = engine.generate_batch(prompt, num_samples=cfg.device_batch_size, max_tokens=cfg.max_new_tokens,
-                                                    temperature=cfg.temperature, top_k=cfg.top_k or None,
-                                                    seed=hash((BENCH_STEP, i, j)) & 0x7FFFFFFF)
+            seqs, masks = engine.generate_batch(prompt, num_samples=cfg.device_batch_size, max_tokens=cfg.max_new_tokens,
+                                                temperature=cfg.temperature, top_k=cfg.top_k or None,
+                                                seed=hash((BENCH_STEP, i, j)) & 0x7FFFFFFF)  # in the run's rollout dtype
             completions += [(s[len(prompt):], m[len(prompt):]) for s, m in zip(seqs, masks)]
             calls.append((engine.last_stats, [(len(prompt), [s[len(prompt):] for s in seqs])]))
         texts = [tokenizer.decode(t) for t, _ in completions]
@@ -79,7 +78,8 @@ def bench_run(model, rollout_model, tokenizer, task, config, rl, device, optimiz
     rl = dataclasses.replace(rl, dtype=dtype_name(config.dtype), rollout_dtype=dtype_name(config.dtype), decode=config.decode)
     engine = Engine(rollout_model, tokenizer, max_rows=(rl.max_rows or None) if config.batched else None,
                     memory_budget_gb=rl.memory_budget_gb, share_prompts=config.lean, decode=config.decode,
-                    compile="on" if config.compiled else "off", lag=config.lag, prompt_attention=config.prompt_attention)
+                    compile="on" if config.compiled else "off", lag=config.lag, prompt_attention=config.prompt_attention,
+                    dtype=rl.rollout_dtype)
     if engine.spec.decode != "eager":  # as chat_rl's: one static batch, sized for the task's longest prompt
         engine.reserve_prompt_length(longest_prompt(tokenizer, task))
     return build_run(rl, RunPlan.as_given(rl, engine.spec), model, tokenizer, engine, make_optimizers(rl, model) if optimize else [],

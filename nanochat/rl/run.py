@@ -102,8 +102,9 @@ class RLRun:
     def reduce_device(self):
         return collective_device(self.device)
 
-    def autocast(self, rollouts=False):
-        return autocast_context(self.device, getattr(torch, self.plan.rollout_dtype if rollouts else self.plan.dtype))
+    def autocast(self):
+        """Training's autocast (its forwards in the plan's dtype); the engine decodes in its own (RolloutSpec.dtype)."""
+        return autocast_context(self.device, getattr(torch, self.plan.dtype))
 
     def step(self, step, clock=time.time, sample=None, before_training=None):
         """One step: this rank's questions sampled and rewarded from the run's data position (`sample`, default
