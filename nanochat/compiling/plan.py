@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.compiling.functions import CompileFailed, compiled, first_line, maybe_compiled
-from nanochat.model.gpt import EAGER_REGIONS, BlockRegions
+from nanochat.model.blocks import EAGER_REGIONS, BlockRegions
 from nanochat.runtime.distributed import collective_device, print0
 
 COMPILE_MODES = ("auto", "on", "off", "blocks")

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from nanochat.model.gpt import CausalSelfAttention
+from nanochat.model.blocks import CausalSelfAttention
 from nanochat.model.precision import autocast_enabled
 
 

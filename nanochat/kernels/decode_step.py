@@ -22,7 +22,7 @@ from nanochat.kernels.prompt_attention import cell_rows, prompt_attention
 from nanochat.kernels.residual_norm import relu_square, residual_norm
 from nanochat.kernels.rotary_store import norm_result_fp32, rotary_store
 from nanochat.kernels.sampling import sample_rows
-from nanochat.model.gpt import smear
+from nanochat.model.blocks import smear
 from nanochat.model.precision import autocast_enabled
 
 

@@ -20,7 +20,7 @@ from nanochat.engine.decode_batch import RolloutStats
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.engine import Engine, make_batch
 from nanochat.engine.scheduler import BatchShape
-from nanochat.model.gpt import EAGER_REGIONS, BlockRegions
+from nanochat.model.blocks import EAGER_REGIONS, BlockRegions
 from scripts import chat_rl
 
 

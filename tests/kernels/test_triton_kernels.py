@@ -20,7 +20,8 @@ from nanochat.kernels.prompt_attention import cell_rows, prompt_attention, refer
 from nanochat.kernels.residual_norm import relu_square, residual_norm
 from nanochat.kernels.rotary_store import norm_result_fp32, rotary_store
 from nanochat.kernels.sampling import sample_rows
-from nanochat.model.gpt import GPT, GPTConfig, norm
+from nanochat.model.blocks import norm
+from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.model.sampling import sample_with_logprobs
 
 triton = pytest.importorskip("triton", reason="the kernels' tests need triton (tests/run.sh installs it)")
