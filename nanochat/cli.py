@@ -25,6 +25,9 @@ from nanochat.rl.resume import NoStartCheckpointError, ResumeError, RunExistsErr
 from nanochat.rl.run import NonFiniteStepsError
 from nanochat.runtime.distributed import cleanup_after_error, get_rank
 from nanochat.settings import SCRIPT_DEFAULTS, SHARED
+from nanochat.sft.plan import TooFewConversationsError
+from nanochat.sft.saving import LaterStepSavedError
+from nanochat.sft.stopping import NotGenerativeError
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError
 from nanochat.tokenizer import TokenizerError
 from nanochat.wandb_utils import WandbStartError
@@ -178,6 +181,15 @@ LINES = {
     NoStartCheckpointError: lambda e: ("--kl-coef > 0 needs the checkpoint the run started from, and this run's meta "
                                        "does not record it (written before --kl-coef existed); resume it with its own "
                                        "flags or start a new run"),
+    # chat_sft's
+    TooFewConversationsError: lambda e: (f"--tasks={e.tasks} has {e.conversations} train conversations, fewer than "
+                                         f"--examples-per-step ({e.examples_per_step}) x --num-epochs ({e.num_epochs}); "
+                                         f"lower --examples-per-step or pass --num-steps"),
+    NotGenerativeError: lambda e: (f"--stop-at-pass1 samples answers to the first task of --tasks, but {e.task_name!r} "
+                                   f"is {e.eval_type}, not generative; put a generative task (gsm8k, arithmetic) first "
+                                   f"in --tasks"),
+    LaterStepSavedError: lambda e: (f"{e}, so `--source=sft` would keep loading that one; pass --output-tag=<new tag> "
+                                    f"or move it away"),
 }
 
 

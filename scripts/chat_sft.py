@@ -10,7 +10,7 @@ Algorithm:
      user turns and tool outputs), truncated to --max-seq-len + 1 tokens; targets are the next tokens
      where the mask is 1, -1 elsewhere and on padding;
   4. loss = mean cross-entropy over the step's targets on all ranks (explicit denominator, see
-     nanochat/sft.py), accumulated over micro-batches of --device-batch-size rows;
+     nanochat/sft/training.py), accumulated over micro-batches of --device-batch-size rows;
   5. one Muon (matrices) + AdamW (embeddings, unembedding, scalars) step with every lr scaled by
      --init-lr-frac and decaying linearly to 0 over the run; steps with a non-finite loss or gradient
      are skipped;
@@ -32,33 +32,28 @@ Launch:
 """
 
 import json
-import os
 import time
 
 import torch
 
-from nanochat.checkpoints.loading import load_model
-from nanochat.checkpoints.store import list_steps, save_checkpoint
 from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_model_generation_flag,
                           add_optimizer_flags, add_runtime_flags, add_shared, add_shared_flag, run_main)
-from nanochat.common import compute_cleanup, compute_init, get_base_dir
-from nanochat.compiling.functions import CompileClock, maybe_compiled
-from nanochat.compiling.plan import SFT_CPU_MIN_STEPS, compile_models, resolve_compile_flag
-from nanochat.engine.cuda_graphs import decode_mode
-from nanochat.engine.engine import Engine
+from nanochat.common import compute_cleanup, compute_init
+from nanochat.compiling.functions import CompileClock
 from nanochat.errors import UserError, require
-from nanochat.model.gpt import HEAD_DIM, build_fresh_model
-from nanochat.optim.optimizers import check_optimizer_flags, guarded_step, lr_multiplier, scale_initial_lr
+from nanochat.model.gpt import HEAD_DIM
+from nanochat.optim.optimizers import check_optimizer_flags, lr_multiplier
 from nanochat.rl.evaluation import EVAL_TEMPERATURE, EVAL_TOP_K
-from nanochat.runtime.distributed import (all_reduce_mean, collective_device, get_dist_info, print0, rank_share,
-                                          wait_for_all_ranks)
+from nanochat.runtime.distributed import collective_device, get_dist_info, print0, wait_for_all_ranks
 from nanochat.runtime.dtypes import autocast_context, compute_dtype, dtype_name, requested_dtype
-from nanochat.sft import (accumulate_gradient, count_targets, loss_sums, make_micro_batches, mixture_order,
-                          rank_positions, summed_cross_entropy)
-from nanochat.stop_rule import MissedBandError, PassBand, held_out_indices, measure_pass1, parse_band
-from nanochat.tokenizer import get_tokenizer
+from nanochat.sft.data import conversations_at, make_micro_batches, rank_positions, val_micro_batches
+from nanochat.sft.plan import compiled_parts, load_start_model, training_plan
+from nanochat.sft.saving import output_dir, save_final_model, sft_meta
+from nanochat.sft.stopping import check_stop, stop_record
+from nanochat.sft.training import evaluate_val_loss, log_step, setup_optimizers, train_step
+from nanochat.stop_rule import MissedBandError, PassBand, parse_band
 from nanochat.wandb_utils import init_wandb
-from tasks.registry import make_task, resolve_task_class
+from tasks.registry import resolve_task_class
 
 DEFAULT_SEQUENCE_LEN = 512
 # Finetuning a pretrained model wants small steps (nanochat's SFT uses 0.02 of the pretraining lrs);
@@ -187,117 +182,6 @@ def validate_stop_flags(args):
         setattr(args, name, value)
 
 
-def load_tasks(names, split, arithmetic_difficulty):
-    """One task object per name, for `split`."""
-    tasks = []
-    for name in names:
-        if name == "arithmetic" and arithmetic_difficulty is not None:
-            from tasks.arithmetic import Arithmetic  # the registry builds Cls(split=...) only
-            tasks.append(Arithmetic(split=split, difficulty=arithmetic_difficulty))
-        else:
-            tasks.append(make_task(name, split))
-    return tasks
-
-
-def setup_optimizers(model, args):
-    # Muon orthogonalizes in the run's compute dtype: bf16 where it is native (nanochat's numerics), fp32 otherwise
-    optimizers = model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
-                                        matrix_lr=args.matrix_lr, weight_decay=args.weight_decay,
-                                        recipe=args.recipe, ortho_dtype=getattr(torch, args.dtype))
-    return scale_initial_lr(optimizers, args.init_lr_frac)
-
-
-def conversations_at(tasks, order, positions):
-    """The conversations at these positions of the mixture order, which repeats once per epoch."""
-    return [tasks[t][i] for t, i in (order[pos % len(order)] for pos in positions)]
-
-
-def evaluate_val_loss(model, val_batches, device, reduce_device, autocast):
-    """Mean CE over the trained-on tokens of every rank's val micro-batches."""
-    model.eval()
-    total, count = loss_sums(model, val_batches, device, autocast)
-    # the ratio of the rank means is the ratio of the sums
-    total, count = all_reduce_mean(total, reduce_device), all_reduce_mean(count, reduce_device)
-    return total / count if count > 0 else float("nan")
-
-
-def train_step(model, optimizers, micro_batches, lrm, device, reduce_device, autocast, forward=summed_cross_entropy):
-    """One optimizer step on this rank's micro-batches, each through `forward` (summed_cross_entropy, or its compiled
-    version). Returns (loss, grad norm, updated): the loss is the step's token-mean over all ranks; on a non-finite
-    loss or gradient (on any rank) nothing is updated."""
-    model.train()
-    denominator = all_reduce_mean(count_targets(micro_batches), reduce_device)
-    if denominator == 0:  # every conversation of the step truncated before its answer
-        return float("nan"), 0.0, False
-    local_loss = accumulate_gradient(model, micro_batches, denominator, device, autocast, forward)
-    gnorm, updated = guarded_step(model, optimizers, lrm, local_loss, reduce_device)
-    loss = all_reduce_mean(local_loss, reduce_device) if updated else local_loss  # the step's token mean on all ranks
-    return loss, gnorm, updated
-
-
-def load_start_model(args, device):
-    """(model, tokenizer) to finetune: a fresh --depth model, or the --source checkpoint. Fills in
-    args.max_seq_len (0 = the model's sequence_len) and refuses one past it."""
-    if args.depth > 0:
-        tokenizer = get_tokenizer()
-        model = build_fresh_model(args.depth, args.sequence_len, tokenizer.get_vocab_size(), device)
-    else:
-        model, tokenizer, _ = load_model(args.source, device, phase="train", model_tag=args.model_tag, step=args.model_step,
-                                         generation=args.model_generation)
-    sequence_len = model.config.sequence_len
-    if args.max_seq_len == 0:
-        args.max_seq_len = sequence_len
-    if args.max_seq_len > sequence_len:
-        raise UserError(f"--max-seq-len ({args.max_seq_len}) exceeds the model's sequence_len ({sequence_len}), "
-                        f"beyond which its attention windows slide; use at most {sequence_len}")
-    return model, tokenizer
-
-
-def held_out_questions(args, task_names, train_tasks):
-    """With --stop-at-pass1: the indices of the held-out questions in the first task's train split (its last
-    --stop-check-questions), which training leaves out. None without it."""
-    if not args.stop_at_pass1:
-        return None
-    task, name = train_tasks[0], task_names[0]
-    if getattr(task, "eval_type", "generative") != "generative":
-        raise UserError(f"--stop-at-pass1 samples answers to the first task of --tasks, but {name!r} is {task.eval_type}, "
-                        f"not generative; put a generative task (gsm8k, arithmetic) first in --tasks")
-    if args.stop_check_questions >= len(task):
-        raise UserError(f"--stop-check-questions ({args.stop_check_questions}) holds out every train question of {name!r} "
-                        f"({len(task)}); hold out fewer")
-    return held_out_indices(len(task), args.stop_check_questions)
-
-
-def check_stop(band, engine, task, held_out, args, step, num_steps, autocast, reduce_device):
-    """One held-out pass@1 check at `step` (task[i] for i in held_out), logged. True = stop here; raises
-    MissedBandError (see PassBand.observe)."""
-    t0 = time.time()
-    pass1 = measure_pass1(engine, task, held_out, args.stop_check_samples, args.stop_check_max_tokens,
-                          autocast, reduce_device, seed=args.seed)
-    print0(f"step {step}/{num_steps} | held-out pass@1 {pass1:.4f} (band {band.describe()}) | check {time.time() - t0:.1f}s")
-    stop = band.observe(step, pass1, final=step == num_steps)
-    if stop:
-        print0(f"stop: step {step}/{num_steps} | held-out pass@1 {pass1:.4f} in the band {band.describe()} "
-               f"({len(held_out)} train questions x {args.stop_check_samples} samples)")
-    return stop
-
-
-def stop_record(band, held_out, args, task_name):
-    """The checkpoint meta's "stop": the band, the checks, and which held-out questions were asked."""
-    return {**band.summary(), "task": task_name, "split": "train", "questions": len(held_out),
-            "first_question": held_out.start, "samples": args.stop_check_samples}
-
-
-def val_micro_batches(args, task_names, tokenizer, pad_token, rank, world_size):
-    """This rank's share of the first --eval-examples test conversations, rendered once (the val set does not
-    change during the run)."""
-    val_tasks = load_tasks(task_names, "test", args.arithmetic_difficulty)
-    val_order = mixture_order([len(t) for t in val_tasks], args.seed)
-    num_val = min(args.eval_examples, len(val_order))
-    val_convs = conversations_at(val_tasks, val_order, rank_share(0, num_val, rank, world_size))
-    return make_micro_batches(tokenizer, val_convs, args.max_seq_len, args.device_batch_size, pad_token)
-
-
 def main(argv):
     args = parse_args(argv)
     _, _, _, world_size = get_dist_info()
@@ -309,87 +193,13 @@ def main(argv):
         compute_cleanup()
 
 
-def training_plan(args, task_names):
-    """(train tasks, the held-out questions or None, the order of the train conversations, the number of steps)."""
-    train_tasks = load_tasks(task_names, "train", args.arithmetic_difficulty)
-    held_out = held_out_questions(args, task_names, train_tasks)
-    train_sizes = [len(t) for t in train_tasks]
-    if held_out is not None:
-        train_sizes[0] = held_out.start  # the held-out questions are the last ones: train on those before them
-    train_order = mixture_order(train_sizes, args.seed)
-    num_steps = args.num_steps if args.num_steps > 0 else len(train_order) * args.num_epochs // args.examples_per_step
-    if num_steps < 1:
-        raise UserError(f"--tasks={args.tasks} has {len(train_order)} train conversations, fewer than --examples-per-step "
-                        f"({args.examples_per_step}) x --num-epochs ({args.num_epochs}); lower --examples-per-step or pass --num-steps")
-    held_out_note = "" if held_out is None else f" ({args.stop_check_questions} of {task_names[0]} held out)"
-    print0(f"train: {len(train_order):,} conversations from {', '.join(task_names)}{held_out_note} | {num_steps} steps of "
-           f"{args.examples_per_step} | lr x{args.init_lr_frac}")
-    return train_tasks, held_out, train_order, num_steps
-
-
-def output_dir(args, config, num_steps, held_out):
-    """The checkpoint folder of this run, refused (before training) when it holds a later step than the run saves."""
-    checkpoint_dir = os.path.join(get_base_dir(), "chatsft_checkpoints", args.output_tag or f"d{config.n_layer}")
-    # with a stop rule the run may save as early as the first check
-    earliest_save = min(args.stop_check_every, num_steps) if held_out is not None else num_steps
-    newer = [s for s in list_steps(checkpoint_dir) if s > earliest_save]
-    if newer:  # found before training, not after: loading the "last step" of the tag would skip this run's model
-        what = f"the {num_steps} this run will save" if held_out is None else f"step {earliest_save}, where this run may stop"
-        raise UserError(f"{checkpoint_dir} already holds model_{newer[-1]:06d}.pt, a later step than {what}, "
-                        f"so `--source=sft` would keep loading that one; pass --output-tag=<new tag> or move it away")
-    return checkpoint_dir
-
-
-def sft_meta(model, args, step, val_loss, stop, compiled):
-    """The checkpoint's meta: nanochat's fields, the graphs the run compiled and their calls' seconds (`compiled`;
-    --compile), and the stop rule's record when one ran."""
-    compiles, compile_seconds = compiled
-    meta = {"step": step, "model_config": model.meta_model_config(), "generation": model.generation.name,
-            "user_config": vars(args), "val_loss": val_loss, "compiles": compiles, "compile_s": compile_seconds}
-    if stop is not None:
-        meta["stop"] = stop
-    return meta
-
-
-def compiled_parts(args, model, tokenizer, band, device, num_steps):
-    """How the run computes, per --compile (which records what runs): the training forward, compiled or not, and the
-    engine of every stop check (None without a band), whose static batch, and on CUDA its captured decode graphs,
-    serve them all; they stay allocated while training runs (the checks' rows x (prompt + --stop-check-max-tokens)
-    of KV cache, and under bf16 a copy of the matmul weights: d20 ~1.7 GB + 0.95 GB)."""
-    decode = decode_mode("auto", device) if band is not None else None  # only the checks sample
-    compiling, args.compile = resolve_compile_flag(args.compile, device, decode, num_steps,
-                                                   cpu_min_steps=SFT_CPU_MIN_STEPS)
-    compile_models(compiling, model)
-    forward = maybe_compiled(summed_cross_entropy, compiling.train, dynamic=True, required=args.compile == "on")
-    return forward, Engine(model, tokenizer, decode=decode, compile=args.compile) if band is not None else None
-
-
-def save_final_model(checkpoint_dir, model, step, meta, note):
-    """The run's model (rank 0) as step `step` of checkpoint_dir; said, with `note`."""
-    save_checkpoint(checkpoint_dir, step, model.state_dict(), None, meta)
-    print0(f"Saved checkpoint to {checkpoint_dir} (model_{step:06d}.pt{note})")
-
-
-def log_step(step, num_steps, loss, gnorm, lrm, dt, updated, compile_clock, wandb_run):
-    """The line and wandb record of the update that makes `step` (dt in ms), or the line of one skipped."""
-    if not updated:
-        print0(f"step {step}/{num_steps} | non-finite loss or gradient (loss {loss:.4f}, grad norm {gnorm:.4f}), "
-               f"or no trained-on tokens; update skipped")
-        return
-    compiles, compile_seconds = compile_clock.lap()  # since the last step line: a check's decode graphs included
-    print0(f"step {step}/{num_steps} | loss {loss:.4f} | lrm {lrm:.3f} | dt {dt:.0f}ms | grad norm {gnorm:.3f}"
-           + (f" | compiled {compiles} graphs in {compile_seconds:.1f}s" if compiles else ""))
-    wandb_run.log({"step": step, "loss": loss, "lrm": lrm, "grad_norm": gnorm, "dt_ms": dt, "compiles": compiles,
-                   "compile_s": compile_seconds})
-
-
 def run(args, task_names, rank, world_size, device):
     master = rank == 0
     args.dtype = dtype_name(compute_dtype(device, args.dtype))  # the config records what runs
     autocast = autocast_context(device, getattr(torch, args.dtype))
     reduce_device = collective_device(device)
 
-    model, tokenizer = load_start_model(args, device)
+    model, tokenizer, args.max_seq_len = load_start_model(args, device)
     config = model.config
     print0(f"config: {json.dumps(vars(args))}")
     print0(f"model: {model.meta_model_config()} ({model.generation.name}) | {model.num_params():,} parameters")
@@ -404,7 +214,7 @@ def run(args, task_names, rank, world_size, device):
 
     optimizers = setup_optimizers(model, args)
     band = PassBand(*parse_band(args.stop_at_pass1)) if held_out is not None else None
-    forward, check_engine = compiled_parts(args, model, tokenizer, band, device, num_steps)
+    forward, check_engine, args.compile = compiled_parts(args.compile, model, tokenizer, band, device, num_steps)
     compile_clock = CompileClock()
     val_loss, missed = None, None
     for step in range(num_steps + 1):  # `step` updates done so far

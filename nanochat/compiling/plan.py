@@ -12,7 +12,7 @@ What a run compiles (its CompilePlan), for a run's two hot paths, and the rule o
   positions, log-probabilities and entropy), for the policy-gradient pass, the PPO epochs and the reference
   model alike: dynamic shapes (rows, lengths, prompt lengths vary from chunk to chunk), so a run compiles it a
   bounded number of times (a few graphs: with or without a shared prompt, grad on or off), not once per length.
-  SFT's (nanochat/sft.py's `summed_cross_entropy`: a micro-batch's forward and summed loss) likewise.
+  SFT's (nanochat/sft/training.py's `summed_cross_entropy`: a micro-batch's forward and summed loss) likewise.
 
 compile_plan says what --compile=auto|on|off means on each device (chat_rl and bench_rl have both parts, chat_sft the
 training forward and the decode step of its stop checks, chat_eval the decode step). chat_rl's --decode=auto on a CPU

@@ -1,6 +1,6 @@
 """SFT: the batch builder, the step's loss normalization, the example order, the non-finite guard, flag
 validation, a tiny run from scratch whose checkpoint chat_rl's loader picks up, 2 gloo ranks vs 1 process, and
-the stop on held-out pass@1 (--stop-at-pass1, nanochat/stop_rule.py)."""
+the stop on held-out pass@1 (--stop-at-pass1, nanochat/stop_rule.py): scripts/chat_sft.py and nanochat/sft/."""
 
 import contextlib
 import io
@@ -19,11 +19,14 @@ from nanochat.cli import run_main
 from nanochat.engine.engine import Engine
 from nanochat.optim.optimizers import lr_multiplier
 from nanochat.rl.evaluation import sample_outcomes
-from nanochat.sft import (accumulate_gradient, collate_rows, count_targets, loss_sums, make_micro_batches,
-                          mixture_order, rank_positions, render_rows)
+from nanochat.model.gpt import build_fresh_model
+from nanochat.sft import stopping
+from nanochat.sft.data import (collate_rows, count_targets, make_micro_batches, mixture_order, rank_positions,
+                               render_rows)
+from nanochat.sft.training import accumulate_gradient, loss_sums, train_step
 from nanochat.stop_rule import BandNotReachedError, JumpedOverBandError, PassBand, held_out_indices, measure_pass1
 from scripts import chat_sft
-from scripts.chat_sft import build_fresh_model, main, train_step
+from scripts.chat_sft import main
 from tasks.arithmetic import Arithmetic
 
 
@@ -282,6 +285,8 @@ def test_two_gloo_ranks_finetune_to_the_same_weights_as_one_process(scratch_run)
     (["--stop-at-pass1=0.2:0.5", "--stop-check-questions=0"], "--stop-check-questions must be >= 1, got 0"),
     (["--stop-at-pass1=0.2:0.5", "--stop-check-samples=-1"], "--stop-check-samples must be >= 1, got -1"),
     (["--stop-check-every=5"], "--stop-check-every applies with --stop-at-pass1, which is not given"),
+    (["--sequence-len=64", "--max-seq-len=65"], "--max-seq-len (65) exceeds the model's sequence_len (64), beyond which "
+                                                "its attention windows slide; use at most 64"),
 ])
 def test_invalid_flags_exit_2_with_one_line(base_dir, capsys, flags, message):
     with pytest.raises(SystemExit) as exc:
@@ -435,7 +440,7 @@ def scripted_sft(monkeypatch, values, flags):
         trained.extend(c["messages"][0]["content"] for c in conversations)
         return make_micro_batches(tokenizer, conversations, *args)
 
-    monkeypatch.setattr(chat_sft, "measure_pass1", measure)
+    monkeypatch.setattr(stopping, "measure_pass1", measure)
     monkeypatch.setattr(chat_sft, "make_micro_batches", micro_batches)
     out, err, code = io.StringIO(), io.StringIO(), 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

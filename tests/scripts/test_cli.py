@@ -1,6 +1,9 @@
 """nanochat.cli: a library error (the facts) becomes one line on stderr that adds which flag to change or
 which script to run; --debug, declared once, shows the traceback instead."""
 
+from argparse import Namespace
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -15,8 +18,12 @@ from nanochat.errors import UserError
 from nanochat.rl.resume import Resume, prepare_output_dir, resolve_resume
 from nanochat.rl.run import NonFiniteStepsError, load_reference
 from nanochat.runtime.dtypes import requested_dtype
+from nanochat.sft.plan import TooFewConversationsError
+from nanochat.sft.saving import output_dir
+from nanochat.sft.stopping import held_out_questions
 from nanochat.tokenizer import get_tokenizer
 from nanochat.wandb_utils import WandbStartError
+from tasks.arithmetic import Arithmetic
 from tasks.gsm8k import find_local_dir
 from tasks.registry import resolve_task_class
 
@@ -87,6 +94,25 @@ CASES = {
     "non-finite steps": (lambda base: raise_(NonFiniteStepsError(2, "none saved yet")),
                          "error: 2 consecutive steps had a non-finite loss or gradient; stopping (last good checkpoint: "
                          "none saved yet); lower the learning rates or use --dtype=float32"),
+    # chat_sft's, below its script (nanochat/sft/)
+    "SFT: fewer conversations than a step": (lambda base: raise_(TooFewConversationsError("gsm8k", 12, 16, 1)),
+                                             "error: --tasks=gsm8k has 12 train conversations, fewer than "
+                                             "--examples-per-step (16) x --num-epochs (1); lower --examples-per-step or "
+                                             "pass --num-steps"),
+    "SFT: held-out task not generative": (lambda base: held_out_questions(SimpleNamespace(eval_type="categorical"),
+                                                                          "mmlu", 4),
+                                          "error: --stop-at-pass1 samples answers to the first task of --tasks, but "
+                                          "'mmlu' is categorical, not generative; put a generative task (gsm8k, "
+                                          "arithmetic) first in --tasks"),
+    "SFT: every question held out": (lambda base: held_out_questions(Arithmetic(size=4), "arithmetic", 4),
+                                     "error: --stop-check-questions (4) holds out every train question of 'arithmetic' "
+                                     "(4); hold out fewer"),
+    "SFT: a later step in the output dir": (lambda base: checkpoint_dir(base, {"model_000003.pt": b""}) and output_dir(
+                                                Namespace(output_tag=None, stop_check_every=None),
+                                                SimpleNamespace(n_layer=2), 2, None),
+                                            "already holds model_000003.pt, a later step than the 2 this run will save, "
+                                            "so `--source=sft` would keep loading that one; pass --output-tag=<new tag> "
+                                            "or move it away"),
 }
 
 
