@@ -5,7 +5,7 @@ One rollout, top-down through the modules:
     engine.py               Engine: nanochat's generate / generate_batch, and generate_many for rollouts; the
                             memory it holds between rollouts and gives back (RolloutMemory)
     spec.py                 RolloutSpec, what an Engine is built from, resolved once (decode mode, compiled step,
-                            rows, ...), and how much memory the rollout's KV caches may take (the budget)
+                            dtype, rows, ...), and how much memory the rollout's KV caches may take (the budget)
     scheduler.py            the static batches kept between rollouts, a rollout's prompts on their way in, and the
                             prompt slots that hold them
     decode_batch.py         the rows decoded together: prefill, admission, the static decode step, retirement
