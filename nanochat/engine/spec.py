@@ -178,15 +178,6 @@ class MemoryPlan:
     def budget_gb(self):
         return self.budget_bytes / GiB
 
-    def autocast(self, device):
-        """The autocast an engine of this spec decodes under on `device`: its dtype's (float32: none, whatever its
-        caller's), or where it names none, its caller's (nanochat's Engine decodes under the script's autocast)."""
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        if self.dtype == "float32":
-            return torch.autocast(device.type, enabled=False)
-        return torch.autocast(device.type, dtype=getattr(torch, self.dtype))
-
     def describe(self):
         gb = lambda n: f"{n / GiB:.1f} GiB"
         return (f"KV cache budget (--memory-budget-gb=auto): {gb(self.budget_bytes)} = {self.fraction:g} x ({gb(self.free)} "
