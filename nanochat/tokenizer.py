@@ -155,6 +155,29 @@ class ChatFormat:
         return "".join(f"{'*' if m else ''}[{self.id_to_token(t)}]" for t, m in zip(ids, mask))
 
 
+def collate_rows(rows, pad_token):
+    """rows: list of (ids, mask), as ChatFormat.render_conversation renders them -> (inputs, targets), both (B, T)
+    int64 with T = longest row - 1: what SFT trains on (nanochat/sft/data.py), and RL's question batches
+    (nanochat.rl.advantages.make_question_batch).
+
+    targets[b, t] = ids[b][t + 1] where mask[b][t + 1] == 1, else -1 (prompt, tool outputs, and padding
+    past the row's end). Inputs past a row's end are pad_token; they only feed positions whose target is -1.
+    """
+    longest = max(len(ids) for ids, _ in rows)
+    if longest < 2:
+        raise ValueError("every row has fewer than 2 tokens: nothing to predict")
+    ids = torch.full((len(rows), longest), pad_token, dtype=torch.long)
+    mask = torch.zeros((len(rows), longest), dtype=torch.long)
+    for b, (row_ids, row_mask) in enumerate(rows):
+        if len(row_ids) != len(row_mask):
+            raise ValueError(f"row {b}: {len(row_ids)} ids but {len(row_mask)} mask entries")
+        ids[b, :len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
+        mask[b, :len(row_mask)] = torch.tensor(row_mask, dtype=torch.long)
+    inputs, targets = ids[:, :-1], ids[:, 1:].clone()
+    targets[mask[:, 1:] == 0] = -1
+    return inputs, targets
+
+
 class Tokenizer(ChatFormat):
     """A tiktoken Encoding plus nanochat's special tokens and chat rendering (nanochat's RustBPETokenizer).
 

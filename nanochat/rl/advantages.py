@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.sft.data import collate_rows
+from nanochat.tokenizer import collate_rows
 
 
 @dataclass

@@ -6,9 +6,8 @@ are -1 wherever nothing is trained on (prompt, tool outputs, padding).
 
 import random
 
-import torch
-
 from nanochat.runtime.distributed import rank_share
+from nanochat.tokenizer import collate_rows
 from tasks.registry import make_task
 
 
@@ -49,28 +48,6 @@ def render_rows(tokenizer, conversations, max_seq_len):
     """Tokenize conversations for training: a list of (ids, mask) with at most max_seq_len + 1 tokens each,
     so that a row gives at most max_seq_len (input, target) pairs after the shift. mask 1 = train on it."""
     return [tokenizer.render_conversation(conv, max_tokens=max_seq_len + 1) for conv in conversations]
-
-
-def collate_rows(rows, pad_token):
-    """rows: list of (ids, mask) -> (inputs, targets), both (B, T) int64 with T = longest row - 1. RL's
-    question batches are built with it too (nanochat.rl.advantages.make_question_batch).
-
-    targets[b, t] = ids[b][t + 1] where mask[b][t + 1] == 1, else -1 (prompt, tool outputs, and padding
-    past the row's end). Inputs past a row's end are pad_token; they only feed positions whose target is -1.
-    """
-    longest = max(len(ids) for ids, _ in rows)
-    if longest < 2:
-        raise ValueError("every row has fewer than 2 tokens: nothing to predict")
-    ids = torch.full((len(rows), longest), pad_token, dtype=torch.long)
-    mask = torch.zeros((len(rows), longest), dtype=torch.long)
-    for b, (row_ids, row_mask) in enumerate(rows):
-        if len(row_ids) != len(row_mask):
-            raise ValueError(f"row {b}: {len(row_ids)} ids but {len(row_mask)} mask entries")
-        ids[b, :len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
-        mask[b, :len(row_mask)] = torch.tensor(row_mask, dtype=torch.long)
-    inputs, targets = ids[:, :-1], ids[:, 1:].clone()
-    targets[mask[:, 1:] == 0] = -1
-    return inputs, targets
 
 
 def make_micro_batches(tokenizer, conversations, max_seq_len, device_batch_size, pad_token):
