@@ -3,8 +3,9 @@ The batched rollout engine: the API the scripts use (nanochat's generate / gener
 rollouts), built from rooms of its own:
 
 - nanochat/engine/rows.py: one sample in flight (Row, Completion) and the calculator tool's protocol;
-- nanochat/engine/decode_batch.py: the rows decoded together (admit, the static step, retire) and the prompt pool;
-- nanochat/engine/scheduler.py: the static batches kept between rollouts, and a rollout's prompts on their way in;
+- nanochat/engine/decode_batch.py: the rows decoded together (prefill, admit, the static step, retire);
+- nanochat/engine/scheduler.py: the static batches kept between rollouts, a rollout's prompts on their way in, and
+  the prompt slots that hold them (PromptPool);
 - nanochat/engine/kv_cache.py, nanochat/engine/shared_prompt_cache.py: the caches behind one interface (RolloutCache);
 - nanochat/model/attention.py: the contract between the model and a cache (CacheStep);
 - nanochat/engine/cuda_graphs.py: the step's shapes, its CUDA graphs and the decode modes;
@@ -199,9 +200,9 @@ class Engine(NanochatGenerate, RolloutMemory):
     place. With share_prompts (the default) a prompt's keys and values are stored once for all its rows
     (SharedPromptKVCache: more rows fit, fewer bytes read per token); without, each row holds a copy, as
     nanochat does. Row r of a prompt with seed s samples with its own stream row_seed(s, r), so its output
-    does not depend on the batch it shares. Under bf16/fp16 autocast (its spec's dtype, else its caller's) the forwards
-    use the matmul weights cast once per rollout (DecodeWeights). The keywords are nanochat's and RolloutSpec's fields as resolve_rollout_spec takes
-    them (spec.py: compile, a compiling/plan.py mode or True/False, whether the static decode step runs compiled,
+    does not depend on the batch it shares. Under bf16/fp16 autocast (its spec's dtype, else its caller's) the
+    forwards use the matmul weights cast once per rollout (DecodeWeights). The keywords are nanochat's and
+    RolloutSpec's fields as resolve_rollout_spec takes them (spec.py: compile, a compiling/plan.py mode or True/False, whether the static decode step runs compiled,
     with dynamic shapes: STATIC_STEP_DYNAMIC); `spec`, a RolloutSpec resolved already (a run's plan's), takes
     their place. What the engine holds between rollouts is RolloutMemory's.
     """
@@ -302,8 +303,9 @@ class Engine(NanochatGenerate, RolloutMemory):
         """The decode loop every API adapts (_decode_loop), each of its steps run under the spec's autocast
         (RolloutSpec.autocast), entered step by step: between steps the caller runs under its own."""
         steps = self._decode_loop(prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows, lag)
+        precision = self.spec.autocast(self.model.get_device())  # made once, entered at every step
         while True:
-            with self.spec.autocast(self.model.get_device()):
+            with precision:
                 events = next(steps, None)
             if events is None:
                 return

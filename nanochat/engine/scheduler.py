@@ -41,7 +41,7 @@ class KeptBatch(NamedTuple):
     """A static batch kept between rollouts, the shape it was made for, its cache's bytes, and whether its rows were
     what the memory budget left (fewer than the rollout's samples) rather than every sample (see Engine._new_batch)."""
     shape: BatchShape
-    batch: object                # the DecodeBatch (nanochat/engine/decode_batch.py)
+    batch: object                # its DecodeBatch (decode_batch.py, which imports this module)
     nbytes: int
     budget_bound: bool
 

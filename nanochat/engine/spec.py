@@ -1,8 +1,8 @@
 """
 How an engine runs its rollouts, resolved once: RolloutSpec, what an Engine is built from (its decode mode, whether
-its static step is compiled, the dtype it decodes in, the KV caches' memory budget, the rows it decodes at once at most, the shared prompts'
-attention, the calculator's format, a prefill's positions, the host's lag behind the device), and
-resolve_rollout_spec, the one function that resolves it from a script's settings. A chat_rl run's plan holds its spec
+its static step is compiled, the dtype it decodes in, the KV caches' memory budget, the rows it decodes at once at
+most, the shared prompts' attention, the calculator's format, a prefill's positions, the host's lag behind the
+device), and resolve_rollout_spec, the one function that resolves it from a script's settings. A chat_rl run's plan holds its spec
 (nanochat/rl/plan.py's RunPlan) and prints it (RolloutSpec.describe); where --compile=auto switches the decode step
 during the run, a new spec takes its place (RolloutSpec.with_step_compiled) and the engine runs it from the next
 rollout on (Engine.reconfigure).
@@ -83,8 +83,8 @@ class RolloutSpec:
         check_prompt_attention(self.prompt_attention, self.share_prompts)
 
     def autocast(self, device):
-        """The autocast an engine of this spec decodes under on `device`: its dtype's (float32: none, whatever its
-        caller's), or where it names none, its caller's (nanochat's Engine decodes under the script's autocast)."""
+        """The autocast an engine of this spec decodes under on `device`: its dtype's (float32: autocast off, whatever
+        its caller's), or where it names none, its caller's (nanochat's Engine decodes under the script's autocast)."""
         if self.dtype is None:
             return contextlib.nullcontext()
         if self.dtype == "float32":
