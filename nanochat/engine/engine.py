@@ -202,9 +202,9 @@ class Engine(NanochatGenerate, RolloutMemory):
     nanochat does. Row r of a prompt with seed s samples with its own stream row_seed(s, r), so its output
     does not depend on the batch it shares. Under bf16/fp16 autocast (its spec's dtype, else its caller's) the
     forwards use the matmul weights cast once per rollout (DecodeWeights). The keywords are nanochat's and
-    RolloutSpec's fields as resolve_rollout_spec takes them (spec.py: compile, a compiling/plan.py mode or True/False, whether the static decode step runs compiled,
-    with dynamic shapes: STATIC_STEP_DYNAMIC); `spec`, a RolloutSpec resolved already (a run's plan's), takes
-    their place. What the engine holds between rollouts is RolloutMemory's.
+    RolloutSpec's fields as resolve_rollout_spec takes them (spec.py: compile, a compiling/plan.py mode or
+    True/False, whether the static decode step runs compiled, with dynamic shapes: STATIC_STEP_DYNAMIC); `spec`, a
+    RolloutSpec resolved already (a run's plan's), takes their place. What the engine holds between rollouts is RolloutMemory's.
     """
 
     def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=FIXED_GB, share_prompts=True, decode="auto",

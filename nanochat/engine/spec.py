@@ -2,10 +2,10 @@
 How an engine runs its rollouts, resolved once: RolloutSpec, what an Engine is built from (its decode mode, whether
 its static step is compiled, the dtype it decodes in, the KV caches' memory budget, the rows it decodes at once at
 most, the shared prompts' attention, the calculator's format, a prefill's positions, the host's lag behind the
-device), and resolve_rollout_spec, the one function that resolves it from a script's settings. A chat_rl run's plan holds its spec
-(nanochat/rl/plan.py's RunPlan) and prints it (RolloutSpec.describe); where --compile=auto switches the decode step
-during the run, a new spec takes its place (RolloutSpec.with_step_compiled) and the engine runs it from the next
-rollout on (Engine.reconfigure).
+device), and resolve_rollout_spec, the one function that resolves it from a script's settings. A chat_rl run's plan
+holds its spec (nanochat/rl/plan.py's RunPlan) and prints it (RolloutSpec.describe); where --compile=auto switches
+the decode step during the run, a new spec takes its place (RolloutSpec.with_step_compiled) and the engine runs it
+from the next rollout on (Engine.reconfigure).
 
 The memory budget: how much memory the rollout batches' KV caches in memory at once may take together
 (`--memory-budget-gb`; a step's and an eval's, see engine.Engine._new_batch), decided once at the start of a run.
@@ -46,12 +46,13 @@ from nanochat.engine.decode_weights import fusable_attention, qkv_weights
 from nanochat.engine.flex_prompt_attention import check_prompt_attention
 from nanochat.engine.scheduler import PREFILL_TOKENS
 from nanochat.errors import SettingError, UserError
+from nanochat.runtime.dtypes import DTYPES, autocast_context
 
 AUTO = "auto"
 FIXED_GB = 4.0  # off CUDA, and the budget nanochat-rl had everywhere before "auto"
 FRACTION = 0.9
 GiB = 1 << 30
-ROLLOUT_DTYPES = (None, "float32", "bfloat16", "float16")  # None: the caller's autocast
+ROLLOUT_DTYPES = (None,) + tuple(name for name in DTYPES if name != AUTO)  # None: the caller's autocast
 
 
 def check_calculator_format(style):
@@ -87,9 +88,9 @@ class RolloutSpec:
         its caller's), or where it names none, its caller's (nanochat's Engine decodes under the script's autocast)."""
         if self.dtype is None:
             return contextlib.nullcontext()
-        if self.dtype == "float32":
+        if self.dtype == "float32":  # autocast_context's float32 is none at all: a caller's would go on
             return torch.autocast(device.type, enabled=False)
-        return torch.autocast(device.type, dtype=getattr(torch, self.dtype))
+        return autocast_context(device, getattr(torch, self.dtype))
 
     def describe(self):
         """The line a run prints about its rollouts' decode step."""

@@ -19,8 +19,8 @@ from nanochat.sft.data import count_targets
 
 def summed_cross_entropy(model, inputs, targets):
     """The cross-entropy summed over the trained-on positions (target != -1) of one micro-batch: inputs, targets
-    (B, T). A pure function of tensors: nanochat/compiling/functions.py compiles it for the training pass (dynamic shapes: the
-    rows' lengths vary from micro-batch to micro-batch)."""
+    (B, T). A pure function of tensors: nanochat/compiling/functions.py compiles it for the training pass (dynamic
+    shapes: the rows' lengths vary from micro-batch to micro-batch)."""
     return model(inputs, targets, loss_reduction="sum")
 
 
