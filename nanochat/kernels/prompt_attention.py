@@ -28,6 +28,10 @@ FREE_ROWS_BLOCK = 16  # rows a program of the free-row part zeroes
 # 8 warps a program: with 4, Triton's sm_90 code for the d20 step spills registers (tests/support/sm90_compile.py)
 ATTENTION_WARPS = 8
 OWN_TILE_ROWS_KEYS = 32  # a program's query rows x own keys a tile: its (rows, keys, D) fp32 tiles stay this size
+# Whether Triton's interpreter computes a bf16 tl.dot as a GPU does: not triton 3.9's (it multiplies the bits as
+# integers), so on a CPU the op hands the kernel fp32 copies; tests/support/launched_numerics.py fixes the
+# interpreter's dot inside the tests and sets this, so that there the kernel's bf16 path runs as launched
+INTERPRETER_BF16_DOT_FIXED = False
 
 
 def own_keys_a_tile(query_rows):
@@ -160,7 +164,7 @@ def prompt_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor
                          f"{pool_k.dtype} prompt keys and {own_k.dtype} own keys")
     out = torch.empty_like(q)
     rep = H // Hkv
-    if q.device.type != "cuda" and q.dtype != torch.float32:
+    if q.device.type != "cuda" and q.dtype != torch.float32 and not INTERPRETER_BF16_DOT_FIXED:
         # Triton's interpreter (triton 3.9) multiplies the raw bits of bf16 tiles in this kernel's tl.dot: it gets
         # fp32 copies, the same values (bf16 is exact in fp32), the probabilities then unrounded (within bf16's)
         q, pool_k, pool_v, own_k, own_v = (t.float() for t in (q, pool_k, pool_v, own_k, own_v))
