@@ -385,6 +385,146 @@ MUTATIONS = [
              ("tests/kernels/test_triton_kernels.py::test_sample_rows_draws_the_samplers_tokens",), "the sampler draws from the row's next step's uniforms"),
 ]
 
+# ---------------------------------------------------------------------- issue 73's: every comparison of the kernels
+# (bounds, masks, ties, the streams' counters) both ways; the bounds harness (tests/support/bounds_harness.py) catches
+# what reads or writes outside its tensor, the references and the per-element store counts the rest
+KERNEL_TESTS = "tests/kernels/test_triton_kernels.py::test_"
+ATTENTION = (KERNEL_TESTS + "prompt_attention_attends_as_the_hand_written_step",
+             KERNEL_TESTS + "prompt_attention_at_the_layouts_of_d20",
+             KERNEL_TESTS + "prompt_attention_over_several_tiles_of_prompt_and_own_keys")
+ROTARY = (KERNEL_TESTS + "rotary_store_projects_as_the_model_and_writes_the_cache",)
+RESIDUAL = (KERNEL_TESTS + "residual_norm_composes_the_models_residual_ops",)
+RELU = (KERNEL_TESTS + "relu_square_is_the_mlps_activation",)
+SAMPLER = (KERNEL_TESTS + "sample_rows_draws_the_samplers_tokens", KERNEL_TESTS + "sample_rows_breaks_ties_as_torch_argmax")
+
+
+def kernel_mutations(file, tests, rows):
+    """Mutations of one kernel file, all caught by `tests`: rows of (name, original, mutated, why)."""
+    return [Mutation(name, f"nanochat/kernels/{file}", original, mutated, tests, why)
+            for name, original, mutated, why in rows]
+
+
+MUTATIONS += kernel_mutations("prompt_attention.py", ATTENTION, [
+    ("attention-free-part-from-gt", "    if pid >= slots * Hkv * chunks:", "    if pid > slots * Hkv * chunks:",
+     "the first free-row program runs as an attention program past the last slot"),
+    ("attention-free-part-from-early", "    if pid >= slots * Hkv * chunks:", "    if pid >= slots * Hkv * chunks - 1:",
+     "the last attention program zeroes free rows instead"),
+    ("attention-free-rows-le", "        in_rows = r < rows\n", "        in_rows = r <= rows\n",
+     "the free-row part reads one row past the step's"),
+    ("attention-free-rows-short", "        in_rows = r < rows\n", "        in_rows = r < rows - 1\n",
+     "the step's last row never zeroed when free"),
+    ("attention-free-column-gt", ">= used_columns) & in_rows", "> used_columns) & in_rows",
+     "free rows (in the spare column, sample == used_columns) not zeroed"),
+    ("attention-free-column-early", ">= used_columns) & in_rows", ">= used_columns - 1) & in_rows",
+     "the last sample's rows zeroed as if free"),
+    ("attention-cells-le", "mask=cell < used_columns, other=-1)", "mask=cell <= used_columns, other=-1)",
+     "a chunk reads the spare column (a free row attended and written twice) or past the cells"),
+    ("attention-cells-short", "mask=cell < used_columns, other=-1)", "mask=cell < used_columns - 1, other=-1)",
+     "the last sample's rows not attended"),
+    ("attention-row-gt", "live = (row >= 0) & (rep < REP)", "live = (row > 0) & (rep < REP)", "row 0 never attended"),
+    ("attention-row-empty", "live = (row >= 0) & (rep < REP)", "live = (row >= -1) & (rep < REP)",
+     "an empty cell (row -1) attended: reads before the queries"),
+    ("attention-rep-le", "live = (row >= 0) & (rep < REP)", "live = (row >= 0) & (rep <= REP)",
+     "a padded group lane attends as the next kv head's first query head"),
+    ("attention-rep-short", "live = (row >= 0) & (rep < REP)", "live = (row >= 0) & (rep < REP - 1)",
+     "each group's last query head not attended"),
+    ("attention-head-dim-le", "    d_ok = d < D\n", "    d_ok = d <= D\n", "a tile wider than the head reads and writes one channel past it"),
+    ("attention-head-dim-short", "    d_ok = d < D\n", "    d_ok = d < D - 1\n", "the head's last channel dropped"),
+    ("attention-prompt-keys-short", "        n_ok = n < prompt_len\n", "        n_ok = n < prompt_len - 1\n",
+     "a prompt's last key not attended (kernel-prompt-padding-seen: the other way)"),
+    ("attention-prompt-window-lt", "(query_pos[:, None] - n[None, :] <= window)", "(query_pos[:, None] - n[None, :] < window)",
+     "the prompt key at the window's edge hidden"),
+    ("attention-prompt-window-wide", "(query_pos[:, None] - n[None, :] <= window)",
+     "(query_pos[:, None] - n[None, :] <= window + 1)", "a prompt key past the window's edge seen"),
+    ("attention-own-key-ahead", "(j[None, :] <= own_pos[:, None])", "(j[None, :] <= own_pos[:, None] + 1)",
+     "a row sees the key after its newest (kernel-own-key-off-by-one: the other way)"),
+    ("attention-own-window-lt", "(own_pos[:, None] - j[None, :] <= window)", "(own_pos[:, None] - j[None, :] < window)",
+     "the own key at the window's edge hidden"),
+    ("attention-own-window-wide", "(own_pos[:, None] - j[None, :] <= window)",
+     "(own_pos[:, None] - j[None, :] <= window + 1)", "an own key past the window's edge seen"),
+    ("attention-softmax-empty-base", 'base = tl.where(new_top == float("-inf"), 0.0, new_top)',
+     'base = tl.where(new_top != float("-inf"), 0.0, new_top)', "the softmax's base inverted: exp of unshifted scores"),
+    ("attention-chunks-floor", "chunks = -(-used_columns // block_cells)", "chunks = used_columns // block_cells",
+     "a slot's last partial chunk of cells never attended"),
+    ("attention-free-programs-floor", "-(-B // FREE_ROWS_BLOCK),)", "B // FREE_ROWS_BLOCK,)",
+     "the last partial block of free rows never zeroed"),
+    ("attention-fp32-as-tf32", "    ieee = q.dtype == torch.float32", "    ieee = False",
+     "fp32 attention's tl.dot at tf32 (a GPU's default)"),
+])
+MUTATIONS += kernel_mutations("rotary_store.py", ROTARY, [
+    ("rotary-lanes-le", "    ok = (h < H + 2 * Hkv) & (d < D)", "    ok = (h <= H + 2 * Hkv) & (d < D)",
+     "the first padded lane reads one head past the projections"),
+    ("rotary-lanes-short", "    ok = (h < H + 2 * Hkv) & (d < D)", "    ok = (h < H + 2 * Hkv - 1) & (d < D)",
+     "the last value head never written"),
+    ("rotary-head-dim-le", "    ok = (h < H + 2 * Hkv) & (d < D)", "    ok = (h < H + 2 * Hkv) & (d <= D)",
+     "a tile wider than the head reads and writes one channel past it"),
+    ("rotary-head-dim-short", "    ok = (h < H + 2 * Hkv) & (d < D)", "    ok = (h < H + 2 * Hkv) & (d < D - 1)",
+     "the head's last channel dropped"),
+    ("rotary-queries-le", "    is_q = h < H\n", "    is_q = h <= H\n", "the first key head stored as a query head"),
+    ("rotary-queries-short", "    is_q = h < H\n", "    is_q = h < H - 1\n", "the last query head never stored"),
+    ("rotary-keys-from-gt", "    is_k = (h >= H) & (h < H + Hkv)", "    is_k = (h > H) & (h < H + Hkv)",
+     "the first key head never written"),
+    ("rotary-keys-to-le", "    is_k = (h >= H) & (h < H + Hkv)", "    is_k = (h >= H) & (h <= H + Hkv)",
+     "the first value head written into the keys too"),
+    ("rotary-values-from-gt", "    is_v = (h >= H + Hkv) & (h < H + 2 * Hkv)", "    is_v = (h > H + Hkv) & (h < H + 2 * Hkv)",
+     "the first value head never written"),
+    ("rotary-padded-gate-read", "    is_v = (h >= H + Hkv) & (h < H + 2 * Hkv)", "    is_v = h >= H + Hkv",
+     "issue 73's bug: the padded lanes past the last kv head read the gate's rows Hkv.. (d20: 10-11 of 10)"),
+    ("rotary-partner-le", "tl.where(d < half, d + half, d - half)", "tl.where(d <= half, d + half, d - half)",
+     "the second half's first channel rotated with the wrong partner"),
+    ("rotary-table-index-le", "i = tl.where(d < half, d, d - half)", "i = tl.where(d <= half, d, d - half)",
+     "the second half's first channel reads the table past its row"),
+    ("rotary-sin-sign-le", "sin = tl.where(d < half, sin, -sin)", "sin = tl.where(d <= half, sin, -sin)",
+     "the second half's first channel rotated with the first half's sign"),
+    ("rotary-table-le", "cos = tl.load(cos_ptr + position * cos_sp + i, mask=d < D",
+     "cos = tl.load(cos_ptr + position * cos_sp + i, mask=d <= D",
+     "the cos table read one past its row (past its end at the last position)"),
+    ("rotary-gate-input-le", "h_sb + ch, mask=ch < ve_channels", "h_sb + ch, mask=ch <= ve_channels",
+     "the gate reads one channel of h past its own"),
+    ("rotary-gate-input-short", "h_sb + ch, mask=ch < ve_channels", "h_sb + ch, mask=ch < ve_channels - 1",
+     "the gate's last channel dropped"),
+    ("rotary-gate-weight-le", "mask=is_v & (ch < ve_channels)", "mask=is_v & (ch <= ve_channels)",
+     "the gate's weight read one column past its row"),
+    ("rotary-embedding-unbounded", "kvh * D + d, mask=ok & is_v", "kvh * D + d, mask=is_v",
+     "the value embedding read past its head (past the table at the last token)"),
+    ("rotary-value-store-unbounded", "mask=ok & is_v)", "mask=is_v)", "values written past their head"),
+    ("rotary-key-store-unbounded", "mask=ok & is_k)", "mask=is_k)", "keys written past their head"),
+    ("rotary-query-store-unbounded", "mask=ok & is_q)", "mask=is_q)", "queries written past their head"),
+])
+MUTATIONS += kernel_mutations("residual_norm.py", RESIDUAL, [
+    ("residual-rows-le", "    ok = (row < B) & (c < C)", "    ok = (row <= B) & (c < C)", "a row past the batch read and written"),
+    ("residual-rows-short", "    ok = (row < B) & (c < C)", "    ok = (row < B - 1) & (c < C)", "the last row never written"),
+    ("residual-channels-le", "    ok = (row < B) & (c < C)", "    ok = (row < B) & (c <= C)",
+     "a channel past the row read and written"),
+    ("residual-channels-short", "    ok = (row < B) & (c < C)", "    ok = (row < B) & (c < C - 1)", "the last channel dropped"),
+    ("residual-grid-floor", "[(-(-B // ROWS_PER_PROGRAM),)]", "[(B // ROWS_PER_PROGRAM,)]",
+     "the last partial program of rows never launched"),
+])
+MUTATIONS += kernel_mutations("residual_norm.py", RELU, [
+    ("relu-square-le", "    ok = i < n\n", "    ok = i <= n\n", "one element past the tensor read and written"),
+    ("relu-square-short", "    ok = i < n\n", "    ok = i < n - 1\n", "the last element never written"),
+    ("relu-square-grid-floor", "[(-(-u.numel() // RELU_SQUARE_BLOCK),)]", "[(u.numel() // RELU_SQUARE_BLOCK,)]",
+     "the last partial block never launched"),
+])
+MUTATIONS += kernel_mutations("sampling.py", SAMPLER, [
+    ("sampler-vocab-le", "mask=i < V, other", "mask=i <= V, other", "the log-sum-exp reads one logit past the row"),
+    ("sampler-vocab-short", "mask=i < V, other", "mask=i < V - 1, other", "the last logit left out of the log-sum-exp"),
+    ("sampler-candidates-le", "        ok = i < C\n", "        ok = i <= C\n", "one candidate past the top-k read"),
+    ("sampler-candidates-short", "        ok = i < C\n", "        ok = i < C - 1\n", "the last candidate never drawn"),
+    ("sampler-tie-across-blocks", "tl.where(block_best > best, block_index, best_index)",
+     "tl.where(block_best >= best, block_index, best_index)", "a later block's equal maximum wins a tie"),
+    ("sampler-tie-within-block", "tie_break_left=True", "tie_break_left=False", "a block's later equal maximum wins"),
+    ("sampler-draws-ignore-active", "step + tl.load(active_ptr + row))", "step + 1)",
+     "a free row's stream advanced too"),
+    ("sampler-draws-not-advanced", "step + tl.load(active_ptr + row))", "step)", "no row's stream advanced"),
+    ("sampler-stream-behind", "^ step) & 0xFFFFFFFF)", "^ (step - 1)) & 0xFFFFFFFF)",
+     "the sampler draws from the row's previous step's uniforms (kernel-sampler-stream: the other way)"),
+    ("sampler-candidate-counter-ahead", "_mix32(i.to(tl.int64) + 0x632BE5AB)", "_mix32(i.to(tl.int64) + 1 + 0x632BE5AB)",
+     "candidate c drawn with candidate c+1's uniform"),
+    ("sampler-candidate-counter-behind", "_mix32(i.to(tl.int64) + 0x632BE5AB)",
+     "_mix32(i.to(tl.int64) - 1 + 0x632BE5AB)", "candidate c drawn with candidate c-1's uniform"),
+])
+
 
 def apply(mutation):
     """Put the mutation into its file; returns the file's text before."""
