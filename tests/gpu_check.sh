@@ -217,7 +217,8 @@ kernel_checks() {  # part 1b: the Triton kernels against their torch references,
 triton_bench() {  # triton_bench KERNEL_CHECKS_EXIT: part 2b, the d20 bench of the Triton step, where its kernels passed
     if [ "$1" -ne 0 ]; then
         say "d20 triton: not run, the kernel checks failed (exit $1): its timing would be of kernels that disagree"
-        printf '{"part": "d20 triton", "exit": "not run: the kernel checks failed", "seconds": 0}\n' >> "$out/parts.jsonl"
+        printf '{"part": "d20 triton", "exit": "not run: the kernel checks failed", "seconds": 0}\n' \
+            >> "$out/parts.jsonl"
         bundle
         return 1
     fi
@@ -279,7 +280,8 @@ checks)
     step "d20 compiled" 300 "$out/compiled_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_compiled \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/compiled_d20.json"
-    say "checks: kernel checks exit $kernels_rc, tests exit $tests_rc, bench exit $bench_rc, $(( $(date +%s) - stage_start )) s since the setup began"
+    say "checks: kernel checks exit $kernels_rc, tests exit $tests_rc, bench exit $bench_rc," \
+        "$(( $(date +%s) - stage_start )) s since the setup began"
     [ "$kernels_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
     ;;
 kernels)

@@ -69,7 +69,7 @@ def test_the_kernel_checks_run_before_any_timing_and_gate_the_triton_bench(stage
     time the Triton step only through triton_bench, which is given that part's exit and runs nothing where it failed;
     the stage's exit includes the part's."""
     body = stage_body(stage)
-    assert body.index("kernel_checks\n") < body.index("scripts.bench_rl" if "scripts.bench_rl" in body else "triton_bench")
+    assert body.index("kernel_checks\n") < min(body.index(timing) for timing in ("scripts.bench_rl", "triton_bench"))
     assert "kernels_rc=$?" in body and 'triton_bench "$kernels_rc"' in body
     assert "batched_bf16_graph_triton" not in body  # only triton_bench times the Triton step
     assert '[ "$kernels_rc" -eq 0 ]' in body.splitlines()[-1]

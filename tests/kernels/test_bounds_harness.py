@@ -104,3 +104,21 @@ def test_launched_numerics_round_fp32_dot_operands_to_tf32_unless_ieee():
         assert dot(a, b, ieee=True)[0][0, 0].item() == 1 + 2 ** -20
         assert dot(a, b, ieee=False)[0][0, 0].item() == 1.0
     assert np.float32(dot(a, b, ieee=False)[0][0, 0].item()) == np.float32(1 + 2 ** -20)  # the plain interpreter
+
+
+@kernel
+def _argmax_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, BLOCK))
+    tl.store(out_ptr, tl.argmax(x, axis=0, tie_break_left=True))
+    tl.store(out_ptr + 1, tl.argmax(x, axis=0, tie_break_left=False))
+
+
+def test_launched_numerics_break_fast_ties_unlike_the_first():
+    """tl.argmax without tie_break_left may take any of equal maxima on a GPU; the interpreter takes the first, and
+    under launched_numerics the last: a kernel that needs the first must ask for it (tie_break_left=True)."""
+    x, out = torch.tensor([0.0, 3.0, 1.0, 3.0, 3.0, 2.0, 0.0, 0.0]), torch.zeros(2, dtype=torch.int32)
+    _argmax_kernel.on(x.device)[(1,)](x, out, BLOCK=8)
+    assert out.tolist() == [1, 1]
+    with launched_numerics():
+        _argmax_kernel.on(x.device)[(1,)](x, out, BLOCK=8)
+    assert out.tolist() == [1, 4]

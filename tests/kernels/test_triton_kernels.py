@@ -138,7 +138,7 @@ def test_prompt_attention_sees_only_its_rows_prompt_window_and_own_keys(target):
     cache.k[0, 9] += 5.0  # the free row's
     unchanged, _ = kernel_attention(cache, 0, q, 24, 6)
     torch.testing.assert_close(unchanged, before, rtol=0, atol=0)
-    cache.pool_k[0, 2, :, 0] += 1.0  # slot 2's one prompt key: rows 4-6, of which row 4 (position 2) sees it at window 6
+    cache.pool_k[0, 2, :, 0] += 1.0  # slot 2's one prompt key: rows 4-6, of which row 4 (position 2) sees it (window 6)
     changed = (kernel_attention(cache, 0, q, 24, 6)[0] != before).flatten(1).any(1)
     assert changed.tolist() == [False] * 4 + [True] + [False] * 5
 
@@ -227,7 +227,8 @@ def test_rotary_store_projects_as_the_model_and_writes_the_cache(target, dtype, 
     model.to(target.device, dtype)
     B, C = 5, heads * D
     h = norm(torch.randn(B, C, device=target.device)).to(dtype)
-    tokens = torch.tensor([49, 0, 17, 3, 49], device=target.device)  # the value embedding's last row read too
+    last = model.value_embeds[str(layer)].weight.size(0) - 1 if attn.ve_gate is not None else 49
+    tokens = torch.tensor([last, 0, 17, 3, last], device=target.device)  # the value embedding's last row read too
     positions = torch.tensor([3, 17, 0, model.cos.size(0) - 1, 9], device=target.device)
     pos = torch.tensor([0, 5, 2, 7, 1], device=target.device)
     rope = model._rope(positions[:, None])

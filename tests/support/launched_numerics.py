@@ -10,6 +10,8 @@ What the interpreter (triton 3.9) does differently, each shown by tests/kernels/
   so a kernel that forgets input_precision="ieee" is as wrong here as there.
 - fp32 -> bf16 (`x.to(tl.bfloat16)`, a store into a bf16 tensor, a bf16 constant): it truncates toward zero; a GPU's
   cvt.rn rounds to nearest even, as torch does. Here torch's conversion does it.
+- tl.argmax / tl.argmin without tie_break_left: it returns the first of equal extremes; a GPU any of them (the
+  reduction tree's). Here the last, so that a kernel counting on the first is caught as it would be there.
 
     with launched_numerics():
         out = some_op(bf16 tensors)   # the kernel's bf16 path runs as launched
@@ -58,20 +60,41 @@ def _launched_cast(self, src, dst_type):
     return _ORIGINAL["cast_impl"](self, src, dst_type)
 
 
+def _last_index(index_of_first):
+    """An arg-reduction returning the last index of the extreme instead of the first."""
+    def index(data, axis, keepdims):
+        flipped = np.flip(data, axis=axis)
+        length = data.size if axis is None else data.shape[axis]
+        return length - 1 - index_of_first(flipped, axis=axis, keepdims=keepdims)
+    return index
+
+
+def _launched_reduce(self, input):
+    fast = [(tl.standard._argmax_combine_tie_break_fast, np.nanmax, np.nanargmax),
+            (tl.standard._argmin_combine_tie_break_fast, np.nanmin, np.nanargmin)]
+    for combine, value, index in fast:
+        if self.combine_fn is combine:
+            return self.min_max(input[0], val_reduce_op=value, idx_reduce_op=_last_index(index))
+    return _ORIGINAL["reduce"](self, input)
+
+
 _ORIGINAL = {"create_dot": interpreter.InterpreterBuilder.create_dot,
-             "cast_impl": interpreter.InterpreterBuilder.cast_impl}
+             "cast_impl": interpreter.InterpreterBuilder.cast_impl, "reduce": interpreter.ReduceOps.apply_impl}
 
 
 @contextlib.contextmanager
 def launched_numerics():
-    """Within the block the interpreter's tl.dot and fp32 -> bf16 conversion are a GPU's (the module docstring), and
-    prompt_attention hands its kernel bf16 tiles as they are (no fp32 copies: INTERPRETER_BF16_DOT_FIXED)."""
+    """Within the block the interpreter's tl.dot, fp32 -> bf16 and fast arg-reductions are a GPU's (the module
+    docstring), and prompt_attention hands its kernel bf16 tiles as they are (no fp32 copies:
+    INTERPRETER_BF16_DOT_FIXED)."""
     builder = interpreter.InterpreterBuilder
     before = prompt_attention_module.INTERPRETER_BF16_DOT_FIXED
     try:
         builder.create_dot, builder.cast_impl = _launched_dot, _launched_cast
+        interpreter.ReduceOps.apply_impl = _launched_reduce
         prompt_attention_module.INTERPRETER_BF16_DOT_FIXED = True
         yield
     finally:
         builder.create_dot, builder.cast_impl = _ORIGINAL["create_dot"], _ORIGINAL["cast_impl"]
+        interpreter.ReduceOps.apply_impl = _ORIGINAL["reduce"]
         prompt_attention_module.INTERPRETER_BF16_DOT_FIXED = before
