@@ -212,6 +212,10 @@ step() {  # step NAME MAX_SECONDS LOG CMD...: runs CMD under a timeout (at most 
 
 kernel_checks() {  # part 1b: the Triton kernels against their torch references, compiled here (tests/kernel_checks.py)
     step "kernel checks" 150 "$out/kernel_checks.log" "$python" tests/kernel_checks.py cuda "$out"
+    local rc=$?
+    "$python" tests/kernel_checks.py --note "$out"  # the part's line in parts.jsonl names the op that disagreed
+    bundle
+    return "$rc"
 }
 
 triton_bench() {  # triton_bench KERNEL_CHECKS_EXIT: part 2b, the d20 bench of the Triton step, where its kernels passed

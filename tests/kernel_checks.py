@@ -8,6 +8,7 @@ the target ran and passed, 1 when an op disagreed or none ran, 2 on a usage erro
 
     python tests/kernel_checks.py cuda OUT_DIR                  # on a GPU: compiled (the tests marked cuda)
     python tests/kernel_checks.py interpreter OUT_DIR [-k EXPR]  # on a CPU: in Triton's interpreter (for its tests)
+    python tests/kernel_checks.py --note OUT_DIR                 # the verdict into the part's line of parts.jsonl
 """
 
 import json
@@ -53,9 +54,31 @@ def verdict(result):
     return f"kernel checks on {result['target']}: {result['passed']} tests passed, every op agrees"
 
 
+def note_verdict(out):
+    """Add the verdict (or why there is none) to the last "kernel checks" line of OUT_DIR/parts.jsonl, which
+    gpu_check.sh's step wrote: the part's line then names the op that disagreed."""
+    try:
+        with open(os.path.join(out, "kernel_checks.json")) as f:
+            note = json.load(f)["verdict"]
+    except (OSError, ValueError, KeyError):
+        note = "no verdict: the part stopped before writing kernel_checks.json"
+    path = os.path.join(out, "parts.jsonl")
+    with open(path) as f:
+        parts = [json.loads(line) for line in f if line.strip()]
+    last = max((i for i, part in enumerate(parts) if part.get("part") == "kernel checks"), default=None)
+    if last is not None:
+        parts[last]["verdict"] = note
+    with open(path, "w") as f:
+        f.writelines(json.dumps(part) + "\n" for part in parts)
+    return 0
+
+
 def main(argv):
+    if len(argv) == 2 and argv[0] == "--note":
+        return note_verdict(argv[1])
     if len(argv) < 2 or argv[0] not in SELECTION or (len(argv) > 2 and (argv[2] != "-k" or len(argv) != 4)):
-        print("usage: python tests/kernel_checks.py cuda|interpreter OUT_DIR [-k EXPR]", file=sys.stderr)
+        print("usage: python tests/kernel_checks.py cuda|interpreter OUT_DIR [-k EXPR] | --note OUT_DIR",
+              file=sys.stderr)
         return 2
     target, out = argv[0], argv[1]
     os.makedirs(out, exist_ok=True)

@@ -30,6 +30,11 @@ def test_the_kernel_checks_fail_on_a_broken_kernel_naming_its_op(tmp_path):
     assert broken.returncode == 1 and broken.stdout.splitlines()[-1] == line, broken.stdout[-2000:]
     result = json.loads((tmp_path / "broken" / "kernel_checks.json").read_text())
     assert list(result["failed"]) == ["relu_square"] and result["passed"] > 0  # residual_norm's still pass
+    parts = tmp_path / "broken" / "parts.jsonl"  # as gpu_check.sh's step writes it, then the part's note
+    parts.write_text(json.dumps({"part": "kernel checks", "exit": 1, "seconds": 9, "limit": 150}) + "\n")
+    note = [sys.executable, str(REPO / "tests" / "kernel_checks.py"), "--note", str(parts.parent)]
+    assert subprocess.run(note).returncode == 0
+    assert json.loads(parts.read_text())["verdict"] == line
     page = gpu_summary.summary(str(tmp_path / "broken"))
     assert line in page and "- relu_square: test_relu_square_is_the_mlps_activation[interpreter-dtype0]" in page
     fine = kernel_checks(tmp_path / "fine", broken=False)
