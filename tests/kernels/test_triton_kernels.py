@@ -27,6 +27,7 @@ from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.model.sampling import sample_with_logprobs
 
 triton = pytest.importorskip("triton", reason="the kernels' tests need triton (tests/run.sh installs it)")
+from bounds_harness import checked_memory  # noqa: E402
 from kernel_targets import INTERPRETER_SKIP, assert_within_ulps, target  # noqa: E402,F401 (target: a fixture)
 
 # Each op's test runs on both targets (kernel_targets.py): in Triton's interpreter on CPU tensors, under the bounds
@@ -381,13 +382,14 @@ def test_sample_rows_breaks_ties_as_torch_argmax(target, temperature):
 def test_kernel_rollouts_sample_the_hand_written_tokens(name, tmp_path, monkeypatch):
     """fp32 rollouts (T=1, top-k 50; 2 prompts x 3 samples in 4 rows: rows admitted into freed ones) of nanochat's
     fixture checkpoints: the Triton step samples the hand-written step's tokens, log-probabilities within
-    FP32_GAP_BOUND."""
+    FP32_GAP_BOUND, every access of its kernels inside its tensor (the bounds harness)."""
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     model, tokenizer, _ = build_model(str(install_generation(tmp_path, name)), 5, "cpu", "eval")
     prompts = [prompt_of(tokenizer, q) for q in ("What is 12 times 7?", "Hi")]
     kwargs = dict(num_samples=3, max_tokens=10, temperature=1.0, top_k=50, seeds=[4, 5], max_rows=4)
     explicit, explicit_lp = rollouts(Engine(model, tokenizer, decode="static"), prompts, **kwargs)
-    ours, ours_lp = rollouts(Engine(model, tokenizer, decode="static", prompt_attention="triton"), prompts, **kwargs)
+    with checked_memory():  # every load and store of the whole step's kernels inside its tensor
+        ours, ours_lp = rollouts(Engine(model, tokenizer, decode="static", prompt_attention="triton"), prompts, **kwargs)
     assert ours == explicit
     assert explicit_lp.numel() >= 40 and (ours_lp - explicit_lp).abs().max() <= FP32_GAP_BOUND
 
