@@ -78,8 +78,8 @@ def _launched_reduce(self, input):
     return _ORIGINAL["reduce"](self, input)
 
 
-_ORIGINAL = {"create_dot": interpreter.InterpreterBuilder.create_dot,
-             "cast_impl": interpreter.InterpreterBuilder.cast_impl, "reduce": interpreter.ReduceOps.apply_impl}
+_ORIGINAL = {}  # the interpreter's own methods, read when launched_numerics is entered (on a GPU machine's Triton,
+# whose interpreter may lack some of them, importing this module must not fail)
 
 
 @contextlib.contextmanager
@@ -89,6 +89,8 @@ def launched_numerics():
     INTERPRETER_BF16_DOT_FIXED)."""
     builder = interpreter.InterpreterBuilder
     before = prompt_attention_module.INTERPRETER_BF16_DOT_FIXED
+    _ORIGINAL.update(create_dot=builder.create_dot, cast_impl=builder.cast_impl,
+                     reduce=interpreter.ReduceOps.apply_impl)
     try:
         builder.create_dot, builder.cast_impl = _launched_dot, _launched_cast
         interpreter.ReduceOps.apply_impl = _launched_reduce
