@@ -18,6 +18,7 @@ from nanochat.checkpoints.errors import (CorruptCheckpointError, MissingMetaErro
                                          RankLostError, UnknownStepError, UnknownTagError)
 from nanochat.compiling.functions import CompileFailed
 from nanochat.engine.cuda_graphs import GraphsNeedCudaError
+from nanochat.engine.decode_steps import DecodeKernelsError
 from nanochat.engine.spec import NoMemoryForRolloutsError
 from nanochat.errors import SettingError, UserError
 from nanochat.rl.config import GROUPS, RLConfig
@@ -111,6 +112,11 @@ def add_decode_flag(parser):
     return add_shared(parser, "decode")
 
 
+def add_decode_kernels_flag(parser):
+    """--decode-kernels: which decode step the rollout engine runs (nanochat/engine/decode_steps.py)."""
+    return add_shared(parser, "decode_kernels")
+
+
 def add_memory_budget_flag(parser):
     """--memory-budget-gb: the KV cache the rollout batches in memory at once may use."""
     return add_shared(parser, "memory_budget_gb")
@@ -173,8 +179,16 @@ def resume_line(e):
     return f"--resume{'=' + e.spec if e.spec else ''}: {e}{fix}"
 
 
+def decode_kernels_line(e):
+    """A DecodeKernelsError's line: the facts under the flag, then what to pass instead (and, where --compile=on is
+    what rules the step out, that flag too)."""
+    compile_fix = ", or --compile=off or auto (which compile nothing of it)" if e.conflict == "compile" else ""
+    return f"--decode-kernels {e.problem}; use --decode-kernels=auto or torch (the hand-written step){compile_fix}"
+
+
 # error type -> its whole line, written from its facts: errors whose flags sit inside the sentence
 LINES = {
+    DecodeKernelsError: decode_kernels_line,
     ResumeError: resume_line,
     GraphsNeedCudaError: lambda e: (f"--decode {e.problem} (torch sees no CUDA device, or --device-type chose another); "
                                     f"use --decode=static (the same step, run eagerly) or --decode=auto"),

@@ -17,13 +17,14 @@ import os
 import time
 
 from nanochat.checkpoints.loading import load_model
-from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
-                          add_model_generation_flag, add_shared, add_shared_flag, run_main)
+from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_decode_kernels_flag,
+                          add_memory_budget_flag, add_model_generation_flag, add_shared, add_shared_flag, run_main)
 from nanochat.common import compute_cleanup, compute_init, get_base_dir
 from nanochat.compiling.functions import CompileClock
 from nanochat.compiling.plan import compile_models, resolve_compile_flag
 from nanochat.engine.calculator import recorded_calculator_format
 from nanochat.engine.cuda_graphs import check_decode_flag
+from nanochat.engine.decode_steps import check_decode_kernels
 from nanochat.engine.engine import Engine
 from nanochat.engine.spec import resolve_memory_budget
 from nanochat.errors import UserError
@@ -54,6 +55,7 @@ def build_parser():
     add_shared_flag(p, "max_rows", help="max rows per rollout batch (0 = from the memory budget)")
     add_memory_budget_flag(p)
     add_decode_flag(p)
+    add_decode_kernels_flag(p)
     add_compile_flag(p)
     # runtime and output
     add_shared(p, "device_type", "calculator_format")
@@ -131,6 +133,7 @@ def main(argv):
     _, rank, _, _, device = compute_init(args.device_type)
     try:
         decode = check_decode_flag(args.decode, device)
+        check_decode_kernels(args.decode_kernels, device, compiled=args.compile == "on")  # before the model loads
         compiling, args.compile = resolve_compile_flag(args.compile, device, decode, trains=False)
         dtype = compute_dtype(device, args.dtype)
         autocast = autocast_context(device, dtype)
@@ -142,7 +145,8 @@ def main(argv):
         print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
         calculator = args.calculator_format or recorded_calculator_format(meta)
         engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
-                        decode=args.decode, compile=args.compile, calculator_format=calculator)
+                        decode=args.decode, compile=args.compile, calculator_format=calculator,
+                        decode_kernels=args.decode_kernels)
         results = [evaluate_task(name, engine, args, autocast, device, meta, decode) for name in task_names(args.task)]
         result = results[0] if len(results) == 1 else {"tasks": results}  # one task: the file as it always was
         if rank == 0:
