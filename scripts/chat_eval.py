@@ -118,6 +118,7 @@ def evaluate_task(name, engine, args, autocast, device, meta, decode):
         "task": name, "source": args.source, "model_tag": args.model_tag, "model_step": meta.get("step"),
         "num_questions": sampled.num_questions, "num_samples": args.num_samples,
         "temperature": args.temperature, "top_k": args.top_k, "decode": decode, "compile": args.compile,
+        "decode_kernels": engine.spec.decode_kernels,
         "seconds": elapsed, "compiles": int(compiled["compiles"]), "compile_s": compiled["compile_s"],
         "greedy_pass@1": greedy.any[0],
         "pass@k": {str(k): v for k, v in enumerate(sampled.any, start=1)},
