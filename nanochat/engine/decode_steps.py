@@ -108,6 +108,6 @@ def check_decode_kernels(name, device, share_prompts=True, compiled=False):
     it cannot run there with those settings: what a script checks once it knows its device, before a model loads
     (minutes) to find out."""
     step = decode_step_of(resolve_decode_kernels(name, device))
+    step.check(share_prompts, compiled)  # first: a combination no device allows
     step.check_device(device)
-    step.check(share_prompts, compiled)
     return step.name
