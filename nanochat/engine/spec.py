@@ -1,11 +1,11 @@
 """
 How an engine runs its rollouts, resolved once: RolloutSpec, what an Engine is built from (its decode mode, whether
 its static step is compiled, the dtype it decodes in, the KV caches' memory budget, the rows it decodes at once at
-most, the decode step it runs (decode_steps.py's table), the calculator's format, a prefill's positions, the host's lag behind the
-device), and resolve_rollout_spec, the one function that resolves it from a script's settings. A chat_rl run's plan
-holds its spec (nanochat/rl/plan.py's RunPlan) and prints it (RolloutSpec.describe); where --compile=auto switches
-the decode step during the run, a new spec takes its place (RolloutSpec.with_step_compiled) and the engine runs it
-from the next rollout on (Engine.reconfigure).
+most, the decode step it runs (decode_steps.py's table), the calculator's format, a prefill's positions, the host's
+lag behind the device), and resolve_rollout_spec, the one function that resolves it from a script's settings. A
+chat_rl run's plan holds its spec (nanochat/rl/plan.py's RunPlan) and prints it (RolloutSpec.describe); where
+--compile=auto switches the decode step during the run, a new spec takes its place (RolloutSpec.with_step_compiled)
+and the engine runs it from the next rollout on (Engine.reconfigure).
 
 The memory budget: how much memory the rollout batches' KV caches in memory at once may take together
 (`--memory-budget-gb`; a step's and an eval's, see engine.Engine._new_batch), decided once at the start of a run.

@@ -15,7 +15,7 @@ from nanochat.engine.decode_steps import (DECODE_KERNELS, DECODE_STEPS, DecodeKe
                                           resolve_decode_kernels)
 from nanochat.engine.engine import Engine
 from nanochat.engine.spec import resolve_rollout_spec
-from nanochat.kernels.launch import interpreter_on
+from nanochat.kernels.launch import interpreter_on, triton
 from nanochat.rl.plan import measured_parts
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -60,6 +60,7 @@ def test_the_triton_step_in_exact_shapes_samples_the_torch_steps_tokens(tiny_tok
     assert torch_lp.numel() >= 12 and (ours_lp - torch_lp).abs().max() <= FP32_GAP_BOUND
 
 
+@pytest.mark.skipif(triton is None, reason="without the triton package the refusal names it (launch.py)")
 def test_the_triton_step_is_refused_before_anything_is_built(monkeypatch):
     """What a script checks once it has its device: the Triton step on a CPU without Triton's interpreter, compiled,
     or without shared prompts; each a DecodeKernelsError (a ValueError too) whose line names the flag and the fix."""
@@ -82,6 +83,7 @@ def test_the_triton_step_is_refused_before_anything_is_built(monkeypatch):
     assert check_decode_kernels("flex", CUDA, compiled=True) == "flex"
 
 
+@needs_interpreter  # the device is checked first: a CPU model's Triton step runs in the interpreter alone
 def test_a_model_the_kernels_cannot_compute_is_refused_in_one_line(tiny_tokenizer):
     model = random_model(tiny_config(vocab_size=tiny_tokenizer.get_vocab_size()))
     model.transformer.wte.to(torch.bfloat16)
