@@ -204,8 +204,8 @@ class Engine(NanochatGenerate, RolloutMemory):
     forwards use the matmul weights cast once per rollout (DecodeWeights). The keywords are nanochat's and
     RolloutSpec's fields as resolve_rollout_spec takes them (spec.py: compile, a compiling/plan.py mode or
     True/False, whether the static decode step runs compiled, with dynamic shapes: STATIC_STEP_DYNAMIC; decode_kernels,
-    the decode step, auto or a name of decode_steps.py's table); `spec`, a
-    RolloutSpec resolved already (a run's plan's), takes their place. What the engine holds between rollouts is RolloutMemory's.
+    the decode step, auto or a name of decode_steps.py's table); `spec`, a RolloutSpec resolved already (a run's
+    plan's), takes their place. What the engine holds between rollouts is RolloutMemory's.
     """
 
     def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=FIXED_GB, share_prompts=True, decode="auto",

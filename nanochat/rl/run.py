@@ -184,7 +184,7 @@ def setup_run(config, resume, rank, world_size, device):
     """Load the model (a new run, or `resume`: restore_settings' Resume), resolve the plan (nanochat/rl/plan.py),
     and build the optimizers, the engine and the tasks: an RLRun at its first step (build_run)."""
     check_decode_flag(config.decode, device)  # before the model loads: graph off CUDA is a one-line error
-    check_decode_kernels(config.decode_kernels, device, compiled=config.compile == "on")  # and triton where it cannot
+    check_decode_kernels(config.decode_kernels, device, compiled=config.compile == "on")  # and a step that cannot run
     model, tokenizer, meta, output_tag, start_step = load_start(config, resume, device)
     start = meta.get("start_checkpoint")
     train_task, val_task = make_task(config.task, "train"), make_task(config.task, "test")
