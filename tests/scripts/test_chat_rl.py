@@ -319,7 +319,7 @@ def test_sampler_gap_is_in_the_step_line_history_and_report(correction, sft, bas
     trained = [h for h in history if h["rows_trained"] > 0]
     assert len(lines) == 2 and trained
     for h, line in zip(history, lines):
-        assert ("sampler gap" in line) == (h["sampler_tokens"] > 0)
+        assert ("Sampler gap: " in line) == (h["sampler_tokens"] > 0)
         assert ("corrected" in line) == (h["sampler_tokens"] > 0 and correction != "none")
     for h in trained:
         assert h["sampler_tokens"] == h["trained_tokens"] and 0 <= h["sampler_gap_mean"] <= h["sampler_gap_max"] <= FP32_GAP_BOUND
