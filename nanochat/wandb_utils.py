@@ -41,15 +41,18 @@ def init_wandb(run_name, project, config, rank=None):
     whole; `DummyWandb()` when run_name == "dummy" or on a rank other than 0 (one run per job). Rank 0 says which
     (wandb_state). rank: None = distributed.get_rank()."""
     rank = get_rank() if rank is None else rank
-    if rank == 0:
+    if rank != 0:
+        return DummyWandb()
+    if run_name == "dummy":
         print(wandb_state(run_name, project), flush=True)
-    if run_name == "dummy" or rank != 0:
         return DummyWandb()
     import wandb  # imported here: a dummy run (and every test that uses one) never pays for it
     try:
-        return wandb.init(project=project, name=run_name, config=dict(config))
+        run = wandb.init(project=project, name=run_name, config=dict(config))
     except wandb.errors.UsageError as e:  # e.g. online mode without an API key
         raise WandbStartError(run_name, e) from e
+    print(wandb_state(run_name, project), flush=True)  # once it has started: a refusal is the error's line alone
+    return run
 
 
 def log_samples_table(wandb_run, rows, step=None, key="samples"):

@@ -1,5 +1,6 @@
 """The run report: section files, report.md assembly order and header, and the Chat RL section
-(config table, pass@k at first and last eval, plots that decode as images)."""
+(config table, pass@k at first and last eval, plots that decode as images); each run's section and plots kept under
+report/runs/, the latest at nanochat's names (issue 74)."""
 
 import platform
 from pathlib import Path
