@@ -133,7 +133,8 @@ class Report:
         mixes two runs (the earlier run keeps its own copy under runs/). Returns the section's path here."""
         os.makedirs(self.report_dir, exist_ok=True)
         stem = slugify(section)
-        plots = {os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(run_report.report_dir), stem + "-*.png"))}
+        own_plots = glob.glob(os.path.join(glob.escape(run_report.report_dir), stem + "-*.png"))
+        plots = {os.path.basename(p) for p in own_plots}
         for stale in glob.glob(os.path.join(glob.escape(self.report_dir), stem + "-*.png")):
             if os.path.basename(stale) not in plots:
                 os.remove(stale)

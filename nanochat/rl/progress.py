@@ -112,9 +112,9 @@ def format_step_line(run, m, elapsed):
     if "kl_ref" in m:  # --kl-coef
         fields.append(f"KL to the reference: {m['kl_ref']:.2e}")
     if m.get("sampler_tokens"):  # on the steps that trained a token
+        corrected = run.config.rollout_correction != "none"
         fields.append(f"Sampler gap: mean {m['sampler_gap_mean']:.1e}, max {m['sampler_gap_max']:.1e}, "
-                      f"KL {m['sampler_k3']:.1e}"
-                      + (f", {m['corrected_fraction']:.1%} corrected" if run.config.rollout_correction != "none" else ""))
+                      f"KL {m['sampler_k3']:.1e}" + (f", {m['corrected_fraction']:.1%} corrected" if corrected else ""))
     fields += [f"Rollout: {m['time/rollout']:.1f}s, {m['rollout_tokens_per_s']:.0f} tok/s"
                + (f", {m['captures']:.0f} CUDA graphs captured" if m.get("captures") else ""),
                f"Training: {m['time/train']:.1f}s"]

@@ -182,7 +182,8 @@ def test_one_rank_run_resumes_on_two_ranks_mid_schedule_and_three_ranks_are_refu
     # warm-up (step + 1) / 2, then t = (step - 2) / 2 and lrm = 0.1 + 0.9 * (1 + cos(pi t)) / 2
     expected = [0.5, 1.0, 1.0, 0.1 + 0.9 * (1 + math.cos(math.pi * 0.5)) / 2]
     assert [r["lrm"] for r in after["history"]] == pytest.approx(expected, abs=1e-15)
-    assert [line.split("| LR multiplier: ")[1][:5] for line in out.splitlines() if line.startswith("Step ")] == ["1.000", "0.550"]
+    assert [line.split("| LR multiplier: ")[1][:5] for line in out.splitlines()
+            if line.startswith("Step ")] == ["1.000", "0.550"]
 
 
 @pytest.mark.parametrize("recipe", ["2026-01", "2026-07"])

@@ -77,7 +77,8 @@ def test_it_trains_more_rows_and_resumes_exactly(sft, base_dir, capsys):
     (rl_dir / "model_000002.pt").unlink()
     chat_rl.main(["--resume=dynamic:1", "--device-type=cpu"])
     resumed = capsys.readouterr().out
-    step_line = lambda out: next(line for line in out.splitlines() if line.startswith("Step 2/3")).split("| Rollout:")[0]
+    step_line = lambda out: next(line for line in out.splitlines()  # noqa: E731
+                                 if line.startswith("Step 2/3")).split("| Rollout:")[0]
     assert step_line(resumed) == step_line(dynamic)
     assert json.loads((rl_dir / "meta_000002.json").read_text())["data_position"] == positions[1]
     for k, v in weights(rl_dir / "model_000002.pt").items():

@@ -56,5 +56,6 @@ def test_the_help_reader_finds_a_missing_default():
             "  --model-tag MODEL_TAG\n                        model tag; default: the largest d<N>\n"
             "  --resume [RESUME]     continue a run\n                        from its last step\n")
     entries = help_entries(text)
-    assert [invocation for invocation, entry in entries if takes_a_value(invocation) and "default" not in entry.lower()] == [
+    missing = [invocation for invocation, entry in entries if takes_a_value(invocation) and "default" not in entry.lower()]
+    assert missing == [
         "--source SOURCE", "--resume [RESUME]"]

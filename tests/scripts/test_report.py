@@ -152,7 +152,7 @@ def test_trailing_mean_against_a_direct_computation():
     assert trailing_mean([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
 
 
-# ----------------------------------------------------------------------------- nothing a run wrote is replaced (issue 74)
+# ----------------------------------------------------------------------------- no run's report replaced (issue 74)
 
 def test_a_later_runs_section_and_plots_leave_an_earlier_runs_in_place(tmp_path):
     """Regression (issue 74): a 3-step smoke run replaced report/chat-rl.md and every chat-rl-*.png of a 100-step run.
