@@ -68,7 +68,7 @@ def test_it_trains_more_rows_and_resumes_exactly(sft, base_dir, capsys):
     plain = capsys.readouterr().out
     chat_rl.main(flags + ["--output-tag=dynamic", "--dynamic-sampling", "--dynamic-sampling-rounds=2"])
     dynamic = capsys.readouterr().out
-    assert "drew" not in plain and len(re.findall(r"drew (8|12) questions, trained 4", dynamic)) >= 2
+    assert "| Questions: " not in plain and len(re.findall(r"\| Questions: (8|12) drawn, 4 trained \|", dynamic)) >= 2
     assert sum(trained_rows(dynamic)) > sum(trained_rows(plain))  # the same seed: more questions with signal
     rl_dir = base_dir / "chatrl_checkpoints" / "dynamic"
     positions = [json.loads((rl_dir / f"meta_00000{s}.json").read_text())["data_position"] for s in (1, 2)]
