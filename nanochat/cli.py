@@ -38,7 +38,7 @@ from tasks.registry import TaskNotFoundError
 class DefaultsShown(argparse.HelpFormatter):
     """--help with each flag's default after its help, where the help does not say it already: 0 and 0.0 too (once
     hidden as equal to False), an empty string as `empty`. Not for a switch (off unless given) or a None default,
-    whose help says in words what happens without the flag (tests/scripts/test_cli.py holds every script to it)."""
+    whose help says in words what happens without the flag (tests/scripts/test_help.py holds every script to it)."""
 
     def _get_help_string(self, action):
         default = action.default
