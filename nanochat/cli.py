@@ -36,24 +36,30 @@ from tasks.gsm8k import GSM8KUnavailableError
 from tasks.registry import TaskNotFoundError
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """--help with each flag's default after its help, where the help does not say it already: 0 and 0.0 too (once
+    hidden as equal to False), an empty string as `empty`. Not for a switch (off unless given) or a None default,
+    whose help says in words what happens without the flag (tests/scripts/test_help.py holds every script to it)."""
+
+    def _get_help_string(self, action):
+        default = action.default
+        if action.nargs == 0 or default is None or default is argparse.SUPPRESS or "default" in (action.help or ""):
+            return action.help
+        return f"{action.help} (default: {'empty' if default == '' else '%(default)s'})"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with nanochat's error convention: a bad flag is one line (and exit 2), not the usage block;
-    and no silent prefix matching (`--num-step` must not quietly mean `--num-steps`)."""
+    no silent prefix matching (`--num-step` must not quietly mean `--num-steps`); and --help showing each flag's
+    default (DefaultsShown), in every script."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", DefaultsShown)
         super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise UserError(f"{message} (see --help)")
-
-
-class DefaultsShown(argparse.HelpFormatter):
-    """--help with each flag's default after its help, where the help does not say it and there is one to show."""
-
-    def _get_help_string(self, action):
-        shown = action.default not in (None, False, "", argparse.SUPPRESS) and "default" not in action.help
-        return f"{action.help} (default: %(default)s)" if shown else action.help
 
 
 # -----------------------------------------------------------------------------
@@ -83,7 +89,7 @@ def add_shared_flag(parser, name, *aliases, script=None, **changes):
 
 def rl_parser(description="RL on GSM8K (or --task) with on-policy policy gradients"):
     """chat_rl's parser, built from RLConfig's fields: their defaults and help, in --help's groups (GROUPS)."""
-    parser = ArgumentParser(description=description, formatter_class=DefaultsShown)
+    parser = ArgumentParser(description=description)
     groups = {title: parser.add_argument_group(title) for title in GROUPS}
     for field in dataclasses.fields(RLConfig):
         setting = field.metadata["setting"]

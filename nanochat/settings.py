@@ -132,10 +132,12 @@ SHARED = dict(
 
 
 # The defaults a script has of its own, where it differs from SHARED on purpose (by script, then setting): nanochat's
-# chat_cli samples at 0.6 with seed 42, its chat_sft finetunes the mid checkpoint from seed 42; bench_rl's empty source
-# is a random-init model; rl_variants' small runs are meant for a CPU. nanochat.cli.add_shared_flag takes them from here.
+# chat_cli samples at 0.6 with seed 42, its chat_sft finetunes the mid checkpoint from seed 42; chat_eval evaluates the
+# task the checkpoint was trained on where it records one; bench_rl's empty source is a random-init model; rl_variants'
+# small runs are meant for a CPU. nanochat.cli.add_shared_flag takes them from here.
 SCRIPT_DEFAULTS = dict(
     chat_cli=dict(temperature=0.6, seed=42),
+    chat_eval=dict(task=None),  # the checkpoint's own task (an RL run's --task), else SHARED's (issue 74)
     chat_sft=dict(source="mid", seed=42),
     bench_rl=dict(source="", seed=42),
     rl_variants=dict(device_type="cpu"),
