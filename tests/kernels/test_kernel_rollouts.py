@@ -42,7 +42,7 @@ def test_greedy_fp32_rollouts_agree_with_the_torch_step_up_to_near_ties(target, 
     kwargs = dict(num_samples=2, max_tokens=6 if target.interpreted else 48, temperature=0.0, max_rows=3)
     torch_step = Engine(model, tokenizer, decode="static", dtype="float32").generate_many(prompts, **kwargs)
     triton_step = Engine(model, tokenizer, decode="static", dtype="float32",
-                         prompt_attention="triton").generate_many(prompts, **kwargs)
+                         decode_kernels="triton").generate_many(prompts, **kwargs)
     reference = [c.tokens for per in torch_step for c in per]
     ours = [c.tokens for per in triton_step for c in per]
     ends = [tokenizer.encode_special(t) for t in ("<|assistant_end|>", "<|bos|>")]
