@@ -44,9 +44,11 @@ FREE_ROWS_BLOCK = 16  # rows a program of the free-row part zeroes
 ATTENTION_WARPS = 8
 OWN_WARPS = 4  # a program of the own-key kernel: one row's (rep, keys, D) tile, small; many programs an SM
 OWN_TILE_HEADS_KEYS = 32  # query heads x own keys a tile of the own-key kernel: its (heads, keys, D) fp32 tiles
-# own keys a program of the own-key kernel takes (its split): 4 programs a (row, kv head) at 256 keys, 2 tiles of 32
-# each; the parts it writes (fp32, D + 2 a head) are ~2% of the keys' bytes at d20 (gpu_model's table)
-OWN_SPLIT_KEYS = 64
+# own keys a program of the own-key kernel takes (its split): 2 programs a (row, kv head) at 256 keys, 4 tiles of 32
+# each. d20's 256 rows x 10 kv heads x 2 splits are 10 waves of 4 programs an SM: the keys' bytes bound the kernel,
+# not its passes, and the parts it writes (fp32, D + 2 a head) and the merge reads stay ~1% of them (gpu_model's
+# table; 64 keys a split made twice the parts and merge passes for no gain there)
+OWN_SPLIT_KEYS = 128
 
 
 def own_keys_a_tile(group):
