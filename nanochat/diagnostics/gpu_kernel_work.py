@@ -38,12 +38,13 @@ GATHERS = {"index", "embedding", "gather", "index_select"}  # read what they wri
 SCATTERS = {"index_put_", "index_put", "index_copy_", "scatter_"}  # write their values into part of a tensor
 MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 
-# Registers a thread of each Triton kernel holds on sm_90 (ptxas -v on Triton 3.9.0's code, bf16, the d20 variants of
-# tests/support/sm90_compile.py at the commit that split the attention; `before`: the one-kernel attention it
-# replaced, 253 at commit cffe56f). A table until the recorded-signature compile (issue 73, item 3) reports them.
-REGISTERS = {"residual_norm": 162, "rotary_store": 156, "own_key_attention": 124, "prompt_attention": 98,
-             "relu_square": 22, "sample_rows": 48, "prompt_attention_one_kernel": 253}
-WARPS = {"own_key_attention": 4, "prompt_attention": 8, "prompt_attention_one_kernel": 8}  # the rest: Triton's 4
+# Registers a thread of each Triton kernel holds on sm_90: ptxas -v on the code of Triton 3.6.0 (the GPU image's), bf16,
+# the d20 variants of tests/support/sm90_compile.py at the commit that split the attention (Triton 3.9.0: 162, 156,
+# 124, 137, 22, 48); `prompt_attention_one_kernel`: the one-kernel attention it replaced, 253 under both (commit
+# cffe56f). A table until the recorded-signature compile (issue 73, item 3) reports them.
+REGISTERS = {"residual_norm": 241, "rotary_store": 165, "own_key_attention": 128, "prompt_attention": 135,
+             "relu_square": 19, "sample_rows": 53, "prompt_attention_one_kernel": 253}
+WARPS = {"prompt_attention_one_kernel": 8}  # as launched (prompt_attention.attention_warps for 16 rows); the rest 4
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,15 @@ import torch
 from nanochat.kernels.launch import block_size, kernel, tl
 
 FREE_ROWS_BLOCK = 16  # rows a program of the free-row part zeroes
-# 8 warps a program of the prompt kernel: Triton's sm_90 code for the d20 step spilled registers with 4 when it held
-# the own keys' tiles too (tests/support/sm90_compile.py)
-ATTENTION_WARPS = 8
 OWN_WARPS = 4  # a program of the own-key kernel: one row's (rep, keys, D) tile, small; many programs an SM
+
+
+def attention_warps(query_rows):
+    """Warps a program of the prompt kernel with `query_rows` rows (cells x group): 4 for 16 rows (d20's), ~136
+    registers a thread on sm_90, 3 programs an SM: d20's 176 programs in one wave (with 8, Triton 3.6.0's ~150 left
+    one program an SM, two waves: nanochat/diagnostics/gpu_model.py); 8 for 32 rows (a GQA group of 32), which spill
+    registers with 4 (tests/support/sm90_compile.py)."""
+    return 4 if query_rows <= 16 else 8
 OWN_TILE_HEADS_KEYS = 32  # query heads x own keys a tile of the own-key kernel: its (heads, keys, D) fp32 tiles
 # own keys a program of the own-key kernel takes (its split): 2 programs a (row, kv head) at 256 keys, 4 tiles of 32
 # each. d20's 256 rows x 10 kv heads x 2 splits are 10 waves of 4 programs an SM: the keys' bytes bound the kernel,
@@ -306,7 +311,7 @@ def _prompt_and_merge(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tenso
         cells.size(1), part_top.size(0), window, 1.0 / math.sqrt(D), slots, Hkv, chunks,
         q.stride(0), q.stride(1), *pool_k.stride()[:3], *pool_v.stride()[:3], out.stride(0), out.stride(1),
         REP=rep, D=D, BLOCK_CELLS=block_cells, BLOCK_REP=block_rep, BLOCK_D=block_d, BLOCK_N=16,
-        BLOCK_FREE=FREE_ROWS_BLOCK, IEEE=ieee, num_warps=ATTENTION_WARPS)
+        BLOCK_FREE=FREE_ROWS_BLOCK, IEEE=ieee, num_warps=attention_warps(block_cells * block_rep))
     return out
 
 

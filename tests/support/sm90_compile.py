@@ -79,7 +79,8 @@ if __name__ == "__main__":
         for wrapped, variant, constants in cases(dtype):
             pointer = "*fp32" if wrapped is sa._sample_kernel else f"*{dtype}"
             source = ASTSource(wrapped.on(torch.device("cuda")), signature(wrapped.fn, pointer, constants), constants)
-            warps = {pa._prompt_attention_kernel: pa.ATTENTION_WARPS, pa._own_keys_kernel: pa.OWN_WARPS}.get(wrapped, 4)
+            rows = constants.get("BLOCK_CELLS", 1) * constants.get("BLOCK_REP", 1)  # as each is launched:
+            warps = {pa._prompt_attention_kernel: pa.attention_warps(rows), pa._own_keys_kernel: pa.OWN_WARPS}.get(wrapped, 4)
             ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
             assert ".entry" in ptx, wrapped.fn.__name__
             registers, spills = registers_and_spills(ptx)
