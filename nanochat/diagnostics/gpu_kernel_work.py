@@ -28,6 +28,8 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanochat.diagnostics.op_count import is_view
+from nanochat.kernels.launch import block_size
+from nanochat.kernels.prompt_attention import cells_a_program, own_keys_a_tile, own_splits
 from nanochat.model import attention
 
 aten = torch.ops.aten
@@ -107,9 +109,8 @@ def aten_work(func, args, kwargs, out):
     if is_view(func) or name in NO_KERNEL:
         return None
     inputs, outputs = tensors_in((args, kwargs)), tensors_in(out)
-    if name in GATHERS:
-        source = inputs[0] if name != "embedding" else inputs[0]
-        moved = 2 * nbytes(outputs) + nbytes([t for t in inputs if t is not source])
+    if name in GATHERS:  # the source (each one's first tensor) read where the indices point: what is written
+        moved = 2 * nbytes(outputs) + nbytes(inputs[1:])
     elif name in SCATTERS:
         moved = 2 * nbytes(inputs[-1:]) + nbytes(inputs[1:-1])  # values read and written, indices read
     else:
@@ -160,7 +161,7 @@ def own_keys_read(args):
     q, own_k, _, _, _, _, keys, window, split_keys = args
     B, H, D = q.shape
     seen = min(keys, window + 1)
-    splits = max(1, -(-keys // split_keys))
+    splits = own_splits(keys, split_keys)
     return 2 * B * own_k.size(1) * seen * D * own_k.element_size(), 4.0 * B * H * seen * D, \
         splits * B * H * (D + 2) * 4, seen
 
@@ -171,8 +172,8 @@ def own_key_work(args):
     B, H, _ = q.shape
     Hkv = own_k.size(1)
     own, flops, parts, _ = own_keys_read(args)
-    tile = max(1, 32 // (1 << (H // Hkv - 1).bit_length()))  # prompt_attention.own_keys_a_tile of the group's block
-    splits = max(1, -(-keys // split_keys))
+    tile = own_keys_a_tile(block_size(H // Hkv, floor=1))
+    splits = own_splits(keys, split_keys)
     return KernelWork("own_key_attention", nbytes([q]) + own + parts, flops,
                       **triton_program("own_key_attention", B * Hkv * splits, -(-min(split_keys, keys) // tile)))
 
@@ -183,7 +184,7 @@ def prompt_read(args, workload):
     q, pool_k = args[0], args[1]
     B, H, D = q.shape
     slots, Hkv = pool_k.shape[:2]
-    chunks = -(-args[10] // max(1, 16 // (1 << (H // Hkv - 1).bit_length())))
+    chunks = -(-args[10] // cells_a_program(block_size(H // Hkv, floor=1)))
     tiles = -(-min(workload.prompt_len, pool_k.size(2)) // 16)
     moved = min(slots, workload.prompts) * Hkv * chunks * 2 * tiles * 16 * D * pool_k.element_size()
     return moved, 4.0 * B * H * tiles * 16 * D, slots * Hkv * chunks + -(-B // 16), tiles

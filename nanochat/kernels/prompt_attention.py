@@ -40,14 +40,6 @@ from nanochat.kernels.launch import block_size, kernel, tl
 
 FREE_ROWS_BLOCK = 16  # rows a program of the free-row part zeroes
 OWN_WARPS = 4  # a program of the own-key kernel: one row's (rep, keys, D) tile, small; many programs an SM
-
-
-def attention_warps(query_rows):
-    """Warps a program of the prompt kernel with `query_rows` rows (cells x group): 4 for 16 rows (d20's), ~136
-    registers a thread on sm_90, 3 programs an SM: d20's 176 programs in one wave (with 8, Triton 3.6.0's ~150 left
-    one program an SM, two waves: nanochat/diagnostics/gpu_model.py); 8 for 32 rows (a GQA group of 32), which spill
-    registers with 4 (tests/support/sm90_compile.py)."""
-    return 4 if query_rows <= 16 else 8
 OWN_TILE_HEADS_KEYS = 32  # query heads x own keys a tile of the own-key kernel: its (heads, keys, D) fp32 tiles
 # own keys a program of the own-key kernel takes (its split): 2 programs a (row, kv head) at 256 keys, 4 tiles of 32
 # each. d20's 256 rows x 10 kv heads x 2 splits are 10 waves of 4 programs an SM: the keys' bytes bound the kernel,
@@ -56,10 +48,24 @@ OWN_TILE_HEADS_KEYS = 32  # query heads x own keys a tile of the own-key kernel:
 OWN_SPLIT_KEYS = 128
 
 
+def attention_warps(query_rows):
+    """Warps a program of the prompt kernel with `query_rows` rows (cells x group): 4 for 16 rows (d20's), ~136
+    registers a thread on sm_90, 3 programs an SM: d20's 176 programs in one wave (with 8, Triton 3.6.0's ~150 left
+    one program an SM, two waves: nanochat/diagnostics/gpu_model.py); 8 for 32 rows (a GQA group of 32), which spill
+    registers with 4 (tests/support/sm90_compile.py)."""
+    return 4 if query_rows <= 16 else 8
+
+
 def own_keys_a_tile(group):
     """Own keys a tile of the own-key kernel for a GQA group of `group` query heads (its block: a power of two): 32
     for d20's MHA, fewer as the group grows, so that the tile's registers do not spill on a GPU."""
     return max(1, OWN_TILE_HEADS_KEYS // group)
+
+
+def cells_a_program(group_block):
+    """Cells (rows of a slot) a program of the prompt kernel holds, for a GQA group block of `group_block` heads:
+    16 query rows a program (tl.dot's least; more spill registers on a GPU), at least one cell."""
+    return max(1, 16 // group_block)
 
 
 def own_splits(keys, split_keys):
@@ -302,8 +308,7 @@ def _prompt_and_merge(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tenso
     q, pool_k, pool_v = _interpreter_inputs(q, pool_k, pool_v)
     ieee = q.dtype == torch.float32  # fp32 stays fp32: tl.dot would round its operands to tf32 on a GPU
     block_d, block_rep = block_size(D), block_size(rep, floor=1)
-    # 16 query rows a program (tl.dot's least; more spill registers on a GPU): a slot's cells in chunks of that many
-    block_cells = max(1, 16 // block_rep)
+    block_cells = cells_a_program(block_rep)  # a slot's cells in chunks of that many
     chunks = -(-used_columns // block_cells)
     grid = (slots * Hkv * chunks + -(-B // FREE_ROWS_BLOCK),)
     _prompt_attention_kernel.on(q.device)[grid](
