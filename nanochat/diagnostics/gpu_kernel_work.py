@@ -18,7 +18,6 @@ input of a matmul is cast to bf16 first (a kernel: autocast's cast), which Recor
 (it acts on CUDA tensors, not meta ones); the attention's fp32 scores are a bmm writing fp32 (`FP32_BMM_DEVICES`).
 """
 
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from unittest import mock

@@ -90,7 +90,8 @@ def _prompt_attention_kernel(q_ptr, out_ptr, pool_k_ptr, pool_v_ptr, pool_len_pt
         free = (tl.load(sample_ptr + r, mask=in_rows, other=0) >= used_columns) & in_rows
         for h in range(0, Hkv * REP):
             tl.store(out_ptr + r.to(tl.int64)[:, None] * out_sb + h * out_sh + d[None, :],
-                     tl.zeros((BLOCK_FREE, BLOCK_D), dtype=out_ptr.dtype.element_ty), mask=free[:, None] & d_ok[None, :])
+                     tl.zeros((BLOCK_FREE, BLOCK_D), dtype=out_ptr.dtype.element_ty),
+                     mask=free[:, None] & d_ok[None, :])
     else:  # a (prompt slot, kv head, chunk of BLOCK_CELLS cells): M = cells x rep query rows
         slot = pid // (Hkv * chunks)
         kvh = (pid // chunks) % Hkv
@@ -110,9 +111,10 @@ def _prompt_attention_kernel(q_ptr, out_ptr, pool_k_ptr, pool_v_ptr, pool_len_pt
         total = tl.zeros((BLOCK_CELLS * BLOCK_REP,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_CELLS * BLOCK_REP, BLOCK_D), dtype=tl.float32)
         slot64 = slot.to(tl.int64)
+        k_slot, v_slot = pool_k_ptr + slot64 * pk_ss + kvh * pk_sh, pool_v_ptr + slot64 * pv_ss + kvh * pv_sh
         top, total, acc = _attend_prompt(q, live, prompt_len + own_pos, tl.where(any_live, prompt_len, 0), prompt_len,
-                                         window, scale, top, total, acc, pool_k_ptr + slot64 * pk_ss + kvh * pk_sh,
-                                         pool_v_ptr + slot64 * pv_ss + kvh * pv_sh, pk_sn, pv_sn, d, d_ok, BLOCK_N, IEEE)
+                                         window, scale, top, total, acc, k_slot, v_slot, pk_sn, pv_sn, d, d_ok, BLOCK_N,
+                                         IEEE)
         top, total, acc = _merge_own_parts(live, (row * Hkv * REP + head), rows * Hkv * REP,
                                            tl.where(any_live, splits, 0), top, total, acc, part_top_ptr,
                                            part_total_ptr, part_acc_ptr, d, d_ok, D)
