@@ -210,7 +210,7 @@ def one_kernel_work(own_args, prompt_args, workload):
 
 class RecordKernels(TorchDispatchMode):
     """Records the KernelWork of every kernel the ops dispatched under it launch, in order, into `kernels`, each with
-    the block it ran in (nanochat/kernels/decode_step.py's and the blocks' forward hooks set `layer`).
+    the block it ran in (nanochat/engine/variants/triton_step.py's and the blocks' forward hooks set `layer`).
     one_kernel_attention: the Triton step's attention recorded as the one kernel it was before the split."""
 
     def __init__(self, workload, one_kernel_attention=False):

@@ -29,6 +29,7 @@ import torch
 
 from nanochat.diagnostics.gpu_kernel_work import RecordKernels, Workload, as_on_cuda
 from nanochat.engine.decode_batch import DecodeBatch, RolloutStats
+from nanochat.engine.decode_steps import decode_step_of
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.engine import prompt_slots
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
@@ -104,16 +105,7 @@ def kernel_time(work, device, constants=Constants()):
     return constants.kernel_seconds + terms[bound], bound
 
 
-def decode_step_function(kernels):
-    """The static step function of the engine's shared-prompt cache for `kernels` ("explicit": the hand-written one,
-    DecodeBatch's default; "triton": the step of nanochat/kernels/)."""
-    if kernels == "explicit":
-        return None
-    from nanochat.kernels.decode_step import kernel_static_step
-    return kernel_static_step
-
-
-def record_step(kernels, keys, workload=Workload(), config=D20, generation="jan2026", one_kernel_attention=False):
+def record_step(decode_kernels, keys, workload=Workload(), config=D20, generation="jan2026", one_kernel_attention=False):
     """The KernelWork list of one static decode step (every row in use, `keys` completion keys each) of a model of
     `config` on `meta`, as the engine's bf16 graph decode runs it on CUDA (gpu_kernel_work's module docstring)."""
     with torch.device("meta"):
@@ -122,9 +114,11 @@ def record_step(kernels, keys, workload=Workload(), config=D20, generation="jan2
     if workload.dtype != torch.float32:
         weights.refresh(workload.dtype)
     slots = prompt_slots(workload.rows, workload.samples, workload.prompts)
+    step = decode_step_of(decode_kernels)  # the engine's table: "torch" (hand-written) or "triton"
     cache = SharedPromptKVCache.for_model(model, workload.rows, slots, workload.prompt_cap, workload.new_tokens,
-                                          workload.samples, dtype=workload.dtype, static=True, attention=kernels)
-    batch = DecodeBatch(model, cache, 1.0, 50, RolloutStats(), weights=weights, step=decode_step_function(kernels))
+                                          workload.samples, dtype=workload.dtype, static=True,
+                                          step_class=step.cache_step)
+    batch = DecodeBatch(model, cache, 1.0, 50, RolloutStats(), weights=weights, step=step.static_step)
     recorder = RecordKernels(workload, one_kernel_attention)
     with as_on_cuda(), recorder, torch.no_grad():
         batch.run_step(workload.rows, keys)
@@ -227,7 +221,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     workload = Workload()
     points = [args.keys] if args.keys else rollout_keys(workload)
-    hand = [record_step("explicit", keys, workload) for keys in points]
+    hand = [record_step("torch", keys, workload) for keys in points]
     steps = {"hand-written": hand, "Triton, attention in one kernel (before)":
              [record_step("triton", keys, workload, one_kernel_attention=True) for keys in points],
              "Triton, attention split (now)": [record_step("triton", keys, workload) for keys in points]}

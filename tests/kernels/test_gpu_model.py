@@ -25,14 +25,14 @@ TINY_WORK = Workload(prompts=2, samples=4, prompt_len=5, prompt_cap=64, new_toke
 @pytest.fixture(scope="module")
 def d20_hand_written():
     """The d20 hand-written step recorded at the rollout's points (the calibration's input)."""
-    return [record_step("explicit", keys) for keys in rollout_keys(Workload())]
+    return [record_step("torch", keys) for keys in rollout_keys(Workload())]
 
 
 def matmul_flops(kernels):
     return sum(k.flops for k in kernels if k.name in ("aten.mm", "aten.addmm"))
 
 
-@pytest.mark.parametrize("kernels", ["explicit", "triton"])
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_the_matmuls_flops_are_two_per_weight_and_row(kernels):
     """Both steps' linear layers: 2 FLOPs per weight and row, the weights counted from the model's own modules."""
     with torch.device("meta"):
@@ -81,7 +81,7 @@ def test_the_calibration_reproduces_the_measured_h200_step_within_20_percent(d20
     assert abs(fitted - gpu_model.KERNEL_SECONDS) <= 0.05 * gpu_model.KERNEL_SECONDS
 
 
-@pytest.mark.parametrize("kernels", ["explicit", "triton"])
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_more_keys_or_rows_take_more_time(kernels):
     """A step over more completion keys, or more rows, takes more GPU time, on either device."""
     def gpu_seconds(keys, workload=TINY_WORK):
