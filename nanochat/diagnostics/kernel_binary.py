@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
@@ -40,7 +41,8 @@ ROWS, SAMPLES, KEYS, PROMPT_LEN = 256, 16, 256, 128
 class Variant(NamedTuple):
     """A decode step recorded: its name, the model's generation and changes to D20, the rollout dtypes, the sampler's
     settings; norm_fp32: rotary_store's norm kept in fp32 for bf16 as CUDA's autocast keeps it from torch 2.12 (a
-    CPU's autocast, which the recording runs under, rounds it to bf16 as CUDA's did before)."""
+    CPU's autocast, which the recording runs under, rounds it to bf16 as CUDA's did before); kernels: the kernels
+    (function names) it is there for, None for all."""
     name: str
     generation: str
     config: dict
@@ -48,6 +50,7 @@ class Variant(NamedTuple):
     temperature: float = 1.0
     top_k: Optional[int] = 50
     norm_fp32: bool = False
+    kernels: Optional[tuple] = None
 
 
 BOTH = (torch.bfloat16, torch.float32)
@@ -59,7 +62,9 @@ VARIANTS = [Variant("d20", "smear", {}, BOTH),
             Variant("d20 T=0.7", "smear", {}, (torch.float32,), temperature=0.7),
             Variant("d20 oct2025", "oct2025", {}, BOTH),
             Variant("GQA group of 2", "smear", dict(n_kv_head=5), BOTH),
-            Variant("GQA group of 32", "smear", dict(n_head=32, n_kv_head=1, n_embd=4096, vocab_size=8192), BOTH)]
+            # head dim 128 takes a 4096-wide model, whose norms spill registers (docs/performance.md): its attention only
+            Variant("GQA group of 32", "smear", dict(n_head=32, n_kv_head=1, n_embd=4096, vocab_size=8192), BOTH,
+                    kernels=("_prompt_attention_kernel",))]
 
 # sm_90 (H100/H200) limits a block's occupancy is computed under
 SM90 = dict(sms=132, registers=65536, register_granularity=256, threads=2048, shared=228 * 1024,
@@ -139,6 +144,7 @@ class KernelBinary:
     calls: int            # launches of this binding in the recorded step (RECORDED_LAYERS layers)
     pointers: str         # the float pointers' dtypes, e.g. "bf16 fp32"
     constexprs: dict      # name -> value (ints equal to 1 among them: Triton's specialization)
+    triton: str           # the version that compiled it
 
 
 def occupancy(registers, threads, shared_bytes, limits=SM90):
@@ -149,8 +155,7 @@ def occupancy(registers, threads, shared_bytes, limits=SM90):
     per_warp = -(-registers * 32 // unit) * unit
     by = {"registers": (limits["registers"] // per_warp) // warps if per_warp else limits["blocks"],
           "threads": limits["threads"] // threads,
-          "shared memory": limits["shared"] // (shared_bytes + limits["shared_reserved"]) if shared_bytes else
-          limits["blocks"],
+          "shared memory": limits["shared"] // (shared_bytes + limits["shared_reserved"]),  # 1 KB a block reserved
           "blocks": limits["blocks"]}
     limit = min(by, key=by.get)
     return by[limit], limit
@@ -192,7 +197,7 @@ def compile_binding(record, binding, target, variant, calls):
     pointers = sorted({t[1:] for _, t in binding.signature if t.startswith("*") and t[1:] in ("bf16", "fp16", "fp32")})
     return KernelBinary(binding.kernel, variant, grid, binding.num_warps, registers, spills, shared, threads, blocks,
                         limit, blocks * binding.num_warps / (SM90["threads"] // 32), grid / (SM90["sms"] * blocks),
-                        calls, " ".join(pointers), dict(binding.constexprs))
+                        calls, " ".join(pointers), dict(binding.constexprs), triton.__version__)
 
 
 def as_launched_on_cuda(record):
@@ -245,7 +250,7 @@ def build_binaries(variants=VARIANTS):
         for dtype in variant.dtypes:
             for record, binding, calls in distinct_bindings(variant_records(variant, dtype), backend):
                 key = (binding.kernel, binding.signature, binding.constexprs, binding.attributes, binding.num_warps)
-                if key in done:
+                if key in done or variant.kernels is not None and binding.kernel not in variant.kernels:
                     continue
                 done.add(key)
                 name = f"{variant.name} {'bf16' if dtype == torch.bfloat16 else 'fp32'}"
@@ -253,21 +258,26 @@ def build_binaries(variants=VARIANTS):
     return binaries
 
 
-def kernel_binaries():
-    """[dict] of every KernelBinary (build_binaries): compiled here where Triton's interpreter is off, else in a
-    process of its own without it (minutes the first time; Triton's cache makes later calls quick)."""
+def kernel_binaries(triton_path=None):
+    """[dict] of every KernelBinary (build_binaries): compiled here where Triton's interpreter is off and no other
+    triton is asked for, else in a process of its own without the interpreter, importing triton from `triton_path`
+    (a `pip install --target` directory) where given. Minutes the first time; Triton's cache makes later calls
+    quick."""
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
-    if not isinstance(tl.standard.sum, InterpretedFunction):
+    if triton_path is None and not isinstance(tl.standard.sum, InterpretedFunction):
         return [asdict(b) for b in build_binaries()]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, "-m", "nanochat.diagnostics.kernel_binary", "--json"], env=env,
-                          capture_output=True, text=True, check=True)
+    if triton_path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(triton_path), env.get("PYTHONPATH")) if p)
+    root = Path(__file__).resolve().parents[2]  # the process imports this nanochat, not another installed one
+    done = subprocess.run([sys.executable, "-m", "nanochat.diagnostics.kernel_binary", "--json"], env=env, cwd=root,
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the sm_90 compile failed: {done.stderr[-3000:]}")
     return json.loads(done.stdout)
 
-
-TRITON_PATH_ENV = "NANOCHAT_TRITON_PATH"  # another triton (a --target install) to compile with: docs/performance.md
 
 COLUMNS = ("kernel", "variant", "branch", "pointers", "grid", "warps", "registers", "spills", "smem", "blocks/SM",
            "limit", "occupancy", "waves", "calls")
@@ -285,7 +295,8 @@ def branches(binaries):
 
 
 def markdown_table(binaries):
-    """The binaries as docs/performance.md's table."""
+    """The binaries (KernelBinary or their dicts) as docs/performance.md's table."""
+    binaries = [b if isinstance(b, KernelBinary) else KernelBinary(**b) for b in binaries]
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for b, branch in zip(binaries, branches(binaries)):
         cells = (b.kernel.strip("_").removesuffix("_kernel"), b.variant, branch, b.pointers, b.grid, b.num_warps,
