@@ -15,6 +15,7 @@ started): `kernel_binaries` runs this module in a process of its own where the i
     python -m nanochat.diagnostics.kernel_binary [--json]    (the table of docs/performance.md, or the records)
 """
 
+import functools
 import inspect
 import json
 import os
@@ -62,9 +63,10 @@ VARIANTS = [Variant("d20", "smear", {}, BOTH),
             Variant("d20 T=0.7", "smear", {}, (torch.float32,), temperature=0.7),
             Variant("d20 oct2025", "oct2025", {}, BOTH),
             Variant("GQA group of 2", "smear", dict(n_kv_head=5), BOTH),
-            # head dim 128 takes a 4096-wide model, whose norms spill registers (docs/performance.md): its attention only
-            Variant("GQA group of 32", "smear", dict(n_head=32, n_kv_head=1, n_embd=4096, vocab_size=8192), BOTH,
-                    kernels=("_prompt_attention_kernel",))]
+            # head dim 128 takes a 4096-wide model, whose norms spill registers (docs/performance.md): its attention
+            # only, on 2 layers (a short and a long window)
+            Variant("GQA group of 32", "smear", dict(n_head=32, n_kv_head=1, n_embd=4096, vocab_size=8192, n_layer=2),
+                    BOTH, kernels=("_prompt_attention_kernel",))]
 
 # sm_90 (H100/H200) limits a block's occupancy is computed under
 SM90 = dict(sms=132, registers=65536, register_granularity=256, threads=2048, shared=228 * 1024,
@@ -75,13 +77,19 @@ def record_decode_launches(generation, dtype, temperature=1.0, top_k=50, **confi
     """The LaunchRecords of one decode step of the engine's Triton step (every kernel it launches, in order) on a CPU
     model of D20's sizes with RECORDED_LAYERS layers (+ `config`), uninitialized weights, decoding in `dtype` (bf16:
     under autocast, as the engine decodes a bf16 rollout; fp32: none)."""
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**{**D20, "n_layer": RECORDED_LAYERS, **config}), generation)
-    model = model.to_empty(device="cpu")
-    batch = kernel_step_batch(model, dtype, temperature, top_k)
+    batch = kernel_step_batch(cpu_model(generation, tuple(sorted(config.items()))), dtype, temperature, top_k)
     with autocast_context(torch.device("cpu"), dtype), recording_launches() as records, torch.no_grad():
         batch.run_step(ROWS, KEYS)
     return records
+
+
+@functools.lru_cache(maxsize=1)  # the variants in a row that share a model build it once
+def cpu_model(generation, config):
+    """A GPT of D20's sizes with RECORDED_LAYERS layers and the changes `config` ((field, value) pairs) on the CPU,
+    its weights uninitialized (nothing computed from them is read)."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**{**D20, "n_layer": RECORDED_LAYERS, **dict(config)}), generation)
+    return model.to_empty(device="cpu")
 
 
 def kernel_step_batch(model, dtype, temperature, top_k):
