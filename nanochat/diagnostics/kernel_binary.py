@@ -153,6 +153,7 @@ class KernelBinary:
     pointers: str         # the float pointers' dtypes, e.g. "bf16 fp32"
     constexprs: dict      # name -> value (ints equal to 1 among them: Triton's specialization)
     triton: str           # the version that compiled it
+    not_divisible: list   # the pointers and ints Triton could not take as divisible by 16
 
 
 def occupancy(registers, threads, shared_bytes, limits=SM90):
@@ -205,7 +206,9 @@ def compile_binding(record, binding, target, variant, calls):
     pointers = sorted({t[1:] for _, t in binding.signature if t.startswith("*") and t[1:] in ("bf16", "fp16", "fp32")})
     return KernelBinary(binding.kernel, variant, grid, binding.num_warps, registers, spills, shared, threads, blocks,
                         limit, blocks * binding.num_warps / (SM90["threads"] // 32), grid / (SM90["sms"] * blocks),
-                        calls, " ".join(pointers), dict(binding.constexprs), triton.__version__)
+                        calls, " ".join(pointers), dict(binding.constexprs), triton.__version__,
+                        [n for n, t in binding.signature if t != "constexpr" and not t.startswith("fp")
+                         and n not in dict(binding.attributes)])
 
 
 def as_launched_on_cuda(record):
@@ -292,13 +295,16 @@ COLUMNS = ("kernel", "variant", "branch", "pointers", "grid", "warps", "register
 
 
 def branches(binaries):
-    """Each binary's constexprs that differ among its kernel's binaries (what tells its rows apart), as text."""
+    """What tells each binary's row apart from its kernel's others, as text: the constexprs that differ among them,
+    and the arguments not divisible by 16 here alone."""
     out = []
     for b in binaries:
         same = [o.constexprs for o in binaries if o.kernel == b.kernel]
         differ = [k for k, v in b.constexprs.items() if any(o.get(k) != v for o in same)]
-        out.append(" ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in b.constexprs.items()
-                            if k in differ))
+        apart = [n for n in b.not_divisible if any(n not in o.not_divisible and n not in o.constexprs
+                                                   for o in binaries if o.kernel == b.kernel)]
+        out.append(" ".join([f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in b.constexprs.items()
+                             if k in differ] + [f"{n} not /16" for n in apart]))
     return out
 
 
