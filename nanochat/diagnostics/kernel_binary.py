@@ -9,7 +9,7 @@ Recorded at d20's sizes (n_embd 1280, 10 heads of 128, vocab 65536; 256 rows = 1
 keys, prompts of 128 tokens, T = 1, top-k 50) with RECORDED_LAYERS layers of the smear generation: every launch of a
 d20 step binds as one of theirs (short and long windows, value embedding or none, backout's kept sum), each layer's
 shapes being the same. Extra variants reach the branches d20 does not take (GQA groups of 2 and 32, greedy, no
-top-k, autocast's fp32 norm). Compiling needs Triton without its interpreter (TRITON_INTERPRET=0 when Python
+top-k, T != 1, autocast's fp32 norm, oct2025's unlimited window). Compiling needs Triton without its interpreter (TRITON_INTERPRET=0 when Python
 started): `kernel_binaries` runs this module in a process of its own where the interpreter is on.
 
     python -m nanochat.diagnostics.kernel_binary [--json]    (the table of docs/performance.md, or the records)
@@ -36,7 +36,6 @@ from nanochat.runtime.dtypes import autocast_context
 D20 = dict(sequence_len=2048, vocab_size=65536, n_layer=20, n_head=10, n_kv_head=10, n_embd=1280, window_pattern="SSSL")
 RECORDED_LAYERS = 4  # short and long windows, value embeddings on alternate layers, backout keeps layer 2's sum
 ROWS, SAMPLES, KEYS, PROMPT_LEN = 256, 16, 256, 128
-
 
 
 class Variant(NamedTuple):
@@ -70,7 +69,7 @@ VARIANTS = [Variant("d20", "smear", {}, BOTH),
 
 # sm_90 (H100/H200) limits a block's occupancy is computed under
 SM90 = dict(sms=132, registers=65536, register_granularity=256, threads=2048, shared=228 * 1024,
-            shared_reserved=1024, blocks=32, max_registers=255)
+            shared_reserved=1024, blocks=32)
 
 
 def record_decode_launches(generation, dtype, temperature=1.0, top_k=50, **config):
@@ -120,7 +119,9 @@ class Binding:
 
 def triton_binding(record, backend):
     """The Binding Triton's JITFunction.run makes of `record` (a LaunchRecord) for `backend`: its binder (pointer
-    dtypes, ints as i32/i64/constexpr 1, divisibility by 16) and _pack_args, not rules written again here."""
+    dtypes, ints as i32/i64/constexpr 1, divisibility by 16) and _pack_args, not rules written again here. A pointer's
+    divisibility is read from the CPU tensor's address: allocations aligned to 64 bytes there (256 and more on CUDA),
+    views offset alike, so by 16 the same answer."""
     from triton.runtime.jit import create_function_from_signature
 
     jit = record.kernel.on(torch.device("cuda"))
