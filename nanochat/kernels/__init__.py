@@ -2,7 +2,8 @@
 The project's own GPU kernels for the decode step, in Triton (it comes with every CUDA build of torch), each a torch
 custom op with a fake (meta) implementation: the meta op count, Dynamo and CUDA-graph capture see one op each.
 
-    launch.py            where a kernel runs: compiled on CUDA, in Triton's interpreter on a CPU (tests)
+    launch.py            where a kernel runs: compiled on CUDA, in Triton's interpreter on a CPU (tests); or
+                         recorded, not run (the sm_90 compile of nanochat/diagnostics/kernel_binary.py)
     prompt_attention.py  the shared-prompt decode attention, one kernel a layer
     rotary_store.py      rotary, q/k norm and scale, the value embedding's term, the KV write: one kernel a layer
     residual_norm.py     residual add + lambdas/backout + RMSNorm; the MLP's relu^2

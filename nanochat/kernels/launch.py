@@ -6,8 +6,10 @@ compiled or interpreted then), so one process runs the kernels either compiled (
 with the variable set before Python starts), not both; the kind is picked per call from the tensors' device.
 """
 
+import contextlib
 import os
 import types
+from typing import NamedTuple
 
 import torch
 
@@ -53,6 +55,8 @@ class Kernel:
         self.fn, self.compiled, self.interpreted = fn, None, None
 
     def on(self, device):
+        if _recording:  # recording_launches: what a launch would bind, not run
+            return _Recorder(self, _recording[-1])
         if device.type == "cuda":
             if self.compiled is None:
                 self.compiled = triton.jit(self._with_helpers(compiled=True))
@@ -72,7 +76,51 @@ class Kernel:
             scope[name] = helper.on(torch.device("cuda")) if compiled else helper._with_helpers(False)
         fn = types.FunctionType(self.fn.__code__, scope, self.fn.__name__, self.fn.__defaults__, self.fn.__closure__)
         fn.__module__, fn.__qualname__ = self.fn.__module__, self.fn.__qualname__
+        # the annotations too: Triton's jit knows a constexpr parameter only by its annotation (without, a kernel's
+        # BLOCK sizes would bind as ints and tl.arange refuse them)
+        fn.__annotations__, fn.__kwdefaults__ = dict(self.fn.__annotations__), self.fn.__kwdefaults__
         return fn
+
+
+class LaunchRecord(NamedTuple):
+    """One kernel launch as the op made it: the Kernel, its grid, and the arguments it bound (tensors, ints, floats,
+    constexprs; num_warps among the keyword arguments where the op sets it)."""
+    kernel: Kernel
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+class _Recorder:
+    """What Kernel.on returns while launches are recorded: `[grid](*args, **kwargs)` appends a LaunchRecord."""
+
+    def __init__(self, wrapped, records):
+        self.wrapped, self.records = wrapped, records
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.records.append(LaunchRecord(self.wrapped, tuple(grid), args, kwargs))
+
+
+_recording = []  # the lists of the recording_launches contexts open, innermost last
+
+
+def recording():
+    """Whether launches are being recorded now (recording_launches): the ops then pass their tensors as a GPU launch
+    takes them, with no copies made for Triton's interpreter, since nothing runs."""
+    return bool(_recording)
+
+
+@contextlib.contextmanager
+def recording_launches():
+    """A context in which every kernel launch is recorded into the list it yields (LaunchRecord) and nothing runs:
+    the ops' outputs stay uninitialized. What the sm_90 compile (nanochat/diagnostics/kernel_binary.py) binds the
+    kernels to: the engine's real calls, on any device, without a GPU or the interpreter."""
+    records = []
+    _recording.append(records)
+    try:
+        yield records
+    finally:
+        _recording.pop()
 
 
 def kernel(fn):

@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from nanochat.kernels.launch import block_size, kernel, tl
+from nanochat.kernels.launch import block_size, kernel, recording, tl
 
 FREE_ROWS_BLOCK = 16  # rows a program of the free-row part zeroes
 # Whether Triton's interpreter computes a bf16 tl.dot as a GPU does: not triton 3.9's (it multiplies the bits as
@@ -140,7 +140,7 @@ def _own_keys_kernel(q_ptr, own_k_ptr, own_v_ptr, pos_ptr, sample_ptr, part_top_
     rep = tl.arange(0, BLOCK_REP)
     rep_ok = rep < REP
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
+    d_ok = d <= D
     head = kvh * REP + rep  # (BLOCK_REP,)
     live = tl.load(sample_ptr + row) < used_columns  # a free row (the spare column) reads no key
     own_pos = tl.load(pos_ptr + row)  # the newest completion key's index
@@ -281,9 +281,10 @@ def _(q, own_k, own_v, pos, sample, used_columns, keys, window, split_keys):
 def _interpreter_inputs(*tensors):
     """The tensors as the kernels take them: on a CPU (Triton's interpreter, triton 3.9, multiplies the raw bits of
     bf16 tiles in tl.dot) fp32 copies, the same values (bf16 is exact in fp32), the probabilities then unrounded
-    (within bf16's); on a GPU, or where the tests fixed the interpreter's dot (INTERPRETER_BF16_DOT_FIXED), as they
-    are."""
-    if tensors[0].device.type != "cuda" and tensors[0].dtype != torch.float32 and not INTERPRETER_BF16_DOT_FIXED:
+    (within bf16's); on a GPU, in a recorded launch (launch.recording) or where the tests fixed the interpreter's dot
+    (INTERPRETER_BF16_DOT_FIXED), as they are."""
+    interpreted = tensors[0].device.type != "cuda" and not recording()  # a recorded launch binds as on a GPU
+    if interpreted and tensors[0].dtype != torch.float32 and not INTERPRETER_BF16_DOT_FIXED:
         return tuple(t.float() for t in tensors)
     return tensors
 

@@ -71,7 +71,10 @@ def _rotary_store_kernel(qkv_ptr, q_out_ptr, cos_ptr, sin_ptr, positions_ptr, k_
     y = (normed * qk_scale).to(dtype)
     tl.store(q_out_ptr + b * q_sb + h * q_sh + d, y, mask=ok & is_q)
     pos = tl.load(pos_ptr + b)
-    tl.store(k_cache_ptr + b * kc_sb + (h - H) * kc_sh + pos * kc_sn + d, y.to(k_cache_ptr.dtype.element_ty),
+    # a layer's cache holds rows x Hkv x capacity x D elements: past 2^31 at sizes a memory budget allows (1024 rows
+    # of 2048 keys at d20), so its row offset is 64-bit (pos is int64 already)
+    b_cache = b.to(tl.int64)
+    tl.store(k_cache_ptr + b_cache * kc_sb + (h - H) * kc_sh + pos * kc_sn + d, y.to(k_cache_ptr.dtype.element_ty),
              mask=ok & is_k)
     v = x
     if HAS_VE:  # v += (gate * ve).to(v's dtype), gate = scale * sigmoid(ve_gate(h[:ch])) per kv head
@@ -86,8 +89,8 @@ def _rotary_store_kernel(qkv_ptr, q_out_ptr, cos_ptr, sin_ptr, positions_ptr, k_
         embedding = tl.load(ve_table_ptr + token * ve_sv + kvh * D + d, mask=ok & is_v, other=0.0)
         term = (gate * embedding.to(tl.float32)).to(embedding.dtype).to(dtype)  # promoted: the embedding's dtype
         v = (v + term.to(tl.float32)).to(dtype)
-    tl.store(v_cache_ptr + b * vc_sb + (h - H - Hkv) * vc_sh + pos * vc_sn + d, v.to(v_cache_ptr.dtype.element_ty),
-             mask=ok & is_v)
+    tl.store(v_cache_ptr + b_cache * vc_sb + (h - H - Hkv) * vc_sh + pos * vc_sn + d,
+             v.to(v_cache_ptr.dtype.element_ty), mask=ok & is_v)
 
 
 @torch.library.custom_op("nanochat::rotary_store", mutates_args=("k_cache", "v_cache"))

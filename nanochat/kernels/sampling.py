@@ -31,7 +31,8 @@ def _sample_kernel(logits_ptr, values_ptr, indices_ptr, seeds_ptr, draws_ptr, ac
                    temperature, logits_sb, values_sb, indices_sb,
                    BLOCK: tl.constexpr, GREEDY: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr):
     row = tl.program_id(0)
-    logits_row = logits_ptr + row * logits_sb
+    # 64-bit: rows x V logits pass 2^31 at sizes a user may set (32768 rows of a 65536 vocabulary)
+    logits_row = logits_ptr + row.to(tl.int64) * logits_sb
     log_normalizer, best, best_index = _normalizer_and_argmax(logits_row, V, BLOCK, GREEDY)
     step = tl.load(draws_ptr + row)
     if GREEDY:

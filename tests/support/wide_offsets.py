@@ -1,0 +1,67 @@
+"""The kernels whose offsets can pass 2^31 elements at sizes a user may set (rotary_store's KV-cache rows, sample_rows'
+logits rows), run in Triton's interpreter on tensors whose row stride is ROW_STRIDE: row 2 starts past 2^31 elements.
+Each must write what it writes on contiguous copies of the same values; with 32-bit offsets row 2's address wraps
+below the tensor (a crash, or a write elsewhere). The storage is a sparse file mapped shared: the gigabytes it spans
+are neither allocated nor written, only the pages the rows touch. Prints `<op> ok`; run by
+tests/kernels/test_kernel_binary.py in a process of its own (a crash must not take pytest with it), with
+TRITON_INTERPRET=1."""
+
+import os
+import sys
+import tempfile
+
+import torch
+
+from nanochat.kernels.rotary_store import rotary_store
+from nanochat.kernels.sampling import sample_rows
+
+ROW_STRIDE = (1 << 30) + (1 << 20)  # elements: 2 x this > 2^31 - 1 while the stride itself is an int32
+ROWS = 3
+
+
+def wide_rows(directory, name, shape, dtype):
+    """A (ROWS, *shape) tensor of `dtype` with row stride ROW_STRIDE, over a sparse file in `directory` (zeros)."""
+    inner = torch.empty(shape).stride()
+    size = (ROWS - 1) * ROW_STRIDE + torch.Size(shape).numel()
+    path = os.path.join(directory, name)
+    with open(path, "wb") as f:
+        f.truncate(size * torch.tensor([], dtype=dtype).element_size())
+    storage = torch.from_file(path, shared=True, size=size, dtype=dtype)
+    return storage.as_strided((ROWS, *shape), (ROW_STRIDE, *inner))
+
+
+def check_rotary_store(directory):
+    """Keys and values written into a cache whose rows are ROW_STRIDE apart, as into a contiguous one."""
+    H, Hkv, D, capacity = 2, 1, 4, 4
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(ROWS, H + 2 * Hkv, D, generator=g).bfloat16()
+    cos, sin = torch.randn(8, D // 2, generator=g), torch.randn(8, D // 2, generator=g)
+    positions, pos = torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2])
+    wide = [wide_rows(directory, n, (Hkv, capacity, D), torch.bfloat16)[None] for n in ("k", "v")]  # (1, ROWS, ...)
+    narrow = [torch.zeros_like(t, memory_format=torch.contiguous_format) for t in wide]
+    outputs = [rotary_store(qkv, cos, sin, positions, k, v, 0, pos, H, 1.0, None, positions, None,
+                            qkv.view(ROWS, -1), 0.0, False) for k, v in (narrow, wide)]
+    assert torch.equal(outputs[0], outputs[1])
+    assert all(torch.equal(a, b) for a, b in zip(narrow, wide)), "keys or values written elsewhere"
+
+
+def check_sample_rows(directory):
+    """The sampler reading logits whose rows are ROW_STRIDE apart draws what it draws from contiguous ones."""
+    V = 64
+    logits = wide_rows(directory, "logits", (V,), torch.float32)
+    logits.copy_(torch.randn(ROWS, V, generator=torch.Generator().manual_seed(1)))
+    seeds, active = torch.tensor([3, 4, 5]), torch.ones(ROWS, dtype=torch.long)
+    results = []
+    for rows in (logits.contiguous(), logits):
+        draws, sampled = torch.zeros(ROWS, dtype=torch.long), torch.zeros(ROWS, 3)
+        sample_rows(rows, None, None, seeds, draws, active, sampled, 1.0)
+        results.append(sampled)
+    assert torch.equal(results[0], results[1]), "the sampler read other logits"
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as directory:
+        for check in (check_rotary_store, check_sample_rows):
+            check(directory)
+            print(check.__name__.removeprefix("check_"), "ok", flush=True)
+    sys.exit(0)
