@@ -30,7 +30,7 @@ def test_resumed_run_ends_with_the_same_weights(sft, base_dir):
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=4", "--save-every=2"])
     uninterrupted = weights(rl_dir(base_dir) / "model_000003.pt")
     os.remove(rl_dir(base_dir) / "model_000003.pt")
-    chat_rl.main(["--resume=d2:2", "--device-type=cpu", "--num-steps=99"])  # --num-steps is restored from the run
+    chat_rl.main(["--resume=d2:2", "--device-type=cpu", "--num-steps=3"])  # --num-steps is restored from the run
     assert_same_weights(weights(rl_dir(base_dir) / "model_000003.pt"), uninterrupted)
 
 
