@@ -27,9 +27,10 @@ from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.engine import Engine
 from nanochat.engine.spec import resolve_memory_budget
 from nanochat.errors import UserError
+from nanochat.files import check_writable_file, write_errors
 from nanochat.rl.evaluation import evaluate_pass_at_k
 from nanochat.rl.metrics import reduce_metrics
-from nanochat.runtime.distributed import collective_device, print0, wait_for_all_ranks
+from nanochat.runtime.distributed import collective_device, get_dist_info, print0, wait_for_all_ranks
 from nanochat.runtime.dtypes import autocast_context, compute_dtype, requested_dtype
 from nanochat.settings import SHARED
 from tasks.registry import make_task
@@ -125,9 +126,16 @@ def evaluate_task(name, engine, args, autocast, device, meta, decode):
     return result
 
 
+def output_path(args):
+    """Where the JSON goes: --output, or the report folder's chat_eval_<source>.json."""
+    return args.output or os.path.join(get_base_dir(), "report", f"chat_eval_{args.source}.json")
+
+
 def main(argv):
     args = parse_args(argv)
     validate_args(args)
+    if get_dist_info()[1] == 0:  # before the model loads and the questions run
+        check_writable_file(output_path(args), "the results", "pass --output=<a writable path>")
     _, rank, _, _, device = compute_init(args.device_type)
     try:
         decode = check_decode_flag(args.decode, device)
@@ -146,10 +154,11 @@ def main(argv):
         results = [evaluate_task(name, engine, args, autocast, device, meta, decode) for name in task_names(args.task)]
         result = results[0] if len(results) == 1 else {"tasks": results}  # one task: the file as it always was
         if rank == 0:
-            path = args.output or os.path.join(get_base_dir(), "report", f"chat_eval_{args.source}.json")
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(path, "w") as f:
-                json.dump(result, f, indent=2)
+            path = output_path(args)
+            with write_errors(lambda: "the results are the table above", fix=lambda e: "pass --output=<a writable path>"):
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                with open(path, "w") as f:
+                    json.dump(result, f, indent=2)
             print0(f"wrote {path}")
         wait_for_all_ranks()
         return result

@@ -16,7 +16,7 @@ from nanochat.checkpoints.errors import CheckpointError
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS, meta_path
 from nanochat.checkpoints.loading import find_checkpoint, load_model
 from nanochat.checkpoints.optimizer_shards import optimizer_states_for_resume
-from nanochat.checkpoints.store import list_steps, list_tags, load_meta
+from nanochat.checkpoints.store import list_steps, list_tags, load_meta, make_checkpoint_dir
 from nanochat.common import get_base_dir
 from nanochat.errors import UserError
 from nanochat.files import check_writable_dir
@@ -56,7 +56,7 @@ class RunExistsError(UserError):
     avoid or delete it)."""
 
     def __init__(self, checkpoint_dir, files):
-        super().__init__(f"{checkpoint_dir} already holds an RL run ({describe_run_files(files)})")
+        super().__init__(f"{checkpoint_dir} already holds an RL run, {describe_run_files(files)}")
         self.checkpoint_dir, self.files = checkpoint_dir, files
 
 
@@ -124,7 +124,7 @@ def restore_settings(config, world_size, given=frozenset()):
            + (f" (where they differ from the defaults: {', '.join(defaults)})" if defaults else ""))
     for k in (k for k in changed if k in given):
         print0(f"{given_flag(k, getattr(config, k))} ignored: the run's saved {k}={saved[k]} is kept (--resume "
-               f"continues a run with its own settings; a new run from it takes yours: --source=rl --model-tag={tag})")
+               f"continues a run with its own settings)")
     restored.check_ranks(world_size, resumed=tag)
     return restored, resume
 
@@ -201,7 +201,7 @@ def restore_optimizers(resume, optimizers, meta, rank, world_size, device):
 class Target:
     """Where a run starts and what it writes, settled before anything loads: the checkpoint it starts from (a new
     run's --source; a resumed run's step), its output tag and directory, checked writable, and the files of the old
-    run there that --overwrite deletes once the new run has loaded (clear_old_run)."""
+    run there that --overwrite deletes once the new run has loaded (prepare_output_dir)."""
     source: str
     source_tag: str
     source_step: int
@@ -251,11 +251,11 @@ def file_step(name):
 
 
 def describe_run_files(files):
-    """A run's files as a refusal and --overwrite say them: 'steps 1-3, 9 files: meta_000001.json, ...'."""
+    """A run's files as a refusal and --overwrite say them: 'steps 1-3: 9 files (meta_000001.json, ...)'."""
     steps = sorted({s for s in map(file_step, files) if s is not None})
     shown = files if len(files) <= 6 else files[:3] + ["..."] + files[-2:]
     saved = f"step{'s' * (len(steps) > 1)} {step_ranges(steps)}" if steps else "no saved step"
-    return f"{saved}, {len(files)} file{'s' * (len(files) > 1)}: {', '.join(shown)}"
+    return f"{saved}: {len(files)} file{'s' * (len(files) > 1)} ({', '.join(shown)})"
 
 
 def step_ranges(steps):
@@ -266,19 +266,21 @@ def step_ranges(steps):
             runs[-1][1] = s
         else:
             runs.append([s, s])
-    return ", ".join(f"{a}-{b}" if b > a + 1 else f"{a}, {b}" if b > a else f"{a}" for a, b in runs)
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
-def clear_old_run(target, master):
-    """--overwrite: the old run in the target directory deleted (rank 0), once the new run has loaded (a failure
-    before keeps it), said in one line; and so the loader's 'last step' cannot pick one of its checkpoints."""
+def prepare_output_dir(target, master):
+    """A new run's directory, once the run has loaded: made (run_target's check made none), and --overwrite's old run
+    in it deleted (rank 0; a failure before keeps it), said in one line, so that the loader's 'last step' cannot pick
+    one of its checkpoints."""
+    make_checkpoint_dir(target.checkpoint_dir)
     old = run_files(target.checkpoint_dir)
     if not old:
         return
     if master:
         for f in old:
             os.remove(os.path.join(target.checkpoint_dir, f))
-    print0(f"--overwrite: deleted the RL run that was in {target.checkpoint_dir} ({describe_run_files(old)})")
+    print0(f"--overwrite: deleted the RL run that was in {target.checkpoint_dir}, {describe_run_files(old)}")
 
 
 def load_start(config, resume, target, device):

@@ -31,7 +31,7 @@ from nanochat.rl.plan import (RunPlan, auto_compile_of, describe_plan, resolve_c
 from nanochat.rl.policy_gradient import (TrainStats, accumulate_policy_gradient, chunk_logprobs, compiled_chunk_forward,
                                          without_rejected_tokens)
 from nanochat.rl.progress import RolloutLog, RunProgress, drop_rollouts_after
-from nanochat.rl.resume import clear_old_run, load_reference, load_start, restore_optimizers
+from nanochat.rl.resume import load_reference, load_start, prepare_output_dir, restore_optimizers
 from nanochat.rl.rollout import (Sampling, StepRollouts, has_signal, longest_prompt, question_indices_at, question_seed,
                                  sample_questions, step_questions)
 from nanochat.runtime.device import with_fewer_rows_on_oom
@@ -213,7 +213,7 @@ def setup_run(config, resume, target, rank, world_size, device):
     if plan.spec.decode != "eager":
         print0(f"rollouts: static batch sized for prompts of up to {engine.prompt_floor} tokens (the task's longest)")
     if not config.resume:  # last: --overwrite clears the old run only once everything else has loaded
-        clear_old_run(target, rank == 0)
+        prepare_output_dir(target, rank == 0)
     elif rank == 0:  # the run's samples, if it kept them, continue from the resumed step
         drop_rollouts_after(checkpoint_dir, resume.step)
     resumed = meta if config.resume else None

@@ -157,6 +157,11 @@ def _output_dir_is_a_file(base):
     return {}
 
 
+def _report_dir_is_a_file(base):
+    (base / "report").write_text("a file where the report folder should be\n")
+    return {}
+
+
 def _existing_rl_run(base):
     rl = base / "chatrl_checkpoints" / "d2"
     rl.mkdir(parents=True)
@@ -175,6 +180,11 @@ def _rl_run(base):
     """A copy of saved_rl_runs()'s run d2 (steps 1 and 2) in `base`; returns its directory."""
     shutil.copytree(saved_rl_runs() / RL_DIR, base / RL_DIR)
     return base / RL_DIR
+
+
+def _saved_rl_run(base):
+    _rl_run(base)
+    return {}
 
 
 def _shard_missing(base):
@@ -251,6 +261,8 @@ CASES = [
     Case("unknown --model-step", flags=["--model-step=7"]),
     Case("output dir blocked by a file", setup=_output_dir_is_a_file),
     Case("an RL run already in the output dir", setup=_existing_rl_run),
+    Case("report folder blocked by a file", setup=_report_dir_is_a_file),
+    Case("--resume asks for more steps than the run planned", flags=["--resume", "--num-steps=5"], setup=_saved_rl_run),
     Case("disk full while saving a checkpoint", flags=["--num-steps=3", "--save-every=1"], full_disk_at_step=2),
     Case("3 ranks do not divide --examples-per-step=2", setup=_three_ranks),
     Case("task does not exist", flags=["--task=nosuchtask"]),
