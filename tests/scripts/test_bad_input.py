@@ -59,7 +59,7 @@ EXPECTED = {
     "report folder blocked by a file": ["cannot write the run's report to", "report: Not a directory (",
                                         "report is a file)"],
     "--resume asks for more steps than the run planned": [
-        "error: --num-steps=5: run d2 was planned with 3 steps, over which its learning rate decays "
+        "error: --num-steps=5: run d2 was planned with 4 steps, over which its learning rate decays "
         "(--lr-schedule=linear), and --resume continues it to that end, not further; to train it further, start a new "
         "run from its last checkpoint: python -m scripts.chat_rl --source=rl --model-tag=d2 --task=arithmetic "
         "--num-steps=5 (a new run, written to d2_cont)"],

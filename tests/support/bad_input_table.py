@@ -74,9 +74,10 @@ _SAVED_RUNS = {}
 
 
 def saved_rl_runs():
-    """A base dir as build_base_dir's, holding two finished RL runs of TINY_FLAGS with --num-steps=3 --save-every=1
-    (steps 1 and 2 saved): chatrl_checkpoints/d2 and chatrl_checkpoints/other. Built once per process (in-process
-    runs, a few seconds in all) and removed at exit; the --resume cases copy from it."""
+    """A base dir as build_base_dir's, holding two RL runs of TINY_FLAGS with --num-steps=4 --save-every=1, as if
+    stopped after step 2 (steps 1 and 2 saved, step 3's files removed: a step left for --resume to train, where it
+    reads the optimizer shards): chatrl_checkpoints/d2 and chatrl_checkpoints/other. Built once per process
+    (in-process runs, a few seconds in all) and removed at exit; the --resume cases copy from it."""
     if "base" not in _SAVED_RUNS:
         from scripts import chat_rl
         root = tempfile.mkdtemp(prefix="bad-input-rl-")
@@ -87,7 +88,9 @@ def saved_rl_runs():
         try:
             with contextlib.redirect_stdout(io.StringIO()):
                 for tag in ("d2", "other"):
-                    chat_rl.main(TINY_FLAGS + ["--num-steps=3", "--save-every=1", f"--output-tag={tag}"])
+                    chat_rl.main(TINY_FLAGS + ["--num-steps=4", "--save-every=1", f"--output-tag={tag}"])
+                    for f in (base / "chatrl_checkpoints" / tag).glob("*_000003*"):
+                        f.unlink()
         finally:
             if previous is None:
                 os.environ.pop("NANOCHAT_BASE_DIR")
