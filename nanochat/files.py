@@ -128,30 +128,37 @@ def check_writable_dir(directory, what, fix):
     """Say now, in one line (NotWritableError naming `what` and `fix`), if no file can be created in `directory`:
     the folders missing on the way are created, a hidden probe file written and removed, and the folders this made
     removed again, so a check leaves nothing behind (even a refused run's). Root ignores permissions, not a file
-    where a folder should be: that fails for everyone."""
+    where a folder should be: that fails for everyone. Every rank of a run may check the same folder at once: one
+    whose folder another's check removed tries again."""
     directory = os.path.abspath(directory)
     blocking = _blocking_file(directory)
     if blocking is not None:
         raise NotWritableError(what, directory, f"Not a directory ({blocking} is a file)", fix)
-    made, d = [], directory
-    while not os.path.lexists(d):  # deepest first: the order to remove them in
-        made.append(d)
-        d = os.path.dirname(d)
-    probe = os.path.join(directory, f".write-probe-{os.getpid()}")
+    probe, made = os.path.join(directory, f".write-probe-{os.getpid()}"), []
     try:
-        os.makedirs(directory, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"probe")
-        os.remove(probe)
-    except OSError as e:
-        raise NotWritableError(what, directory, e.strerror or str(e), fix) from e
+        for _ in range(3):
+            d = directory
+            while not os.path.lexists(d):  # deepest first: the order to remove them in
+                made.append(d)
+                d = os.path.dirname(d)
+            try:
+                os.makedirs(directory, exist_ok=True)
+                with open(probe, "wb") as f:
+                    f.write(b"probe")
+                os.remove(probe)
+                return directory
+            except FileNotFoundError as e:  # the folder went between the two: another rank's check removed it
+                error = e
+            except OSError as e:
+                error = e
+                break
+        raise NotWritableError(what, directory, error.strerror or str(error), fix) from error
     finally:
         for d in made:
             try:
                 os.rmdir(d)
             except OSError:
-                pass  # already gone, or not made here after all: nothing of the check's to remove
-    return directory
+                pass  # gone already, or holding another rank's probe (an empty folder may then stay)
 
 
 def check_writable_file(path, what, fix):
