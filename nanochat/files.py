@@ -133,7 +133,8 @@ def check_writable_dir(directory, what, fix):
     directory = os.path.abspath(directory)
     blocking = _blocking_file(directory)
     if blocking is not None:
-        raise NotWritableError(what, directory, f"Not a directory ({blocking} is a file)", fix)
+        reason = "it is a file, not a folder" if blocking == directory else f"Not a directory ({blocking} is a file)"
+        raise NotWritableError(what, directory, reason, fix)
     probe, made = os.path.join(directory, f".write-probe-{os.getpid()}"), []
     try:
         for _ in range(3):

@@ -176,8 +176,8 @@ def finished_run(config, resume):
         return None
     task = f" --task={config.task}" if config.task != RLConfig().task else ""
     evaluated = f" and its final eval recorded (pass@1 {final[-1]['pass@1']:.4f})" if final else ""
-    return [f"Run {resume.tag} is finished: all {num_steps} of its steps are trained, the last (step {resume.step}) "
-            f"saved{evaluated}. Nothing to do.",
+    trained = f"all {num_steps} of its steps are trained" if num_steps > 1 else "its one step is trained"
+    return [f"Run {resume.tag} is finished: {trained}, the last (step {resume.step}) saved{evaluated}. Nothing to do.",
             f"  evaluate it:      python -m scripts.chat_eval --source=rl --model-tag={resume.tag}{task}",
             f"  train it further: {train_further_command(config, resume.tag)}"]
 

@@ -68,6 +68,8 @@ def test_a_folder_that_cannot_be_written_is_said_before_and_the_check_leaves_not
         check_writable_dir(str(blocker / "run"), "the run's report", "set NANOCHAT_BASE_DIR")
     assert str(e.value) == (f"cannot write the run's report to {blocker / 'run'}: Not a directory ({blocker} is a "
                             f"file); set NANOCHAT_BASE_DIR")
+    with pytest.raises(NotWritableError, match="report: it is a file, not a folder; y"):
+        check_writable_dir(str(blocker), "x", "y")
     with pytest.raises(NotWritableError, match="it is a directory; pass --output"):
         check_writable_file(str(tmp_path), "the results", "pass --output")
     assert check_writable_dir(str(tmp_path / "a" / "b"), "x", "y") == str(tmp_path / "a" / "b")

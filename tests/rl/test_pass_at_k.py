@@ -148,8 +148,8 @@ def test_chat_eval_refuses_an_output_it_cannot_write_before_any_question(sft, ba
     with pytest.raises(SystemExit) as e:
         run_main(chat_eval.main, SCRIPTED_EVAL_FLAGS + [f"--output={blocker / 'eval.json'}"])
     out, err = capsys.readouterr()
-    assert e.value.code == 2 and err == (f"error: cannot write the results to {blocker}: Not a directory ({blocker} is "
-                                         f"a file); pass --output=<a writable path>\n")
+    assert e.value.code == 2 and err == (f"error: cannot write the results to {blocker}: it is a file, not a folder; "
+                                         f"pass --output=<a writable path>\n")
     assert out == ""
 
 @pytest.mark.slow

@@ -56,8 +56,8 @@ EXPECTED = {
         "already holds an RL run, step 0: 2 files (meta_000000.json, model_000000.pt); continue it with --resume, write "
         "the new run beside it with --output-tag=<new name>, or delete those files for good and start over with "
         "--overwrite"],
-    "report folder blocked by a file": ["cannot write the run's report to", "report: Not a directory (",
-                                        "report is a file)"],
+    "report folder blocked by a file": ["cannot write the run's report to", "report: it is a file, not a folder",
+                                        "NANOCHAT_BASE_DIR"],
     "--resume asks for more steps than the run planned": [
         "error: --num-steps=5: run d2 was planned with 4 steps, over which its learning rate decays "
         "(--lr-schedule=linear), and --resume continues it to that end, not further; to train it further, start a new "
