@@ -102,6 +102,15 @@ def parse_rl_args(argv):
     return rl_parser().parse_args(argv)
 
 
+def given_flags(parser, argv):
+    """The settings (destinations) whose flags argv names, given a default or not: argv parsed again by `parser` (a
+    fresh one: this changes it) with every default suppressed, so that only what the command line set is there
+    (--resume says which of them it replaced)."""
+    for action in parser._actions:  # (not set_defaults, whose values argparse would put in the namespace)
+        action.default = argparse.SUPPRESS
+    return frozenset(vars(parser.parse_args(argv)))
+
+
 def add_debug_flag(parser):
     """--debug, in every script: run_main then re-raises a UserError, so the full traceback is shown.
     run_main reads it through this same declaration (see debug_requested). Returns the parser."""
@@ -166,7 +175,8 @@ HINTS = {
     CompileFailed: "use --compile=off (or auto, which falls back to eager with a warning)",
     BandNotReachedError: "allow more steps (a larger --num-steps) or lower the band of --stop-at-pass1",
     NoMemoryForRolloutsError: "pass --memory-budget-gb=N to choose the KV cache's size, or lower --device-batch-size",
-    RunExistsError: "continue it with --resume, replace it with --overwrite, or choose another --model-tag",
+    RunExistsError: "continue it with --resume, write the new run beside it with --output-tag=<new name>, or delete "
+                    "those files for good and start over with --overwrite",
     NonFiniteStepsError: "lower the learning rates or use --dtype=float32",
 }
 

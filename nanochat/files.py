@@ -5,10 +5,18 @@ therefore never leaves half a file under the final name: readers see the old fil
 
 `atomic_write` does all of it for one file. `stage` and `os.replace` split it in two, for a caller that
 commits several files in an order of its own (checkpoint_manager renames the model file last).
+
+Below them: checking before a script spends anything (a step, a question) that the paths it will write can be
+written (check_writable_dir, check_writable_file), and one line, not a traceback, for a write that fails later
+(write_errors).
 """
 
+import contextlib
+import errno
 import glob
 import os
+
+from nanochat.errors import UserError
 
 
 def temp_path(path):
@@ -76,3 +84,100 @@ def atomic_write(path, contents, sweep_stale=False):
             pass  # the original error is the one worth reporting; a leftover hidden temp file is harmless
         raise
     fsync_dir(os.path.dirname(path))
+
+
+# -----------------------------------------------------------------------------
+# paths a script will write: checked before it spends anything, and a failed write later said in one line
+
+class NotWritableError(UserError):
+    """A path a script will write cannot be written, found before the script's first step or question."""
+
+    def __init__(self, what, path, reason, fix):
+        super().__init__(f"cannot write {what} to {path}: {reason}; {fix}")
+        self.path = path
+
+
+class WriteFailedError(UserError):
+    """A write that failed once the script was under way: the path, the reason, what was kept, what to do."""
+
+    def __init__(self, path, reason, kept, fix):
+        super().__init__(f"could not write {path}: {reason}; {kept}; {fix}")
+        self.path = path
+
+
+def write_fix(e):
+    """What to do about the failed write OSError e."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space, or write elsewhere"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "make it writable, or write elsewhere"
+    return "check the disk, or write elsewhere"
+
+
+def _blocking_file(path):
+    """The first component of `path` that exists and is not a directory (a file where a folder should be), or None."""
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        prefix = os.sep.join(parts[:i])
+        if not os.path.isdir(prefix):
+            return prefix if os.path.lexists(prefix) else None
+    return None
+
+
+def check_writable_dir(directory, what, fix):
+    """Say now, in one line (NotWritableError naming `what` and `fix`), if no file can be created in `directory`:
+    the folders missing on the way are created, a hidden probe file written and removed, and the folders this made
+    removed again, so a check leaves nothing behind (even a refused run's). Root ignores permissions, not a file
+    where a folder should be: that fails for everyone. Every rank of a run may check the same folder at once: one
+    whose folder another's check removed tries again."""
+    directory = os.path.abspath(directory)
+    blocking = _blocking_file(directory)
+    if blocking is not None:
+        reason = "it is a file, not a folder" if blocking == directory else f"Not a directory ({blocking} is a file)"
+        raise NotWritableError(what, directory, reason, fix)
+    probe, made = os.path.join(directory, f".write-probe-{os.getpid()}"), []
+    try:
+        for _ in range(3):
+            d = directory
+            while not os.path.lexists(d):  # deepest first: the order to remove them in
+                made.append(d)
+                d = os.path.dirname(d)
+            try:
+                os.makedirs(directory, exist_ok=True)
+                with open(probe, "wb") as f:
+                    f.write(b"probe")
+                os.remove(probe)
+                return directory
+            except FileNotFoundError as e:  # the folder went between the two: another rank's check removed it
+                error = e
+            except OSError as e:
+                error = e
+                break
+        raise NotWritableError(what, directory, error.strerror or str(error), fix) from error
+    finally:
+        for d in made:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass  # gone already, or holding another rank's probe (an empty folder may then stay)
+
+
+def check_writable_file(path, what, fix):
+    """As check_writable_dir, for the file `path`: its folder writable, and the path neither a folder nor a file that
+    cannot be opened for writing."""
+    check_writable_dir(os.path.dirname(os.path.abspath(path)), what, fix)
+    if os.path.isdir(path):
+        raise NotWritableError(what, path, "it is a directory", fix)
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise NotWritableError(what, path, "Permission denied", fix)
+    return path
+
+
+@contextlib.contextmanager
+def write_errors(kept, fix=write_fix):
+    """Inside: an OSError (a write that failed: disk full, permissions changed) becomes one line, WriteFailedError,
+    naming the file, the reason, what was kept (`kept()`, asked only then) and what to do (`fix(e)`)."""
+    try:
+        yield
+    except OSError as e:
+        raise WriteFailedError(e.filename or "a file", e.strerror or str(e), kept(), fix(e)) from e

@@ -25,7 +25,7 @@ from nanochat.diagnostics.bench_configs import CONFIGS, PER_CONFIG, PRESETS, def
 from nanochat.diagnostics.bench_results import add_ratios, mark_identical_tokens, no_signal_text, results_text
 from nanochat.diagnostics.early_stop import EarlyStopModel
 from nanochat.errors import require
-from nanochat.files import atomic_write
+from nanochat.files import atomic_write, check_writable_file, write_errors
 from nanochat.model.flops import matmul_flops_per_token
 from nanochat.model.gpt import build_fresh_model
 from nanochat.rl.config import RLConfig
@@ -119,6 +119,7 @@ def main(argv):
     args = parse_args(argv)
     configs = validate_args(args)
     require(get_dist_info()[3] == 1, "bench_rl measures one process; run it with python -m scripts.bench_rl, not torchrun")
+    check_writable_file(args.output, "the benchmark's numbers", "pass --output=<a writable path>")  # before measuring
     _, _, _, _, device = compute_init(args.rl.device_type)
     try:
         graphs = ", ".join(c.name for c in configs or () if c.decode == "graph")
@@ -128,6 +129,12 @@ def main(argv):
         return run(args, configs or default_configs(device, args.rl.compile), device)
     finally:
         compute_cleanup()
+
+
+def write_numbers(path, numbers):
+    """The JSON of what was measured, replacing the last; a failed write one line (the numbers so far are printed)."""
+    with write_errors(lambda: "what was measured is printed above", fix=lambda e: "pass --output=<a writable path>"):
+        atomic_write(path, json.dumps(numbers, indent=2))
 
 
 def run(args, configs, device):
@@ -159,7 +166,7 @@ def run(args, configs, device):
             compiled = f", compiled {r['compiles_each']} graphs (warm-up, steps)" if any(r["compiles_each"]) else ""
             print0(f"step {r['step_seconds']:.1f}s (rollout {r['rollout_seconds']:.1f}s, train {r['train_seconds']:.1f}s, "
                    f"optimizer {r['optimizer_seconds']:.1f}s{compiled})")
-            atomic_write(args.output, json.dumps(report(), indent=2))  # a time limit keeps what finished
+            write_numbers(args.output, report())  # a time limit keeps what finished
     mark_identical_tokens(results, configs)
     batches = {name: r.pop("batches") for name, r in results.items()}
     add_ratios(results)
@@ -170,7 +177,7 @@ def run(args, configs, device):
     print0("\n" + results_text(results))
     if skipping:
         print0("\n" + no_signal_text(skipping))
-    atomic_write(args.output, json.dumps(report(), indent=2))
+    write_numbers(args.output, report())
     print0(f"\nwrote {args.output} (memory: {memory.method})")
     if args.profile:  # where a step's time goes: the GPU's kernels against its waits on the host, and by torch op
         model.load_state_dict(initial_state)
@@ -179,7 +186,7 @@ def run(args, configs, device):
         split, text = profile_phases(lambda: bench_measure.bench_step(profile_run, config, args.force_advantages), device,
                                      ("rollout", "training"), args.profile_rows)
         print0(f"\nprofiled step of {config.name}: {text}")
-        atomic_write(args.output, json.dumps({**report(), "profile_split": {config.name: split}}, indent=2))
+        write_numbers(args.output, {**report(), "profile_split": {config.name: split}})
     return report()
 
 

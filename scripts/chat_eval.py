@@ -29,10 +29,11 @@ from nanochat.engine.decode_steps import check_decode_kernels
 from nanochat.engine.engine import Engine
 from nanochat.engine.spec import resolve_memory_budget
 from nanochat.errors import UserError
-from nanochat.report import eval_result_paths, save_json
+from nanochat.files import check_writable_dir, check_writable_file, write_errors
+from nanochat.report import EVALS_DIR, eval_result_paths, save_json
 from nanochat.rl.evaluation import evaluate_pass_at_k
 from nanochat.rl.metrics import reduce_metrics
-from nanochat.runtime.distributed import collective_device, print0, wait_for_all_ranks
+from nanochat.runtime.distributed import collective_device, get_dist_info, print0, wait_for_all_ranks
 from nanochat.runtime.dtypes import autocast_context, compute_dtype, requested_dtype
 from nanochat.settings import SHARED
 from tasks.registry import make_task, recorded_task
@@ -157,9 +158,22 @@ def write_result(result, args, tag, step):
     print0(f"wrote {path} (the latest also as {latest})")
 
 
+def check_writable_result(args):
+    """Say in one line, before the model loads, where the result cannot be written: --output, or the report folder's
+    chat_eval/ (this eval's own file) and chat_eval_<source>.json (the latest)."""
+    fix = "pass --output=<a writable path>"
+    if args.output:
+        return check_writable_file(args.output, "the results", fix)
+    report_dir = os.path.join(get_base_dir(), "report")
+    check_writable_dir(os.path.join(report_dir, EVALS_DIR), "the results", fix)
+    check_writable_file(os.path.join(report_dir, f"chat_eval_{args.source}.json"), "the results", fix)
+
+
 def main(argv):
     args = parse_args(argv)
     validate_args(args)
+    if get_dist_info()[1] == 0:  # before the model loads and the questions run
+        check_writable_result(args)
     _, rank, _, _, device = compute_init(args.device_type)
     try:
         decode = check_decode_flag(args.decode, device)
@@ -184,7 +198,8 @@ def main(argv):
         results = [evaluate_task(name, engine, args, autocast, device, meta, decode) for name in task_names(tasks)]
         result = results[0] if len(results) == 1 else {"tasks": results}  # one task: the file as it always was
         if rank == 0:
-            write_result(result, args, tag, step)
+            with write_errors(lambda: "the results are the table above", fix=lambda e: "pass --output=<a writable path>"):
+                write_result(result, args, tag, step)
         wait_for_all_ranks()
         return result
     finally:

@@ -27,14 +27,16 @@ import signal
 import sys
 import time
 
-from nanochat.cli import parse_rl_args, run_main
+from nanochat.cli import given_flags, parse_rl_args, rl_parser, run_main
 from nanochat.common import compute_cleanup, compute_init
+from nanochat.files import check_writable_dir, check_writable_file, write_errors
 from nanochat.report import get_report, log_chat_rl
 from nanochat.rl.config import RLConfig
 from nanochat.rl.evaluation import evaluate_pass_at_k
 from nanochat.rl.metrics import reduce_metrics
-from nanochat.rl.progress import is_eval_step, is_save_step, no_signal_settings, report_step, sample_table
-from nanochat.rl.resume import restore_settings
+from nanochat.rl.progress import (ROLLOUTS_FILE, is_eval_step, is_save_step, no_signal_settings, report_step,
+                                  sample_table)
+from nanochat.rl.resume import finished_run, restore_settings, run_target
 from nanochat.rl.run import auto_compile_step, meta_data, setup_run
 from nanochat.runtime.distributed import get_dist_info, print0, wait_for_all_ranks
 from nanochat.runtime.graceful_stop import GracefulStop
@@ -69,19 +71,35 @@ def evaluate(run, step):
 
 def main(argv):
     config = RLConfig.from_flags(parse_rl_args(argv))
-    world_size = get_dist_info()[3]
+    _, rank, _, world_size = get_dist_info()
     resume = None
     if config.resume:  # the run's own settings, checked against this run's ranks
-        config, resume = restore_settings(config, world_size)
+        config, resume = restore_settings(config, world_size, given_flags(rl_parser(), argv))
+        if finished := finished_run(config, resume):  # nothing to train, nor to evaluate again
+            for line in finished:
+                print0(line)
+            return
     else:
         config.check_ranks(world_size)
+    target = run_target(config, resume)  # refused, or checked writable, before anything loads
+    if rank == 0:
+        check_outputs(config, target)
     _, rank, _, world_size, device = compute_init(config.device_type)
     stop = GracefulStop().install()
     try:
-        train(setup_run(config, resume, rank, world_size, device), stop)
+        train(setup_run(config, resume, target, rank, world_size, device), stop)
     finally:
         stop.uninstall()
         compute_cleanup()
+
+
+def check_outputs(config, target):
+    """What rank 0 writes besides the checkpoints (run_target checked their directory), checked before the first step:
+    the report's directory, and the rollouts file a resumed run appends to."""
+    check_writable_dir(get_report().report_dir, "the run's report", "make it writable, or set NANOCHAT_BASE_DIR")
+    if config.save_rollouts and config.resume:
+        check_writable_file(os.path.join(target.checkpoint_dir, ROLLOUTS_FILE.format(rank=0)), "the run's rollouts",
+                            "make it writable, or run without --save-rollouts")
 
 
 def train(run, stop):
@@ -93,7 +111,7 @@ def train(run, stop):
     for line in no_signal_settings(cfg):
         print0(line)
     run_start = time.time()
-    with saves.on_error():
+    with write_errors(saves.kept), saves.on_error():  # a failed write: one line, the file and the step kept
         for step in range(run.start_step, num_steps):
             # ---- eval: pass@k on the test split
             if is_eval_step(step, num_steps, cfg.eval_every):
@@ -124,11 +142,13 @@ def train(run, stop):
             saves.refresh_meta(num_steps - 1, meta_data(run, num_steps - 1))
         saves.finish()  # the last step's checkpoint, when no final eval committed it
 
-    report = get_report()
-    # the run's own section and plots (never replaced by another run's), copied to nanochat's names as the latest
-    own = log_chat_rl(report, run.user_config, run.progress.history, run.progress.eval_history,
-                      run_name=f"{run.plan.output_tag}-{run.run_id}")
-    path = report.write_report(run.device)
+    with write_errors(lambda: f"training is done, its checkpoints in {saves.checkpoint_dir} (the last: step "
+                              f"{saves.last_saved})"):
+        report = get_report()
+        # the run's own section and plots (never replaced by another run's), copied to nanochat's names as the latest
+        own = log_chat_rl(report, run.user_config, run.progress.history, run.progress.eval_history,
+                          run_name=f"{run.plan.output_tag}-{run.run_id}")
+        path = report.write_report(run.device)
     if path:
         print0(f"Report: {path} (this run's section and plots: {os.path.dirname(own)})")
     wandb_run.finish()

@@ -8,13 +8,16 @@ A training run's checkpoint protocol in one object, called once at each point of
     finish()              commit whatever is in flight: before an eval, a stop, the run's end
     refresh_meta(step, meta)  rewrite the meta of the last saved step (the final eval is of that model)
     on_error()            around the loop: a run that stops on an error still commits the save in flight
+A write that fails at any of them is one line naming the file and the step the run kept (kept()).
 
 What a step holds (the model, every rank's optimizer shard, the meta) comes from the run: `snapshot(step)`.
 """
 
 import contextlib
+import os
 
 from nanochat.checkpoints.background import BackgroundSaver
+from nanochat.checkpoints.errors import CheckpointWriteError
 from nanochat.checkpoints.pruning import prune_checkpoints, remove_extra_shards
 from nanochat.checkpoints.store import update_meta
 from nanochat.runtime.distributed import print0
@@ -36,8 +39,9 @@ class Checkpointer:
         memory now and written by a thread; finish() commits it (the step appears, model_N.pt, only once every
         rank's shard is in place), after which --keep-last removes this run's older steps."""
         model_state, shard, meta = self.snapshot(step)
-        self.saver.start(self.checkpoint_dir, step, model_state, shard, meta, rank=self.rank, all_ranks=True,
-                         after_commit=lambda: self._saved(step))
+        with self.kept_said():  # the previous save, committed first, may fail
+            self.saver.start(self.checkpoint_dir, step, model_state, shard, meta, rank=self.rank, all_ranks=True,
+                             after_commit=lambda: self._saved(step))
 
     def _saved(self, step):
         """What follows a step's commit: shards of ranks the run no longer has removed, the line, --keep-last."""
@@ -56,19 +60,37 @@ class Checkpointer:
         alone has no collective to keep in step with: it commits the checkpoint once written, waiting for nothing
         (the next save, an eval, the end, a stop or an error waits for it). On an H200 a d20 save's write took 6 s,
         which a step's rollout (1.7 s) could not hide."""
-        if self.world_size > 1:
-            self.saver.finish()
-        else:
-            self.saver.commit_if_written()
+        with self.kept_said():
+            if self.world_size > 1:
+                self.saver.finish()
+            else:
+                self.saver.commit_if_written()
 
     def finish(self):
         """The save in flight, if any, committed (waiting for its thread)."""
-        self.saver.finish()
+        with self.kept_said():
+            self.saver.finish()
 
     def refresh_meta(self, step, meta):
         """The meta of `step` rewritten (rank 0), if `step` is the last one saved: what followed it (the final eval)."""
         if self.last_saved == step and self.rank == 0:
-            update_meta(self.checkpoint_dir, step, meta)
+            with self.kept_said():
+                update_meta(self.checkpoint_dir, step, meta)
+
+    def kept(self):
+        """What the run still has on disk, as a failed write's line says it."""
+        if self.last_saved is None:
+            return "no checkpoint of this run had been saved yet"
+        tag = os.path.basename(self.checkpoint_dir)
+        return f"the checkpoint of step {self.last_saved} was kept (--resume={tag}:{self.last_saved} continues from it)"
+
+    @contextlib.contextmanager
+    def kept_said(self):
+        """A checkpoint that could not be written: its one line says too which step the run kept (kept())."""
+        try:
+            yield
+        except CheckpointWriteError as e:
+            raise e.with_kept(self.kept()) from e
 
     @contextlib.contextmanager
     def on_error(self):

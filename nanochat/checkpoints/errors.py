@@ -88,3 +88,16 @@ class RankLostError(UserError):
         super().__init__(f"lost another rank while saving step {step} to {checkpoint_dir} ({reason}); the latest step "
                          f"with a model file there is complete on every rank")
         self.checkpoint_dir, self.step = checkpoint_dir, step
+
+
+class CheckpointWriteError(UserError):
+    """A checkpoint file that could not be written (a full disk, permissions changed): nothing of it is left behind.
+    `kept` says what the run still has (the Checkpointer adds its last committed step); `fix` what to do."""
+
+    def __init__(self, checkpoint_dir, name, reason, fix, kept=None):
+        kept_part = f"; {kept}" if kept else ""
+        super().__init__(f"could not write checkpoint {name} to {checkpoint_dir}: {reason}{kept_part}; {fix}")
+        self.checkpoint_dir, self.name, self.reason, self.fix, self.kept = checkpoint_dir, name, reason, fix, kept
+
+    def with_kept(self, kept):
+        return CheckpointWriteError(self.checkpoint_dir, self.name, self.reason, self.fix, kept)

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from nanochat.checkpoints.errors import (CorruptCheckpointError, MissingMetaError, NoStepsError, RankLostError,
-                                         UnknownStepError)
+from nanochat.checkpoints.errors import (CheckpointWriteError, CorruptCheckpointError, MissingMetaError, NoStepsError,
+                                         RankLostError, UnknownStepError)
 from nanochat.checkpoints.layout import MODEL_FILE_RE, TAG_RE, meta_path, model_path, optim_path
 from nanochat.errors import UserError
 from nanochat.files import atomic_write, fsync_dir, remove_if_exists, stage, temp_path
@@ -54,7 +54,7 @@ def _write_error(directory, name, e):
         fix = "make it writable or set NANOCHAT_BASE_DIR to a writable directory"
     else:
         fix = "check the disk, or set NANOCHAT_BASE_DIR to another directory"
-    return UserError(f"could not write checkpoint {name} to {directory}: {reason}; {fix}")
+    return CheckpointWriteError(directory, name, reason, fix)
 
 
 def make_checkpoint_dir(checkpoint_dir):

@@ -140,7 +140,7 @@ def _own_keys_kernel(q_ptr, own_k_ptr, own_v_ptr, pos_ptr, sample_ptr, part_top_
     rep = tl.arange(0, BLOCK_REP)
     rep_ok = rep < REP
     d = tl.arange(0, BLOCK_D)
-    d_ok = d <= D
+    d_ok = d < D
     head = kvh * REP + rep  # (BLOCK_REP,)
     live = tl.load(sample_ptr + row) < used_columns  # a free row (the spare column) reads no key
     own_pos = tl.load(pos_ptr + row)  # the newest completion key's index

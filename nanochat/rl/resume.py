@@ -1,23 +1,29 @@
 """
 Where a run starts: a new run from a --source checkpoint (its output directory refused if another run holds it,
-unless --overwrite), or --resume of a saved RL step, with the run's own settings and optimizer state put back so
-that the continuation is the run it was, on any number of ranks that divides its --examples-per-step; the model it
-starts from (load_start) and, for --kl-coef, the frozen reference (load_reference).
+unless --overwrite, and checked writable, before anything loads: run_target), or --resume of a saved RL step, with
+the run's own settings and optimizer state put back so that the continuation is the run it was (a flag they
+replace said by name, a longer run refused, a finished run said finished), on any number of ranks that divides its
+--examples-per-step; the model it starts from (load_start) and, for --kl-coef, the frozen reference (load_reference).
 """
 
 import contextlib
+import dataclasses
 import os
+import re
 from dataclasses import dataclass
 
 from nanochat.checkpoints.errors import CheckpointError
-from nanochat.checkpoints.layout import CHECKPOINT_DIRS
+from nanochat.checkpoints.layout import CHECKPOINT_DIRS, meta_path
 from nanochat.checkpoints.loading import find_checkpoint, load_model
 from nanochat.checkpoints.optimizer_shards import optimizer_states_for_resume
 from nanochat.checkpoints.store import list_steps, list_tags, load_meta, make_checkpoint_dir
 from nanochat.common import get_base_dir
 from nanochat.errors import UserError
-from nanochat.rl.config import resolve_output_tag
+from nanochat.files import check_writable_dir
+from nanochat.rl.config import RLConfig, resolve_output_tag
+from nanochat.rl.progress import is_eval_step
 from nanochat.runtime.distributed import print0
+from tasks.registry import make_task
 
 # flags that do not define the run: --resume keeps them as given (the rest it restores from the checkpoint)
 RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows", "memory_budget_gb", "max_bad_steps",
@@ -25,6 +31,7 @@ RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows
                  "decode_kernels",  # the decode step: the same tokens from each (up to near-ties), the machine decides
                  "train_rows",  # the same gradient for any value: the machine's memory decides
                  "save_rollouts")  # what is written beside the run, not what it computes
+RUN_FILE_PREFIXES = ("model_", "meta_", "optim_", "rollouts_")  # an RL run's files in its directory
 
 
 class ResumeError(UserError):
@@ -46,10 +53,11 @@ class NoStartCheckpointError(UserError):
 
 
 class RunExistsError(UserError):
-    """A new run's directory holds another run (nanochat.cli adds the flags that continue, replace or avoid it)."""
+    """A new run's directory holds another run, whose files it names (nanochat.cli adds the flags that continue,
+    avoid or delete it)."""
 
     def __init__(self, checkpoint_dir, files):
-        super().__init__(f"{checkpoint_dir} already holds an RL run ({len(files)} files)")
+        super().__init__(f"{checkpoint_dir} already holds an RL run, {describe_run_files(files)}")
         self.checkpoint_dir, self.files = checkpoint_dir, files
 
 
@@ -83,6 +91,7 @@ class Resume:
     step: int
     checkpoint_dir: str
     meta: dict    # the step's meta json as saved
+    num_steps: int = 0  # the run's planned number of steps (check_run_length)
 
     @contextlib.contextmanager
     def errors(self):
@@ -95,23 +104,83 @@ class Resume:
                               steps=list_steps(self.checkpoint_dir)) from e
 
 
-def restore_settings(config, world_size):
+def restore_settings(config, world_size, given=frozenset()):
     """--resume, from the step's meta alone, before any process group or model: the run's saved settings put back
     into the config (only RUNTIME_FLAGS stay as given), so the continuation is the run it was, and checked against
     this run's number of ranks, which may differ from the run's (the optimizer state is then re-split, see
-    restore_optimizers). Returns (the restored RLConfig, the Resume)."""
+    restore_optimizers). `given`: the flags on the command line (nanochat.cli.given_flags), each that a saved
+    setting replaced said by name; a longer run than the saved one is refused (check_run_length). Returns (the
+    restored RLConfig, the Resume)."""
     tag, step = resolve_resume(config.resume)
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], tag)
     resume = Resume(tag=tag, step=step, checkpoint_dir=checkpoint_dir, meta={})
     with resume.errors():
         resume.meta = load_meta(checkpoint_dir, step)
     saved = {k: v for k, v in resume.meta.get("user_config", {}).items() if k not in RUNTIME_FLAGS}
+    restored = config.restored(saved)
+    resume.num_steps = check_run_length(config, restored, given, tag)
     changed = sorted(k for k, v in saved.items() if getattr(config, k, v) != v)
-    if changed:
-        print0(f"--resume: using the run's saved settings for {', '.join(changed)}")
-    config = config.restored(saved)
-    config.check_ranks(world_size, resumed=tag)
-    return config, resume
+    defaults = [f"{k}={saved[k]}" for k in changed if k not in given]
+    print0(f"--resume: run {tag} continues with its saved settings"
+           + (f" (where they differ from the defaults: {', '.join(defaults)})" if defaults else ""))
+    for k in (k for k in changed if k in given):
+        print0(f"{given_flag(k, getattr(config, k))} ignored: the run's saved {k}={saved[k]} is kept (--resume "
+               f"continues a run with its own settings)")
+    restored.check_ranks(world_size, resumed=tag)
+    return restored, resume
+
+
+def given_flag(name, value):
+    """A flag as the command line gave it: --num-steps=5; --advantage-std (a switch)."""
+    flag = "--" + name.replace("_", "-")
+    return flag if value is True else f"{flag}={value}"
+
+
+def planned_steps(config):
+    """The number of steps of a run with these settings (RLConfig.run_length; the train split is read only where
+    the run's length comes from --num-epochs)."""
+    return config.run_length(0 if config.num_steps > 0 else len(make_task(config.task, "train")))
+
+
+def check_run_length(config, restored, given, tag):
+    """The resumed run's number of steps. --resume does not lengthen a run: its learning rate's schedule (linear:
+    down to 0 at the last step) is laid over the steps it planned, and a longer run would have taken its earlier
+    steps at other rates; a --num-steps (or --num-epochs) that asks for more steps is refused, naming the new run
+    from its last step that trains further (--source=rl). Fewer steps: the flag is ignored, as any other."""
+    planned = planned_steps(restored)
+    length_flags = {k: getattr(config, k) for k in ("num_steps", "num_epochs") if k in given}
+    if length_flags:
+        asked = planned_steps(dataclasses.replace(restored, **length_flags))
+        if asked > planned:
+            flag = "num_steps" if "num_steps" in length_flags else "num_epochs"
+            raise UserError(f"{given_flag(flag, length_flags[flag])}: run {tag} was planned with {planned} steps, over "
+                            f"which its learning rate decays (--lr-schedule={restored.lr_schedule}), and --resume "
+                            f"continues it to that end, not further; to train it further, start a new run from its last "
+                            f"checkpoint: {train_further_command(restored, tag, asked)}")
+    return planned
+
+
+def train_further_command(config, tag, num_steps="N"):
+    """The command of a new run from the last checkpoint of run `tag` (of `config`'s task), written to <tag>_cont."""
+    task = f" --task={config.task}" if config.task != RLConfig().task else ""
+    return (f"python -m scripts.chat_rl --source=rl --model-tag={tag}{task} --num-steps={num_steps} (a new run, "
+            f"written to {tag}_cont)")
+
+
+def finished_run(config, resume):
+    """What to say, instead of training, of a resumed run that is finished: its last step saved and its final eval
+    (where the run has one) recorded; None for a run with something left to do (a run killed during its final eval
+    runs that eval again)."""
+    num_steps = resume.num_steps
+    final = [passk for step, passk in resume.meta.get("eval_history", []) if step == num_steps]
+    if resume.step < num_steps - 1 or (is_eval_step(num_steps, num_steps, config.eval_every) and not final):
+        return None
+    task = f" --task={config.task}" if config.task != RLConfig().task else ""
+    evaluated = f" and its final eval recorded (pass@1 {final[-1]['pass@1']:.4f})" if final else ""
+    trained = f"all {num_steps} of its steps are trained" if num_steps > 1 else "its one step is trained"
+    return [f"Run {resume.tag} is finished: {trained}, the last (step {resume.step}) saved{evaluated}. Nothing to do.",
+            f"  evaluate it:      python -m scripts.chat_eval --source=rl --model-tag={resume.tag}{task}",
+            f"  train it further: {train_further_command(config, resume.tag)}"]
 
 
 def restore_optimizers(resume, optimizers, meta, rank, world_size, device):
@@ -129,43 +198,106 @@ def restore_optimizers(resume, optimizers, meta, rank, world_size, device):
     return saved
 
 
-def start_new_run(config, device):
-    """The --source checkpoint a new run starts from. Returns (model, tokenizer, meta, the run's output tag)."""
-    _, source_tag, source_step = find_checkpoint(config.source, config.model_tag, config.model_step)
-    # from an RL run the tag is known (and the source run refused) before loading; else it may need the depth
-    output_tag = resolve_output_tag(config, source_tag, depth=None) if config.source == "rl" else None
-    model, tokenizer, meta = load_model(config.source, device, phase="eval", model_tag=source_tag, step=source_step,
-                                        generation=config.model_generation)
-    output_tag = output_tag or resolve_output_tag(config, source_tag, model.config.n_layer)
-    meta["start_checkpoint"] = {"source": config.source, "model_tag": source_tag, "step": source_step}
-    print0(f"Starting a new RL run from {config.source} {source_tag} step {source_step}; writing to {output_tag}")
-    return model, tokenizer, meta, output_tag
+@dataclass
+class Target:
+    """Where a run starts and what it writes, settled before anything loads: the checkpoint it starts from (a new
+    run's --source; a resumed run's step), its output tag and directory, checked writable, and the files of the old
+    run there that --overwrite deletes once the new run has loaded (prepare_output_dir)."""
+    source: str
+    source_tag: str
+    source_step: int
+    output_tag: str
+    checkpoint_dir: str
+    old_files: list
 
 
-def prepare_output_dir(checkpoint_dir, overwrite, master):
-    """Refuse to silently mix a new run into an old run's directory; --overwrite clears the old run first
-    (so the loader's 'last step' cannot pick one of its checkpoints)."""
-    old = [f for f in (os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else [])
-           if f.startswith(("model_", "meta_", "optim_", "rollouts_"))]
-    make_checkpoint_dir(checkpoint_dir)  # fail now, not after an hour of training, if it cannot be written
+def run_target(config, resume):
+    """The run's Target, from the checkpoints' listing and metas (no model loaded): the refusals of a directory that
+    holds another run (RunExistsError) or cannot be written come before the seconds of loading and timing."""
+    if resume:
+        source, source_tag, source_step, output_tag = "rl", resume.tag, resume.step, resume.tag
+    else:
+        source = config.source
+        source_dir, source_tag, source_step = find_checkpoint(source, config.model_tag, config.model_step)
+        output_tag = resolve_output_tag(config, source_tag, depth=recorded_depth(source_dir, source_step))
+    checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], output_tag)
+    old = [] if resume else run_files(checkpoint_dir)
+    if old and not config.overwrite:
+        raise RunExistsError(checkpoint_dir, old)
+    check_writable_dir(checkpoint_dir, "the run's checkpoints", "make it writable, or set NANOCHAT_BASE_DIR (or "
+                       "--output-tag) to write elsewhere")
+    return Target(source, source_tag, source_step, output_tag, checkpoint_dir, old)
+
+
+def recorded_depth(checkpoint_dir, step):
+    """The model's depth (n_layer) as the step's meta records it: d<depth> names a new run's directory."""
+    n_layer = load_meta(checkpoint_dir, step).get("model_config", {}).get("n_layer")
+    if not isinstance(n_layer, int):
+        raise UserError(f"{meta_path(checkpoint_dir, step)}: model_config lacks n_layer; this is not a nanochat "
+                        f"checkpoint meta file")
+    return n_layer
+
+
+def run_files(checkpoint_dir):
+    """The files of an RL run in `checkpoint_dir` (checkpoints and --save-rollouts' files), in step order."""
+    names = [f for f in (os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else [])
+             if f.startswith(RUN_FILE_PREFIXES)]
+    return sorted(names, key=lambda f: (file_step(f) is None, file_step(f) or 0, f))
+
+
+def file_step(name):
+    """The step in a checkpoint file's name (model_000003.pt -> 3), or None (rollouts_rank0.jsonl)."""
+    m = re.match(r"(?:model|meta|optim)_(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def describe_run_files(files):
+    """A run's files as a refusal and --overwrite say them: 'steps 1-3: 9 files (meta_000001.json, ...)'."""
+    steps = sorted({s for s in map(file_step, files) if s is not None})
+    shown = files if len(files) <= 6 else files[:3] + ["..."] + files[-2:]
+    saved = f"step{'s' * (len(steps) > 1)} {step_ranges(steps)}" if steps else "no saved step"
+    return f"{saved}: {len(files)} file{'s' * (len(files) > 1)} ({', '.join(shown)})"
+
+
+def step_ranges(steps):
+    """[1, 2, 3, 5, 60] -> '1-3, 5, 60'."""
+    runs = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def prepare_output_dir(target, master):
+    """A new run's directory, once the run has loaded: made (run_target's check made none), and --overwrite's old run
+    in it deleted (rank 0; a failure before keeps it), said in one line, so that the loader's 'last step' cannot pick
+    one of its checkpoints."""
+    make_checkpoint_dir(target.checkpoint_dir)
+    old = run_files(target.checkpoint_dir)
     if not old:
         return
-    if not overwrite:
-        raise RunExistsError(checkpoint_dir, old)
     if master:
         for f in old:
-            os.remove(os.path.join(checkpoint_dir, f))
+            os.remove(os.path.join(target.checkpoint_dir, f))
+    print0(f"--overwrite: deleted the RL run that was in {target.checkpoint_dir}, {describe_run_files(old)}")
 
 
-def load_start(config, resume, device):
-    """The model the run starts from: a new run's (start_new_run), or `resume`'s step (restore_settings' Resume).
-    Returns (model, tokenizer, meta, output tag, start step)."""
-    if not resume:
-        return (*start_new_run(config, device), 0)
-    with resume.errors():
-        model, tokenizer, meta = load_model("rl", device, phase="eval", model_tag=resume.tag, step=resume.step)
-    print0(f"Resuming RL run {resume.tag} after step {resume.step}")
-    return model, tokenizer, meta, resume.tag, resume.step + 1
+def load_start(config, resume, target, device):
+    """The model the run starts from: a new run's (the Target's source checkpoint), or `resume`'s step
+    (restore_settings' Resume). Returns (model, tokenizer, meta, start step)."""
+    if resume:
+        with resume.errors():
+            model, tokenizer, meta = load_model("rl", device, phase="eval", model_tag=resume.tag, step=resume.step)
+        print0(f"Resuming RL run {resume.tag} after step {resume.step}")
+        return model, tokenizer, meta, resume.step + 1
+    model, tokenizer, meta = load_model(target.source, device, phase="eval", model_tag=target.source_tag,
+                                        step=target.source_step, generation=config.model_generation)
+    meta["start_checkpoint"] = {"source": target.source, "model_tag": target.source_tag, "step": target.source_step}
+    print0(f"Starting a new RL run from {target.source} {target.source_tag} step {target.source_step}; writing to "
+           f"{target.output_tag}")
+    return model, tokenizer, meta, 0
 
 
 def load_reference(start, device, generation):

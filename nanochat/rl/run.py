@@ -7,16 +7,13 @@ gradient.
 """
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from nanochat.checkpoints.checkpointer import Checkpointer
-from nanochat.checkpoints.layout import CHECKPOINT_DIRS
 from nanochat.checkpoints.store import new_run_id
-from nanochat.common import get_base_dir
 from nanochat.compiling.functions import CompileClock, compile_seconds
 from nanochat.compiling.plan import compile_models
 from nanochat.compiling.rule import AutoCompile
@@ -180,12 +177,14 @@ def policy_loss_of(config):
                       rejected_in_denominator=config.rejected_tokens == "counted")
 
 
-def setup_run(config, resume, rank, world_size, device):
-    """Load the model (a new run, or `resume`: restore_settings' Resume), resolve the plan (nanochat/rl/plan.py),
-    and build the optimizers, the engine and the tasks: an RLRun at its first step (build_run)."""
+def setup_run(config, resume, target, rank, world_size, device):
+    """Load the model (a new run, or `resume`: restore_settings' Resume; from and to run_target's Target), resolve the
+    plan (nanochat/rl/plan.py), and build the optimizers, the engine and the tasks: an RLRun at its first step
+    (build_run)."""
     check_decode_flag(config.decode, device)  # before the model loads: graph off CUDA is a one-line error
     check_decode_kernels(config.decode_kernels, device, compiled=config.compile == "on")  # and a step that cannot run
-    model, tokenizer, meta, output_tag, start_step = load_start(config, resume, device)
+    model, tokenizer, meta, start_step = load_start(config, resume, target, device)
+    output_tag, checkpoint_dir = target.output_tag, target.checkpoint_dir
     start = meta.get("start_checkpoint")
     train_task, val_task = make_task(config.task, "train"), make_task(config.task, "test")
     extra_eval_tasks = tuple((name, make_task(name, "test")) for name in config.extra_eval_tasks)
@@ -194,7 +193,6 @@ def setup_run(config, resume, rank, world_size, device):
     resolved, compiling, measured = resolve_compute_plan(config, model, tokenizer, train_task, device, world_size,
                                                          num_steps, rows)
     auto_compile = auto_compile_of(resolved, model, measured, compiling, num_steps, start_step, resume and meta, rank)
-    checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], output_tag)
     optimizers = make_optimizers(config, model, resolved["dtype"])
     segments = [{"start_step": 0, "world_size": world_size}]  # the world size of each part of the run
     if resume:
@@ -217,7 +215,7 @@ def setup_run(config, resume, rank, world_size, device):
     if plan.spec.decode != "eager":
         print0(f"rollouts: static batch sized for prompts of up to {engine.prompt_floor} tokens (the task's longest)")
     if not config.resume:  # last: --overwrite clears the old run only once everything else has loaded
-        prepare_output_dir(checkpoint_dir, config.overwrite, rank == 0)
+        prepare_output_dir(target, rank == 0)
     elif rank == 0:  # the run's samples, if it kept them, continue from the resumed step
         drop_rollouts_after(checkpoint_dir, resume.step)
     resumed = meta if config.resume else None

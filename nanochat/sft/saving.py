@@ -8,6 +8,7 @@ import os
 from nanochat.checkpoints.store import list_steps, save_checkpoint
 from nanochat.common import get_base_dir
 from nanochat.errors import UserError
+from nanochat.files import check_writable_dir
 from nanochat.runtime.distributed import print0
 
 
@@ -22,13 +23,16 @@ class LaterStepSavedError(UserError):
 
 
 def output_dir(args, config, num_steps, held_out):
-    """The checkpoint folder of this run, refused (before training) when it holds a later step than the run saves."""
+    """The checkpoint folder of this run, refused (before training) when it holds a later step than the run saves, or
+    cannot be written."""
     checkpoint_dir = os.path.join(get_base_dir(), "chatsft_checkpoints", args.output_tag or f"d{config.n_layer}")
     # with a stop rule the run may save as early as the first check
     earliest_save = min(args.stop_check_every, num_steps) if held_out is not None else num_steps
     newer = [s for s in list_steps(checkpoint_dir) if s > earliest_save]
     if newer:  # found before training, not after: loading the "last step" of the tag would skip this run's model
         raise LaterStepSavedError(checkpoint_dir, newer[-1], earliest_save, may_stop_early=held_out is not None)
+    check_writable_dir(checkpoint_dir, "the run's checkpoint", "make it writable, or set NANOCHAT_BASE_DIR (or "
+                       "--output-tag) to write elsewhere")  # before training, not after it
     return checkpoint_dir
 
 

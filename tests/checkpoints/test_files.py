@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from nanochat.files import atomic_write
+from nanochat.files import (NotWritableError, WriteFailedError, atomic_write, check_writable_dir, check_writable_file,
+                           write_errors)
 
 
 def test_bytes_text_and_writer_replace_the_file(tmp_path):
@@ -55,3 +56,40 @@ def test_checkpoint_writes_sweep_temp_files_that_killed_runs_left(tmp_path):
     assert not stale[1].exists() and other.exists()
     atomic_write(str(tmp_path / "report.md"), "text")
     assert other.exists()
+
+
+def test_a_folder_that_cannot_be_written_is_said_before_and_the_check_leaves_nothing(tmp_path):
+    """check_writable_dir: a folder under a regular file (refused for root too, unlike a chmod) is one line naming the
+    path, the file in the way and the fix; a writable folder it had to make is gone again afterwards (a refused run
+    leaves no empty run folder for --resume to pick)."""
+    blocker = tmp_path / "report"
+    blocker.write_text("a file where a folder should be")
+    with pytest.raises(NotWritableError) as e:
+        check_writable_dir(str(blocker / "run"), "the run's report", "set NANOCHAT_BASE_DIR")
+    assert str(e.value) == (f"cannot write the run's report to {blocker / 'run'}: Not a directory ({blocker} is a "
+                            f"file); set NANOCHAT_BASE_DIR")
+    with pytest.raises(NotWritableError, match="report: it is a file, not a folder; y"):
+        check_writable_dir(str(blocker), "x", "y")
+    with pytest.raises(NotWritableError, match="it is a directory; pass --output"):
+        check_writable_file(str(tmp_path), "the results", "pass --output")
+    assert check_writable_dir(str(tmp_path / "a" / "b"), "x", "y") == str(tmp_path / "a" / "b")
+    assert sorted(os.listdir(tmp_path)) == ["report"]
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes through any permission")
+def test_a_read_only_folder_is_said_before(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir(mode=0o500)
+    try:
+        with pytest.raises(NotWritableError, match=f"cannot write x to {folder}: Permission denied; y"):
+            check_writable_dir(str(folder), "x", "y")
+    finally:
+        folder.chmod(0o700)
+
+
+def test_a_write_that_fails_later_is_one_line_with_what_was_kept(tmp_path):
+    with pytest.raises(WriteFailedError) as e:
+        with write_errors(lambda: "step 3 was kept"):
+            open(tmp_path / "missing" / "out.json", "w")
+    assert str(e.value) == (f"could not write {tmp_path / 'missing' / 'out.json'}: No such file or directory; step 3 "
+                            f"was kept; check the disk, or write elsewhere")

@@ -1,5 +1,7 @@
 """Resume, preemption, overwrite protection, non-finite steps and out-of-memory retries in chat_rl."""
 
+import hashlib
+import json
 import os
 import shutil
 import signal
@@ -16,11 +18,17 @@ from nanochat.engine import Engine
 from nanochat.errors import UserError
 from nanochat.rl import run as rl_run
 from nanochat.rl.policy_gradient import TrainStats
+from nanochat.rl.progress import RolloutLog
 from scripts import chat_rl
 
 
 def rl_dir(base_dir):
     return base_dir / "chatrl_checkpoints" / "d2"
+
+
+def digests(root):
+    """Every file under root: its bytes' digest."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
 
 
 def test_resumed_run_ends_with_the_same_weights(sft, base_dir):
@@ -30,20 +38,84 @@ def test_resumed_run_ends_with_the_same_weights(sft, base_dir):
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=4", "--save-every=2"])
     uninterrupted = weights(rl_dir(base_dir) / "model_000003.pt")
     os.remove(rl_dir(base_dir) / "model_000003.pt")
-    chat_rl.main(["--resume=d2:2", "--device-type=cpu", "--num-steps=99"])  # --num-steps is restored from the run
+    chat_rl.main(["--resume=d2:2", "--device-type=cpu", "--num-steps=3"])  # --num-steps is restored from the run
     assert_same_weights(weights(rl_dir(base_dir) / "model_000003.pt"), uninterrupted)
 
 
-def test_existing_run_is_not_overwritten_without_flag(sft, base_dir, capsys):
+def test_existing_run_is_refused_before_loading_with_the_flags_that_work(sft, base_dir, capsys):
+    """Regression (issue 74): the refusal came after the model had loaded and the run had timed itself, named
+    --model-tag (which chooses the model to load) as a way out, and did not say what --overwrite deletes."""
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=3", "--save-every=1"])
     before = sorted(os.listdir(rl_dir(base_dir)))
+    capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         run_main(chat_rl.main, TINY_RL_FLAGS + ["--num-steps=1"])
-    assert e.value.code == 2 and "already holds an RL run" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    files = "meta_000001.json, model_000001.pt, optim_000001_rank0.pt, meta_000002.json, model_000002.pt, " \
+            "optim_000002_rank0.pt"
+    assert e.value.code == 2 and err == (
+        f"error: {rl_dir(base_dir)} already holds an RL run, steps 1-2: 6 files ({files}); continue it with --resume, "
+        f"write the new run beside it with --output-tag=<new name>, or delete those files for good and start over "
+        f"with --overwrite\n")
+    assert out == ""  # before anything loads
     assert sorted(os.listdir(rl_dir(base_dir))) == before
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1", "--overwrite"])
+    assert f"--overwrite: deleted the RL run that was in {rl_dir(base_dir)}, steps 1-2: 6 files ({files})\n" in \
+        capsys.readouterr().out
     # the old run's later steps are gone, so "the last step" is the new run's
     assert sorted(p.name for p in rl_dir(base_dir).glob("model_*.pt")) == ["model_000000.pt"]
+
+
+def test_a_finished_run_says_so_and_how_to_go_on_without_evaluating_it_again(sft, base_dir, capsys):
+    """Regression (issue 74): --resume of a finished run re-ran its final eval, rewrote its report and exited 0
+    without a word that the run was finished or of how to train it further."""
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--eval-every=2", "--eval-examples=2"])
+    before = digests(base_dir)
+    final = json.loads((rl_dir(base_dir) / "meta_000001.json").read_text())["eval_history"][-1]
+    capsys.readouterr()
+    assert final[0] == 2
+    assert run_main(chat_rl.main, ["--resume", "--device-type=cpu"]) is None  # exit 0
+    task = "--task=rl_toy_task:ParityTask"
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        f"Run d2 is finished: all 2 of its steps are trained, the last (step 1) saved and its final eval recorded "
+        f"(pass@1 {final[1]['pass@1']:.4f}). Nothing to do.",
+        f"  evaluate it:      python -m scripts.chat_eval --source=rl --model-tag=d2 {task}",
+        f"  train it further: python -m scripts.chat_rl --source=rl --model-tag=d2 {task} --num-steps=N (a new run, "
+        f"written to d2_cont)"]
+    assert digests(base_dir) == before  # no eval run again: its meta and the report as they were
+
+
+def test_resume_names_each_flag_it_replaced_and_refuses_a_longer_run(sft, base_dir, capsys):
+    """Regression (issue 74): the flags given with --resume that the run's saved settings replaced went unsaid (one
+    line listed every restored setting, given or not), and --num-steps beyond the run's was silently dropped."""
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=3", "--save-every=1"])
+    os.remove(rl_dir(base_dir) / "model_000002.pt")  # the run is continued from step 1
+    before = digests(base_dir)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_main(chat_rl.main, ["--resume", "--device-type=cpu", "--num-steps=4"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and err.startswith("error: --num-steps=4: run d2 was planned with 3 steps, over which its "
+                                                "learning rate decays (--lr-schedule=linear), and --resume continues it "
+                                                "to that end, not further; ") and err.count("\n") == 1
+    assert "python -m scripts.chat_rl --source=rl --model-tag=d2 --task=rl_toy_task:ParityTask --num-steps=4" in err
+    assert out == "" and digests(base_dir) == before  # refused before anything loads or changes
+    # the saved length or less, other flags given: each replaced one said by name; a runtime flag (--train-rows) and
+    # a value the run has (--max-new-tokens=12) are not
+    chat_rl.main(["--resume", "--device-type=cpu", "--num-steps=2", "--eval-examples=5", "--advantage-std",
+                  "--max-new-tokens=12", "--train-rows=8"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if " ignored: " in line] == [
+        "--advantage-std ignored: the run's saved advantage_std=False is kept (--resume continues a run with its own "
+        "settings)",
+        "--eval-examples=5 ignored: the run's saved eval_examples=400 is kept (--resume continues a run with its own "
+        "settings)",
+        "--num-steps=2 ignored: the run's saved num_steps=3 is kept (--resume continues a run with its own settings)"]
+    restored = lines[0]
+    assert restored.startswith("--resume: run d2 continues with its saved settings (where they differ from the "
+                               "defaults: ") and "max_new_tokens" not in restored and "num_steps" not in restored
+    assert "task=rl_toy_task:ParityTask" in restored
+    assert any(line.startswith("Step 2/3 ") for line in lines)  # the run's third and last step, as saved
 
 
 def test_resume_errors_are_one_line(sft, base_dir, capsys):
@@ -301,3 +373,24 @@ def test_saved_rollouts_are_every_sample_and_a_resume_rewrites_them_exactly(sft,
     assert path.read_bytes() == uninterrupted
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=1", "--save-rollouts", "--overwrite"])
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0] * 16
+
+
+def test_a_write_that_fails_mid_run_is_one_line_naming_the_step_kept(sft, base_dir, monkeypatch, capsys):
+    """Regression (issue 74): a file the run could not write once training was under way (here --save-rollouts'
+    file, a folder in its place by step 2: a failure that no permission, not even root's, lets through) ended the
+    run with a traceback (exit 1) that said nothing of what the run had kept."""
+    real_append = RolloutLog.append
+
+    def append(self, step, rollouts):
+        if step == 2:
+            os.remove(self.path)
+            os.mkdir(self.path)
+        return real_append(self, step, rollouts)
+    monkeypatch.setattr(RolloutLog, "append", append)
+    with pytest.raises(SystemExit) as e:
+        run_main(chat_rl.main, TINY_RL_FLAGS + ["--num-steps=4", "--save-every=1", "--save-rollouts"])
+    path = rl_dir(base_dir) / "rollouts_rank0.jsonl"
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        f"error: could not write {path}: Is a directory; the checkpoint of step 1 was kept (--resume=d2:1 continues "
+        f"from it); check the disk, or write elsewhere\n")
+    assert sorted(p.name for p in rl_dir(base_dir).glob("model_*.pt")) == ["model_000001.pt"]

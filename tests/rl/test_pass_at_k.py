@@ -137,6 +137,21 @@ def test_chat_eval_reports_the_pass_at_k_worked_out_by_hand(sft, base_dir, capsy
     assert "greedy pass@1: 0.5000 on 6 questions" in printed
 
 
+
+def test_chat_eval_refuses_an_output_it_cannot_write_before_any_question(sft, base_dir, capsys):
+    """Regression (issue 74): an --output under a regular file ended chat_eval with a traceback (FileExistsError), once
+    every question had been sampled; now one line, exit 2, before the model loads."""
+    from nanochat.cli import run_main
+    from scripts import chat_eval
+    blocker = base_dir / "results"
+    blocker.write_text("a file where a folder should be")
+    with pytest.raises(SystemExit) as e:
+        run_main(chat_eval.main, SCRIPTED_EVAL_FLAGS + [f"--output={blocker / 'eval.json'}"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and err == (f"error: cannot write the results to {blocker}: it is a file, not a folder; "
+                                         f"pass --output=<a writable path>\n")
+    assert out == ""
+
 @pytest.mark.slow
 def test_chat_eval_on_two_gloo_ranks_reports_what_one_process_does(sft, base_dir, monkeypatch):
     """chat_eval under torchrun: each of 2 ranks samples half of the questions, the counts and the compile record

@@ -308,7 +308,9 @@ def test_options_run_checkpoint_and_resume(sft, base_dir, capsys):
     (rl_dir / "model_000002.pt").unlink()
     chat_rl.main(["--resume=d2:1", "--device-type=cpu"])
     out = capsys.readouterr().out
-    assert "--resume: using the run's saved settings for" in out and all(k in out for k in OPTIONS)
+    restored = next(line for line in out.splitlines()
+                    if line.startswith("--resume: run d2 continues with its saved settings"))
+    assert all(f"{k}={v}" in restored for k, v in OPTIONS.items())
     assert out.count("Loading model from") == 2 and "chatsft_checkpoints/d2 with step 0" in out  # the reference
     resumed_meta = json.loads((rl_dir / "meta_000002.json").read_text())
     assert {k: resumed_meta["user_config"][k] for k in OPTIONS} == OPTIONS

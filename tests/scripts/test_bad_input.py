@@ -50,9 +50,22 @@ EXPECTED = {
     "misspelled flag": ["--num-stpes"],
     "unknown --model-tag": ["'d99'", "available tags: d2"],
     "unknown --model-step": ["no step 7", "available steps: 0"],
-    "output dir blocked by a file": ["chatrl_checkpoints", "Not a directory", "NANOCHAT_BASE_DIR"],
-    "an RL run already in the output dir": ["already holds an RL run", "--resume", "--overwrite"],
-    "disk full while saving a checkpoint": ["model_000002.pt", "No space left on device", "free space"],
+    "output dir blocked by a file": ["cannot write the run's checkpoints to", "chatrl_checkpoints/d2: Not a directory (",
+                                     "chatrl_checkpoints is a file)", "NANOCHAT_BASE_DIR"],
+    "an RL run already in the output dir": [  # the flag that writes elsewhere, and what --overwrite would delete
+        "already holds an RL run, step 0: 2 files (meta_000000.json, model_000000.pt); continue it with --resume, write "
+        "the new run beside it with --output-tag=<new name>, or delete those files for good and start over with "
+        "--overwrite"],
+    "report folder blocked by a file": ["cannot write the run's report to", "report: it is a file, not a folder",
+                                        "NANOCHAT_BASE_DIR"],
+    "--resume asks for more steps than the run planned": [
+        "error: --num-steps=5: run d2 was planned with 4 steps, over which its learning rate decays "
+        "(--lr-schedule=linear), and --resume continues it to that end, not further; to train it further, start a new "
+        "run from its last checkpoint: python -m scripts.chat_rl --source=rl --model-tag=d2 --task=arithmetic "
+        "--num-steps=5 (a new run, written to d2_cont)"],
+    "disk full while saving a checkpoint": ["model_000002.pt", "No space left on device",
+                                            "the checkpoint of step 1 was kept (--resume=d2:1 continues from it)",
+                                            "free space"],
     "3 ranks do not divide --examples-per-step=2": [
         "--examples-per-step (2) must be divisible by the number of ranks (3)", "multiple of 3"],
     "task does not exist": ["unknown task 'nosuchtask'", "package.module:ClassName"],

@@ -15,7 +15,7 @@ from nanochat.common import compute_init
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.spec import parse_budget
 from nanochat.errors import UserError
-from nanochat.rl.resume import Resume, prepare_output_dir, resolve_resume
+from nanochat.rl.resume import Resume, RunExistsError, resolve_resume
 from nanochat.rl.run import NonFiniteStepsError, load_reference
 from nanochat.runtime.dtypes import requested_dtype
 from nanochat.sft.plan import TooFewConversationsError
@@ -84,9 +84,10 @@ CASES = {
     "resume the only step, unreadable": (lambda base: unreadable(rl_run_dir(base, {"model_000002.pt": b""})),
                                          "error: --resume: a fault; no other step of this run is saved: start a new run "
                                          "with --overwrite"),
-    "another run in the output dir": (lambda base: prepare_output_dir(rl_run_dir(base, {"model_000001.pt": b""}), False, True),
-                                      "already holds an RL run (1 files); continue it with --resume, replace it with "
-                                      "--overwrite, or choose another --model-tag"),
+    "another run in the output dir": (lambda base: raise_(RunExistsError(rl_run_dir(base), ["model_000001.pt"])),
+                                      "already holds an RL run, step 1: 1 file (model_000001.pt); continue it with "
+                                      "--resume, write the new run beside it with --output-tag=<new name>, or delete "
+                                      "those files for good and start over with --overwrite"),
     "no start checkpoint for the KL penalty": (lambda base: load_reference(None, "cpu", None),
                                                "error: --kl-coef > 0 needs the checkpoint the run started from, and this "
                                                "run's meta does not record it (written before --kl-coef existed); resume it "

@@ -74,9 +74,10 @@ _SAVED_RUNS = {}
 
 
 def saved_rl_runs():
-    """A base dir as build_base_dir's, holding two finished RL runs of TINY_FLAGS with --num-steps=3 --save-every=1
-    (steps 1 and 2 saved): chatrl_checkpoints/d2 and chatrl_checkpoints/other. Built once per process (in-process
-    runs, a few seconds in all) and removed at exit; the --resume cases copy from it."""
+    """A base dir as build_base_dir's, holding two RL runs of TINY_FLAGS with --num-steps=4 --save-every=1, as if
+    stopped after step 2 (steps 1 and 2 saved, step 3's files removed: a step left for --resume to train, where it
+    reads the optimizer shards): chatrl_checkpoints/d2 and chatrl_checkpoints/other. Built once per process
+    (in-process runs, a few seconds in all) and removed at exit; the --resume cases copy from it."""
     if "base" not in _SAVED_RUNS:
         from scripts import chat_rl
         root = tempfile.mkdtemp(prefix="bad-input-rl-")
@@ -87,7 +88,9 @@ def saved_rl_runs():
         try:
             with contextlib.redirect_stdout(io.StringIO()):
                 for tag in ("d2", "other"):
-                    chat_rl.main(TINY_FLAGS + ["--num-steps=3", "--save-every=1", f"--output-tag={tag}"])
+                    chat_rl.main(TINY_FLAGS + ["--num-steps=4", "--save-every=1", f"--output-tag={tag}"])
+                    for f in (base / "chatrl_checkpoints" / tag).glob("*_000003*"):
+                        f.unlink()
         finally:
             if previous is None:
                 os.environ.pop("NANOCHAT_BASE_DIR")
@@ -157,6 +160,11 @@ def _output_dir_is_a_file(base):
     return {}
 
 
+def _report_dir_is_a_file(base):
+    (base / "report").write_text("a file where the report folder should be\n")
+    return {}
+
+
 def _existing_rl_run(base):
     rl = base / "chatrl_checkpoints" / "d2"
     rl.mkdir(parents=True)
@@ -175,6 +183,11 @@ def _rl_run(base):
     """A copy of saved_rl_runs()'s run d2 (steps 1 and 2) in `base`; returns its directory."""
     shutil.copytree(saved_rl_runs() / RL_DIR, base / RL_DIR)
     return base / RL_DIR
+
+
+def _saved_rl_run(base):
+    _rl_run(base)
+    return {}
 
 
 def _shard_missing(base):
@@ -256,6 +269,8 @@ CASES = [
     Case("unknown --model-step", flags=["--model-step=7"]),
     Case("output dir blocked by a file", setup=_output_dir_is_a_file),
     Case("an RL run already in the output dir", setup=_existing_rl_run),
+    Case("report folder blocked by a file", setup=_report_dir_is_a_file),
+    Case("--resume asks for more steps than the run planned", flags=["--resume", "--num-steps=5"], setup=_saved_rl_run),
     Case("disk full while saving a checkpoint", flags=["--num-steps=3", "--save-every=1"], full_disk_at_step=2),
     Case("3 ranks do not divide --examples-per-step=2", setup=_three_ranks),
     Case("task does not exist", flags=["--task=nosuchtask"]),

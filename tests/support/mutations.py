@@ -453,6 +453,28 @@ MUTATIONS = [
              "base = _mix32((_mix32(seed & 0xFFFFFFFF) ^ step) & 0xFFFFFFFF)",
              "base = _mix32((_mix32(seed & 0xFFFFFFFF) ^ (step + 1)) & 0xFFFFFFFF)",
              ("tests/kernels/test_triton_kernels.py::test_sample_rows_draws_the_samplers_tokens",), "the sampler draws from the row's next step's uniforms"),
+    # ------------------------------------------------------------------ issue 74's: runs that say what they do
+    Mutation("finished-run-evaluated-again", "nanochat/rl/resume.py",
+             "    if resume.step < num_steps - 1 or (is_eval_step(num_steps, num_steps, config.eval_every) and not final):",
+             "    if resume.step < num_steps or (is_eval_step(num_steps, num_steps, config.eval_every) and not final):",
+             ("tests/checkpoints/test_resume.py::test_a_finished_run_says_so_and_how_to_go_on_without_evaluating_it_again",),
+             "a finished run taken for one with a step left: loaded, evaluated again, its report rewritten"),
+    Mutation("resume-replaced-flag-unsaid", "nanochat/rl/resume.py",
+             "    for k in (k for k in changed if k in given):", "    for k in (k for k in changed if k in ()):",
+             ("tests/checkpoints/test_resume.py::test_resume_names_each_flag_it_replaced_and_refuses_a_longer_run",),
+             "a flag given with --resume replaced by the run's saved setting without a word"),
+    Mutation("resume-lengthened-silently", "nanochat/rl/resume.py",
+             "        if asked > planned:", "        if asked < planned:",
+             ("tests/checkpoints/test_resume.py::test_resume_names_each_flag_it_replaced_and_refuses_a_longer_run",),
+             "--resume --num-steps beyond the run's length dropped without a word"),
+    Mutation("failed-write-traceback", "scripts/chat_rl.py",
+             "    with write_errors(saves.kept), saves.on_error():", "    with saves.on_error():",
+             ("tests/checkpoints/test_resume.py::test_a_write_that_fails_mid_run_is_one_line_naming_the_step_kept",),
+             "a file the run cannot write mid-run ends it with a traceback"),
+    Mutation("checkpoint-write-kept-unsaid", "nanochat/checkpoints/checkpointer.py",
+             "            raise e.with_kept(self.kept()) from e", "            raise",
+             ("tests/scripts/test_bad_input.py::test_full_disk_during_save_leaves_earlier_checkpoints_intact",),
+             "a checkpoint that could not be written, without the step the run kept"),
 ]
 
 # ---------------------------------------------------------------------- issue 73's: every comparison of the kernels
