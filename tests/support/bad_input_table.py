@@ -130,6 +130,12 @@ def _vocab_mismatch(base):
     return {}
 
 
+def _teacher_of_another_tokenizer(base):
+    """A teacher checkpoint (chatsft_checkpoints/t3) whose model was trained with a 512-token tokenizer."""
+    make_sft_checkpoint(base, 512, noise=0, sequence_len=64, tag="t3")
+    return {}
+
+
 def _truncated_checkpoint(base):
     path = base / SFT_MODEL
     data = path.read_bytes()
@@ -256,6 +262,8 @@ CASES = [
     Case("task does not exist", flags=["--task=nosuchtask"]),
     Case("task does not exist, and no checkpoint either", flags=["--task=nosuchtask"], setup=_empty_base_dir),
     Case("task class does not exist", flags=["--task=tasks.gsm8k:NoSuchClass"]),
+    Case("--teacher trained with another tokenizer", flags=["--model-tag=d2", "--teacher=sft:t3", "--distill-coef=1"],
+         setup=_teacher_of_another_tokenizer),
 ]
 
 
