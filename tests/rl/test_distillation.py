@@ -86,6 +86,45 @@ def test_one_steps_gradient_is_the_hand_written_distillation_loss(micro_batch_ro
     assert stats.teacher_logprob == pytest.approx(teacher_mean, rel=1e-5)
 
 
+def test_a_later_ppo_epoch_keeps_the_first_epochs_per_token_advantages():
+    """A second PPO epoch (pg's clip), after the student moved: each token's advantage is still the first epoch's
+    (the teacher's and the first forward's log-probabilities, kept), in the clipped surrogate written out by hand:
+    sum of min(rho A_t, clip(rho, 0.8, 1.28) A_t) / D_row, rho = exp(logp - first logp). Some tokens are clipped."""
+    batches = [make_question_batch(prompt, completions, rewards, 0) for prompt, completions, rewards in QUESTIONS]
+    student = random_model(tiny_config(sequence_len=32, vocab_size=V), seed=3)
+    teacher = Teacher(random_model(tiny_config(sequence_len=32, vocab_size=V, n_layer=3), seed=4), nullcontext(), {})
+    loss = PolicyLoss(reward_coef=0.5, distill_coef=0.7, clip_low=0.2, clip_high=0.28)
+    run = lambda first: accumulate_policy_gradient(student, batches, DEVICE_BATCH, len(batches), "cpu", nullcontext(),
+                                                   loss=loss, first_epoch=first, teacher=teacher)
+    first = run(None)
+    before, teacher64 = copy.deepcopy(student).double(), copy.deepcopy(teacher.model).double()
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    student.zero_grad(set_to_none=True)
+    second = run(first)
+    after = copy.deepcopy(student).double()
+    after.zero_grad(set_to_none=True)
+    objective = 0.0
+    for batch in batches:
+        valid = batch.targets >= 0
+        old, t = hand_logprobs(before, batch).detach(), hand_logprobs(teacher64, batch).detach()
+        logp = hand_logprobs(after, batch)
+        rewards = batch.rewards.double()
+        advantages = 0.5 * (rewards - rewards.mean())[:, None] + 0.7 * (t - old)
+        ratio = torch.exp(logp - old)
+        term = torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.28) * advantages)
+        passes = batch.targets.size(0) // DEVICE_BATCH
+        for row in range(batch.targets.size(0)):
+            lo = row // DEVICE_BATCH * DEVICE_BATCH
+            objective = objective + term[row][valid[row]].sum() / (int(valid[lo:lo + DEVICE_BATCH].sum()) * passes * 3)
+    (-objective).backward()
+    for (name, p), want in zip(student.named_parameters(), after.parameters()):
+        torch.testing.assert_close(p.grad.double(), want.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert 0 < second.clip_fraction < 1
+
+
 def rollout_batches(model, tokenizer):
     """3 questions x 4 samples of the engine (fp32, eager), rewards alternating (every row's advantage +-0.5), with
     the sampler's log-probabilities."""
