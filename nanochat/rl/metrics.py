@@ -165,7 +165,7 @@ def objective_metrics(first, last):
         out.update(clip_fraction=last.clip_fraction, approx_kl=last.approx_kl)
     if first.kl_ref is not None:
         out["kl_ref"] = first.kl_ref
-    if first.reverse_kl is not None:  # --teacher
+    if getattr(first, "reverse_kl", None) is not None:  # --teacher (stats of a run without one may lack the field)
         out.update(reverse_kl=first.reverse_kl, teacher_logprob=first.teacher_logprob)
     return out
 
