@@ -207,3 +207,22 @@ def test_resume_with_a_teacher_is_the_uninterrupted_run(sft, base_dir, capsys):
     make_sft_checkpoint(base_dir, sft.config.vocab_size, seed=6, tag="t3", step=9, n_layer=3)  # the tag's newest
     chat_rl.main(["--resume=d2:2", "--device-type=cpu"])
     assert_same_weights(weights(run_dir / "model_000003.pt"), uninterrupted)
+
+
+def test_the_side_by_side_table_reads_each_runs_last_meta(tmp_path):
+    """rl_variants' table (the distillation demonstration's): pass@1 +- sqrt(p (1 - p) / Q) at every eval step of any
+    run, blank where a run has none, and the mean seconds a step, the teacher's apart (0 without one)."""
+    from scripts.rl_variants import pass_at_1_table
+    runs = {"default": ([(0, 0.25), (2, 0.5)], [{"time/rollout": 1.0, "time/train": 0.5}] * 2),
+            "distill": ([(0, 0.25), (1, 0.1)], [{"time/rollout": 2.0, "time/train": 1.0, "time/teacher": 0.25},
+                                                {"time/rollout": 2.0, "time/train": 2.0, "time/teacher": 0.75}])}
+    for name, (evals, history) in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model_000002.pt").write_bytes(b"")
+        meta = {"eval_history": [[s, {"pass@1_unbiased": p}] for s, p in evals], "history": history}
+        (tmp_path / name / "meta_000002.json").write_text(json.dumps(meta))
+    assert pass_at_1_table([str(tmp_path / n) for n in runs], 100).splitlines() == [
+        "| run | pass@1, step 0 | pass@1, step 1 | pass@1, step 2 | s/step | teacher s/step |",
+        "|---|---|---|---|---|---|",
+        "| default | 0.250 ± 0.043 |  | 0.500 ± 0.050 | 1.50 | 0.00 |",
+        "| distill | 0.250 ± 0.043 | 0.100 ± 0.030 |  | 3.50 | 0.50 |"]
