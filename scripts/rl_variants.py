@@ -12,7 +12,7 @@ nanochat's defaults and with variants, one run after another from the same SFT c
      seconds a step (rollouts + training, and the teacher's forwards within them).
 
 On-policy distillation (issue 75) side by side with RL alone: the variants `distill` (--teacher, --distill-coef,
---reward-coef=0: distillation alone) and `rl_distill` (the reward and the teacher), taught by --teacher (default the
+--reward-coef=0: distillation alone) and `rl_distill` (the reward and the teacher), taught by --teacher (e.g. the
 speedrun's RL checkpoint), against `default` (RL alone), the same seeds (docs/flags.md, "On-policy distillation").
 
 Needs an SFT checkpoint in $NANOCHAT_BASE_DIR (speedrun.sh's bootstrap makes one; the distillation variants, its
@@ -57,8 +57,8 @@ def build_parser():
     p = ArgumentParser(description="chat_rl with nanochat's defaults and algorithm variants, then compare_runs")
     p.add_argument("--variants", type=str, default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated names among {', '.join(VARIANTS)}")
-    p.add_argument("--teacher", type=str, default="rl", help="the distillation variants' teacher, "
-                   "SOURCE[:MODEL_TAG[:STEP]] (default: the largest RL run's last step: the speedrun's)")
+    p.add_argument("--teacher", type=str, default="", help="the distillation variants' teacher, "
+                   "SOURCE[:MODEL_TAG[:STEP]] (the speedrun's RL run on a CPU: rl:d4)")
     p.add_argument("--distill-coef", type=float, default=1.0, help="the distillation variants' --distill-coef")
     p.add_argument("--steps", type=int, default=50, help="RL steps per run")
     p.add_argument("--eval-every", type=int, default=25, help="pass@1 eval period (also step 0 and the last step)")
@@ -82,6 +82,10 @@ def main(argv):
         raise UserError(f"--variants: unknown {', '.join(unknown) or '(none given)'}; choose among {', '.join(VARIANTS)}")
     if args.steps < 1 or args.eval_every < 1 or args.eval_examples < 1:
         raise UserError("--steps, --eval-every and --eval-examples must be >= 1")
+    taught = [n for n in names if any("{teacher}" in flag for flag in VARIANTS[n])]
+    if taught and not args.teacher:  # named: "rl" alone would be the largest RL run, maybe one of these variants
+        raise UserError(f"--variants {','.join(taught)} need a teacher: pass --teacher=SOURCE:MODEL_TAG (the "
+                        f"speedrun's RL run on a CPU: --teacher=rl:d4)")
     runs = []
     for name in names:
         cmd = [sys.executable, "-m", "scripts.chat_rl", *WORKLOAD, f"--num-steps={args.steps}",
