@@ -161,7 +161,7 @@ SETTINGS = dict(
     eval_tasks=flag(CHECKPOINTS, "", "more tasks the periodic eval measures beside --task's, comma-separated (gsm8k, "
                     "arithmetic, package.module:ClassName): pass@k on each test split, a field each on the eval line, "
                     "eval/<task>/pass@k in wandb, a row each in the report (default: --task's alone)"),
-    # issue 75's: on-policy distillation (nanochat/rl/distill.py)
+    # issue 75's: on-policy distillation (docs/flags.md; nanochat/rl/objective.py, nanochat/rl/resume.py)
     teacher=flag(ALGORITHM, "", "on-policy distillation's teacher, SOURCE[:MODEL_TAG[:STEP]] (source base|mid|sft|rl; "
                  "any depth or nanochat generation whose tokenizer is the student's); it scores every sampled token "
                  "(empty: none; needs --distill-coef > 0)"),

@@ -108,7 +108,7 @@ class PolicyLoss:
     # a mask's dropped tokens still count in the denominators (True, today's), or leave them (the peers': slime,
     # verl): the step's targets lose them before any denominator is counted (policy_gradient.without_rejected_tokens)
     rejected_in_denominator: bool = True
-    # on-policy distillation (nanochat/rl/distill.py): each sampled token's advantage is reward_coef * its row's
+    # on-policy distillation (the module docstring): each sampled token's advantage is reward_coef * its row's
     # reward advantage + distill_coef * (log p_teacher - log p_student); (1, 0): nanochat's row advantage, as it was
     reward_coef: float = 1.0
     distill_coef: float = 0.0
