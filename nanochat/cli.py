@@ -18,6 +18,7 @@ from nanochat.checkpoints.errors import (CorruptCheckpointError, MissingMetaErro
                                          RankLostError, UnknownStepError, UnknownTagError)
 from nanochat.compiling.functions import CompileFailed
 from nanochat.engine.cuda_graphs import GraphsNeedCudaError
+from nanochat.engine.decode_steps import DecodeKernelsError
 from nanochat.engine.spec import NoMemoryForRolloutsError
 from nanochat.errors import SettingError, UserError
 from nanochat.rl.config import GROUPS, RLConfig
@@ -35,24 +36,30 @@ from tasks.gsm8k import GSM8KUnavailableError
 from tasks.registry import TaskNotFoundError
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """--help with each flag's default after its help, where the help does not say it already: 0 and 0.0 too (once
+    hidden as equal to False), an empty string as `empty`. Not for a switch (off unless given) or a None default,
+    whose help says in words what happens without the flag (tests/scripts/test_help.py holds every script to it)."""
+
+    def _get_help_string(self, action):
+        default = action.default
+        if action.nargs == 0 or default is None or default is argparse.SUPPRESS or "default" in (action.help or ""):
+            return action.help
+        return f"{action.help} (default: {'empty' if default == '' else '%(default)s'})"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with nanochat's error convention: a bad flag is one line (and exit 2), not the usage block;
-    and no silent prefix matching (`--num-step` must not quietly mean `--num-steps`)."""
+    no silent prefix matching (`--num-step` must not quietly mean `--num-steps`); and --help showing each flag's
+    default (DefaultsShown), in every script."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", DefaultsShown)
         super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise UserError(f"{message} (see --help)")
-
-
-class DefaultsShown(argparse.HelpFormatter):
-    """--help with each flag's default after its help, where the help does not say it and there is one to show."""
-
-    def _get_help_string(self, action):
-        shown = action.default not in (None, False, "", argparse.SUPPRESS) and "default" not in action.help
-        return f"{action.help} (default: %(default)s)" if shown else action.help
 
 
 # -----------------------------------------------------------------------------
@@ -82,7 +89,7 @@ def add_shared_flag(parser, name, *aliases, script=None, **changes):
 
 def rl_parser(description="RL on GSM8K (or --task) with on-policy policy gradients"):
     """chat_rl's parser, built from RLConfig's fields: their defaults and help, in --help's groups (GROUPS)."""
-    parser = ArgumentParser(description=description, formatter_class=DefaultsShown)
+    parser = ArgumentParser(description=description)
     groups = {title: parser.add_argument_group(title) for title in GROUPS}
     for field in dataclasses.fields(RLConfig):
         setting = field.metadata["setting"]
@@ -109,6 +116,11 @@ def add_runtime_flags(parser, wandb_run=True):
 def add_decode_flag(parser):
     """--decode: how the rollout engine runs its decode step (settings.decode_setting)."""
     return add_shared(parser, "decode")
+
+
+def add_decode_kernels_flag(parser):
+    """--decode-kernels: which decode step the rollout engine runs (nanochat/engine/decode_steps.py)."""
+    return add_shared(parser, "decode_kernels")
 
 
 def add_memory_budget_flag(parser):
@@ -173,8 +185,16 @@ def resume_line(e):
     return f"--resume{'=' + e.spec if e.spec else ''}: {e}{fix}"
 
 
+def decode_kernels_line(e):
+    """A DecodeKernelsError's line: the facts under the flag, then what to pass instead (and, where --compile=on is
+    what rules the step out, that flag too)."""
+    compile_fix = ", or --compile=off or auto (which compile nothing of it)" if e.conflict == "compile" else ""
+    return f"--decode-kernels {e.problem}; use --decode-kernels=auto or torch (the hand-written step){compile_fix}"
+
+
 # error type -> its whole line, written from its facts: errors whose flags sit inside the sentence
 LINES = {
+    DecodeKernelsError: decode_kernels_line,
     ResumeError: resume_line,
     GraphsNeedCudaError: lambda e: (f"--decode {e.problem} (torch sees no CUDA device, or --device-type chose another); "
                                     f"use --decode=static (the same step, run eagerly) or --decode=auto"),

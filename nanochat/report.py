@@ -2,14 +2,21 @@
 The run report: a markdown file per pipeline stage, assembled into one `report.md`.
 
 Each stage calls `report.log(section, data)` once when it finishes; that writes `<report_dir>/<slug>.md`
-(so re-running a stage replaces its section). `write_report(device)` joins the section files, in pipeline
-order, under a header with the date, the git commit and the platform (its GPUs when the run used CUDA). The
+(nanochat's name: re-running a stage replaces its section there). `write_report(device)` joins the section files, in
+pipeline order, under a header with the date, the git commit and the platform (its GPUs when the run used CUDA). The
 RL stage's section ("Chat RL": config, final metrics, pass@k table and plots) is built by `log_chat_rl`.
+
+What one run or one eval wrote is never replaced by another's (issue 74): an RL run's section and plots are written
+under its own name, `<report_dir>/runs/<output tag>-<run id>/` (a resumed run's, the same run, updates it), then
+copied to nanochat's names in `<report_dir>`, which so always hold the latest; chat_eval's results go to a new file
+each, `<report_dir>/chat_eval/<source>-<tag>-step<step>-<time>.json`, copied to `chat_eval_<source>.json`, the latest.
 
 Only rank 0 writes: `get_report()` returns a `DummyReport` elsewhere, as `DummyWandb` does for wandb.
 """
 
 import datetime
+import glob
+import json
 import math
 import os
 import platform
@@ -31,6 +38,8 @@ SECTION_ORDER = [
     "Chat RL", "Chat evaluation rl",
 ]
 REPORT_FILE = "report.md"
+RUNS_DIR = "runs"             # each RL run's own section and plots, by run
+EVALS_DIR = "chat_eval"       # each chat_eval's result, by checkpoint and time
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -114,6 +123,25 @@ class Report:
         atomic_write(path, "\n\n".join(parts) + "\n")
         return path
 
+    def run_report(self, run_name):
+        """The Report of one run's own files: `<report_dir>/runs/<run_name>/`."""
+        return Report(os.path.join(self.report_dir, RUNS_DIR, run_name))
+
+    def publish(self, run_report, section):
+        """Copy a run's section and its plots (run_report's `<slug>.md` and `<slug>-*.png`) to nanochat's names here,
+        as the latest; a plot of the section that the run does not have (an earlier run's) goes, so that no file here
+        mixes two runs (the earlier run keeps its own copy under runs/). Returns the section's path here."""
+        os.makedirs(self.report_dir, exist_ok=True)
+        stem = slugify(section)
+        own_plots = glob.glob(os.path.join(glob.escape(run_report.report_dir), stem + "-*.png"))
+        plots = {os.path.basename(p) for p in own_plots}
+        for stale in glob.glob(os.path.join(glob.escape(self.report_dir), stem + "-*.png")):
+            if os.path.basename(stale) not in plots:
+                os.remove(stale)
+        for name in sorted(plots) + [stem + ".md"]:  # the section last: it names the plots
+            copy_atomically(os.path.join(run_report.report_dir, name), os.path.join(self.report_dir, name))
+        return self.section_path(section)
+
     def write_report(self, device):
         """Assemble report.md from the section files present, in SECTION_ORDER then alphabetically, under
         a header naming the platform the run used `device` on. Returns its path."""
@@ -146,10 +174,48 @@ class DummyReport:
     def write_report(self, device):
         return None
 
+    def run_report(self, run_name):
+        return self
+
+    def publish(self, run_report, section):
+        return None
+
+
+def copy_atomically(source, destination):
+    """Copy a file over `destination` as one rename: a reader sees the old file or the new one."""
+    with open(source, "rb") as f:
+        atomic_write(destination, f.read())
+
 
 def get_report(report_dir=None):
     """`Report` on rank 0, `DummyReport` elsewhere (every rank runs the same code; one writes)."""
     return Report(report_dir) if get_rank() == 0 else DummyReport()
+
+
+# -----------------------------------------------------------------------------
+# chat_eval's results: one file each, and the latest under the stable name
+
+def eval_result_paths(report_dir, source, model_tag, step, when=None):
+    """(this eval's own file, the latest's) for a chat_eval of `source`'s checkpoint `model_tag` at `step`:
+    `<report_dir>/chat_eval/<source>-<tag>-step<step>-<YYYYmmdd-HHMMSS>.json` (a -2, -3, ... added where an eval of
+    the same second has the name) and `<report_dir>/chat_eval_<source>.json`. when: a datetime (default: now)."""
+    stamp = f"{when or datetime.datetime.now():%Y%m%d-%H%M%S}"
+    stem = os.path.join(report_dir, EVALS_DIR, f"{source}-{model_tag}-step{step}-{stamp}")
+    path, n = stem + ".json", 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{stem}-{n}.json"
+    return path, os.path.join(report_dir, f"chat_eval_{source}.json")
+
+
+def save_json(result, path, latest=None):
+    """Write `result` as indented JSON to `path` and, given `latest`, a copy there (each file in one rename)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    text = json.dumps(result, indent=2)
+    atomic_write(path, text)
+    if latest is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(latest)), exist_ok=True)
+        atomic_write(latest, text)
 
 
 # -----------------------------------------------------------------------------
@@ -158,10 +224,12 @@ def get_report(report_dir=None):
 CHAT_RL_SECTION = "Chat RL"
 
 
-def log_chat_rl(report, config, history, eval_history, section=CHAT_RL_SECTION):
+def log_chat_rl(report, config, history, eval_history, section=CHAT_RL_SECTION, run_name=None):
     """Write the RL section: the run config, the final step's metrics, pass@k at the first and last eval,
     and plots of reward, completion length, entropy, the sampler-trainer gap and pass@1 against step (PNGs next
-    to the markdown; entropy and the gap on the steps that measured them).
+    to the markdown; entropy and the gap on the steps that measured them). With `run_name`, under the run's own
+    directory (Report.run_report), then copied to the report's own names as the latest (Report.publish); the run's
+    own section's path is returned then.
 
     config: dict (e.g. vars(args)), shown whole, in its order.
     history: list of per-step dicts, each with "step", "reward_mean" and "completion_len_mean" (the keys of
@@ -171,6 +239,11 @@ def log_chat_rl(report, config, history, eval_history, section=CHAT_RL_SECTION):
     """
     if isinstance(report, DummyReport):
         return None
+    if run_name is not None:
+        own = report.run_report(run_name)
+        path = log_chat_rl(own, config, history, eval_history, section)
+        report.publish(own, section)
+        return path
     check_rl_history(history, eval_history)
     os.makedirs(report.report_dir, exist_ok=True)  # the plots are saved before the section is
     data = ["### Config", markdown_table(["option", "value"], list(config.items())),

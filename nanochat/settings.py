@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from nanochat.compiling.plan import COMPILE_MODES, SFT_CPU_MIN_STEPS
 from nanochat.engine.calculator import CALCULATOR_FORMATS, DEFAULT_FORMAT
 from nanochat.engine.cuda_graphs import DECODE_MODES
+from nanochat.engine.decode_steps import DECODE_KERNELS
 from nanochat.engine.spec import AUTO, FIXED_GB, FRACTION, parse_budget
 from nanochat.model.generations import VE_ERA_WITH_NEW_META
 
@@ -99,6 +100,14 @@ SHARED = dict(
                                    f"memory free after the model, optimizer state and a training-peak reserve (stated "
                                    f"at the start), elsewhere {FIXED_GB:g}", type=parse_budget),
     decode=decode_setting(),
+    # which decode step the rollout engine runs (nanochat/engine/decode_steps.py's table): a speed choice, the same
+    # tokens as the torch step's in fp32 up to near-ties (chat_rl's --resume keeps it as given)
+    decode_kernels=Setting(AUTO, "what the rollouts' decode step computes with: auto (torch on every device for now: "
+                                 "the Triton step has not been timed on a GPU yet), torch (the hand-written step in "
+                                 "torch ops; --compile may compile it), flex (torch, its shared-prompt attention "
+                                 "through FlexAttention), triton (the whole step in the project's Triton kernels: on "
+                                 "CUDA, or a CPU in Triton's interpreter with TRITON_INTERPRET=1 set, slow; never "
+                                 "compiled, so not with --compile=on)", choices=DECODE_KERNELS),
     # whether the static decode step and the training pass run compiled (nanochat/compiling/plan.py's compile_plan),
     # those of them the script runs
     compile=Setting("auto", f"torch.compile the static decode step and the training forward, where the script runs "
@@ -123,10 +132,12 @@ SHARED = dict(
 
 
 # The defaults a script has of its own, where it differs from SHARED on purpose (by script, then setting): nanochat's
-# chat_cli samples at 0.6 with seed 42, its chat_sft finetunes the mid checkpoint from seed 42; bench_rl's empty source
-# is a random-init model; rl_variants' small runs are meant for a CPU. nanochat.cli.add_shared_flag takes them from here.
+# chat_cli samples at 0.6 with seed 42, its chat_sft finetunes the mid checkpoint from seed 42; chat_eval evaluates the
+# task the checkpoint was trained on where it records one; bench_rl's empty source is a random-init model; rl_variants'
+# small runs are meant for a CPU. nanochat.cli.add_shared_flag takes them from here.
 SCRIPT_DEFAULTS = dict(
     chat_cli=dict(temperature=0.6, seed=42),
+    chat_eval=dict(task=None),  # the checkpoint's own task (an RL run's --task), else SHARED's (issue 74)
     chat_sft=dict(source="mid", seed=42),
     bench_rl=dict(source="", seed=42),
     rl_variants=dict(device_type="cpu"),

@@ -40,8 +40,10 @@ RL = {name: setting.default for name, setting in SETTINGS.items()}  # chat_rl's 
 
 def build_parser():
     p = ArgumentParser(description="Estimate a chat_rl epoch from a bench_rl step and timed saves")
-    p.add_argument("--bench", type=str, default=None, help="bench_rl's JSON; its last config's step (or --config)")
-    p.add_argument("--config", type=str, default=None, help="which of the bench's configs is the run's step")
+    p.add_argument("--bench", type=str, default=None, help="bench_rl's JSON; its last config's step (or --config) "
+                                                                "(default: none, the saves alone)")
+    p.add_argument("--config", type=str, default=None, help="which of the bench's configs is the run's step "
+                                                                 "(default: its last)")
     p.add_argument("--depth", type=int, default=None, help="model depth for the saves (default: the bench's model)")
     p.add_argument("--vocab-size", type=int, default=None, help="its vocabulary (default: the bench's)")
     add_shared(p, "device_type")

@@ -5,8 +5,8 @@ benchmark's own). --configs: baseline (nanochat's rollouts, a generate_batch cal
 training: every row, with its prompt; fp32), batched_plain (chat_rl's rollouts, nanochat's training), batched_fp32 /
 batched_bf16 (chat_rl's step), *_static / *_graph (the static decode step, eagerly / from CUDA graphs: tokens checked
 against eager's / static's), *_compiled (torch.compile), *_blocks (--compile=blocks), *_nolag (the host not one step
-behind the device), *_flex (the shared-prompt attention through FlexAttention); each as is and "+early" (rows end at
-random lengths).
+behind the device), *_flex (the shared-prompt attention through FlexAttention), *_triton (the whole decode step in the
+project's Triton kernels; --decode-kernels is per config); each as is and "+early" (rows end at random lengths).
   python -m scripts.bench_rl                                   # CPU or 1 GPU: random-init d4, vocab 8192
   python -m scripts.bench_rl --source=sft --task=arithmetic    # a trained checkpoint from $NANOCHAT_BASE_DIR
   python -m scripts.bench_rl --configs=batched_bf16 --profile=batched_bf16   # where a step's time goes
@@ -42,7 +42,8 @@ from tasks.registry import make_task
 def build_parser():
     """The benchmark's own flags (every other flag is chat_rl's: parse_args)."""
     p = ArgumentParser(description="Benchmark one chat_rl step, several ways", epilog="Every other flag is chat_rl's (--task, "
-                       "--examples-per-step, --num-samples, ...: its --help) but --dtype, --rollout-dtype, --decode: per config.")
+                       "--examples-per-step, --num-samples, ...: its --help) but --dtype, --rollout-dtype, --decode, "
+                       "--decode-kernels: per config (*_flex, *_triton: the decode steps flex and triton).")
     add = p.add_argument
     add("--configs", default="", help=f"comma-separated subset of {', '.join(CONFIGS)} (empty: all that run at speed here)")
     add("--output", default="bench_rl.json", help="where to write every number as JSON")

@@ -29,6 +29,7 @@ from nanochat.cli import (ArgumentParser, add_debug_flag, add_model_generation_f
                           run_main)
 from nanochat.common import compute_cleanup, compute_init
 from nanochat.engine.calculator import recorded_calculator_format
+from nanochat.engine.decode_steps import check_decode_kernels
 from nanochat.engine.engine import Engine
 from nanochat.engine.rows import SpecialIds
 from nanochat.errors import UserError
@@ -58,7 +59,7 @@ def build_parser():
     add_shared_flag(p, "max_new_tokens", help="answer length cap in tokens")
     add_shared_flag(p, "seed", script="chat_cli", help="sampling seed; the session's t-th answer uses seed + t")
     # runtime
-    add_shared(p, "device_type", "calculator_format")
+    add_shared(p, "device_type", "calculator_format", "decode_kernels")
     add_shared_flag(p, "dtype", "-d", help="float32|bfloat16; default: $NANOCHAT_DTYPE, else bfloat16")
     add_debug_flag(p)
     return p
@@ -221,11 +222,13 @@ def main(argv):
     validate_args(args)
     _, _, _, _, device = compute_init(args.device_type)
     try:
+        check_decode_kernels(args.decode_kernels, device)  # before the model loads
         with contextlib.redirect_stdout(sys.stderr):  # loading notes go to stderr; stdout is the conversation
             autocast = autocast_context(device, compute_dtype(device, args.dtype))
             model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag,
                                                 step=args.step, generation=args.model_generation)
-        engine = Engine(model, tokenizer, calculator_format=args.calculator_format or recorded_calculator_format(meta))
+        engine = Engine(model, tokenizer, calculator_format=args.calculator_format or recorded_calculator_format(meta),
+                        decode_kernels=args.decode_kernels)
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
         with autocast:
             if args.prompt:

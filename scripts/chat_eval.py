@@ -5,34 +5,37 @@ Evaluate a chat checkpoint on a task's test split: greedy pass@1 and sampled pas
   2. sampled: --num-samples completions per question at --temperature / --top-k; pass@k for every
      k <= num_samples, both nanochat's ("a correct answer among the first k samples") and the unbiased
      estimator 1 - C(n-c, k) / C(n, k).
-Prints a table and writes the numbers as JSON. Uses the same evaluation code as chat_rl's periodic eval.
+Prints a table and writes the numbers as JSON: a new file each eval under report/chat_eval/, and a copy as
+report/chat_eval_<source>.json, the latest (or --output). Without --task, the task the checkpoint's run trained on
+(an RL checkpoint records it), else GSM8K. Uses the same evaluation code as chat_rl's periodic eval.
 
 Launch:
   python -m scripts.chat_eval --source=rl
   torchrun --standalone --nproc_per_node=8 -m scripts.chat_eval -- --source=sft
 """
 
-import json
 import os
 import time
 
-from nanochat.checkpoints.loading import load_model
-from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_memory_budget_flag,
-                          add_model_generation_flag, add_shared, add_shared_flag, run_main)
+from nanochat.checkpoints.loading import find_checkpoint, load_model
+from nanochat.cli import (ArgumentParser, add_compile_flag, add_debug_flag, add_decode_flag, add_decode_kernels_flag,
+                          add_memory_budget_flag, add_model_generation_flag, add_shared, add_shared_flag, run_main)
 from nanochat.common import compute_cleanup, compute_init, get_base_dir
 from nanochat.compiling.functions import CompileClock
 from nanochat.compiling.plan import compile_models, resolve_compile_flag
 from nanochat.engine.calculator import recorded_calculator_format
 from nanochat.engine.cuda_graphs import check_decode_flag
+from nanochat.engine.decode_steps import check_decode_kernels
 from nanochat.engine.engine import Engine
 from nanochat.engine.spec import resolve_memory_budget
 from nanochat.errors import UserError
+from nanochat.report import eval_result_paths, save_json
 from nanochat.rl.evaluation import evaluate_pass_at_k
 from nanochat.rl.metrics import reduce_metrics
 from nanochat.runtime.distributed import collective_device, print0, wait_for_all_ranks
 from nanochat.runtime.dtypes import autocast_context, compute_dtype, requested_dtype
 from nanochat.settings import SHARED
-from tasks.registry import make_task
+from tasks.registry import make_task, recorded_task
 
 
 def build_parser():
@@ -43,8 +46,10 @@ def build_parser():
     add_shared_flag(p, "model_step", help="checkpoint step; default: the last one")
     add_model_generation_flag(p)
     # task
-    add_shared_flag(p, "task", help=f"{SHARED['task'].help}; several, comma-separated, are evaluated in turn (the JSON "
-                                    f"then holds {{\"tasks\": [one result each]}})")
+    add_shared_flag(p, "task", script="chat_eval",
+                    help=f"{SHARED['task'].help}; several, comma-separated, are evaluated in turn (the JSON then holds "
+                         f"{{\"tasks\": [one result each]}}); default: the checkpoint's own (an RL run's --task), "
+                         f"else {SHARED['task'].default}")
     p.add_argument("--num-examples", type=int, default=-1, help="test questions to use (-1 = all)")
     # sampling: chat_rl's eval's by default (nanochat/rl/evaluation.py)
     p.add_argument("--num-samples", type=int, default=8, help="samples per question for pass@k")
@@ -54,12 +59,15 @@ def build_parser():
     add_shared_flag(p, "max_rows", help="max rows per rollout batch (0 = from the memory budget)")
     add_memory_budget_flag(p)
     add_decode_flag(p)
+    add_decode_kernels_flag(p)
     add_compile_flag(p)
     # runtime and output
     add_shared(p, "device_type", "calculator_format")
     add_shared_flag(p, "dtype", help="auto|float32|bfloat16; default: $NANOCHAT_DTYPE, else auto (bfloat16 where it is "
                                      "native)")
-    p.add_argument("--output", type=str, default="", help="JSON output path (default: $NANOCHAT_BASE_DIR/report/chat_eval_<source>.json)")
+    p.add_argument("--output", type=str, default="", help="JSON output path (default: a new file each eval, "
+                   "$NANOCHAT_BASE_DIR/report/chat_eval/<source>-<tag>-step<step>-<time>.json, copied to "
+                   "report/chat_eval_<source>.json, the latest)")
     add_shared(p, "seed")
     add_debug_flag(p)
     return p
@@ -96,6 +104,17 @@ def task_names(flag):
     return [name.strip() for name in flag.split(",") if name.strip()]
 
 
+def task_flag(flag, meta):
+    """--task's value: the flag as given, else the task the checkpoint records (an RL run's), else the shared
+    setting's (gsm8k); and, where the user named none, the line that says which was taken."""
+    if flag is not None:
+        return flag, None
+    recorded = recorded_task(meta)
+    where = "the checkpoint's" if recorded else "the checkpoint records none"
+    task = recorded or SHARED["task"].default
+    return task, f"task: {task} ({where}; --task to choose)"
+
+
 def evaluate_task(name, engine, args, autocast, device, meta, decode):
     """Greedy pass@1 and sampled pass@k on the test split of the task `name`, printed; the result's dict."""
     task = make_task(name, "test")
@@ -116,6 +135,7 @@ def evaluate_task(name, engine, args, autocast, device, meta, decode):
         "task": name, "source": args.source, "model_tag": args.model_tag, "model_step": meta.get("step"),
         "num_questions": sampled.num_questions, "num_samples": args.num_samples,
         "temperature": args.temperature, "top_k": args.top_k, "decode": decode, "compile": args.compile,
+        "decode_kernels": engine.spec.decode_kernels,
         "seconds": elapsed, "compiles": int(compiled["compiles"]), "compile_s": compiled["compile_s"],
         "greedy_pass@1": greedy.any[0],
         "pass@k": {str(k): v for k, v in enumerate(sampled.any, start=1)},
@@ -125,32 +145,46 @@ def evaluate_task(name, engine, args, autocast, device, meta, decode):
     return result
 
 
+def write_result(result, args, tag, step):
+    """The result as JSON: to --output where given; else to a file of its own under report/chat_eval/ (an earlier
+    eval's is never replaced) and a copy to report/chat_eval_<source>.json, the latest."""
+    if args.output:
+        save_json(result, args.output)
+        print0(f"wrote {args.output}")
+        return
+    path, latest = eval_result_paths(os.path.join(get_base_dir(), "report"), args.source, tag, step)
+    save_json(result, path, latest)
+    print0(f"wrote {path} (the latest also as {latest})")
+
+
 def main(argv):
     args = parse_args(argv)
     validate_args(args)
     _, rank, _, _, device = compute_init(args.device_type)
     try:
         decode = check_decode_flag(args.decode, device)
+        check_decode_kernels(args.decode_kernels, device, compiled=args.compile == "on")  # before the model loads
         compiling, args.compile = resolve_compile_flag(args.compile, device, decode, trains=False)
         dtype = compute_dtype(device, args.dtype)
         autocast = autocast_context(device, dtype)
-        model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.model_step,
+        _, tag, step = find_checkpoint(args.source, args.model_tag, args.model_step)
+        model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=tag, step=step,
                                             generation=args.model_generation)
+        tasks, task_line = task_flag(args.task, meta)
+        if task_line:
+            print0(task_line)
         compile_models(compiling, model)
         args.memory_budget_gb, budget_line = resolve_memory_budget(args.memory_budget_gb, model, device,
                                                                    rollout_dtype=dtype)
         print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
         calculator = args.calculator_format or recorded_calculator_format(meta)
         engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
-                        decode=args.decode, compile=args.compile, calculator_format=calculator)
-        results = [evaluate_task(name, engine, args, autocast, device, meta, decode) for name in task_names(args.task)]
+                        decode=args.decode, compile=args.compile, calculator_format=calculator,
+                        decode_kernels=args.decode_kernels)
+        results = [evaluate_task(name, engine, args, autocast, device, meta, decode) for name in task_names(tasks)]
         result = results[0] if len(results) == 1 else {"tasks": results}  # one task: the file as it always was
         if rank == 0:
-            path = args.output or os.path.join(get_base_dir(), "report", f"chat_eval_{args.source}.json")
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(path, "w") as f:
-                json.dump(result, f, indent=2)
-            print0(f"wrote {path}")
+            write_result(result, args, tag, step)
         wait_for_all_ranks()
         return result
     finally:

@@ -22,6 +22,7 @@ Launch:
                                                              # dividing --examples-per-step; README "Resume ...")
 """
 
+import os
 import signal
 import sys
 import time
@@ -124,10 +125,12 @@ def train(run, stop):
         saves.finish()  # the last step's checkpoint, when no final eval committed it
 
     report = get_report()
-    log_chat_rl(report, run.user_config, run.progress.history, run.progress.eval_history)
+    # the run's own section and plots (never replaced by another run's), copied to nanochat's names as the latest
+    own = log_chat_rl(report, run.user_config, run.progress.history, run.progress.eval_history,
+                      run_name=f"{run.plan.output_tag}-{run.run_id}")
     path = report.write_report(run.device)
     if path:
-        print0(f"Report: {path}")
+        print0(f"Report: {path} (this run's section and plots: {os.path.dirname(own)})")
     wandb_run.finish()
     wait_for_all_ranks()
 

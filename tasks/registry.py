@@ -54,3 +54,9 @@ def make_task(name, split):
     if len(task) == 0:
         raise UserError(f"task {name!r} split {split!r} has no examples")
     return task
+
+
+def recorded_task(meta):
+    """The task the run that wrote a checkpoint trained on (an RL run's --task, in the user_config of its meta), or
+    None where the meta records none (an SFT checkpoint, whose mixture is --tasks, or nanochat's own)."""
+    return (meta.get("user_config") or {}).get("task") or None

@@ -24,7 +24,7 @@ class BenchConfig:
     compiled: bool = False  # torch.compile the training forward and (static, graph) the decode step
     blocks: bool = False    # torch.compile each block around its attention instead (--compile=blocks)
     lag: Optional[bool] = None  # the engine's host one step behind the device (None: the engine's default, on CUDA)
-    prompt_attention: str = "explicit"  # the shared-prompt decode step's attention (the engine's; "flex": FlexAttention)
+    decode_kernels: str = "torch"  # the engine's decode step (nanochat/engine/decode_steps.py: torch, flex, triton)
 
 
 CONFIGS = {c.name: c for c in [BenchConfig("baseline", False, torch.float32, False),
@@ -36,14 +36,15 @@ CONFIGS = {c.name: c for c in [BenchConfig("baseline", False, torch.float32, Fal
            + [BenchConfig("batched_fp32_blocks", True, torch.float32, True, "eager", blocks=True),
               BenchConfig("batched_bf16_graph_blocks", True, torch.bfloat16, True, "graph", blocks=True),
               BenchConfig("batched_bf16_graph_nolag", True, torch.bfloat16, True, "graph", lag=False),
-              BenchConfig("batched_fp32_static_flex", True, torch.float32, True, "static", prompt_attention="flex"),
-              BenchConfig("batched_bf16_graph_flex", True, torch.bfloat16, True, "graph", prompt_attention="flex"),
+              BenchConfig("batched_fp32_static_flex", True, torch.float32, True, "static", decode_kernels="flex"),
+              BenchConfig("batched_bf16_graph_flex", True, torch.bfloat16, True, "graph", decode_kernels="flex"),
               BenchConfig("batched_bf16_graph_compiled_flex", True, torch.bfloat16, True, "graph", True,
-                          prompt_attention="flex"),
-              BenchConfig("batched_fp32_static_triton", True, torch.float32, True, "static", prompt_attention="triton"),
-              BenchConfig("batched_bf16_graph_triton", True, torch.bfloat16, True, "graph", prompt_attention="triton")]}
+                          decode_kernels="flex"),
+              BenchConfig("batched_fp32_static_triton", True, torch.float32, True, "static", decode_kernels="triton"),
+              BenchConfig("batched_bf16_graph_triton", True, torch.bfloat16, True, "graph", decode_kernels="triton")]}
 PRESETS = {"d20": dict(depth=20, vocab_size=65536, sequence_len=2048, window_pattern="SSSL")}  # nanochat's d20, Jan 2026
-PER_CONFIG = {"dtype": None, "rollout_dtype": "auto", "decode": "auto"}  # chat_rl's flags that each config sets
+# chat_rl's flags that each config sets (given to bench_rl, they are refused: --configs chooses)
+PER_CONFIG = {"dtype": None, "rollout_dtype": "auto", "decode": "auto", "decode_kernels": "auto"}
 
 
 def default_configs(device, compile_mode="auto"):
@@ -51,7 +52,7 @@ def default_configs(device, compile_mode="auto"):
     plans = {c: compile_plan(compile_mode, device, c.decode) for c in CONFIGS.values()}
     configs = [c for c, plan in plans.items() if (c.decode != "graph" or device.type == "cuda")
                and (not c.compiled or (plan.train and (plan.decode or c.decode == "eager"))) and not c.blocks
-               and c.lag is None and c.prompt_attention == "explicit"]
+               and c.lag is None and c.decode_kernels == "torch"]
     if device.type == "cpu" and not cpu_has_native_bf16():
         print0("note: no native bf16 on this CPU (no AVX512-BF16 or AMX): skipping batched_bf16 "
                "(chat_rl runs in fp32 here; --configs=batched_bf16 measures it anyway)")

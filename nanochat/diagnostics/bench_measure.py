@@ -16,7 +16,7 @@ from nanochat.compiling.plan import compile_block_regions
 from nanochat.diagnostics.op_count import compiled_step_graphs, compiled_step_kernels, count_decode_step_ops
 from nanochat.engine.decode_weights import matmul_modules
 from nanochat.engine.engine import Engine
-from nanochat.engine.flex_prompt_attention import flex_compile_state
+from nanochat.engine.variants.flex_prompt_attention import flex_compile_state
 from nanochat.engine.kv_cache import cache_geometry
 from nanochat.model.flops import rollout_flops, train_flops
 from nanochat.model.gpt import GPT
@@ -74,11 +74,13 @@ def engine_work(model, calls, max_tokens):
 
 
 def bench_run(model, rollout_model, tokenizer, task, config, rl, device, optimize=True):
-    """chat_rl's RLRun (build_run) of rl in the config's dtype and decode mode, fresh optimizers (optimize=False: none)."""
-    rl = dataclasses.replace(rl, dtype=dtype_name(config.dtype), rollout_dtype=dtype_name(config.dtype), decode=config.decode)
+    """chat_rl's RLRun (build_run) of rl in the config's dtype, decode mode and decode step, fresh optimizers
+    (optimize=False: none)."""
+    rl = dataclasses.replace(rl, dtype=dtype_name(config.dtype), rollout_dtype=dtype_name(config.dtype),
+                             decode=config.decode, decode_kernels=config.decode_kernels)
     engine = Engine(rollout_model, tokenizer, max_rows=(rl.max_rows or None) if config.batched else None,
                     memory_budget_gb=rl.memory_budget_gb, share_prompts=config.lean, decode=config.decode,
-                    compile="on" if config.compiled else "off", lag=config.lag, prompt_attention=config.prompt_attention,
+                    compile="on" if config.compiled else "off", lag=config.lag, decode_kernels=config.decode_kernels,
                     dtype=rl.rollout_dtype)
     if engine.spec.decode != "eager":  # as chat_rl's: one static batch, sized for the task's longest prompt
         engine.reserve_prompt_length(longest_prompt(tokenizer, task))
@@ -151,11 +153,11 @@ def measure(model, rollout_model, initial_state, tokenizer, task, config, rl, ar
              bytes_per_decode_step=weight_bytes + kv_bytes / forwards)
     r.update(bandwidth_bound_ms=(bound := 1000 * r["bytes_per_decode_step"] / bandwidth),
              decode_x_bound=r["decode_ms_per_step"] / bound)
-    flex = config.prompt_attention == "flex"  # FlexAttention does not run on the meta device: no count of its step
+    flex = config.decode_kernels == "flex"  # FlexAttention does not run on the meta device: no count of its step
     with torch.device("meta"):  # a static decode step at the run's largest shape: the same count on any machine
         ops = None if flex else count_decode_step_ops(GPT(model.config, model.generation), max(r["max_batch_rows"], 1),
                                                       rl.max_new_tokens, share_prompts=config.lean, num_samples=rl.num_samples,
-                                                      kernels=config.prompt_attention)
+                                                      decode_kernels=config.decode_kernels)
     compiled = compiled_step_kernels(graphs_before) if config.compiled and config.decode != "eager" else None
     r.update({key: ops and getattr(ops, field) for key, field in (("decode_step_ops", "ops"), ("decode_step_kernels", "kernels"),
               ("decode_step_ops_per_layer", "ops_per_block"), ("decode_step_kernels_per_layer", "kernels_per_block"))},

@@ -16,7 +16,7 @@ def mark_identical_tokens(results, configs):
     for name, r in results.items():
         base, _, suffix = name.partition("+")
         twins = ([base.removesuffix("_nolag")] if CONFIGS[base].lag is not None else
-                 [base.removesuffix("_flex").removesuffix("_triton")] if CONFIGS[base].prompt_attention != "explicit" else
+                 [base.removesuffix("_flex").removesuffix("_triton")] if CONFIGS[base].decode_kernels != "torch" else
                  [base.removesuffix("_compiled").removesuffix("_blocks")] if CONFIGS[base].compiled or CONFIGS[base].blocks else
                  [base.replace("_graph", "_static"), base.replace("_graph", "")] if "_graph" in base else
                  [base.replace("_static", "")] if "_static" in base else None)

@@ -33,7 +33,7 @@ class EarlyStopModel(nn.Module):
             self.adjust_decode_logits(idx[:, 0], cache_step.positions[:, 0], logits[:, 0])
         return logits
 
-    # what the Triton kernels' decode step (nanochat/kernels/decode_step.py), which runs the GPT's weights itself,
+    # what the Triton kernels' decode step (nanochat/engine/variants/triton_step.py), which runs the GPT's weights,
     # asks of a wrapped model: the GPT, and the decode step's logits adjusted as forward adjusts them
     decode_model = property(lambda self: self.model)
 

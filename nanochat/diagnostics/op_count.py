@@ -19,10 +19,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanochat.compiling.functions import CompiledFunction, generated_kernels
 from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, static_step
+from nanochat.engine.decode_steps import decode_step_of
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC
 from nanochat.engine.kv_cache import KVCache
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
-from nanochat.kernels.decode_step import BLOCK_RANGE, kernel_static_step
+from nanochat.engine.variants.triton_step import BLOCK_RANGE
 
 
 @dataclass
@@ -81,14 +82,15 @@ class CountOps(TorchDispatchMode):
 
 
 def count_decode_step_ops(model, rows, keys, share_prompts=True, prompt_len=64, num_samples=16,
-                          temperature=1.0, top_k=50, kernels="explicit"):
+                          temperature=1.0, top_k=50, decode_kernels="torch"):
     """The OpCount of one static decode step of `model` (moved to the meta device: pass a model built there, or
-    a copy) over `rows` rows (all in use) reading `keys` keys each. kernels: the shared-prompt step's attention
-    ("explicit", or "triton": the step of nanochat/kernels/, each of its custom ops one kernel)."""
+    a copy) over `rows` rows (all in use) reading `keys` keys each. decode_kernels: the decode step
+    (nanochat/engine/decode_steps.py: "torch", or "triton", each of its kernels' custom ops one kernel; FlexAttention
+    does not run on meta)."""
     model = model.to("meta")
     blocks = list(model.transformer.h)
     count = OpCount(ops_per_block=[0] * len(blocks), kernels_per_block=[0] * len(blocks))
-    batch = static_batch(model, rows, keys, share_prompts, prompt_len, num_samples, temperature, top_k, kernels)
+    batch = static_batch(model, rows, keys, share_prompts, prompt_len, num_samples, temperature, top_k, decode_kernels)
     mode = CountOps(count)
 
     def enter(index):
@@ -105,17 +107,19 @@ def count_decode_step_ops(model, rows, keys, share_prompts=True, prompt_len=64, 
     return count
 
 
-def static_batch(model, rows, keys, share_prompts, prompt_len, num_samples, temperature, top_k, kernels="explicit"):
-    """A static DecodeBatch of `model` (on its device) whose steps can take `rows` rows over `keys` keys: the
-    engine's shared-prompt cache (as many prompt slots as an engine's batch of that many rows has) or a copy per row."""
+def static_batch(model, rows, keys, share_prompts, prompt_len, num_samples, temperature, top_k, decode_kernels="torch"):
+    """A static DecodeBatch of `model` (on its device) whose steps can take `rows` rows over `keys` keys, running the
+    decode step `decode_kernels` uncompiled: the engine's shared-prompt cache (as many prompt slots as an engine's
+    batch of that many rows has) or a copy per row."""
+    step = decode_step_of(decode_kernels)
+    step.check(share_prompts)
     if share_prompts:
         slots = -(-rows // num_samples) * 2 + 1
         cache = SharedPromptKVCache.for_model(model, rows, slots, prompt_len, keys, num_samples, static=True,
-                                              attention=kernels)
+                                              step_class=step.cache_step)
     else:
         cache = KVCache.for_model(model, rows, prompt_len + keys)
-    step = kernel_static_step if kernels == "triton" else None
-    return DecodeBatch(model, cache, temperature, top_k, RolloutStats(), step=step)
+    return DecodeBatch(model, cache, temperature, top_k, RolloutStats(), step=step.static_step)
 
 
 def compiled_decode_step_kernels(model, rows, keys, share_prompts=True, prompt_len=64, num_samples=16,

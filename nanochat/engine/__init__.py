@@ -9,9 +9,12 @@ One rollout, top-down through the modules:
     scheduler.py            the static batches kept between rollouts, a rollout's prompts on their way in, and the
                             prompt slots that hold them
     decode_batch.py         the rows decoded together: prefill, admission, the static decode step, retirement
+    decode_steps.py         the decode steps it can run, by name (torch, flex, triton; --decode-kernels), in one table
     kv_cache.py             the cache each row keeps its own keys and values in, and the RolloutCache contract
     shared_prompt_cache.py  the cache where rows share their prompt's keys and values
-    flex_prompt_attention.py  its decode step's attention through FlexAttention, for benchmarks
+    variants/               the decode step's variants: flex_prompt_attention.py (its shared-prompt attention
+                            through FlexAttention, for benchmarks), triton_step.py (the whole step in the project's
+                            Triton kernels, nanochat/kernels/)
     decode_weights.py       the matmul weights in the autocast dtype, made once per rollout
     cuda_graphs.py          the step's shapes, and its CUDA graphs (captured once, replayed)
     rows.py                 one sample in flight, and the calculator tool's protocol

@@ -10,7 +10,8 @@ rollouts), built from rooms of its own:
 - nanochat/model/attention.py: the contract between the model and a cache (CacheStep);
 - nanochat/engine/cuda_graphs.py: the step's shapes, its CUDA graphs and the decode modes;
 - nanochat/engine/decode_weights.py: bf16/fp16 copies of the matmul weights, made once per rollout;
-- nanochat/engine/spec.py: what an Engine is built from (RolloutSpec), resolved once, and its memory budget.
+- nanochat/engine/spec.py: what an Engine is built from (RolloutSpec), resolved once, and its memory budget;
+- nanochat/engine/decode_steps.py: the decode steps it can run (torch, flex, triton), by name.
 
 The engine owns its memory (RolloutMemory, below): the batches and weights it keeps between rollouts, what it gives
 back when training runs short (yield_memory), and its rows halved where a rollout runs out (run_within_memory).
@@ -27,15 +28,14 @@ import torch
 from nanochat.compiling.functions import maybe_compiled
 from nanochat.engine.calculator import DEFAULT_FORMAT
 from nanochat.engine.cuda_graphs import PROMPT_BUCKET, decode_plan
-from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, prepare_shapes, static_step
+from nanochat.engine.decode_batch import DecodeBatch, RolloutStats, prepare_shapes
+from nanochat.engine.decode_steps import AUTO, decode_step_of
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.kv_cache import KVCache, cache_geometry
 from nanochat.engine.rows import Row, SpecialIds
 from nanochat.engine.scheduler import PREFILL_TOKENS, Admission, BatchShape, KeptBatch, KeptBatches, cache_bytes
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
 from nanochat.engine.spec import FIXED_GB, resolve_rollout_spec
-from nanochat.kernels.decode_step import check_kernel_model, kernel_static_step
-from nanochat.kernels.launch import check_kernels
 from nanochat.runtime.device import with_fewer_rows_on_oom
 
 # The static decode step compiles with dynamic shapes: one graph serves every bucketed
@@ -43,7 +43,7 @@ from nanochat.runtime.device import with_fewer_rows_on_oom
 # (seconds each on a CPU), most of them in the run's first rollout.
 STATIC_STEP_DYNAMIC = True
 # what a batch is made and decoded with: a spec that changes one of them starts the engine afresh (Engine.reconfigure)
-STEP_FIELDS = ("decode", "compiled", "compile_required", "share_prompts", "prompt_attention")
+STEP_FIELDS = ("decode", "compiled", "compile_required", "share_prompts", "decode_kernels")
 
 
 def prompt_slots(rows, num_samples, num_prompts):
@@ -58,24 +58,24 @@ def autocast_dtype(device):
 
 
 def decode_step_function(model, spec):
-    """The static decode step the batches of an engine of RolloutSpec `spec` run: static_step, compiled where
-    spec.compiled (a failure to compile it an error where spec.compile_required); or with prompt attention "triton"
-    the kernels' step (never compiled: its kernels are the fusion), or a one-line ValueError where it cannot run."""
-    if spec.prompt_attention != "triton":
-        return maybe_compiled(static_step, spec.compiled, dynamic=STATIC_STEP_DYNAMIC, required=spec.compile_required)
-    check_kernels(model.get_device())
-    check_kernel_model(model)
-    if spec.compiled:
-        raise ValueError("prompt attention triton is not compiled (its kernels are the fusion): use compile off or auto")
-    return kernel_static_step
+    """The static decode step the batches of an engine of RolloutSpec `spec` run: its decode step's (decode_steps.py),
+    compiled where spec.compiled (a failure to compile it an error where spec.compile_required); a one-line
+    DecodeKernelsError where it cannot run `model` on its device."""
+    step = decode_step_of(spec.decode_kernels)
+    step.check_runs(model)
+    if not step.compiles:  # the spec refuses it compiled
+        return step.static_step
+    return maybe_compiled(step.static_step, spec.compiled, dynamic=STATIC_STEP_DYNAMIC, required=spec.compile_required)
 
 
-def make_batch(model, shape, plan, stats, weights, step, prompt_attention="explicit"):
+def make_batch(model, shape, plan, stats, weights, step, decode_kernels="torch"):
     """An empty DecodeBatch of `shape` running the DecodePlan `plan` with the static step `step` (compiled or not);
-    a static one's shapes prepared. prompt_attention: a shared-prompt cache's (SharedPromptKVCache's attention)."""
+    a static one's shapes prepared. decode_kernels: the decode step (decode_steps.py) whose per-step object a
+    shared-prompt cache makes."""
     if shape.prompt_slots is not None:
         cache = SharedPromptKVCache.for_model(model, shape.rows, shape.prompt_slots, shape.prompt_cap, shape.max_tokens,
-                                              shape.num_samples, shape.dtype, static=plan.static, attention=prompt_attention)
+                                              shape.num_samples, shape.dtype, static=plan.static,
+                                              step_class=decode_step_of(decode_kernels).cache_step)
     else:
         cache = KVCache.for_model(model, shape.rows, shape.prompt_cap + shape.max_tokens, shape.dtype,
                                   spare_positions=1 if plan.static else 0)
@@ -203,17 +203,18 @@ class Engine(NanochatGenerate, RolloutMemory):
     does not depend on the batch it shares. Under bf16/fp16 autocast (its spec's dtype, else its caller's) the
     forwards use the matmul weights cast once per rollout (DecodeWeights). The keywords are nanochat's and
     RolloutSpec's fields as resolve_rollout_spec takes them (spec.py: compile, a compiling/plan.py mode or
-    True/False, whether the static decode step runs compiled, with dynamic shapes: STATIC_STEP_DYNAMIC); `spec`, a
-    RolloutSpec resolved already (a run's plan's), takes their place. What the engine holds between rollouts is RolloutMemory's.
+    True/False, whether the static decode step runs compiled, with dynamic shapes: STATIC_STEP_DYNAMIC; decode_kernels,
+    the decode step, auto or a name of decode_steps.py's table); `spec`, a RolloutSpec resolved already (a run's
+    plan's), takes their place. What the engine holds between rollouts is RolloutMemory's.
     """
 
     def __init__(self, model, tokenizer, max_rows=None, memory_budget_gb=FIXED_GB, share_prompts=True, decode="auto",
                  compile="off", prefill_tokens=PREFILL_TOKENS, lag=None, calculator_format=DEFAULT_FORMAT,
-                 prompt_attention="explicit", dtype=None, spec=None):
+                 decode_kernels=AUTO, dtype=None, spec=None):
         self.model, self.tokenizer, self.special = model, tokenizer, SpecialIds(tokenizer)
         self.spec = spec or resolve_rollout_spec(  # an unusable setting fails here, not at a rollout
             model.get_device(), decode, compile, lag, max_rows=max_rows, memory_budget_gb=memory_budget_gb,
-            share_prompts=share_prompts, prompt_attention=prompt_attention, calculator_format=calculator_format,
+            share_prompts=share_prompts, decode_kernels=decode_kernels, calculator_format=calculator_format,
             prefill_tokens=prefill_tokens, dtype=dtype)
         self.step = decode_step_function(model, self.spec)
         self.max_rows = self.spec.max_rows  # halved where a rollout runs out of memory (run_within_memory)
@@ -295,7 +296,7 @@ class Engine(NanochatGenerate, RolloutMemory):
         shape = shape_of(rows)
         self.last_stats = RolloutStats(rows_allocated=rows)
         batch = make_batch(self.model, shape, plan, self.last_stats, self.weights, self.step,
-                           self.spec.prompt_attention)
+                           self.spec.decode_kernels)
         keep = KeptBatch(shape, batch, cache_bytes(batch.cache), not limit and rows < samples) if plan.static else None
         return batch, keep
 

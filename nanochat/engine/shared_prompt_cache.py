@@ -7,9 +7,8 @@ import math
 
 import torch
 
-from nanochat.engine.flex_prompt_attention import check_prompt_attention, run_flex_prompt_attention
 from nanochat.engine.kv_cache import cache_geometry, write_rows
-from nanochat.kernels.decode_step import KernelPromptStep
+from nanochat.engine.variants.flex_prompt_attention import run_flex_prompt_attention
 from nanochat.model.attention import Visibility, fp32_scores
 
 
@@ -35,7 +34,7 @@ class SharedPromptKVCache:
 
     def __init__(self, batch_size, slots, prompt_cap, suffix_cap, num_heads, head_dim, num_layers, device="cpu",
                  dtype=torch.float32, rows_per_slot=1, embed_dim=None, embed_dtype=torch.float32, static=False,
-                 attention="explicit"):
+                 step_class=None):
         self.pool_k = torch.zeros(num_layers, slots, num_heads, prompt_cap, head_dim, device=device, dtype=dtype)
         self.pool_v = torch.zeros_like(self.pool_k)
         self.pool_len, self.suffix_cap = torch.zeros(slots, dtype=torch.long, device=device), suffix_cap
@@ -55,11 +54,12 @@ class SharedPromptKVCache:
         self.active = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.prev_embedding = (None if embed_dim is None else
                                torch.zeros(batch_size, 1, embed_dim, device=device, dtype=embed_dtype))
-        self.attention = check_prompt_attention(attention)  # the step's: SharedPromptStep's, or FlexPromptStep's
+        # what each decode step over it is: SharedPromptStep, or another of nanochat/engine/decode_steps.py's table
+        self.step_class = step_class or SharedPromptStep
 
     @classmethod
     def for_model(cls, model, batch_size, slots, prompt_cap, suffix_cap, rows_per_slot, dtype=None, **options):
-        """options: the constructor's static and attention."""
+        """options: the constructor's static and step_class."""
         g = cache_geometry(model)
         return cls(batch_size, slots, prompt_cap, suffix_cap, g.n_kv_head, g.head_dim, g.n_layer, device=g.device,
                    dtype=dtype or g.dtype, rows_per_slot=rows_per_slot, embed_dim=g.smear_dim,
@@ -128,7 +128,7 @@ class SharedPromptKVCache:
         self.sample[row] = self.rows_per_slot
 
     # what a prefix view shares with its cache as it is, and what it takes the first rows of
-    SHARED_FIELDS = ("pool_k", "pool_v", "pool_len", "static", "rows_per_slot", "attention")
+    SHARED_FIELDS = ("pool_k", "pool_v", "pool_len", "static", "rows_per_slot", "step_class")
     ROW_FIELDS = ("pos", "prompt_slot", "sample", "active")
 
     def prefix(self, rows):
@@ -152,11 +152,7 @@ class SharedPromptKVCache:
     def decode_step(self, rows, keys):
         """Grows the completion storage first when needed (a view cannot grow)."""
         self.ensure_suffix_capacity(keys)
-        if self.attention == "flex":
-            return FlexPromptStep(self.prefix(rows), keys, whole=self)
-        if self.attention == "triton":
-            return KernelPromptStep(self.prefix(rows), keys, whole=self)
-        return SharedPromptStep(self.prefix(rows), keys)
+        return self.step_class(self.prefix(rows), keys, whole=self)
 
     def keys_read(self, rows, keys):
         """Each prompt slot's prompt once, and `keys` per row."""
@@ -174,7 +170,7 @@ class SharedPromptStep:
 
     NEVER = torch.iinfo(torch.int64).max  # how far back a key the row never sees is: beyond every window
 
-    def __init__(self, cache, suffix_keys):
+    def __init__(self, cache, suffix_keys, whole=None):  # whole: the cache viewed, unused here (decode_steps.py's form)
         self.cache, self.S = cache, suffix_keys
         device = cache.pos.device
         B = cache.batch_size
@@ -258,14 +254,14 @@ class SharedPromptStep:
 
 
 class FlexPromptStep(SharedPromptStep):
-    """SharedPromptStep with its attention through FlexAttention (nanochat/engine/flex_prompt_attention.py): the same
+    """SharedPromptStep with its attention through FlexAttention (engine/variants/flex_prompt_attention.py): the same
     keys seen, the same result up to rounding. `cache` is the step's view of its first rows, `whole` the cache it is a
     view of (the own part runs over every row of it). Made once per step: each grid cell's position (where row b's
     query sits in the prompt part's layout) and, per window, the lowest key position each query sees."""
 
     def __init__(self, cache, suffix_keys, whole):
         self.whole = whole
-        super().__init__(cache, suffix_keys)
+        super().__init__(cache, suffix_keys, whole)
 
     def _prepare_visibility(self, next_positions):
         c = self.cache

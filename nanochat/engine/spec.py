@@ -1,11 +1,11 @@
 """
 How an engine runs its rollouts, resolved once: RolloutSpec, what an Engine is built from (its decode mode, whether
 its static step is compiled, the dtype it decodes in, the KV caches' memory budget, the rows it decodes at once at
-most, the shared prompts' attention, the calculator's format, a prefill's positions, the host's lag behind the
-device), and resolve_rollout_spec, the one function that resolves it from a script's settings. A chat_rl run's plan
-holds its spec (nanochat/rl/plan.py's RunPlan) and prints it (RolloutSpec.describe); where --compile=auto switches
-the decode step during the run, a new spec takes its place (RolloutSpec.with_step_compiled) and the engine runs it
-from the next rollout on (Engine.reconfigure).
+most, the decode step it runs (decode_steps.py's table), the calculator's format, a prefill's positions, the host's
+lag behind the device), and resolve_rollout_spec, the one function that resolves it from a script's settings. A
+chat_rl run's plan holds its spec (nanochat/rl/plan.py's RunPlan) and prints it (RolloutSpec.describe); where
+--compile=auto switches the decode step during the run, a new spec takes its place (RolloutSpec.with_step_compiled)
+and the engine runs it from the next rollout on (Engine.reconfigure).
 
 The memory budget: how much memory the rollout batches' KV caches in memory at once may take together
 (`--memory-budget-gb`; a step's and an eval's, see engine.Engine._new_batch), decided once at the start of a run.
@@ -43,12 +43,11 @@ from nanochat.compiling.plan import COMPILE_MODES, compile_plan
 from nanochat.engine.calculator import CALCULATOR_FORMATS, DEFAULT_FORMAT
 from nanochat.engine.cuda_graphs import DECODE_DESCRIPTIONS, decode_mode
 from nanochat.engine.decode_weights import fusable_attention, qkv_weights
-from nanochat.engine.flex_prompt_attention import check_prompt_attention
+from nanochat.engine.decode_steps import AUTO, decode_step_of, resolve_decode_kernels
 from nanochat.engine.scheduler import PREFILL_TOKENS
 from nanochat.errors import SettingError, UserError
 from nanochat.runtime.dtypes import DTYPES, autocast_context
 
-AUTO = "auto"
 FIXED_GB = 4.0  # off CUDA, and the budget nanochat-rl had everywhere before "auto"
 FRACTION = 0.9
 GiB = 1 << 30
@@ -70,7 +69,7 @@ class RolloutSpec:
     memory_budget_gb: float = FIXED_GB  # the KV caches' budget, the batches kept between rollouts included
     max_rows: Optional[int] = None     # rows decoded at once at most; None: what the budget holds
     share_prompts: bool = True         # a prompt's keys and values stored once for all its rows
-    prompt_attention: str = "explicit"  # the shared-prompt step's: explicit, flex or triton (flex_prompt_attention.py)
+    decode_kernels: str = "torch"      # the decode step it runs: torch, flex or triton (decode_steps.py; auto resolved)
     calculator_format: str = DEFAULT_FORMAT  # how a tool result is written (calculator.format_result)
     prefill_tokens: int = PREFILL_TOKENS  # positions one prefill forward takes at most (1: one prompt at a time)
     lag: bool = False                  # the host one step behind the device (DecodeBatch.decode_step)
@@ -81,7 +80,7 @@ class RolloutSpec:
         check_calculator_format(self.calculator_format)
         if self.dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"a rollout dtype must be one of {', '.join(map(str, ROLLOUT_DTYPES))}, got {self.dtype!r}")
-        check_prompt_attention(self.prompt_attention, self.share_prompts)
+        decode_step_of(self.decode_kernels).check(self.share_prompts, self.compiled)
 
     def autocast(self, device):
         """The autocast an engine of this spec decodes under on `device`: its dtype's (float32: autocast off, whatever
@@ -96,7 +95,8 @@ class RolloutSpec:
         """The line a run prints about its rollouts' decode step."""
         how = DECODE_DESCRIPTIONS[self.decode]
         how = "bucketed static shapes, compiled" if self.compiled and self.decode == "static" else how
-        return f"rollouts: {self.decode} decode step ({how}; --decode to choose)"
+        return (f"rollouts: {self.decode} decode step ({how}; --decode to choose), in {self.decode_kernels} kernels "
+                f"(--decode-kernels to choose)")
 
     def with_step_compiled(self, on, decode, device):
         """This spec with its static step compiled (on) or not, as --compile=auto switches it during a run on `device`
@@ -112,24 +112,28 @@ def rollout_decode_mode(decode, device, compiled):
     return "static" if compiled and decode == "auto" and mode == "eager" else mode
 
 
-def resolve_rollout_spec(device, decode="auto", compile="off", lag=None, **fields):
+def resolve_rollout_spec(device, decode="auto", compile="off", lag=None, decode_kernels=AUTO, **fields):
     """The RolloutSpec of an engine on `device`, for an Engine given keywords and a chat_rl run alike. decode: as
     --decode takes it (an unusable mode is a ValueError here, before anything is built). compile: a --compile mode
     (compile_plan's rule for the static step in that decode mode; a failure to compile it is an error under on, else
     a warning and the eager step), or whether a run compiles its static step (its CompilePlan's decode part, or
-    --compile=auto's switch; a failure warns): auto then decodes with that step (rollout_decode_mode). Prompt
-    attention triton compiles nothing (its kernels are the fusion): asked to (True or on), the Engine refuses. lag:
-    None is on CUDA (a CPU is its own device: nothing to overlap). fields: RolloutSpec's others, as given."""
+    --compile=auto's switch; a failure warns): auto then decodes with that step (rollout_decode_mode). decode_kernels:
+    the decode step (decode_steps.py; auto resolved here, once), refused where it cannot run on `device`; a step that
+    never compiles (triton) is not compiled under auto, and refused where asked to be (True or on). lag: None is on
+    CUDA (a CPU is its own device: nothing to overlap). fields: RolloutSpec's others, as given."""
     if not isinstance(compile, bool) and compile not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
-    if fields.get("prompt_attention") == "triton":
-        compiled = compile is True or compile == "on"
+    decode_kernels = resolve_decode_kernels(decode_kernels, device)
+    decode_step_of(decode_kernels).check_device(device)
+    if not decode_step_of(decode_kernels).compiles:
+        compiled = compile is True or compile == "on"  # refused by the spec
     elif isinstance(compile, bool):
         compiled = compile
     else:
         compiled = bool(compile_plan(compile, device, decode_mode(decode, device)).decode)
     return RolloutSpec(decode=rollout_decode_mode(decode, device, compiled), compiled=compiled,
-                       compile_required=compile == "on", lag=device.type == "cuda" if lag is None else lag, **fields)
+                       compile_required=compile == "on", lag=device.type == "cuda" if lag is None else lag,
+                       decode_kernels=decode_kernels, **fields)
 
 
 def run_decode_mode(decode_flag, compile_mode, device, num_steps, dtype="bfloat16", measured=False):

@@ -7,5 +7,7 @@ custom op with a fake (meta) implementation: the meta op count, Dynamo and CUDA-
     rotary_store.py      rotary, q/k norm and scale, the value embedding's term, the KV write: one kernel a layer
     residual_norm.py     residual add + lambdas/backout + RMSNorm; the MLP's relu^2
     sampling.py          temperature, Gumbel-max over top-k, both log-probabilities, the streams' draws
-    decode_step.py       the static decode step built from them (the engine's prompt_attention="triton")
+
+Ops only: the kernels import nothing of the model or the engine (they sit below nanochat/model/). The decode step
+composed from them is the engine's: nanochat/engine/variants/triton_step.py (the decode step "triton").
 """

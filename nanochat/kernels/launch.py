@@ -15,10 +15,9 @@ try:
     import triton
     import triton.language as tl  # noqa: F401 (re-exported: the kernels' modules import it from here)
     from triton.runtime.interpreter import InterpretedFunction
-except ImportError:  # a CPU build of torch without triton: the kernels cannot run, check_kernels says so
+except ImportError:  # a CPU build of torch without triton: the kernels cannot run, kernels_unavailable says so
     triton = tl = InterpretedFunction = None
 
-KERNEL_CHOICES = ("explicit", "flex", "triton")  # the shared-prompt decode step's: hand-written, FlexAttention, ours
 INTERPRET_ENV = "TRITON_INTERPRET"
 
 
@@ -42,13 +41,6 @@ def kernels_unavailable(device):
         return (f"the Triton kernels run on a CUDA GPU; on a CPU only in Triton's interpreter "
                 f"({INTERPRET_ENV}=1 set before Python starts, slow: for tests), not on here")
     return f"the Triton kernels run on a CUDA GPU (or a CPU in Triton's interpreter), not on {device.type}"
-
-
-def check_kernels(device):
-    """Raise a one-line ValueError when the Triton kernels cannot run on `device`."""
-    why = kernels_unavailable(torch.device(device))
-    if why:
-        raise ValueError(why)
 
 
 class Kernel:

@@ -15,6 +15,7 @@ import os
 
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS
 from nanochat.engine.calculator import CALCULATOR_FORMATS, DEFAULT_FORMAT
+from nanochat.engine.decode_steps import DECODE_KERNELS
 from nanochat.errors import UserError, require
 from nanochat.optim.optimizers import LR_SCHEDULES, check_optimizer_flags
 from nanochat.rl.objective import LOSSES, LOSS_CLIPS, LOSS_NORMS, REJECTED_TOKENS, ROLLOUT_CORRECTIONS
@@ -161,6 +162,7 @@ SETTINGS = dict(
     eval_tasks=flag(CHECKPOINTS, "", "more tasks the periodic eval measures beside --task's, comma-separated (gsm8k, "
                     "arithmetic, package.module:ClassName): pass@k on each test split, a field each on the eval line, "
                     "eval/<task>/pass@k in wandb, a row each in the report (default: --task's alone)"),
+    decode_kernels=shared("decode_kernels", PERFORMANCE),  # issue 73's
     # issue 75's: on-policy distillation (docs/flags.md; nanochat/rl/objective.py, nanochat/rl/resume.py)
     teacher=flag(ALGORITHM, "", "on-policy distillation's teacher, SOURCE[:MODEL_TAG[:STEP]] (source base|mid|sft|rl; "
                  "any depth or nanochat generation whose tokenizer is the student's); it scores every sampled token "
@@ -299,6 +301,8 @@ class RLConfig:
         require(self.num_steps == -1 or self.num_steps >= 1,
                 f"--num-steps must be >= 1, or -1 to derive it from epochs, got {self.num_steps}")
         require(self.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {self.max_bad_steps}")
+        require(self.decode_kernels in DECODE_KERNELS,
+                f"--decode-kernels must be {', '.join(DECODE_KERNELS)}, got {self.decode_kernels!r}")
         require(self.no_signal_steps >= 0,
                 f"--no-signal-steps must be >= 0 (0 = never warn), got {self.no_signal_steps}")
 

@@ -1,7 +1,8 @@
 """
 Every "auto" of a chat_rl run, resolved once at its start and printed with why: the dtype training computes in
 (--dtype), the dtype rollouts decode in (--rollout-dtype), the decode mode (--decode), what is compiled
-(--compile), the rows per training forward (--train-rows) and the KV caches' memory budget (--memory-budget-gb).
+(--compile), the rows per training forward (--train-rows), the KV caches' memory budget (--memory-budget-gb) and the
+decode step (--decode-kernels, resolved by the engine's spec).
 
 The resolved values are the run's RunPlan, frozen, which the run reads; the config stays as given. Checkpoints record
 the config with the plan's values in place of the flags' (RunPlan.recorded): a resumed run computes as it started.
@@ -17,6 +18,7 @@ import torch
 
 from nanochat.compiling.plan import compile_models, resolve_compile_flag
 from nanochat.compiling.rule import AutoCompile, CompileLedger, PartRule, part_key
+from nanochat.engine.decode_steps import decode_step_of, resolve_decode_kernels
 from nanochat.engine.engine import Engine, rows_in_budget
 from nanochat.engine.kv_cache import cache_geometry
 from nanochat.engine.spec import (FIXED_GB, RolloutSpec, resolve_memory_budget, resolve_rollout_spec,
@@ -48,6 +50,7 @@ class RunPlan:
     memory_budget_gb: float   # the KV caches' budget in GiB (--memory-budget-gb)
     output_tag: str           # the run's directory under chatrl_checkpoints (--output-tag)
     keep_last: int            # checkpoints kept after each save, 0 = all (--keep-last)
+    decode_kernels: str = "torch"  # the decode step (--decode-kernels: the spec's, auto resolved)
     spec: RolloutSpec = None  # what the run's engine is built from (run_rollout_spec): decode as the engine runs it
     #                           now (--compile=auto may have switched its static step since the start), the budget above
 
@@ -143,13 +146,14 @@ def resolve_decode_and_compile(config, device, num_steps, dtype):
     return rollout_decode_mode(config.decode, device, bool(compiling.decode)), compile_mode, compiling
 
 
-def measured_parts(compiling, decode_flag, rollout_dtype):
+def measured_parts(compiling, decode_flag, rollout_dtype, step_compiles=True):
     """The parts --compile=auto decides during the run (compiling.measured): the training forward; the decode step
     where the compiled static step can take the rollouts' place (--decode=auto, decoding in bf16: in fp32 its gain
-    was measured too small to pay; or --decode=static)."""
+    was measured too small to pay; or --decode=static) and the run's decode step compiles at all (step_compiles:
+    the Triton step never does)."""
     if not compiling.measured:
         return ()
-    decodes = decode_flag == "static" or (decode_flag == "auto" and rollout_dtype == "bfloat16")
+    decodes = step_compiles and (decode_flag == "static" or (decode_flag == "auto" and rollout_dtype == "bfloat16"))
     return ("train", "decode") if decodes else ("train",)
 
 
@@ -164,7 +168,8 @@ def resolve_compute_plan(config, model, tokenizer, train_task, device, world_siz
                                           compiled_decode=bool(compiling.decode))
     compile_models(compiling, model)  # after the rollout dtype's timing, which would compile them for each dtype
     resolved = dict(dtype=dtype, rollout_dtype=rollout_dtype, decode=decode, compile=compile_mode)
-    return resolved, compiling, measured_parts(compiling, config.decode, rollout_dtype)
+    compiles = decode_step_of(resolve_decode_kernels(config.decode_kernels, device)).compiles
+    return resolved, compiling, measured_parts(compiling, config.decode, rollout_dtype, compiles)
 
 
 def resolve_memory(config, model, device, optimizers, rows, rollout_dtype, compiled_training=False, rollout_rows=0,
@@ -225,7 +230,7 @@ def run_rollout_spec(config, device, compiling, auto_compile, memory_budget_gb, 
     compiled = bool(compiling.decode) or bool(auto_compile is not None and auto_compile.compiled_now("decode"))
     return resolve_rollout_spec(device, config.decode, compiled, max_rows=config.max_rows or None,
                                 memory_budget_gb=memory_budget_gb, calculator_format=config.calculator_format,
-                                dtype=rollout_dtype)
+                                dtype=rollout_dtype, decode_kernels=config.decode_kernels)
 
 
 def auto_compile_of(resolved, model, parts, compiling, num_steps, start_step, meta, rank):

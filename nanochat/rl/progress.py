@@ -83,35 +83,51 @@ def report_step(run, step, outcome, run_start):
 
 
 def format_step_line(run, m, elapsed):
-    """The step's log line (m: its step_record): nanochat's first fields, then what a reader needs to trust it."""
+    """The step's log line (m: its step_record): nanochat's first fields as nanochat prints them, then what a reader
+    needs to trust it, each field named as nanochat names its own ("Name: value", words a reader without the README
+    can follow; fractions of questions, samples or tokens in %), a field only where it measures something on this
+    run (the CUDA graphs captured where a step captured some, PPO's and the KL penalty's with those options, ...).
+    wandb and the history keep their keys (step_record's), reward_std too, which the line leaves out: with 0/1 rewards
+    it is sqrt(p (1 - p)) of the average reward p."""
     step, num_steps = m["step"], run.num_steps
     eta_train, eta_eval = remaining_seconds(
         run.progress.step_seconds, num_steps - step - 1, run.progress.eval_seconds,
         sum(is_eval_step(s, num_steps, run.config.eval_every) for s in range(step + 1, num_steps + 1)))
-    return (f"Step {step}/{num_steps} | Average reward: {m['reward_mean']:.4f} | "
-            f"Average sequence length: {m['seq_len_mean']:.2f} | Average completion length: {m['completion_len_mean']:.2f} | "
-            f"reward std {m['reward_std']:.3f} | no-signal {m['zero_std_fraction']:.2f} | "
-            f"len {m['completion_len_min']:.0f}-{m['completion_len_max']:.0f} cut {m['truncated_fraction']:.2f} | "
-            f"tool {m['tool_calls_per_sample']:.2f}/ok {m['tool_success_fraction']:.2f} | "
-            + (f"drew {m['num_questions']:.0f} questions, trained {m['questions_trained']:.0f} | "
-               if "questions_trained" in m else "")
-            + f"trained {m['rows_trained']:.0f}/{m['num_samples']:.0f} rows | "
-            + (f"entropy {m['entropy']:.3f} | " if "entropy" in m else "")  # none where no row was trained
-            + f"gnorm {m['grad_norm']:.3f} | lrm {m['lrm']:.3f} | "
-            + (f"loss scale {scale_text(m['loss_scale'])}"
-               + (" (overflow: step skipped, scale halved)" if m["overflow"] else "") + " | " if "loss_scale" in m else "")
-            + (f"clip {m['clip_fraction']:.3f} kl_old {m['approx_kl']:.2e} | " if "clip_fraction" in m else "")
-            + (f"kl_ref {m['kl_ref']:.2e} | " if "kl_ref" in m else "")
-            + (f"reverse kl {m['reverse_kl']:.3e} teacher logp {m['teacher_logprob']:.3f} teacher "
-               f"{m['time/teacher']:.2f}s | " if "reverse_kl" in m else "")
-            + (f"sampler gap {m['sampler_gap_mean']:.1e}/{m['sampler_gap_max']:.1e} k3 {m['sampler_k3']:.1e}"
-               + (f" corrected {m['corrected_fraction']:.3f}" if run.config.rollout_correction != "none" else "") + " | "
-               if m.get("sampler_tokens") else "")
-            + f"rollout {m['time/rollout']:.1f}s captures {m['captures']:.0f} train {m['time/train']:.1f}s "
-              f"{m['rollout_tokens_per_s']:.0f} tok/s | "
-            + (f"compiled {m['compiles']:.0f} graphs in {m['compile_s']:.1f}s | " if m.get("compiles") else "")
-            + f"elapsed {format_duration(elapsed)} eta {format_duration(eta_train)}"
-            + (f" + eval {format_duration(eta_eval)}" if eta_eval else ""))
+    fields = [f"Step {step}/{num_steps}", f"Average reward: {m['reward_mean']:.4f}",
+              f"Average sequence length: {m['seq_len_mean']:.2f}",
+              f"Average completion length: {m['completion_len_mean']:.2f} ({m['completion_len_min']:.0f}-"
+              f"{m['completion_len_max']:.0f}, {m['truncated_fraction']:.0%} cut off)",
+              f"No-signal questions: {m['zero_std_fraction']:.0%}",
+              f"Calculator: {m['tool_calls_per_sample']:.2f} calls a sample"
+              + (f", {m['tool_success_fraction']:.0%} ok" if m["num_tool_calls"] else "")]  # ok of no call: nothing
+    if "questions_trained" in m:  # --dynamic-sampling
+        fields.append(f"Questions: {m['num_questions']:.0f} drawn, {m['questions_trained']:.0f} trained")
+    fields.append(f"Rows trained: {m['rows_trained']:.0f}/{m['num_samples']:.0f}")
+    if "entropy" in m:  # none where no row was trained
+        fields.append(f"Entropy: {m['entropy']:.3f}")
+    fields += [f"Grad norm: {m['grad_norm']:.3f}", f"LR multiplier: {m['lrm']:.3f}"]
+    if "loss_scale" in m:  # --dtype=float16
+        fields.append(f"Loss scale: {scale_text(m['loss_scale'])}"
+                      + (" (overflow: step skipped, scale halved)" if m["overflow"] else ""))
+    if "clip_fraction" in m:  # --ppo-epochs >= 2
+        fields.append(f"PPO clipped: {m['clip_fraction']:.1%}, KL to the old policy {m['approx_kl']:.2e}")
+    if "kl_ref" in m:  # --kl-coef
+        fields.append(f"KL to the reference: {m['kl_ref']:.2e}")
+    if "reverse_kl" in m:  # --teacher
+        fields.append(f"Teacher: reverse KL {m['reverse_kl']:.3e}, log-prob {m['teacher_logprob']:.3f}, "
+                      f"{m['time/teacher']:.2f}s")
+    if m.get("sampler_tokens"):  # on the steps that trained a token
+        corrected = run.config.rollout_correction != "none"
+        fields.append(f"Sampler gap: mean {m['sampler_gap_mean']:.1e}, max {m['sampler_gap_max']:.1e}, "
+                      f"KL {m['sampler_k3']:.1e}" + (f", {m['corrected_fraction']:.1%} corrected" if corrected else ""))
+    fields += [f"Rollout: {m['time/rollout']:.1f}s, {m['rollout_tokens_per_s']:.0f} tok/s"
+               + (f", {m['captures']:.0f} CUDA graphs captured" if m.get("captures") else ""),
+               f"Training: {m['time/train']:.1f}s"]
+    if m.get("compiles"):
+        fields.append(f"Compiled: {m['compiles']:.0f} graphs in {m['compile_s']:.1f}s")
+    fields += [f"Elapsed: {format_duration(elapsed)}",
+               f"ETA: {format_duration(eta_train)}" + (f" + {format_duration(eta_eval)} of evals" if eta_eval else "")]
+    return " | ".join(fields)
 
 
 def sample_table(run, rollout):

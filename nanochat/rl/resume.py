@@ -30,6 +30,7 @@ from nanochat.runtime.dtypes import autocast_context
 # flags that do not define the run: --resume keeps them as given (the rest it restores from the checkpoint)
 RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows", "memory_budget_gb", "max_bad_steps",
                  "output_tag", "decode", "compile", "keep_last", "no_signal_steps",  # a resumed run writes to its own directory
+                 "decode_kernels",  # the decode step: the same tokens from each (up to near-ties), the machine decides
                  "train_rows",  # the same gradient for any value: the machine's memory decides
                  "save_rollouts")  # what is written beside the run, not what it computes
 

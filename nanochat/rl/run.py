@@ -22,6 +22,7 @@ from nanochat.compiling.plan import compile_models
 from nanochat.compiling.rule import AutoCompile
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.decode_batch import static_step
+from nanochat.engine.decode_steps import check_decode_kernels
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine
 from nanochat.errors import UserError
 from nanochat.model.precision import ortho_dtype
@@ -187,6 +188,7 @@ def setup_run(config, resume, rank, world_size, device):
     """Load the model (a new run, or `resume`: restore_settings' Resume), resolve the plan (nanochat/rl/plan.py),
     and build the optimizers, the engine and the tasks: an RLRun at its first step (build_run)."""
     check_decode_flag(config.decode, device)  # before the model loads: graph off CUDA is a one-line error
+    check_decode_kernels(config.decode_kernels, device, compiled=config.compile == "on")  # and a step that cannot run
     model, tokenizer, meta, output_tag, start_step = load_start(config, resume, device)
     start = meta.get("start_checkpoint")
     train_task, val_task = make_task(config.task, "train"), make_task(config.task, "test")
@@ -215,9 +217,9 @@ def setup_run(config, resume, rank, world_size, device):
                                   teacher=teacher and teacher.model,
                                   rollout_rows=config.examples_per_step // world_size * config.num_samples,
                                   prompt_tokens=longest_prompt(tokenizer, train_task) if device.type == "cuda" else 0)
+    spec = run_rollout_spec(config, device, compiling, auto_compile, budget, resolved["rollout_dtype"])
     plan = RunPlan(**resolved, memory_budget_gb=budget, output_tag=output_tag,
-                   keep_last=resolve_keep_last(config, meta),
-                   spec=run_rollout_spec(config, device, compiling, auto_compile, budget, resolved["rollout_dtype"]))
+                   keep_last=resolve_keep_last(config, meta), decode_kernels=spec.decode_kernels, spec=spec)
     engine = Engine(model, tokenizer, spec=plan.spec)
     size_for_prompts(engine, tokenizer, train_task, val_task, extra_eval_tasks)
     describe_plan(plan, config, rows)

@@ -375,7 +375,7 @@ def test_steps_that_train_nothing_log_no_entropy(sft, base_dir, monkeypatch, cap
     meta_text = (rl_dir(base_dir) / "meta_000001.json").read_text()
     history = json.loads(meta_text, parse_constant=lambda c: pytest.fail(f"{c} in the saved history"))["history"]
     assert [h["rows_trained"] > 0 for h in history] == [True, False]
-    assert "entropy " in lines[0] and "entropy" not in lines[1] and "nan" not in lines[1]
+    assert "Entropy: " in lines[0] and "Entropy" not in lines[1] and "nan" not in lines[1]
     assert history[0]["entropy"] > 0 and "entropy" not in history[1]
     steps = [d for d in logged if "reward" in d]
     assert [("entropy" in d) for d in steps] == [True, False]

@@ -182,7 +182,8 @@ def test_one_rank_run_resumes_on_two_ranks_mid_schedule_and_three_ranks_are_refu
     # warm-up (step + 1) / 2, then t = (step - 2) / 2 and lrm = 0.1 + 0.9 * (1 + cos(pi t)) / 2
     expected = [0.5, 1.0, 1.0, 0.1 + 0.9 * (1 + math.cos(math.pi * 0.5)) / 2]
     assert [r["lrm"] for r in after["history"]] == pytest.approx(expected, abs=1e-15)
-    assert [line.split("| lrm ")[1][:5] for line in out.splitlines() if line.startswith("Step ")] == ["1.000", "0.550"]
+    assert [line.split("| LR multiplier: ")[1][:5] for line in out.splitlines()
+            if line.startswith("Step ")] == ["1.000", "0.550"]
 
 
 @pytest.mark.parametrize("recipe", ["2026-01", "2026-07"])
@@ -234,4 +235,4 @@ def test_a_run_that_cannot_learn_says_so_and_exits_normally(sft, base_dir, flags
     warnings = [line for line in out.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 2 and warnings[0].startswith(start), warnings
     assert warnings[1].startswith("warning: no row was trained in 2 consecutive steps (steps 0-1): ")
-    assert "trained 0/" in out and (rl_dir(base_dir) / "model_000001.pt").exists()
+    assert "Rows trained: 0/" in out and (rl_dir(base_dir) / "model_000001.pt").exists()

@@ -151,10 +151,10 @@ def test_chat_rl_with_compile_blocks_trains_as_the_eager_run(sft, base_dir, monk
     out = capsys.readouterr().out
     assert "compile: each transformer block around its attention" in out
     assert all(len(g) >= 1 for g in graphs.values()), graphs
-    step_lines = lambda text: [re.sub(r" \| (rollout|elapsed) .*", "", line)  # noqa: E731 (timings differ)
+    step_lines = lambda text: [re.sub(r" \| (Rollout|Elapsed): .*", "", line)  # noqa: E731 (timings differ)
                                for line in text.splitlines() if line.startswith("Step ")]
     assert step_lines(out) == step_lines(eager) and len(step_lines(out)) == 4
-    compiled_steps = [line.split()[1] for line in out.splitlines() if line.startswith("Step ") and "compiled" in line]
+    compiled_steps = [line.split()[1] for line in out.splitlines() if line.startswith("Step ") and "Compiled: " in line]
     assert compiled_steps == ["0/4"], compiled_steps  # no recompiles after step 0 (shapes dynamic)
 
 

@@ -592,7 +592,7 @@ def test_the_golden_trace_compiled(sft, base_dir, monkeypatch, capsys):
     check_against_golden([{key: record[key] for key in TRACED} for record in history])
     compiles = [record["compiles"] for record in history]
     assert compiles[0] >= 1 and compiles[1:] == [0] * (STEPS - 1) and history[0]["compile_s"] > 0, compiles
-    assert f"compiled {compiles[0]:.0f} graphs in " in out
+    assert f"Compiled: {compiles[0]:.0f} graphs in " in out
     steady = [max(r["time/rollout"] + r["time/train"] - r["compile_s"], 0.0) for r in history]
     assert eta_inputs[-1] == pytest.approx(steady, abs=1e-9) and eta_inputs[0] == pytest.approx(steady[:1], abs=1e-9)
     assert steady[0] < history[0]["time/rollout"] + history[0]["time/train"] - 0.5 * history[0]["compile_s"]

@@ -242,7 +242,7 @@ def test_kernel_rollouts_sample_the_hand_written_tokens(name, tmp_path, monkeypa
     prompts = [prompt_of(tokenizer, q) for q in ("What is 12 times 7?", "Hi")]
     kwargs = dict(num_samples=3, max_tokens=10, temperature=1.0, top_k=50, seeds=[4, 5], max_rows=4)
     explicit, explicit_lp = rollouts(Engine(model, tokenizer, decode="static"), prompts, **kwargs)
-    ours, ours_lp = rollouts(Engine(model, tokenizer, decode="static", prompt_attention="triton"), prompts, **kwargs)
+    ours, ours_lp = rollouts(Engine(model, tokenizer, decode="static", decode_kernels="triton"), prompts, **kwargs)
     assert ours == explicit
     assert explicit_lp.numel() >= 40 and (ours_lp - explicit_lp).abs().max() <= FP32_GAP_BOUND
 
@@ -254,7 +254,7 @@ def test_the_d20_kernel_step_runs_at_most_300_kernels(generation, outside):
     rotary_store), outside the blocks 18 (smear's gate: 26)."""
     with torch.device("meta"):
         model = GPT(GPTConfig(**D20), generation)
-    count = count_decode_step_ops(model, 256, 256, kernels="triton")
+    count = count_decode_step_ops(model, 256, 256, decode_kernels="triton")
     assert count.kernels_per_block == [9] * 20 and count.ops_outside_blocks >= 0
     assert count.kernels == 9 * 20 + outside <= 300, count.kernels
 
@@ -262,11 +262,12 @@ def test_the_d20_kernel_step_runs_at_most_300_kernels(generation, outside):
 def test_the_triton_step_is_refused_in_one_line_where_it_cannot_run(tiny_tokenizer, monkeypatch):
     model = random_model(tiny_config(vocab_size=tiny_tokenizer.get_vocab_size()))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match=r"^the Triton kernels run on a CUDA GPU; on a CPU only in Triton's interpreter"):
-        Engine(model, tiny_tokenizer, prompt_attention="triton")
+    with pytest.raises(ValueError, match=r"^decode_kernels is triton: the Triton kernels run on a CUDA GPU; on a CPU "
+                                         r"only in Triton's interpreter"):
+        Engine(model, tiny_tokenizer, decode_kernels="triton")
     assert kernels_unavailable(torch.device("cuda")) is None
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="prompt attention triton is the shared-prompt cache's"):
-        Engine(model, tiny_tokenizer, prompt_attention="triton", share_prompts=False)
-    with pytest.raises(ValueError, match="prompt attention triton is not compiled"):
-        Engine(model, tiny_tokenizer, prompt_attention="triton", compile="on")
+    with pytest.raises(ValueError, match="decode_kernels is triton, a step of the shared-prompt cache"):
+        Engine(model, tiny_tokenizer, decode_kernels="triton", share_prompts=False)
+    with pytest.raises(ValueError, match="decode_kernels is triton, whose step is never compiled"):
+        Engine(model, tiny_tokenizer, decode_kernels="triton", compile="on")

@@ -236,8 +236,8 @@ def test_an_overflow_is_skipped_reported_and_the_scale_resumes_bitwise(sft, base
     out = capsys.readouterr().out
     assert "warning: step 1: the fp16 gradient overflowed at loss scale 65536" in out
     lines = [line for line in out.splitlines() if line.startswith("Step ")]
-    assert "loss scale 32768 (overflow: step skipped, scale halved)" in lines[1]
-    assert all("loss scale " in line and "sampler gap " in line for line in lines)  # fp16 rollouts' gap, as in bf16
+    assert "Loss scale: 32768 (overflow: step skipped, scale halved)" in lines[1]
+    assert all("Loss scale: " in line and "Sampler gap: " in line for line in lines)  # fp16 rollouts' gap, as in bf16
     run_dir = base_dir / "chatrl_checkpoints" / "d2"
     meta = load_meta(str(run_dir), 3)
     assert (meta["user_config"]["dtype"], meta["user_config"]["rollout_dtype"]) == ("float16", "float16")  # auto follows

@@ -197,7 +197,7 @@ def test_resume_with_a_teacher_is_the_uninterrupted_run(sft, base_dir, capsys):
                              "--num-steps=4", "--save-every=2"]
     chat_rl.main(flags)
     out = capsys.readouterr().out
-    assert "teacher sft:t3:0 (d3," in out and " | reverse kl " in out and " teacher logp " in out
+    assert "teacher sft:t3:0 (d3," in out and " | Teacher: reverse KL " in out and ", log-prob " in out
     run_dir = base_dir / "chatrl_checkpoints" / "d2"
     meta = json.loads((run_dir / "meta_000003.json").read_text())
     assert meta["teacher"] == {"source": "sft", "model_tag": "t3", "step": 0}

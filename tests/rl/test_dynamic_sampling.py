@@ -59,7 +59,7 @@ def test_a_question_drawn_again_in_a_step_samples_anew(sft, base_dir):
 
 
 def trained_rows(out):
-    return [int(m) for m in re.findall(r"trained (\d+)/\d+ rows", out)]
+    return [int(m) for m in re.findall(r"Rows trained: (\d+)/\d+", out)]
 
 
 def test_it_trains_more_rows_and_resumes_exactly(sft, base_dir, capsys):
@@ -68,7 +68,7 @@ def test_it_trains_more_rows_and_resumes_exactly(sft, base_dir, capsys):
     plain = capsys.readouterr().out
     chat_rl.main(flags + ["--output-tag=dynamic", "--dynamic-sampling", "--dynamic-sampling-rounds=2"])
     dynamic = capsys.readouterr().out
-    assert "drew" not in plain and len(re.findall(r"drew (8|12) questions, trained 4", dynamic)) >= 2
+    assert "| Questions: " not in plain and len(re.findall(r"\| Questions: (8|12) drawn, 4 trained \|", dynamic)) >= 2
     assert sum(trained_rows(dynamic)) > sum(trained_rows(plain))  # the same seed: more questions with signal
     rl_dir = base_dir / "chatrl_checkpoints" / "dynamic"
     positions = [json.loads((rl_dir / f"meta_00000{s}.json").read_text())["data_position"] for s in (1, 2)]
@@ -77,7 +77,8 @@ def test_it_trains_more_rows_and_resumes_exactly(sft, base_dir, capsys):
     (rl_dir / "model_000002.pt").unlink()
     chat_rl.main(["--resume=dynamic:1", "--device-type=cpu"])
     resumed = capsys.readouterr().out
-    step_line = lambda out: next(line for line in out.splitlines() if line.startswith("Step 2/3")).split("| rollout")[0]
+    step_line = lambda out: next(line for line in out.splitlines()  # noqa: E731
+                                 if line.startswith("Step 2/3")).split("| Rollout:")[0]
     assert step_line(resumed) == step_line(dynamic)
     assert json.loads((rl_dir / "meta_000002.json").read_text())["data_position"] == positions[1]
     for k, v in weights(rl_dir / "model_000002.pt").items():

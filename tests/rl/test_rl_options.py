@@ -295,7 +295,8 @@ def test_options_run_checkpoint_and_resume(sft, base_dir, capsys):
                                             "--eval-examples=1"]
     chat_rl.main(flags)
     out = capsys.readouterr().out
-    assert "Step 1/3 |" in out and " clip " in out and " kl_old " in out and " kl_ref " in out
+    assert "Step 1/3 |" in out and "| PPO clipped: " in out and ", KL to the old policy " in out
+    assert "| KL to the reference: " in out
     rl_dir = base_dir / "chatrl_checkpoints" / "d2"
     meta = json.loads((rl_dir / "meta_000002.json").read_text())
     assert {k: meta["user_config"][k] for k in OPTIONS} == OPTIONS

@@ -60,6 +60,13 @@ EXPECTED = {
     "task does not exist": ["unknown task 'nosuchtask'", "package.module:ClassName"],
     "task does not exist, and no checkpoint either": ["unknown task 'nosuchtask'"],  # the flag, before any loading
     "task class does not exist": ["'NoSuchClass'", "--task"],
+    "--decode-kernels not a choice": ["argument --decode-kernels: invalid choice: 'fast'"],
+    # the flag's line, not the empty base dir's: refused before anything loads (where triton is not installed, the
+    # line says so instead of naming the interpreter)
+    "--decode-kernels=triton on a CPU without Triton's interpreter": [
+        "--decode-kernels is triton: the Triton kernels ", "use --decode-kernels=auto or torch"],
+    "--decode-kernels=triton with --compile=on": ["--decode-kernels is triton, whose step is never compiled",
+                                                  "--compile=off or auto"],
 }
 BY_NAME = {case.name: case for case in CASES}
 # run as subprocesses only: a regression in the rank check would make an in-process run wait for ranks that never come
@@ -160,7 +167,8 @@ def test_debug_shows_the_traceback(base, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["3 ranks do not divide --examples-per-step=2", "base dir does not exist"])
+@pytest.mark.parametrize("name", ["3 ranks do not divide --examples-per-step=2", "base dir does not exist",
+                                  "--decode-kernels=triton on a CPU without Triton's interpreter"])
 def test_real_process_exits_2_with_one_line(name, tmp_path):
     """The real `python -m scripts.chat_rl`: exit status 2 and exactly one stderr line. With RANK/WORLD_SIZE
     set, the flag check comes before the process group (which would wait for the missing ranks)."""

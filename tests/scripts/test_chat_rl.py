@@ -319,7 +319,7 @@ def test_sampler_gap_is_in_the_step_line_history_and_report(correction, sft, bas
     trained = [h for h in history if h["rows_trained"] > 0]
     assert len(lines) == 2 and trained
     for h, line in zip(history, lines):
-        assert ("sampler gap" in line) == (h["sampler_tokens"] > 0)
+        assert ("Sampler gap: " in line) == (h["sampler_tokens"] > 0)
         assert ("corrected" in line) == (h["sampler_tokens"] > 0 and correction != "none")
     for h in trained:
         assert h["sampler_tokens"] == h["trained_tokens"] and 0 <= h["sampler_gap_mean"] <= h["sampler_gap_max"] <= FP32_GAP_BOUND
@@ -453,7 +453,8 @@ def test_a_run_captures_its_decode_graphs_in_its_first_step_only(sft, base_dir, 
     out = capsys.readouterr().out
     assert f"static batch sized for prompts of up to {longest} tokens" in out
     assert engines[0].kept_batch.cache.batch_size < 16  # the budget caps the rows
-    captures = [int(c) for c in re.findall(r"^Step \d+/5 .* captures (\d+) ", out, flags=re.M)]
+    lines = [line for line in out.splitlines() if re.match(r"Step \d+/5 \|", line)]
+    captures = [int(m.group(1)) if (m := re.search(r", (\d+) CUDA graphs captured \|", line)) else 0 for line in lines]
     assert len(captures) == 5 and captures[0] == cpu_graphs.captures > 0 and captures[1:] == [0, 0, 0, 0], captures
     assert cpu_graphs.replays > 5 * 8  # every later step replayed its graphs
     _, _, meta = load_model("rl", "cpu", "eval")

@@ -82,9 +82,9 @@ def test_two_gsm8k_steps_log_the_rewards_of_what_was_sampled(sft, base_dir, tiny
         seen |= {q.line for q in call[0]}
         line = next(l for l in out.splitlines() if l.startswith(f"Step {step}/2 |"))
         assert f"Average reward: {want['reward']:.4f} |" in line, line
-        assert f"no-signal {want['zero_std_fraction']:.2f} |" in line
-        assert f"trained {want['rows_trained']:.0f}/16 rows |" in line
-        assert f"Average completion length: {want['completion_length']:.2f} |" in line
+        assert f"No-signal questions: {want['zero_std_fraction']:.0%} |" in line
+        assert f"Rows trained: {want['rows_trained']:.0f}/16 |" in line
+        assert f"Average completion length: {want['completion_length']:.2f} (" in line
         for key, value in want.items():
             assert record[key] == pytest.approx(value, abs=1e-9), (step, key)
     assert len(seen) == 8  # two steps, eight different train questions

@@ -1,5 +1,6 @@
 """The run report: section files, report.md assembly order and header, and the Chat RL section
-(config table, pass@k at first and last eval, plots that decode as images)."""
+(config table, pass@k at first and last eval, plots that decode as images); each run's section and plots kept under
+report/runs/, the latest at nanochat's names (issue 74)."""
 
 import platform
 from pathlib import Path
@@ -149,3 +150,46 @@ def test_trailing_mean_against_a_direct_computation():
                     for i in range(len(values))]
         assert trailing_mean(values, window) == pytest.approx(expected, abs=1e-12)
     assert trailing_mean([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+
+
+# ----------------------------------------------------------------------------- no run's report replaced (issue 74)
+
+def test_a_later_runs_section_and_plots_leave_an_earlier_runs_in_place(tmp_path):
+    """Regression (issue 74): a 3-step smoke run replaced report/chat-rl.md and every chat-rl-*.png of a 100-step run.
+    Each run's section and plots are its own (runs/<name>/), the report's own names hold the latest run's, and a plot
+    the latest run has not (its pass@1: no eval) is not left there from the earlier run."""
+    report = Report(tmp_path)
+    first = log_chat_rl(report, CONFIG, fake_history(5), EVALS, run_name="d4-first")
+    second = log_chat_rl(report, CONFIG, fake_history(2), [], run_name="d4-second")
+    assert Path(first) == tmp_path / "runs" / "d4-first" / "chat-rl.md"
+    assert Path(second) == tmp_path / "runs" / "d4-second" / "chat-rl.md"
+    assert "| steps logged | 5 |" in Path(first).read_text() and "| steps logged | 2 |" in Path(second).read_text()
+    plots = lambda directory: sorted(p.name for p in Path(directory).glob("chat-rl-*.png"))  # noqa: E731
+    assert "chat-rl-pass1.png" in plots(tmp_path / "runs" / "d4-first")
+    assert plots(tmp_path) == plots(tmp_path / "runs" / "d4-second") and "chat-rl-pass1.png" not in plots(tmp_path)
+    for name in plots(tmp_path) + ["chat-rl.md"]:  # the latest: the second run's files, byte for byte
+        assert (tmp_path / name).read_bytes() == (tmp_path / "runs" / "d4-second" / name).read_bytes(), name
+    assert "| steps logged | 2 |" in Path(report.write_report(CPU)).read_text()
+
+
+def test_a_smoke_run_after_a_run_keeps_that_runs_report(sft, base_dir, capsys):
+    """Issue 74 end to end: chat_rl twice (a 2-step run, then a 1-step one to another tag); the first run's section
+    and plots stay in report/runs/<tag>-<run id>/, report/chat-rl.md and report.md show the second's."""
+    import json
+
+    from helpers import TINY_RL_FLAGS
+
+    from scripts import chat_rl
+    for tag, steps in (("long", 2), ("smoke", 1)):
+        chat_rl.main(TINY_RL_FLAGS + [f"--num-steps={steps}", f"--output-tag={tag}"])
+    out = capsys.readouterr().out
+    run_dirs = {}
+    for tag, steps in (("long", 2), ("smoke", 1)):
+        meta = json.loads((base_dir / "chatrl_checkpoints" / tag / f"meta_{steps - 1:06d}.json").read_text())
+        run_dirs[tag] = base_dir / "report" / "runs" / f"{tag}-{meta['run_id']}"
+        assert f"| steps logged | {steps} |" in (run_dirs[tag] / "chat-rl.md").read_text()
+        assert (run_dirs[tag] / "chat-rl-reward.png").read_bytes().startswith(PNG_SIGNATURE)
+        assert f"(this run's section and plots: {run_dirs[tag]})" in out
+    latest = base_dir / "report" / "chat-rl.md"
+    assert latest.read_text() == (run_dirs["smoke"] / "chat-rl.md").read_text()
+    assert "| steps logged | 1 |" in (base_dir / "report" / "report.md").read_text()

@@ -222,6 +222,11 @@ def _resumed_model_truncated(base):
     return _halved(_rl_run(base) / "model_000002.pt")
 
 
+def _no_interpreter_and_no_checkpoint(base):
+    """A CPU without Triton's interpreter, and nothing to load: a refusal that names the flag came before the load."""
+    return {"TRITON_INTERPRET": "0", **_empty_base_dir(base)}
+
+
 def _three_ranks(base):
     return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}
 
@@ -262,6 +267,11 @@ CASES = [
     Case("task does not exist", flags=["--task=nosuchtask"]),
     Case("task does not exist, and no checkpoint either", flags=["--task=nosuchtask"], setup=_empty_base_dir),
     Case("task class does not exist", flags=["--task=tasks.gsm8k:NoSuchClass"]),
+    Case("--decode-kernels not a choice", flags=["--decode-kernels=fast"]),
+    Case("--decode-kernels=triton on a CPU without Triton's interpreter", flags=["--decode-kernels=triton"],
+         setup=_no_interpreter_and_no_checkpoint),
+    Case("--decode-kernels=triton with --compile=on", flags=["--decode-kernels=triton", "--compile=on"],
+         setup=_empty_base_dir),
     Case("--teacher trained with another tokenizer", flags=["--model-tag=d2", "--teacher=sft:t3", "--distill-coef=1"],
          setup=_teacher_of_another_tokenizer),
 ]

@@ -1,7 +1,7 @@
 """
-The static decode step with the project's Triton kernels (the engine's prompt_attention="triton"): the same function
-as nanochat/engine/decode_batch.py's static_step (one token per row, sampled into the batch's `sampled`), its forward
-written for one token a row over a SharedPromptKVCache so that each block is nine kernels:
+The static decode step with the project's Triton kernels (the decode step "triton" of nanochat/engine/decode_steps.py):
+the same function as nanochat/engine/decode_batch.py's static_step (one token per row, sampled into the batch's
+`sampled`), its forward written for one token a row over a SharedPromptKVCache so that each block is nine kernels:
 
     residual_norm   the previous block's MLP output added, the generation's lambdas, RMSNorm   (x0, lambdas)
     qkv matmul      (DecodeWeights' concatenation)
@@ -69,8 +69,8 @@ def check_kernel_model(model):
     (the residual stream the kernels keep in fp32 is then the model's)."""
     model = getattr(model, "decode_model", model)  # a wrapper's GPT (kernel_static_step)
     if model.transformer.wte.weight.dtype != torch.float32:
-        raise ValueError(f"the Triton kernels need the token embedding in float32, it is "
-                         f"{model.transformer.wte.weight.dtype}: use prompt attention explicit for this model")
+        raise ValueError(f"the Triton kernels need the token embedding in float32, and this model's is "
+                         f"{model.transformer.wte.weight.dtype}")
 
 
 def kernel_hidden_states(model, idx, step):

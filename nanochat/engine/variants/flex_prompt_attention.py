@@ -1,9 +1,9 @@
 """
 The shared-prompt decode step's attention through PyTorch's FlexAttention, a variant of the hand-written one
 (nanochat/engine/shared_prompt_cache.py's SharedPromptStep) that a benchmark can put beside it (bench_rl's *_flex
-configs; the engine's prompt_attention="flex"). Issue 57 asks which of the two a GPU runs faster; only a GPU can say
-(on a CPU FlexAttention is PyTorch's unfused reference eagerly, and Inductor does not compile it with the log-sum-exp
-this variant needs: docs/performance_history.md).
+configs; the decode step "flex" of nanochat/engine/decode_steps.py). Issue 57 asks which of the two a GPU runs faster;
+only a GPU can say (on a CPU FlexAttention is PyTorch's unfused reference eagerly, and Inductor does not compile it
+with the log-sum-exp this variant needs: docs/performance_history.md).
 
 A row's query attends to its prompt's keys (in a prompt slot of the pool, shared by the prompt's rows) and to its
 own completion's. FlexAttention takes one key tensor per call, so the two parts are two calls, each returning its
@@ -29,9 +29,6 @@ except ImportError:  # torch before 2.9
 from nanochat.compiling.functions import compiled_so_far, maybe_compiled
 from nanochat.model.precision import without_autocast
 
-# the shared-prompt step's attention: hand-written, FlexAttention, or the step of the project's Triton kernels
-# (nanochat/kernels/decode_step.py)
-PROMPT_ATTENTIONS = ("explicit", "flex", "triton")
 # Compiled with automatic dynamic shapes (torch.compile's dynamic=None), not dynamic=True: the first graph has every
 # size static, the next makes dynamic only the sizes that changed (the step's rows, its keys, the layer's offset in
 # the cache). Inductor lowers FlexAttention to its decoding kernel (short queries: the KV split across blocks) only
@@ -40,15 +37,6 @@ PROMPT_ATTENTIONS = ("explicit", "flex", "triton")
 # the pool's slots) stays static as it is, and the own part runs over every row of the cache, a static batch, the
 # rows not in the step among them (free rows: their results are dropped).
 FLEX_DYNAMIC = None
-
-
-def check_prompt_attention(name, share_prompts=True):
-    """name, if the shared-prompt step's attention can be it: flex has no prompts to share without share_prompts."""
-    if name not in PROMPT_ATTENTIONS:
-        raise ValueError(f"prompt attention must be one of {', '.join(PROMPT_ATTENTIONS)}, got {name!r}")
-    if name != "explicit" and not share_prompts:
-        raise ValueError(f"prompt attention {name} is the shared-prompt cache's: it needs share_prompts=True")
-    return name
 
 
 def flex_prompt_attention(q, pool_k, pool_v, pool_len, prompt_slot, sample, lowest, suffix_k, suffix_v, pos, lowest_own):
