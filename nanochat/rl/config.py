@@ -273,23 +273,7 @@ class RLConfig:
                 f"--rollout-correction-cap must be > 1, got {self.rollout_correction_cap}")
         require(self.dynamic_sampling_rounds >= 1,
                 f"--dynamic-sampling-rounds must be >= 1 (draws a step may add), got {self.dynamic_sampling_rounds}")
-        self._check_distillation()
-
-    def _check_distillation(self):
-        require(self.distill_coef >= 0, f"--distill-coef must be >= 0 (0 = no distillation), got {self.distill_coef}")
-        require(self.reward_coef >= 0, f"--reward-coef must be >= 0 (0 = no reward term), got {self.reward_coef}")
-        require(bool(self.teacher) == (self.distill_coef > 0),
-                f"--teacher={self.teacher} is scored with --distill-coef > 0 (e.g. --distill-coef=1); it has none"
-                if self.teacher else f"--distill-coef={self.distill_coef} weighs a teacher's term; name it with "
-                                     f"--teacher=SOURCE[:MODEL_TAG[:STEP]] (e.g. --teacher=rl)")
-        require(self.reward_coef > 0 or self.distill_coef > 0,
-                "--reward-coef=0 without --distill-coef leaves every advantage 0: nothing to learn; pass "
-                "--teacher and --distill-coef, or a --reward-coef > 0")
-        if self.teacher:
-            parse_teacher(self.teacher)
-            require(self.loss != "gspo", "--loss=gspo's one ratio a sequence weighs a row's tokens alike, so a "
-                                         "teacher's per-token advantages would be averaged away; use --loss=pg or "
-                                         "cispo with --teacher")
+        check_distillation(self)
 
     def _check_run(self):
         require(self.eval_every == -1 or self.eval_every >= 1,
@@ -327,6 +311,24 @@ class RLConfig:
         require(self.warmup_steps < num_steps, f"--warmup-steps ({self.warmup_steps}) must be fewer than the run's "
                                                f"{num_steps} steps")
         return num_steps
+
+
+def check_distillation(config):
+    """--teacher, --distill-coef and --reward-coef, together and with --loss (RLConfig's checks)."""
+    require(config.distill_coef >= 0, f"--distill-coef must be >= 0 (0 = no distillation), got {config.distill_coef}")
+    require(config.reward_coef >= 0, f"--reward-coef must be >= 0 (0 = no reward term), got {config.reward_coef}")
+    require(bool(config.teacher) == (config.distill_coef > 0),
+            f"--teacher={config.teacher} is scored with --distill-coef > 0 (e.g. --distill-coef=1); it has none"
+            if config.teacher else f"--distill-coef={config.distill_coef} weighs a teacher's term; name it with "
+                                   f"--teacher=SOURCE[:MODEL_TAG[:STEP]] (e.g. --teacher=rl)")
+    require(config.reward_coef > 0 or config.distill_coef > 0,
+            "--reward-coef=0 without --distill-coef leaves every advantage 0: nothing to learn; pass "
+            "--teacher and --distill-coef, or a --reward-coef > 0")
+    if config.teacher:
+        parse_teacher(config.teacher)
+        require(config.loss != "gspo", "--loss=gspo's one ratio a sequence weighs a row's tokens alike, so a "
+                                       "teacher's per-token advantages would be averaged away; use --loss=pg or "
+                                       "cispo with --teacher")
 
 
 def parse_teacher(spec):
