@@ -3,19 +3,24 @@
 # call of under 8 minutes (each step runs under a timeout and prints its own time):
 #
 #   bash tests/gpu_prepare.sh SHARED_DIR                        # where the shared data and a package registry are
-#   bash tests/gpu_check.sh [checks|compiled|suite|speedrun|env] [OUT_DIR]   # on the GPU machine (carry gpu_carry)
+#   bash tests/gpu_check.sh [checks|kernels|compiled|suite|speedrun|env] [OUT_DIR]   # on the GPU machine (carry gpu_carry)
 #   bash tests/gpu_check.sh checks,compiled [OUT_DIR]   # several stages in one call (560 s, shared by weight)
 #
-# checks (the default), one call of at most 8 minutes in ten parts, each under a timeout, each adding one JSON line
+# checks (the default), one call of at most 8 minutes in eleven parts, each under a timeout, each adding one JSON line
 # to OUT_DIR/parts.jsonl as it ends (part, exit, seconds, limit, log), and remaking OUT_DIR/results.tgz (every file,
 # since a device call brings back 8 at most), so that a call stopped at its limit keeps what finished; in the order
 # of what they decide, the measurements first:
 # 1. setup (below);
+# 1b. the Triton kernels' correctness (tests/kernel_checks.py cuda: each kernel op against its torch reference on the
+#    tests' hand-made states, fp32 and bf16, and a greedy fp32 rollout against the torch step, compiled on this GPU;
+#    kernel_checks.json, the summary names an op that disagreed): before any timing; where it fails, the part fails
+#    (the stage's exit too) and part 2b's timing of the Triton step is skipped (parts.jsonl says so);
 # 2. the d20 bench (nanochat's January-2026 d20 shapes, random weights, GSM8K prompts, 16 questions x 16 samples x
 #    256 tokens, rows to the cap, advantages forced to +-1 so the whole batch trains), the graph decode step, 3
 #    consecutive steps: chat_rl's own step (bench_d20.json, written after each config);
 # 2b. the bench of part 2 with the step in the project's Triton kernels (triton_d20.json: decode ms, captures' seconds
-#    with Triton's JIT, tokens_digest beside part 2's), which decides the engine's default on CUDA (issue 66);
+#    with Triton's JIT, tokens_digest beside part 2's), which decides the engine's default on CUDA (issue 66); only
+#    after part 1b passed;
 # 3. the same bench with --compile=blocks (blocks_d20.json): each block compiled around its attention, once for
 #    every layer, in rollouts (captured in the engine's graphs) and training: compile seconds, decode ms, train s;
 # 4. the bench of part 2 with the shared-prompt attention through FlexAttention, compiled by Inductor alone (the step
@@ -27,7 +32,8 @@
 #    kernels with the most GPU time (profile_d20.json's profile_split, profile_d20.log);
 # 6. the CUDA tests (`-m cuda`: NCCL under torchrun, bf16 vs fp32 step, a real out-of-memory, chat_sft and chat_eval
 #    on CUDA, checkpoints across devices, CUDA-graph replay equal to the static step it captures, FlexAttention
-#    compiled; their runs of the scripts pass --compile=off), but test_compile.py's (the compiled stage runs them);
+#    compiled; their runs of the scripts pass --compile=off), but test_compile.py's (the compiled stage runs them)
+#    and the kernels' (part 1b ran them);
 # 7. the epoch estimate: scripts/bench_epoch.py times a d20 save both ways (written whole, and in the background)
 #    and prints `d20 epoch on this GPU ≈ N min` from part 2's step, its rollout rate for the evals and the save
 #    (epoch_d20.json);
@@ -36,6 +42,7 @@
 #    host one step behind (the engine's lag, its default on CUDA): decode ms, tokens_digest equal to part 2's;
 # 10. with the time left, the same bench with the static step compiled whole and captured (compiled_d20.json): compile
 #    seconds, decode ms per step, the compiled training pass (tokens_digest in both JSONs, to compare with part 2's).
+# kernels: part 1b, then (where it passed) part 2b and part 2 beside it: the Triton step checked, then timed.
 # compiled: --compile=on on CUDA (auto compiles nothing there until this stage measures that it pays): the d20 bench
 #    with the static step compiled by Inductor and captured in the engine's graphs (and the training forward
 #    compiled), then the uncompiled graph config beside it (the JSON is written after each: a call stopped in the
@@ -72,9 +79,9 @@ stage=${1:-checks}
 out=${2:-out}
 IFS=, read -r -a stages <<< "$stage"
 for s in "${stages[@]}"; do
-    case "$s" in checks|compiled|suite|speedrun|env) ;; *) echo "gpu_check: unknown stage $s; use checks, compiled, suite, speedrun or env (or several, comma-separated)" >&2; exit 2 ;; esac
+    case "$s" in checks|kernels|compiled|suite|speedrun|env) ;; *) echo "gpu_check: unknown stage $s; use checks, kernels, compiled, suite, speedrun or env (or several, comma-separated)" >&2; exit 2 ;; esac
 done
-case "$out" in checks|compiled|suite|speedrun|env) echo "gpu_check: '$out' is a stage, not an output folder; name several stages with commas: $stage,$out" >&2; exit 2 ;; esac
+case "$out" in checks|kernels|compiled|suite|speedrun|env) echo "gpu_check: '$out' is a stage, not an output folder; name several stages with commas: $stage,$out" >&2; exit 2 ;; esac
 mkdir -p "$out"
 rm -f "$out/parts.jsonl" "$out/results.tgz"  # this call's parts only
 export PYTHONUNBUFFERED=1
@@ -203,6 +210,29 @@ step() {  # step NAME MAX_SECONDS LOG CMD...: runs CMD under a timeout (at most 
     return "$rc"
 }
 
+kernel_checks() {  # part 1b: the Triton kernels against their torch references, compiled here (tests/kernel_checks.py)
+    step "kernel checks" 150 "$out/kernel_checks.log" "$python" tests/kernel_checks.py cuda "$out"
+    local rc=$?
+    "$python" tests/kernel_checks.py --note "$out"  # the part's line in parts.jsonl names the op that disagreed
+    bundle
+    return "$rc"
+}
+
+triton_bench() {  # triton_bench KERNEL_CHECKS_EXIT: part 2b, the d20 bench of the Triton step, where its kernels passed
+    if [ "$1" -ne 0 ]; then
+        say "d20 triton: not run, the kernel checks failed (exit $1): its timing would be of kernels that disagree"
+        printf '{"part": "d20 triton", "exit": "not run: the kernel checks failed", "seconds": 0}\n' \
+            >> "$out/parts.jsonl"
+        bundle
+        return 1
+    fi
+    # the step in the project's Triton kernels (issue 66; nanochat/kernels/: 9 kernels a block): decode ms, its
+    # first call's Triton JIT in the captures' seconds, its tokens_digest beside part 2's; decides the engine's default
+    step "d20 triton" 150 "$out/triton_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_triton \
+        --early-stop-mean=0 --no-signal-fractions= --repeat=3 --force-advantages --output="$out/triton_d20.json"
+}
+
 run_stage() {  # run_stage STAGE: its steps, under $deadline
 case "$1" in
 env)
@@ -213,16 +243,15 @@ checks)
     # tests first took 140 s and the parts after the epoch estimate found no time left): the d20 step, then what is
     # not yet decided from a GPU's figures (--compile=blocks, FlexAttention), where the step's time goes, the CUDA
     # tests (not test_compile's: the compiled stage runs those), the epoch (from part 2's step and a timed save),
-    # then what is already decided (16 rows a forward, no lag) and the compiled step
+    # then what is already decided (16 rows a forward, no lag) and the compiled step. The Triton kernels' correctness
+    # before all of them: a timing of kernels that compute the wrong thing decides nothing
+    kernel_checks
+    kernels_rc=$?
     step "d20 bench" 150 "$out/bench_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph \
         --early-stop-mean=0 --no-signal-fractions= --repeat=3 --force-advantages --output="$out/bench_d20.json"
     bench_rc=$?
-    # the step in the project's Triton kernels (issue 66; nanochat/kernels/: 9 kernels a block): decode ms, its
-    # first call's Triton JIT in the captures' seconds, its tokens_digest beside part 2's; decides the engine's default
-    step "d20 triton" 150 "$out/triton_d20.log" \
-        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_triton \
-        --early-stop-mean=0 --no-signal-fractions= --repeat=3 --force-advantages --output="$out/triton_d20.json"
+    triton_bench "$kernels_rc"
     # --compile=blocks (each block compiled around its attention, one compile for every layer; issue 48): whether
     # it pays on a GPU, and its compile seconds
     step "d20 blocks" 180 "$out/blocks_d20.log" \
@@ -237,7 +266,8 @@ checks)
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph --profile=batched_bf16_graph \
         --early-stop-mean=0 --no-signal-fractions= --repeat=1 --force-advantages --output="$out/profile_d20.json"
     step "cuda tests" 200 "$out/cuda_tests.log" "$python" -m pytest -q -p no:cacheprovider -rs --durations=10 -m cuda \
-        --ignore=tests/compiling/test_compile.py tests
+        --ignore=tests/compiling/test_compile.py --ignore=tests/kernels/test_triton_kernels.py \
+        --ignore=tests/kernels/test_kernel_rollouts.py tests
     tests_rc=$?
     step "epoch estimate" 60 "$out/epoch_d20.log" \
         "$python" -m scripts.bench_epoch --bench="$out/bench_d20.json" --device-type=cuda --output="$out/epoch_d20.json"
@@ -254,8 +284,20 @@ checks)
     step "d20 compiled" 300 "$out/compiled_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_compiled \
         --early-stop-mean=0 --no-signal-fractions= --repeat=2 --force-advantages --output="$out/compiled_d20.json"
-    say "checks: tests exit $tests_rc, bench exit $bench_rc, $(( $(date +%s) - stage_start )) s since the setup began"
-    [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+    say "checks: kernel checks exit $kernels_rc, tests exit $tests_rc, bench exit $bench_rc," \
+        "$(( $(date +%s) - stage_start )) s since the setup began"
+    [ "$kernels_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+    ;;
+kernels)
+    kernel_checks
+    kernels_rc=$?
+    triton_bench "$kernels_rc"
+    triton_rc=$?
+    step "d20 bench" 150 "$out/bench_d20.log" \
+        "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph \
+        --early-stop-mean=0 --no-signal-fractions= --repeat=3 --force-advantages --output="$out/bench_d20.json"
+    bench_rc=$?
+    [ "$kernels_rc" -eq 0 ] && [ "$triton_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
     ;;
 compiled)
     # the d20 bench first, each compile and recompile named as it happens; then the compiled step captured in CUDA
@@ -294,7 +336,7 @@ esac
 # Each stage gets its weight's share of the seconds left when it starts (what one leaves unused goes to the next;
 # on the H200, checks took 3 minutes with 4 of its tests failing early), and runs in a subshell, so that its environment stays its own. The exit
 # status is the first failing stage's (124 or 137: it ran out of time).
-weight() { case "$1" in checks) echo 6 ;; compiled) echo 4 ;; suite|speedrun) echo 6 ;; env) echo 1 ;; esac; }
+weight() { case "$1" in checks) echo 6 ;; kernels|compiled) echo 4 ;; suite|speedrun) echo 6 ;; env) echo 1 ;; esac; }
 status=0
 for i in "${!stages[@]}"; do
     now=$(date +%s)

@@ -1,6 +1,7 @@
 """
 A gpu_check.sh call's figures in one page (OUT_DIR/summary.md), as issue 57 asks for them: the machine (GPU, torch)
-and the commit; each part's exit and seconds; per benchmark file and configuration the decode step against its
+and the commit; each part's exit and seconds; the Triton kernels' correctness part (tests/kernel_checks.py: which op
+disagreed with its torch reference, if one did: the Triton step's timings are then not to be trusted); per benchmark file and configuration the decode step against its
 bandwidth bound, the rollout, the training pass, the step, compiles and captures, peak memory and the tokens'
 digest; those of the d20 step (part 2) against the targets; the epoch estimate; where the step's time goes (the
 profile); whether FlexAttention compiled. What a part did not write is said, not left out.
@@ -80,6 +81,7 @@ def summary(out):
     lines += ["## Parts", "", table(("part", "exit", "seconds", "limit"), [
         (p.get("part"), p.get("exit"), p.get("seconds"), p.get("limit", "-")) for p in parts]) if parts
         else "no part finished", ""]
+    lines += kernel_checks_section(read_json(os.path.join(out, "kernel_checks.json")))
     rows, missing = [], []
     for name, bench in benches.items():
         if bench is None:
@@ -95,6 +97,16 @@ def summary(out):
     lines += targets_section(benches.get("bench_d20.json"), read_json(os.path.join(out, "epoch_d20.json")))
     lines += profile_section(benches.get("profile_d20.json")) + flex_section(benches.get("flex_d20.json"))
     return "\n".join(lines) + "\n"
+
+
+def kernel_checks_section(checks):
+    """tests/kernel_checks.py's verdict and, where an op disagreed, its failing tests."""
+    if checks is None:
+        return ["## Kernel checks", "", "not run (the Triton step's timings, if any, are unchecked)", ""]
+    lines = ["## Kernel checks", "", checks["verdict"], ""]
+    for op, tests in checks.get("failed", {}).items():
+        lines.append(f"- {op}: {', '.join(tests)}")
+    return lines + ([""] if checks.get("failed") else [])
 
 
 def targets_section(bench, epoch):

@@ -51,7 +51,7 @@ def _rotary_store_kernel(qkv_ptr, q_out_ptr, cos_ptr, sin_ptr, positions_ptr, k_
     ok = (h < H + 2 * Hkv) & (d < D)
     is_q = h < H
     is_k = (h >= H) & (h < H + Hkv)
-    is_v = h >= H + Hkv
+    is_v = (h >= H + Hkv) & (h < H + 2 * Hkv)  # not the padded lanes past the last kv head: they have no gate row
     dtype = qkv_ptr.dtype.element_ty
     row = qkv_ptr + b * qkv_sb + h * qkv_sh
     x = tl.load(row + d, mask=ok, other=0.0).to(tl.float32)

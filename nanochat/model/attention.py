@@ -101,10 +101,15 @@ def fp32_scores(q, k_t):
         return _fp32_product(q, k_t)
 
 
+# where a bf16/fp16 matmul writes fp32 scores itself (bmm's out_dtype); nanochat/diagnostics/gpu_kernel_work.py adds
+# "meta" while it records a step as CUDA runs it
+FP32_BMM_DEVICES = ("cuda",)
+
+
 def _fp32_product(q, k_t):
     if q.dtype in (torch.float32, torch.float64):  # already at least fp32
         return q @ k_t
-    if q.is_cuda:
+    if q.device.type in FP32_BMM_DEVICES:
         batch = torch.broadcast_shapes(q.shape[:-2], k_t.shape[:-2])
         scores = torch.bmm(q.expand(*batch, *q.shape[-2:]).reshape(-1, *q.shape[-2:]),
                            k_t.expand(*batch, *k_t.shape[-2:]).reshape(-1, *k_t.shape[-2:]), out_dtype=torch.float32)

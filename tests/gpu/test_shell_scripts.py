@@ -54,3 +54,24 @@ def test_every_bench_command_of_gpu_check_parses(script, argv):
 
 def test_the_bench_commands_are_found():
     assert len(bench_commands()) >= 8
+
+
+def stage_body(name):
+    """The text of gpu_check.sh's run_stage case for stage `name`."""
+    text = Path(REPO, "tests", "gpu_check.sh").read_text()
+    body = text.split("run_stage() {", 1)[1].split(f"\n{name})\n", 1)[1]
+    return body.split("\n    ;;\n", 1)[0]
+
+
+@pytest.mark.parametrize("stage", ["checks", "kernels"])
+def test_the_kernel_checks_run_before_any_timing_and_gate_the_triton_bench(stage):
+    """Issue 73: the stages that time the Triton step run its kernels' correctness part first (before any bench), and
+    time the Triton step only through triton_bench, which is given that part's exit and runs nothing where it failed;
+    the stage's exit includes the part's."""
+    body = stage_body(stage)
+    assert body.index("kernel_checks\n") < min(body.index(timing) for timing in ("scripts.bench_rl", "triton_bench"))
+    assert "kernels_rc=$?" in body and 'triton_bench "$kernels_rc"' in body
+    assert "batched_bf16_graph_triton" not in body  # only triton_bench times the Triton step
+    assert '[ "$kernels_rc" -eq 0 ]' in body.splitlines()[-1]
+    gate = Path(REPO, "tests", "gpu_check.sh").read_text().split("triton_bench() {", 1)[1].split("\n}\n", 1)[0]
+    assert gate.index('if [ "$1" -ne 0 ]') < gate.index("return 1") < gate.index("batched_bf16_graph_triton")

@@ -31,22 +31,26 @@ def signature(fn, pointer_type, constants):
             out[name] = "constexpr"
         elif name.endswith("_ptr"):
             integer = any(s in name for s in INTEGER_POINTERS)
-            out[name] = "*i32" if name == "cells_ptr" else "*i64" if integer else pointer_type
+            parts = name.startswith("part_")  # the own-key attention's parts: fp32 whatever the data's dtype
+            out[name] = "*i32" if name == "cells_ptr" else "*i64" if integer else "*fp32" if parts else pointer_type
         else:
             out[name] = "fp32" if name in FLOATS else "i32"
     return out
 
 
 def cases(dtype):
-    attention = dict(REP=1, D=128, BLOCK_CELLS=16, BLOCK_REP=1, BLOCK_D=128, BLOCK_N=16, BLOCK_OWN=pa.own_keys_a_tile(16), BLOCK_FREE=pa.FREE_ROWS_BLOCK,
+    attention = dict(REP=1, D=128, BLOCK_CELLS=16, BLOCK_REP=1, BLOCK_D=128, BLOCK_N=16, BLOCK_FREE=pa.FREE_ROWS_BLOCK,
                      IEEE=dtype == "fp32")
+    own = dict(REP=1, D=128, BLOCK_REP=1, BLOCK_D=128, BLOCK_OWN=pa.own_keys_a_tile(1))
     rotary = dict(D=128, BLOCK_HEADS=32, BLOCK_D=128, HAS_VE=True, BLOCK_CH=16, NORM_FP32=False)
     residual = dict(ROWS=4, BLOCK_C=2048, HAS_DELTA=True, HAS_A=True, HAS_Y=True, KEEP_SUM=True)
     sample = dict(BLOCK=1024, GREEDY=False, TOP_K=True, SCALE=True)
     return [(pa._prompt_attention_kernel, "d20", attention),
             (pa._prompt_attention_kernel, "gqa", {**attention, "REP": 2, "BLOCK_CELLS": 8, "BLOCK_REP": 2}),
-            (pa._prompt_attention_kernel, "group of 32", {**attention, "REP": 32, "BLOCK_CELLS": 1, "BLOCK_REP": 32,
-                                                           "BLOCK_OWN": pa.own_keys_a_tile(32)}),
+            (pa._prompt_attention_kernel, "group of 32", {**attention, "REP": 32, "BLOCK_CELLS": 1, "BLOCK_REP": 32}),
+            (pa._own_keys_kernel, "d20", own),
+            (pa._own_keys_kernel, "gqa", {**own, "REP": 2, "BLOCK_REP": 2, "BLOCK_OWN": pa.own_keys_a_tile(2)}),
+            (pa._own_keys_kernel, "group of 32", {**own, "REP": 32, "BLOCK_REP": 32, "BLOCK_OWN": pa.own_keys_a_tile(32)}),
             (rs._rotary_store_kernel, "value embedding", rotary),
             (rs._rotary_store_kernel, "fp32 norm, none", {**rotary, "HAS_VE": False, "NORM_FP32": True}),
             (rn._residual_norm_kernel, "all parts", residual),
@@ -75,7 +79,8 @@ if __name__ == "__main__":
         for wrapped, variant, constants in cases(dtype):
             pointer = "*fp32" if wrapped is sa._sample_kernel else f"*{dtype}"
             source = ASTSource(wrapped.on(torch.device("cuda")), signature(wrapped.fn, pointer, constants), constants)
-            warps = pa.ATTENTION_WARPS if wrapped is pa._prompt_attention_kernel else 4  # as each is launched
+            rows = constants.get("BLOCK_CELLS", 1) * constants.get("BLOCK_REP", 1)  # as each is launched:
+            warps = {pa._prompt_attention_kernel: pa.attention_warps(rows), pa._own_keys_kernel: pa.OWN_WARPS}.get(wrapped, 4)
             ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
             assert ".entry" in ptx, wrapped.fn.__name__
             registers, spills = registers_and_spills(ptx)

@@ -1,12 +1,12 @@
 """
 The static decode step with the project's Triton kernels (the decode step "triton" of nanochat/engine/decode_steps.py):
 the same function as nanochat/engine/decode_batch.py's static_step (one token per row, sampled into the batch's
-`sampled`), its forward written for one token a row over a SharedPromptKVCache so that each block is nine kernels:
+`sampled`), its forward written for one token a row over a SharedPromptKVCache so that each block is ten kernels:
 
     residual_norm   the previous block's MLP output added, the generation's lambdas, RMSNorm   (x0, lambdas)
     qkv matmul      (DecodeWeights' concatenation)
     rotary_store    rotary, q/k norm and scale, the value embedding and its gate, keys and values written
-    prompt_attention
+    prompt_attention (two: the rows' own keys in splits, then the prompts and the merge)
     c_proj matmul, residual_norm (the attention's output added, RMSNorm)
     c_fc matmul, relu_square, c_proj matmul
 
