@@ -318,6 +318,12 @@ def rl_plots(stem, history, eval_history):
                                                        [(gap_steps, [h["sampler_gap_mean"] for h in gap], "sampler_gap_mean"),
                                                         (gap_steps, [h["sampler_gap_max"] for h in gap], "sampler_gap_max")],
                                                        marker=".")))
+        # --teacher's per-token reverse KL, on the steps that trained a token
+        distilled = [h for h in history if "reverse_kl" in h and h.get("trained_tokens")]
+        if distilled:
+            plots.append(("reverse KL to the teacher", _plot(
+                f"{stem}-reverse-kl.png", "mean logp student - logp teacher",
+                [([h["step"] for h in distilled], [h["reverse_kl"] for h in distilled], "reverse_kl")], marker=".")))
     if eval_history:
         plots.append(("pass@1", _plot(f"{stem}-pass1.png", "pass@1",
                                       [([s for s, _ in eval_history], [d["pass@1"] for _, d in eval_history],

@@ -5,7 +5,9 @@ resolve_memory_budget takes them, nanochat/rl/plan.py's resolve_memory counts th
 
   optimizer       the gradients (one fp32 per parameter) and the optimizer state not yet allocated (AdamW: 2 fp32
                   per parameter, Muon: 1; both are allocated at the first step, or already are on --resume)
-  training peak   the activations of one training forward and backward, estimated (training_peak_bytes)
+  training peak   the activations of one training forward and backward, estimated (training_peak_bytes), and with
+                  a distillation teacher (chat_rl's --teacher) its no-grad forward's beside them (teacher_forward_bytes;
+                  its weights are loaded before the free memory is measured, as the --kl-coef reference's)
 """
 
 # Training activations per token, upper bounds. Per layer, the values autograd keeps for one token are about 24
@@ -38,3 +40,12 @@ def training_peak_bytes(config, rows, completion_tokens, prompt_tokens, prompts=
     layers = config.n_layer * ACTIVATION_BYTES_PER_CHANNEL * config.n_embd * tokens
     logits = LOGIT_BYTES_PER_ENTRY * config.vocab_size * (rows * completion_tokens if head_tokens is None else head_tokens)
     return layers + logits
+
+
+def teacher_forward_bytes(config, rows, completion_tokens, prompt_tokens, prompts=1, head_tokens=None):
+    """The activations of the teacher's no-grad forward of a training chunk (its model `config`), alive beside the
+    student's training activations: about two layers' worth (a layer's input and output; nothing is kept for a
+    backward) and one chunk of logits, fp32 (the constants above)."""
+    tokens = rows * completion_tokens + prompts * prompt_tokens
+    logits = config.vocab_size * (rows * completion_tokens if head_tokens is None else head_tokens)
+    return 2 * ACTIVATION_BYTES_PER_CHANNEL * config.n_embd * tokens + LOGIT_BYTES_PER_ENTRY * logits

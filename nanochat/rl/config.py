@@ -163,6 +163,15 @@ SETTINGS = dict(
                     "arithmetic, package.module:ClassName): pass@k on each test split, a field each on the eval line, "
                     "eval/<task>/pass@k in wandb, a row each in the report (default: --task's alone)"),
     decode_kernels=shared("decode_kernels", PERFORMANCE),  # issue 73's
+    # issue 75's: on-policy distillation (docs/flags.md; nanochat/rl/objective.py, nanochat/rl/resume.py)
+    teacher=flag(ALGORITHM, "", "on-policy distillation's teacher, SOURCE[:MODEL_TAG[:STEP]] (source base|mid|sft|rl; "
+                 "any depth or nanochat generation whose tokenizer is the student's); it scores every sampled token "
+                 "(empty: none; needs --distill-coef > 0)"),
+    distill_coef=flag(ALGORITHM, 0.0, "weight C of the teacher's term in each sampled token's advantage: "
+                      "--reward-coef x the row's reward advantage + C x (log p_teacher - log p_student) at the token, "
+                      "the student's from the training forward, detached (0 = none: nanochat's run)"),
+    reward_coef=flag(ALGORITHM, 1.0, "weight of the reward advantage in each token's advantage (0 with "
+                     "--distill-coef > 0: distillation alone)"),
 )
 
 
@@ -264,6 +273,7 @@ class RLConfig:
                 f"--rollout-correction-cap must be > 1, got {self.rollout_correction_cap}")
         require(self.dynamic_sampling_rounds >= 1,
                 f"--dynamic-sampling-rounds must be >= 1 (draws a step may add), got {self.dynamic_sampling_rounds}")
+        check_distillation(self)
 
     def _check_run(self):
         require(self.eval_every == -1 or self.eval_every >= 1,
@@ -301,6 +311,33 @@ class RLConfig:
         require(self.warmup_steps < num_steps, f"--warmup-steps ({self.warmup_steps}) must be fewer than the run's "
                                                f"{num_steps} steps")
         return num_steps
+
+
+def check_distillation(config):
+    """--teacher, --distill-coef and --reward-coef, together and with --loss (RLConfig's checks)."""
+    require(config.distill_coef >= 0, f"--distill-coef must be >= 0 (0 = no distillation), got {config.distill_coef}")
+    require(config.reward_coef >= 0, f"--reward-coef must be >= 0 (0 = no reward term), got {config.reward_coef}")
+    require(bool(config.teacher) == (config.distill_coef > 0),
+            f"--teacher={config.teacher} is scored with --distill-coef > 0 (e.g. --distill-coef=1); it has none"
+            if config.teacher else f"--distill-coef={config.distill_coef} weighs a teacher's term; name it with "
+                                   f"--teacher=SOURCE[:MODEL_TAG[:STEP]] (e.g. --teacher=rl)")
+    require(config.reward_coef > 0 or config.distill_coef > 0,
+            "--reward-coef=0 without --distill-coef leaves every advantage 0: nothing to learn; pass "
+            "--teacher and --distill-coef, or a --reward-coef > 0")
+    if config.teacher:
+        parse_teacher(config.teacher)
+        require(config.loss != "gspo", "--loss=gspo's one ratio a sequence weighs a row's tokens alike, so a "
+                                       "teacher's per-token advantages would be averaged away; use --loss=pg or "
+                                       "cispo with --teacher")
+
+
+def parse_teacher(spec):
+    """--teacher's SOURCE[:MODEL_TAG[:STEP]] -> (source, model tag or None, step or None), checked."""
+    source, tag, step = (spec.split(":") + [None, None])[:3] if spec.count(":") <= 2 else (None, None, None)
+    require(source in CHECKPOINT_DIRS and tag != "" and (step is None or step.isdigit()),
+            f"--teacher must be SOURCE[:MODEL_TAG[:STEP]] with SOURCE {', '.join(CHECKPOINT_DIRS)} and STEP a number "
+            f"(e.g. --teacher=rl:d32 or --teacher=sft:d20:700), got {spec!r}")
+    return source, tag, None if step is None else int(step)
 
 
 def largest_divisor_at_most(n, limit):

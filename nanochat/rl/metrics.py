@@ -26,6 +26,8 @@ The objective's diagnostics (`objective_metrics`, from nanochat.rl.policy_gradie
   entropy                    mean policy entropy over those tokens; absent where no token was trained (see MEASURED_OVER)
   clip_fraction, approx_kl   last PPO epoch: tokens whose ratio was clipped; mean (rho - 1) - log rho
   kl_ref                     mean k3 KL of the policy to the reference model (--kl-coef)
+  reverse_kl, teacher_logprob   with --teacher: mean over the trained tokens of logp_student - logp_teacher (the
+                             per-token reverse KL the distillation lowers) and of logp_teacher
 The sampler-trainer gap, over the trained tokens (the first epoch's forward against the engine's log-probabilities):
   sampler_tokens             trained tokens that have a sampler log-probability (their weight)
   sampler_gap_mean/max       mean and max |logp_trainer - logp_sampler|
@@ -66,6 +68,8 @@ REDUCTIONS = {
     "clip_fraction": ("mean", "trained_tokens"),
     "approx_kl": ("mean", "trained_tokens"),
     "kl_ref": ("mean", "trained_tokens"),
+    "reverse_kl": ("mean", "trained_tokens"),
+    "teacher_logprob": ("mean", "trained_tokens"),
     "sampler_tokens": ("sum", None),
     "sampler_gap_mean": ("mean", "sampler_tokens"),
     "sampler_gap_max": ("max", None),
@@ -161,6 +165,8 @@ def objective_metrics(first, last):
         out.update(clip_fraction=last.clip_fraction, approx_kl=last.approx_kl)
     if first.kl_ref is not None:
         out["kl_ref"] = first.kl_ref
+    if getattr(first, "reverse_kl", None) is not None:  # --teacher (stats of a run without one may lack the field)
+        out.update(reverse_kl=first.reverse_kl, teacher_logprob=first.teacher_logprob)
     return out
 
 

@@ -32,6 +32,13 @@ W is the number of ranks: the optimizers average gradients over ranks, so a rank
 Whatever the options, the first epoch measures the gap on the trained tokens: mean and max |logp_t - s_t| and the
 k3 estimate of KL(sampler || trainer), mean of exp(d) - d - 1 with d = logp_t - s_t.
 
+On-policy distillation (--teacher, --distill-coef=C, --reward-coef=R; PolicyLoss.per_token): the advantage is per
+token, A_t = R * A_i + C * (log p_teacher(x_t) - log p_student(x_t)), in every term above in place of A_i (D_i is the
+row's, the reward's). The student's log-probability is the training forward's, detached (the first epoch's; later
+epochs reuse it and the teacher's), not the sampler's as recorded: the term is then the reverse KL of the policy being
+trained, exactly 0 for a teacher that is the student itself, and needs no sampler log-probability; the sampler's
+would carry the sampler-trainer gap (fp32: a few 1e-6 a token; bf16: ~1e-2) into every advantage as noise.
+
 The training pass (nanochat/rl/policy_gradient.py) sums these over each forward's sampled tokens: on_policy_objective
 (the first epoch: nanochat's term) or ppo_objective (a later PPO epoch), the rollout correction's weights
 (rollout_correction_weights) multiplying either, minus kl_penalty.
@@ -101,6 +108,15 @@ class PolicyLoss:
     # a mask's dropped tokens still count in the denominators (True, today's), or leave them (the peers': slime,
     # verl): the step's targets lose them before any denominator is counted (policy_gradient.without_rejected_tokens)
     rejected_in_denominator: bool = True
+    # on-policy distillation (the module docstring): each sampled token's advantage is reward_coef * its row's
+    # reward advantage + distill_coef * (log p_teacher - log p_student); (1, 0): nanochat's row advantage, as it was
+    reward_coef: float = 1.0
+    distill_coef: float = 0.0
+
+    @property
+    def per_token(self):
+        """Whether the advantages are per token (a teacher's term, or the reward's weighed): not nanochat's path."""
+        return self.distill_coef != 0 or self.reward_coef != 1
 
     def __post_init__(self):
         if self.loss_norm not in LOSS_NORMS:
@@ -112,6 +128,9 @@ class PolicyLoss:
                              f"got {self.rollout_correction!r}")
         if not self.correction_cap > 1:
             raise ValueError(f"correction_cap must be > 1, got {self.correction_cap}")
+        if self.loss == "gspo" and self.distill_coef != 0:
+            raise ValueError("loss='gspo' weighs a row's tokens by one sequence ratio; per-token advantages (a teacher) "
+                             "need pg or cispo")
         if self.loss_norm == "constant" and self.max_new_tokens < 1:
             raise ValueError("loss_norm='constant' divides by max_new_tokens; pass the rollouts' length cap (>= 1)")
 
@@ -371,3 +390,32 @@ def sampler_gap_sums(gap, known, corrected, sums=None):
     if sums is None:
         return values
     return torch.cat([sums[:2] + values[:2], torch.maximum(sums[2:3], values[2:3]), sums[3:] + values[3:]])
+
+
+# On-policy distillation's per-token advantages (the module docstring), every argument (N,) over a forward's tokens
+def token_advantages(loss, row_advantages, teacher_logp=None, student_logp=None):
+    """(N,) each sampled token's advantage: loss.reward_coef * its row's reward advantage (N,), plus, with a teacher,
+    loss.distill_coef * (teacher_logp - student_logp) (both (N,), the student's detached)."""
+    advantages = row_advantages if loss.reward_coef == 1 else loss.reward_coef * row_advantages
+    if teacher_logp is None:
+        return advantages
+    return advantages + loss.distill_coef * (teacher_logp - student_logp.detach())
+
+
+def per_token_values(loss, row_values, teacher_logp=None, student_logp=None):
+    """epoch_objective's row_values(name) with per-token advantages (token_advantages) in place of the rows': its
+    "advantages", and "weights" = advantages / denominators; "denominators" the rows' (a row's normalization is
+    the reward's). Each (N,)."""
+    def values(name):
+        if name == "denominators":
+            return row_values(name)
+        advantages = token_advantages(loss, row_values("advantages"), teacher_logp, student_logp)
+        return advantages if name == "advantages" else advantages / row_values("denominators")
+    return values
+
+
+def distill_sums(logp, teacher_logp):
+    """(2,) device sums over a chunk's tokens: log p_student - log p_teacher (the reverse KL's estimate) and
+    log p_teacher."""
+    logp = logp.detach()
+    return torch.stack([(logp - teacher_logp).sum(), teacher_logp.sum()]).float()

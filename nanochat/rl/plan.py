@@ -25,7 +25,7 @@ from nanochat.engine.spec import (FIXED_GB, RolloutSpec, resolve_memory_budget, 
                                   rollout_decode_mode, run_decode_mode)
 from nanochat.model.head import HEAD_CHUNK_TOKENS
 from nanochat.model.precision import MARGIN, PREFERENCE, fastest_rollout_dtype, fastest_training_dtype, rank0_choice
-from nanochat.optim.training_memory import optimizer_bytes, training_peak_bytes
+from nanochat.optim.training_memory import optimizer_bytes, teacher_forward_bytes, training_peak_bytes
 from nanochat.runtime.distributed import print0
 from nanochat.runtime.dtypes import compute_dtype, dtype_name
 
@@ -173,7 +173,7 @@ def resolve_compute_plan(config, model, tokenizer, train_task, device, world_siz
 
 
 def resolve_memory(config, model, device, optimizers, rows, rollout_dtype, compiled_training=False, rollout_rows=0,
-                   prompt_tokens=0):
+                   prompt_tokens=0, teacher=None):
     """--memory-budget-gb in GiB, for rollouts in `rollout_dtype`: the KV caches' budget once the model and optimizer
     state are in memory and a training forward of `rows` rows is reserved: rows of up to ceil(rows / --num-samples)
     + 1 questions (a forward spans questions), their prompts at most the model's sequence length, and the head's
@@ -184,8 +184,10 @@ def resolve_memory(config, model, device, optimizers, rows, rollout_dtype, compi
     budget in GiB)."""
     def budget(rows):  # what training reserves counted here (nanochat/optim/training_memory.py), the rest the engine's
         head_tokens = None if compiled_training else min(rows * config.max_new_tokens, HEAD_CHUNK_TOKENS)
-        peak = training_peak_bytes(model.config, rows, config.max_new_tokens, model.config.sequence_len,
-                                   -(-rows // config.num_samples) + 1, head_tokens) if rows else 0
+        shape = (rows, config.max_new_tokens, model.config.sequence_len, -(-rows // config.num_samples) + 1, head_tokens)
+        peak = training_peak_bytes(model.config, *shape) if rows else 0
+        if teacher is not None and rows:  # its no-grad forward, beside the student's activations (its weights are
+            peak += teacher_forward_bytes(teacher.config, *shape)  # loaded: measured with the free memory)
         return resolve_memory_budget(config.memory_budget_gb, model, device, getattr(torch, rollout_dtype),
                                      optimizer=optimizer_bytes(model, optimizers) if optimizers else 0,
                                      training_peak=peak)

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from nanochat.compiling.functions import maybe_compiled
-from nanochat.rl.objective import (MASK_CORRECTIONS, PolicyLoss, QuestionRows, epoch_objective, rollout_correction_weights,
-                                   sampler_gap, sampler_gap_sums, step_counts, trainable_targets)
+from nanochat.rl.objective import (MASK_CORRECTIONS, PolicyLoss, QuestionRows, epoch_objective, per_token_values,
+                                   rollout_correction_weights, sampler_gap, sampler_gap_sums, step_counts,
+                                   trainable_targets)
 from nanochat.runtime.device import to_device
 
 
@@ -41,6 +42,9 @@ class TrainStats:
     sampler_gap_max: float = 0.0     #   max |logp - sampler logp|
     sampler_k3: float = 0.0          #   mean k3 estimate of KL(sampler || trainer)
     corrected_fraction: float = 0.0  #   tokens the rollout correction changed (token-tis: capped; sequence-mask: dropped)
+    teacher_logprobs: list = None    # first epoch, with a teacher: per question (R, T) its log-probabilities
+    reverse_kl: float = None         # first epoch, with a teacher: mean over the tokens of logp - teacher logp
+    teacher_logprob: float = None    #   and mean teacher logp
 
 
 def _trained_rows(targets, weights, any_weight=False):
@@ -116,7 +120,8 @@ def compiled_chunk_forward(on, required=False):
 
 def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_rank, device, autocast,
                                micro_batch_rows=None, share_prompt=True, skip_zero_advantage=True,
-                               loss=None, counts=None, reference=None, first_epoch=None, forward=chunk_logprobs):
+                               loss=None, counts=None, reference=None, first_epoch=None, forward=chunk_logprobs,
+                               teacher=None):
     """Forward/backward the step's rows, accumulating the policy gradient into the model.
 
     batches: this rank's QuestionBatch list. By default the objective is nanochat's: each question's rows
@@ -140,27 +145,33 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
     after an out-of-memory) gives the same gradient. The model provides hidden_states, hidden_states_shared_prefix
     (of several prompts) and sampled_logprobs, as GPT does. Every parameter ends with a gradient (zeros if no
     row was trained here), so that distributed optimizers see the same tensors on every rank.
-    forward: the chunk forward of the policy and the reference (chunk_logprobs, or its compiled version).
+    forward: the chunk forward of the policy, the reference and the teacher (chunk_logprobs, or its compiled version).
+    teacher: with loss.distill_coef > 0, the Teacher (nanochat/rl/resume.py) whose log-probabilities make each
+    token's advantage; then every row with a sampled token runs (its distillation term is known only from the
+    forward), as with the KL penalty.
     Returns TrainStats."""
     loss = loss or PolicyLoss()
     first = first_epoch is None
-    use_kl = loss.kl_coef > 0
+    use_kl, distill = loss.kl_coef > 0, loss.distill_coef > 0
     if use_kl and first and reference is None:
         raise ValueError("kl_coef > 0 needs the reference model (reference=...)")
+    if distill and first and teacher is None:
+        raise ValueError("distill_coef > 0 needs the teacher (teacher=...)")
     if loss.loss_norm != "pass" and counts is None:
         counts = step_counts(batches, loss.mask_truncated, device)
-    tally = _Tally.of_epoch(first_epoch, use_kl, loss.rollout_correction != "none")
+    tally = _Tally.of_epoch(first_epoch, use_kl, loss.rollout_correction != "none", distill)
     trained = []  # (question, row) of every row to run, in question order
     for q, batch in enumerate(batches):
         question = QuestionRows.of(q, batch, loss, device_batch_size, examples_per_rank, counts)
         R = question.targets.size(0)
-        rows = _trained_rows(question.targets, question.weights, any_weight=use_kl) if skip_zero_advantage else list(range(R))
+        rows = (_trained_rows(question.targets, question.weights, any_weight=use_kl or distill) if skip_zero_advantage
+                else list(range(R)))
         tally.add_question(question.targets, len(rows), first, device)
         trained += [(question, r) for r in rows]
     micro = micro_batch_rows or device_batch_size
     for lo in range(0, len(trained), micro):
         chunk = _Chunk.of(trained[lo:lo + micro], share_prompt)
-        _backward_chunk(model, chunk, loss, first, reference, device, autocast, tally, forward)
+        _backward_chunk(model, chunk, loss, first, (reference, teacher), device, autocast, tally, forward)
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -265,13 +276,17 @@ class _Tally:
     approx_kl_sum: float = 0.0
     kl_ref_sum: float = 0.0
     sampler: list = None  # device sums over the chunks: tokens, |d| sum, |d| max, k3 sum, corrected tokens
+    teacher_logprobs: list = None  # with a teacher: per question (R, T), kept by the first epoch
+    distill: object = None         # first epoch, with a teacher: device sums (logp - teacher logp, teacher logp)
 
     @classmethod
-    def of_epoch(cls, first_epoch, use_kl, correct):
+    def of_epoch(cls, first_epoch, use_kl, correct, distill=False):
         """A first epoch's tally (first_epoch None) keeps its tokens' values for the later epochs, which read them."""
         if first_epoch is not None:
-            return cls(first_epoch.old_logprobs, first_epoch.ref_logprobs, first_epoch.correction_weights)
-        return cls(old_logprobs=[], ref_logprobs=[] if use_kl else None, correction_weights=[] if correct else None)
+            return cls(first_epoch.old_logprobs, first_epoch.ref_logprobs, first_epoch.correction_weights,
+                       teacher_logprobs=first_epoch.teacher_logprobs)
+        return cls(old_logprobs=[], ref_logprobs=[] if use_kl else None, correction_weights=[] if correct else None,
+                   teacher_logprobs=[] if distill else None)
 
     def add_question(self, targets, rows_trained, first, device):
         """Count a question's rows (targets (R, T)); in the first epoch, room for what is kept of its tokens, at
@@ -284,6 +299,8 @@ class _Tally:
                 self.ref_logprobs.append(torch.zeros(targets.shape, device=device))
             if self.correction_weights is not None:
                 self.correction_weights.append(torch.ones(targets.shape, device=device))
+            if self.teacher_logprobs is not None:
+                self.teacher_logprobs.append(torch.zeros(targets.shape, device=device))
 
     def add_chunk(self, terms, entropy, tokens):
         """A forward's EpochTerms and mean entropy (kept on the device) over its `tokens` sampled tokens."""
@@ -313,6 +330,8 @@ class _Tally:
         per_token = lambda total: total / self.tokens if self.tokens else 0.0
         tokens, gap_sum, gap_max, k3_sum, corrected = self.sampler.tolist() if self.sampler is not None else [0.0] * 5
         per_sampled = lambda total: total / tokens if tokens else 0.0
+        reverse_kl, teacher_logprob = (map(per_token, self.distill.tolist()) if self.distill is not None
+                                       else (0.0, 0.0) if first and self.teacher_logprobs is not None else (None, None))
         return TrainStats(objective=self.objective, entropy=self.entropy_sum / self.tokens if self.tokens else float("nan"),
                           rows_trained=self.rows_trained, rows_total=self.rows_total, tokens=self.tokens,
                           clip_fraction=None if first else per_token(self.clipped),
@@ -321,7 +340,8 @@ class _Tally:
                           old_logprobs=self.old_logprobs, ref_logprobs=self.ref_logprobs,
                           correction_weights=self.correction_weights, sampler_tokens=int(tokens),
                           sampler_gap_mean=per_sampled(gap_sum), sampler_gap_max=gap_max, sampler_k3=per_sampled(k3_sum),
-                          corrected_fraction=per_sampled(corrected))
+                          corrected_fraction=per_sampled(corrected), teacher_logprobs=self.teacher_logprobs,
+                          reverse_kl=reverse_kl, teacher_logprob=teacher_logprob)
 
 
 class _Tokens:
@@ -372,15 +392,21 @@ class _Tokens:
             stored[q][where] = values[span]
 
 
-def _backward_chunk(model, chunk, loss, first, reference, device, autocast, tally, forward):
+def _backward_chunk(model, chunk, loss, first, frozen, device, autocast, tally, forward):
     """Forward and backward the rows of `chunk` (a _Chunk), adding their objective (objective.epoch_objective, where
-    every option of the loss applies) to the model's gradient and its sums to the tally."""
+    every option of the loss applies) to the model's gradient and its sums to the tally. frozen: (the KL penalty's
+    reference, the distillation's Teacher), each None where unused."""
+    reference, teacher = frozen
     tokens = _Tokens(chunk, device)
     with autocast:  # the log-probabilities are computed in fp32 inside, whatever autocast says
         logp, entropy = forward(model, *tokens.forward_inputs)  # (N,) the sampled tokens' log-probabilities
     correction, old_logp, ref_logp = _epoch_inputs(logp, tokens, loss, first, tally, reference, autocast, forward)
-    terms = epoch_objective(loss, first, logp, lambda name: tokens.per_row(name, logp.dtype), tokens.row_index,
-                            tokens.num_rows, correction, old_logp=old_logp, ref_logp=ref_logp)
+    row_values = lambda name: tokens.per_row(name, logp.dtype)
+    if loss.per_token:  # not nanochat's path (its row weights, divided on the host): per-token advantages
+        distilled = teacher.chunk_logprobs(logp, tokens, first, tally, forward) if teacher else (None, None)
+        row_values = per_token_values(loss, row_values, *distilled)
+    terms = epoch_objective(loss, first, logp, row_values, tokens.row_index, tokens.num_rows, correction,
+                            old_logp=old_logp, ref_logp=ref_logp)
     (-terms.objective).backward()
     tally.add_chunk(terms, entropy, tokens.count)
 

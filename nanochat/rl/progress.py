@@ -47,9 +47,10 @@ def remaining_seconds(step_seconds, steps_left, eval_seconds=(), evals_left=0):
     return train, evals
 
 
-def step_record(run, step, rollouts, result, t_rollout, t_train, trained=None):
+def step_record(run, step, rollouts, result, t_rollout, t_train, trained=None, t_teacher=None):
     """The step's metrics over all ranks, as logged to wandb and kept in the run's history. rollouts: every question
-    the step sampled; trained: those it trained on, when --dynamic-sampling drew more (its count is logged)."""
+    the step sampled; trained: those it trained on, when --dynamic-sampling drew more (its count is logged);
+    t_teacher: with --teacher, its forwards' seconds (within t_train)."""
     compiled = run.compile_clock.lap()  # graphs compiled and their calls' seconds, since the last record
     metrics = drop_unmeasured(reduce_metrics(
         {**rollout_metrics([r.rewards for r in rollouts], [r.completions for r in rollouts], run.config.max_new_tokens,
@@ -62,6 +63,7 @@ def step_record(run, step, rollouts, result, t_rollout, t_train, trained=None):
     return {"step": step, **metrics, "reward": metrics["reward_mean"], "sequence_length": metrics["seq_len_mean"],
             "completion_length": metrics["completion_len_mean"], "lrm": result.lrm, "grad_norm": result.grad_norm,
             "time/rollout": t_rollout, "time/train": t_train, "rollout_tokens_per_s": num_tokens / max(t_rollout, 1e-9),
+            **({"time/teacher": t_teacher} if t_teacher is not None else {}),
             **(run.loss_scale.record() if getattr(run, "loss_scale", None) else {})}  # fp16: the same on every rank
 
 
@@ -70,7 +72,7 @@ def report_step(run, step, outcome, run_start):
     printed (elapsed since time.time() was run_start), a no-signal streak warned of, its samples saved
     (--save-rollouts). Returns the record, for wandb."""
     record = step_record(run, step, outcome.drawn, outcome.result, outcome.t_rollout, outcome.t_train,
-                         trained=outcome.trained)
+                         trained=outcome.trained, t_teacher=outcome.t_teacher)
     # the ETA's seconds: compiling is one-off
     run.progress.record_step(record, max(outcome.t_rollout + outcome.t_train - record["compile_s"], 0.0))
     print0(format_step_line(run, record, time.time() - run_start))
@@ -111,6 +113,9 @@ def format_step_line(run, m, elapsed):
         fields.append(f"PPO clipped: {m['clip_fraction']:.1%}, KL to the old policy {m['approx_kl']:.2e}")
     if "kl_ref" in m:  # --kl-coef
         fields.append(f"KL to the reference: {m['kl_ref']:.2e}")
+    if "reverse_kl" in m:  # --teacher
+        fields.append(f"Teacher: reverse KL {m['reverse_kl']:.3e}, log-prob {m['teacher_logprob']:.3f}, "
+                      f"{m['time/teacher']:.2f}s")
     if m.get("sampler_tokens"):  # on the steps that trained a token
         corrected = run.config.rollout_correction != "none"
         fields.append(f"Sampler gap: mean {m['sampler_gap_mean']:.1e}, max {m['sampler_gap_max']:.1e}, "

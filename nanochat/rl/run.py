@@ -32,7 +32,7 @@ from nanochat.rl.plan import (RunPlan, auto_compile_of, describe_plan, resolve_c
 from nanochat.rl.policy_gradient import (TrainStats, accumulate_policy_gradient, chunk_logprobs, compiled_chunk_forward,
                                          without_rejected_tokens)
 from nanochat.rl.progress import RolloutLog, RunProgress, drop_rollouts_after
-from nanochat.rl.resume import load_reference, load_start, prepare_output_dir, restore_optimizers
+from nanochat.rl.resume import load_reference, load_start, load_teacher, prepare_output_dir, restore_optimizers
 from nanochat.rl.rollout import (Sampling, StepRollouts, has_signal, longest_prompt, question_indices_at, question_seed,
                                  sample_questions, step_questions)
 from nanochat.runtime.device import with_fewer_rows_on_oom
@@ -63,6 +63,7 @@ class RLRun:
     num_steps: int
     start_step: int
     device: torch.device
+    teacher: object = None                 # --teacher's Teacher (nanochat/rl/resume.py), or None
     rank: int = 0
     world_size: int = 1
     lean: bool = True  # train only rows with an advantage, each prompt once a forward (False: nanochat's way)
@@ -123,7 +124,8 @@ class RLRun:
             result = train_on_rollouts(self, trained, step)
             count_bad_step(self, step, result)
             t_train = clock() - t0
-        return StepOutcome(sampled.drawn, trained, result, t_rollout, t_train)
+        return StepOutcome(sampled.drawn, trained, result, t_rollout, t_train,
+                           self.teacher.take_seconds() if self.teacher else None)
 
     def snapshot(self, step):
         """What a checkpoint of `step` holds: the model (rank 0), this rank's optimizer shard, the meta."""
@@ -141,6 +143,7 @@ class StepOutcome:
     result: object
     t_rollout: float
     t_train: float
+    t_teacher: float = None  # the teacher's forwards, within t_train (--teacher), or None
 
 
 class NonFiniteStepsError(UserError):
@@ -174,7 +177,8 @@ def policy_loss_of(config):
                       mask_truncated=config.mask_truncated, clip_low=config.clip_low, clip_high=config.clip_high,
                       kl_coef=config.kl_coef, rollout_correction=config.rollout_correction,
                       correction_cap=config.rollout_correction_cap,
-                      rejected_in_denominator=config.rejected_tokens == "counted")
+                      rejected_in_denominator=config.rejected_tokens == "counted", reward_coef=config.reward_coef,
+                      distill_coef=config.distill_coef)
 
 
 def setup_run(config, resume, target, rank, world_size, device):
@@ -202,8 +206,13 @@ def setup_run(config, resume, target, rank, world_size, device):
     reference = load_reference(start, device, config.model_generation) if config.kl_coef > 0 else None
     if reference is not None:
         compile_models(compiling, reference)
+    teacher = load_teacher(config, model, tokenizer, device, resolved["rollout_dtype"], start,
+                           resumed=meta.get("teacher") if config.resume else None) if config.teacher else None
+    if teacher is not None:
+        compile_models(compiling, teacher.model)
     rows, budget = resolve_memory(config, model, device, optimizers, rows, resolved["rollout_dtype"],
                                   compiled_training=compiling.train or "train" in measured,
+                                  teacher=teacher and teacher.model,
                                   rollout_rows=config.examples_per_step // world_size * config.num_samples,
                                   prompt_tokens=longest_prompt(tokenizer, train_task) if device.type == "cuda" else 0)
     spec = run_rollout_spec(config, device, compiling, auto_compile, budget, resolved["rollout_dtype"])
@@ -224,7 +233,7 @@ def setup_run(config, resume, target, rank, world_size, device):
                      compiled=compiling.train or bool(auto_compile and auto_compile.compiled_now("train")),
                      loss_scale=loss_scale_for(plan, resumed), auto_compile=auto_compile, start_checkpoint=start,
                      segments=segments, checkpoint_dir=checkpoint_dir, resumed=resumed,
-                     extra_eval_tasks=extra_eval_tasks)
+                     extra_eval_tasks=extra_eval_tasks, teacher=teacher)
 
 
 def build_run(config, plan, model, tokenizer, engine, optimizers, tasks, device, steps, rows, compiled, ranks=(0, 1),
@@ -363,7 +372,7 @@ def train_on_rollouts(run, rollouts, step):
             return accumulate_policy_gradient(run.model, batches, cfg.device_batch_size, run.examples_per_rank, run.device,
                                               run.autocast(), micro_batch_rows=rows, loss=run.policy_loss, counts=counts,
                                               reference=run.reference, first_epoch=first, forward=run.forward,
-                                              share_prompt=run.lean, skip_zero_advantage=run.lean)
+                                              share_prompt=run.lean, skip_zero_advantage=run.lean, teacher=run.teacher)
         last, run.micro_rows = with_fewer_rows_on_oom(attempt, run.micro_rows, "out of memory during training: "
                                                       "retrying with {rows} rows per forward pass",
                                                       free_memory=lambda: give_back_rollout_memory(run.engine))
@@ -403,4 +412,5 @@ def meta_data(run, step):
             "eval_history": run.progress.eval_history, "run_id": run.run_id, "world_size": run.world_size,
             "segments": run.segments, "loss_scale": run.loss_scale.state_dict() if run.loss_scale else None,
             "data_position": run.progress.data_position,
+            "teacher": run.teacher.checkpoint if run.teacher else None,
             "compile_auto": run.auto_compile.state() if run.auto_compile and run.plan.compile == "auto" else None}

@@ -157,3 +157,25 @@ def test_cudas_auto_train_rows_give_way_when_their_reserve_would_cut_the_rollout
     assert rows_and_budget(135) == (64, 63.2)
     assert rows_and_budget(70, train_rows=64) == (64, 4.7)
     assert rows_and_budget(70, device="cpu", rows=16) == (16, 4.0)
+
+
+def test_a_distillation_teachers_forward_is_reserved_beside_trainings(free_memory):
+    """--teacher: the teacher's no-grad forward of a training chunk runs while the student's activations are held, so
+    the auto budget reserves it too: two layers' activations of the chunk's tokens at the teacher's width and one
+    chunk of its logits (a d26 teacher of a d20: 16 rows of 256 tokens and 2 prompts of up to 2048; the teacher's
+    weights are in memory already, measured with the free memory)."""
+    from nanochat.model.head import HEAD_CHUNK_TOKENS
+    from nanochat.rl.plan import resolve_memory
+    with torch.device("meta"):
+        d20 = GPT(GPTConfig(sequence_len=2048, vocab_size=65536, n_layer=20, n_head=10, n_kv_head=10, n_embd=1280))
+        d26 = GPT(GPTConfig(sequence_len=2048, vocab_size=65536, n_layer=26, n_head=13, n_kv_head=13, n_embd=1664))
+    free_memory[0] = 135 * GiB
+    config = SimpleNamespace(memory_budget_gb="auto", max_new_tokens=256, num_samples=16, train_rows=16,
+                             device_batch_size=8)
+    budgets = [resolve_memory(config, d20, torch.device("cuda"), [], 16, "bfloat16", teacher=teacher)[1]
+               for teacher in (None, d26)]
+    tokens = 16 * 256 + 2 * 2048
+    teacher_bytes = 2 * (24 * 4) * 1664 * tokens + (6 * 4) * 65536 * min(16 * 256, HEAD_CHUNK_TOKENS)
+    assert training_memory.teacher_forward_bytes(d26.config, 16, 256, 2048, 2, min(16 * 256, HEAD_CHUNK_TOKENS)) \
+        == teacher_bytes
+    assert (budgets[0] - budgets[1]) * GiB == pytest.approx(0.9 * teacher_bytes, abs=2)

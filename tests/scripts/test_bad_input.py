@@ -23,6 +23,8 @@ EXPECTED = {
     "no checkpoint in the model dir": ["no model_<step>.pt files in", "chatsft_checkpoints/d2", "--model-tag"],
     "tokenizer missing": ["no tokenizer at", "tokenizer.pkl", "scripts.tok_train"],
     "model and tokenizer vocab differ": ["vocab size 400", "512", "tokenizer"],
+    "--teacher trained with another tokenizer": ["teacher sft:t3:0", "(vocab 512)", "student sft:d2:0 (vocab 400)",
+                                                 "must share the student's tokenizer"],
     "checkpoint truncated": ["model_000000.pt", "truncated", "--model-step"],
     "checkpoint is random bytes": ["model_000000.pt", "corrupted", "--model-step"],
     "checkpoint meta is cut-off json": ["meta_000000.json", "not valid json", "--model-step"],

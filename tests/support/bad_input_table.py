@@ -133,6 +133,12 @@ def _vocab_mismatch(base):
     return {}
 
 
+def _teacher_of_another_tokenizer(base):
+    """A teacher checkpoint (chatsft_checkpoints/t3) whose model was trained with a 512-token tokenizer."""
+    make_sft_checkpoint(base, 512, noise=0, sequence_len=64, tag="t3")
+    return {}
+
+
 def _truncated_checkpoint(base):
     path = base / SFT_MODEL
     data = path.read_bytes()
@@ -281,6 +287,8 @@ CASES = [
          setup=_no_interpreter_and_no_checkpoint),
     Case("--decode-kernels=triton with --compile=on", flags=["--decode-kernels=triton", "--compile=on"],
          setup=_empty_base_dir),
+    Case("--teacher trained with another tokenizer", flags=["--model-tag=d2", "--teacher=sft:t3", "--distill-coef=1"],
+         setup=_teacher_of_another_tokenizer),
 ]
 
 

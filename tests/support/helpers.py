@@ -94,13 +94,13 @@ TINY_RL_FLAGS = ["--task=rl_toy_task:ParityTask", "--device-type=cpu", "--dtype=
                  "--temperature=1.0"]
 
 
-def make_sft_checkpoint(base_dir, vocab_size, seed=0, noise=0.2, **overrides):
-    """A random tiny model (SFT_CONFIG with `overrides`, see random_model for seed and noise) saved as step 0
-    where chat_rl looks for an SFT checkpoint: base_dir/chatsft_checkpoints/d2. Returns the model."""
+def make_sft_checkpoint(base_dir, vocab_size, seed=0, noise=0.2, tag="d2", step=0, **overrides):
+    """A random tiny model (SFT_CONFIG with `overrides`, see random_model for seed and noise) saved as step `step`
+    where chat_rl looks for an SFT checkpoint: base_dir/chatsft_checkpoints/<tag> (d2). Returns the model."""
     config = tiny_config(**{**SFT_CONFIG, "vocab_size": vocab_size, **overrides})
     model = random_model(config, seed, noise)
-    save_checkpoint(str(Path(base_dir) / "chatsft_checkpoints" / "d2"), 0, model.state_dict(), None,
-                    {"model_config": asdict(config), "step": 0})
+    save_checkpoint(str(Path(base_dir) / "chatsft_checkpoints" / tag), step, model.state_dict(), None,
+                    {"model_config": asdict(config), "step": step})
     return model
 
 

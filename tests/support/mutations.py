@@ -16,7 +16,8 @@ The first eight are issue 59's: bugs a reviewer put into features whose own test
 same kinds in the RL objective, the rollouts, the optimizers, the checkpoints, the engine's rows and the FlexAttention
 variant of the shared-prompt attention; issue 67's (what got through the suite III, and bugs of the same kinds in the
 compile rule, the rollout corrections and rejected tokens, the eval tasks, the calculator, the plan's --keep-last,
-pruning, the checkpointer, the scheduler, pass@k, the run's progress); issue 66's Triton kernels.
+pruning, the checkpointer, the scheduler, pass@k, the run's progress); issue 66's Triton kernels; issue 75's
+on-policy distillation.
 """
 
 import os
@@ -475,6 +476,62 @@ MUTATIONS = [
              "            raise e.with_kept(self.kept()) from e", "            raise",
              ("tests/scripts/test_bad_input.py::test_full_disk_during_save_leaves_earlier_checkpoints_intact",),
              "a checkpoint that could not be written, without the step the run kept"),
+    # ------------------------------------------------------------------ issue 75's: on-policy distillation
+    Mutation("distill-term-sign", "nanochat/rl/objective.py",
+             "advantages + loss.distill_coef * (teacher_logp - student_logp.detach())",
+             "advantages + loss.distill_coef * (student_logp.detach() - teacher_logp)",
+             ("tests/rl/test_distillation.py::test_one_steps_gradient_is_the_hand_written_distillation_loss",),
+             "the teacher's term with the wrong sign: the student pushed away from the teacher"),
+    Mutation("distill-weight-not-divided", "nanochat/rl/objective.py",
+             'return advantages if name == "advantages" else advantages / row_values("denominators")',
+             'return advantages',
+             ("tests/rl/test_distillation.py::test_one_steps_gradient_is_the_hand_written_distillation_loss",),
+             "per-token weights left undivided by the rows' denominators"),
+    Mutation("reward-coef-ignored", "nanochat/rl/objective.py",
+             "advantages = row_advantages if loss.reward_coef == 1 else loss.reward_coef * row_advantages",
+             "advantages = row_advantages",
+             ("tests/rl/test_distillation.py::test_one_steps_gradient_is_the_hand_written_distillation_loss",), "--reward-coef has no effect"),
+    Mutation("distill-zero-advantage-rows-skipped", "nanochat/rl/policy_gradient.py",
+             "any_weight=use_kl or distill)", "any_weight=use_kl)",
+             ("tests/rl/test_distillation.py::test_one_steps_gradient_is_the_hand_written_distillation_loss",),
+             "rows of reward advantage 0 skipped though they carry the teacher's term"),
+    Mutation("distill-later-epoch-student-now", "nanochat/rl/resume.py",
+             "return tokens.gather(tally.teacher_logprobs), tokens.gather(tally.old_logprobs)",
+             "return tokens.gather(tally.teacher_logprobs), logp.detach()",
+             ("tests/rl/test_distillation.py::test_a_later_ppo_epoch_keeps_the_first_epochs_per_token_advantages",),
+             "a later PPO epoch's advantage taken from its own forward: it moves within the step"),
+    Mutation("reverse-kl-sign", "nanochat/rl/objective.py",
+             "torch.stack([(logp - teacher_logp).sum(), teacher_logp.sum()])",
+             "torch.stack([(teacher_logp - logp).sum(), teacher_logp.sum()])",
+             ("tests/rl/test_distillation.py::test_one_steps_gradient_is_the_hand_written_distillation_loss",),
+             "the logged reverse KL is the forward difference's negative"),
+    Mutation("teacher-reresolved-on-resume", "nanochat/rl/resume.py",
+             "    if resumed:\n        return dict(resumed)\n", "",
+             ("tests/rl/test_distillation.py::test_resume_with_a_teacher_is_the_uninterrupted_run",),
+             "--resume loads the teacher's latest step, not the one the run was taught by"),
+    Mutation("teacher-not-in-meta", "nanochat/rl/run.py",
+             '"teacher": run.teacher.checkpoint if run.teacher else None,', '"teacher": None,',
+             ("tests/rl/test_distillation.py::test_resume_with_a_teacher_is_the_uninterrupted_run",),
+             "the meta does not record the teacher"),
+    Mutation("teacher-tokenizer-unchecked", "nanochat/rl/resume.py",
+             "    if vocab != student.config.vocab_size:\n", "    if False:\n",
+             ("tests/scripts/test_bad_input.py::test_bad_input_is_one_line_and_exit_2[--teacher trained with another "
+              "tokenizer]",),
+             "a teacher of another tokenizer meets the loader's error, which names neither model"),
+    Mutation("teacher-forward-other-inputs", "nanochat/rl/resume.py",
+             "teacher_logp = self.logprobs(forward, tokens.forward_inputs).float()",
+             "teacher_logp = self.logprobs(forward, tokens.forward_inputs).float().roll(1)",
+             ("tests/rl/test_distillation.py::test_a_teacher_that_is_the_student_adds_nothing_and_the_sampler_would_add_its_gap",
+              "tests/rl/test_distillation.py::test_one_steps_gradient_is_the_hand_written_distillation_loss"),
+             "the teacher's log-probabilities matched with the wrong tokens"),
+    Mutation("teacher-reserve-missing", "nanochat/rl/plan.py",
+             "peak += teacher_forward_bytes(teacher.config, *shape)", "peak += 0",
+             ("tests/engine/test_memory_budget.py::test_a_distillation_teachers_forward_is_reserved_beside_trainings",),
+             "the teacher's forward left out of the memory plan: the KV cache takes what it needs"),
+    Mutation("reward-coef-default", "nanochat/rl/config.py",
+             "reward_coef=flag(ALGORITHM, 1.0,", "reward_coef=flag(ALGORITHM, 0.5,",
+             ("tests/rl/test_distillation.py::test_the_new_flags_at_their_defaults_are_todays_run",),
+             "the default run weighs nanochat's advantage by half: no longer today's run"),
 ]
 
 # ---------------------------------------------------------------------- issue 73's: every comparison of the kernels

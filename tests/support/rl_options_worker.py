@@ -19,6 +19,7 @@ from helpers import TableModel
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.objective import LOSS_NORMS, PolicyLoss, step_counts
 from nanochat.rl.policy_gradient import accumulate_policy_gradient, without_rejected_tokens
+from nanochat.rl.resume import Teacher
 
 VOCAB, PAD, DEVICE_BATCH_SIZE, MAX_NEW_TOKENS, STEP = 32, 0, 2, 6, 0.5
 # every normalization, plain and with truncated rows masked plus the KL penalty; then masking rollout corrections
@@ -27,7 +28,12 @@ CASES = [dict(loss_norm=norm, mask_truncated=masked, kl_coef=0.05 if masked else
          for norm in LOSS_NORMS for masked in (False, True)] + [
     dict(loss_norm=norm, rollout_correction=correction, correction_cap=cap, rejected_in_denominator=counted)
     for norm, correction, cap in (("token", "token-mask", 1.5), ("sequence", "geo-mask", 2.0))
-    for counted in (True, False)]
+    for counted in (True, False)] + [
+    # on-policy distillation (a teacher: run_case's): per-token advantages with each normalization's step counts,
+    # the reward weighed or off, a CISPO second epoch, the KL penalty and a rollout correction beside it
+    dict(loss_norm="pass", distill_coef=0.5), dict(loss_norm="token", distill_coef=1.0, reward_coef=0.0),
+    dict(loss_norm="sequence", distill_coef=0.3, reward_coef=2.0, loss="cispo"),
+    dict(loss_norm="constant", distill_coef=0.5, kl_coef=0.05, rollout_correction="token-tis", mask_truncated=True)]
 
 
 def questions():
@@ -60,12 +66,14 @@ def run_case(case, batches, examples_per_rank, average):
     model = TableModel(VOCAB)
     torch.manual_seed(1)
     reference = TableModel(VOCAB)
+    torch.manual_seed(2)
+    teacher = Teacher(TableModel(VOCAB), nullcontext(), {})  # used where the case has a distill_coef
     loss = PolicyLoss(max_new_tokens=MAX_NEW_TOKENS, clip_low=0.2, clip_high=0.28, **case)
     batches, dropped = without_rejected_tokens(model, batches, loss, DEVICE_BATCH_SIZE, "cpu", nullcontext())
     counts = step_counts(batches, loss.mask_truncated, "cpu")
     run = lambda first: accumulate_policy_gradient(model, batches, DEVICE_BATCH_SIZE, examples_per_rank, "cpu",
                                                    nullcontext(), loss=loss, counts=counts, reference=reference,
-                                                   first_epoch=first)
+                                                   first_epoch=first, teacher=teacher)
     first = run(None)
     grad1 = average(model.table.grad.clone())
     with torch.no_grad():
