@@ -22,7 +22,7 @@ from nanochat.engine.decode_steps import DecodeKernelsError
 from nanochat.engine.spec import NoMemoryForRolloutsError
 from nanochat.errors import SettingError, UserError
 from nanochat.rl.config import GROUPS, RLConfig
-from nanochat.rl.resume import NoStartCheckpointError, ResumeError, RunExistsError
+from nanochat.rl.resume import LongerRunError, NoStartCheckpointError, ResumeError, RunExistsError, given_flag
 from nanochat.rl.run import NonFiniteStepsError
 from nanochat.runtime.distributed import cleanup_after_error, get_rank
 from nanochat.settings import SCRIPT_DEFAULTS, SHARED
@@ -206,6 +206,10 @@ def decode_kernels_line(e):
 LINES = {
     DecodeKernelsError: decode_kernels_line,
     ResumeError: resume_line,
+    LongerRunError: lambda e: (f"{given_flag(e.setting, e.value)}: run {e.tag} was planned with {e.planned} steps, over "
+                               f"which its learning rate decays (--lr-schedule={e.schedule}), and --resume continues it "
+                               f"to that end, not further; to train it further, start a new run from its last "
+                               f"checkpoint: {e.further}"),
     GraphsNeedCudaError: lambda e: (f"--decode {e.problem} (torch sees no CUDA device, or --device-type chose another); "
                                     f"use --decode=static (the same step, run eagerly) or --decode=auto"),
     NoStartCheckpointError: lambda e: ("--kl-coef > 0 needs the checkpoint the run started from, and this run's meta "

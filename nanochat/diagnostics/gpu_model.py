@@ -1,6 +1,6 @@
 """
 A model of one decode step's GPU time, kernel by kernel, for the hand-written torch step and the Triton step, at
-nanochat's d20 shapes: `python -m nanochat.diagnostics.gpu_model` prints both steps' tables on an H200 and an H100,
+nanochat's d20 shapes: `python -m scripts.gpu_model` prints both steps' tables on an H200 and an H100,
 the calibration against what was measured, and the Triton step before and after its attention was split.
 
 Each kernel's work is recorded on the `meta` device (nanochat/diagnostics/gpu_kernel_work.py: bytes moved, FLOPs,
@@ -20,7 +20,6 @@ A step = its kernels + HOST_GAP_SECONDS (the host's part of a step that the GPU 
 forwards); `--keys=N` gives one step at N keys instead.
 """
 
-import argparse
 import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -213,19 +212,17 @@ def format_table(time, device, constants=Constants()):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    parser.add_argument("--keys", type=int, default=0, help="one step at this many completion keys (0: a rollout's "
-                        "mean)")
-    parser.add_argument("--calibrate", action="store_true", help="print the kernel cost that fits the H200 figure")
-    args = parser.parse_args(argv)
+def print_model(keys=0, calibrate=False):
+    """Print the model's tables (scripts/gpu_model.py): the hand-written step, the Triton step with its attention in one
+    kernel and split, on an H200 and an H100, at `keys` completion keys (0: a rollout's mean); the calibration against
+    what was measured; with `calibrate`, the kernel cost that fits the H200's figure."""
     workload = Workload()
-    points = [args.keys] if args.keys else rollout_keys(workload)
-    hand = [record_step("torch", keys, workload) for keys in points]
+    points = [keys] if keys else rollout_keys(workload)
+    hand = [record_step("torch", k, workload) for k in points]
     steps = {"hand-written": hand, "Triton, attention in one kernel (before)":
-             [record_step("triton", keys, workload, one_kernel_attention=True) for keys in points],
-             "Triton, attention split (now)": [record_step("triton", keys, workload) for keys in points]}
-    if args.calibrate:
+             [record_step("triton", k, workload, one_kernel_attention=True) for k in points],
+             "Triton, attention split (now)": [record_step("triton", k, workload) for k in points]}
+    if calibrate:
         print(f"KERNEL_SECONDS that fits the H200's {MEASURED_GPU_SECONDS * 1e3:.2f} ms of GPU busy a step: "
               f"{fit_kernel_seconds(hand) * 1e6:.2f} us")
     for what, predicted, measured in calibration(hand):
@@ -237,9 +234,5 @@ def main(argv=None):
             f"{name} {step_time(recorded, H200, constants).gpu_seconds * 1e3:.2f}" for name, recorded in steps.items()))
     for device in (H200, H100):
         for name, recorded in steps.items():
-            print(f"\n{name} step on an {device.name}, {'a rollout mean' if not args.keys else f'{args.keys} keys'}:")
+            print(f"\n{name} step on an {device.name}, {'a rollout mean' if not keys else f'{keys} keys'}:")
             print(format_table(step_time(recorded, device), device))
-
-
-if __name__ == "__main__":
-    main()

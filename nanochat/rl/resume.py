@@ -54,6 +54,18 @@ class ResumeError(UserError):
         self.fix, self.spec, self.tag, self.step, self.steps = fix, spec, tag, step, list(steps)
 
 
+class LongerRunError(UserError):
+    """A resumed run asked (by `setting` = `value`) for more steps than it planned: its learning rate decays over the
+    steps it planned (`schedule`), so it is not lengthened; `further` is the command of a new run from its last step.
+    The message states the facts; nanochat.cli writes the line with the flags."""
+
+    def __init__(self, setting, value, tag, planned, schedule, further):
+        super().__init__(f"run {tag} was planned with {planned} steps, over which its learning rate decays ({schedule} "
+                         f"schedule), and a resumed run continues it to that end, not further")
+        self.setting, self.value, self.tag, self.planned, self.schedule, self.further = (
+            setting, value, tag, planned, schedule, further)
+
+
 class NoStartCheckpointError(UserError):
     """A KL penalty for a resumed run whose meta, written before the penalty existed, names no starting checkpoint."""
 
@@ -161,11 +173,9 @@ def check_run_length(config, restored, given, tag):
     if length_flags:
         asked = planned_steps(dataclasses.replace(restored, **length_flags))
         if asked > planned:
-            flag = "num_steps" if "num_steps" in length_flags else "num_epochs"
-            raise UserError(f"{given_flag(flag, length_flags[flag])}: run {tag} was planned with {planned} steps, over "
-                            f"which its learning rate decays (--lr-schedule={restored.lr_schedule}), and --resume "
-                            f"continues it to that end, not further; to train it further, start a new run from its last "
-                            f"checkpoint: {train_further_command(restored, tag, asked)}")
+            setting = "num_steps" if "num_steps" in length_flags else "num_epochs"
+            raise LongerRunError(setting, length_flags[setting], tag, planned, restored.lr_schedule,
+                                 train_further_command(restored, tag, asked))
     return planned
 
 
