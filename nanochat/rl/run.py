@@ -32,7 +32,8 @@ from nanochat.rl.plan import (RunPlan, auto_compile_of, describe_plan, resolve_c
 from nanochat.rl.policy_gradient import (TrainStats, accumulate_policy_gradient, chunk_logprobs, compiled_chunk_forward,
                                          without_rejected_tokens)
 from nanochat.rl.progress import RolloutLog, RunProgress, drop_rollouts_after
-from nanochat.rl.resume import load_reference, load_start, load_teacher, prepare_output_dir, restore_optimizers
+from nanochat.rl.resume import load_reference, load_start, prepare_output_dir, restore_optimizers
+from nanochat.rl.teacher import load_teacher
 from nanochat.rl.rollout import (Sampling, StepRollouts, has_signal, longest_prompt, question_indices_at, question_seed,
                                  sample_questions, step_questions)
 from nanochat.runtime.device import with_fewer_rows_on_oom

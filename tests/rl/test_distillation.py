@@ -20,7 +20,7 @@ from nanochat.engine.engine import Engine
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.objective import PolicyLoss
 from nanochat.rl.policy_gradient import accumulate_policy_gradient
-from nanochat.rl.resume import Teacher
+from nanochat.rl.teacher import Teacher
 from scripts import chat_rl
 
 V, DEVICE_BATCH = 64, 2

@@ -19,7 +19,7 @@ from helpers import TableModel
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.objective import LOSS_NORMS, PolicyLoss, step_counts
 from nanochat.rl.policy_gradient import accumulate_policy_gradient, without_rejected_tokens
-from nanochat.rl.resume import Teacher
+from nanochat.rl.teacher import Teacher
 
 VOCAB, PAD, DEVICE_BATCH_SIZE, MAX_NEW_TOKENS, STEP = 32, 0, 2, 6, 0.5
 # every normalization, plain and with truncated rows masked plus the KL penalty; then masking rollout corrections
