@@ -22,7 +22,8 @@ from nanochat.engine.decode_steps import DecodeKernelsError
 from nanochat.engine.spec import NoMemoryForRolloutsError
 from nanochat.errors import SettingError, UserError
 from nanochat.rl.config import GROUPS, RLConfig
-from nanochat.rl.resume import LongerRunError, NoStartCheckpointError, ResumeError, RunExistsError, given_flag
+from nanochat.rl.resume import (LongerRunError, NoStartCheckpointError, ResumeError, RunExistsError,
+                                TeacherInRunDirError, given_flag)
 from nanochat.rl.run import NonFiniteStepsError
 from nanochat.runtime.distributed import cleanup_after_error, get_rank
 from nanochat.settings import SCRIPT_DEFAULTS, SHARED
@@ -175,6 +176,7 @@ HINTS = {
     CompileFailed: "use --compile=off (or auto, which falls back to eager with a warning)",
     BandNotReachedError: "allow more steps (a larger --num-steps) or lower the band of --stop-at-pass1",
     NoMemoryForRolloutsError: "pass --memory-budget-gb=N to choose the KV cache's size, or lower --device-batch-size",
+    TeacherInRunDirError: "write the new run elsewhere with --output-tag=<new name>",
     RunExistsError: "continue it with --resume, write the new run beside it with --output-tag=<new name>, or delete "
                     "those files for good and start over with --overwrite",
     NonFiniteStepsError: "lower the learning rates or use --dtype=float32",

@@ -175,9 +175,11 @@ def check_writable_file(path, what, fix):
 
 @contextlib.contextmanager
 def write_errors(kept, fix=write_fix):
-    """Inside: an OSError (a write that failed: disk full, permissions changed) becomes one line, WriteFailedError,
-    naming the file, the reason, what was kept (`kept()`, asked only then) and what to do (`fix(e)`)."""
+    """Inside: an OSError of a file (a write that failed: disk full, permissions changed) becomes one line,
+    WriteFailedError, naming the file, the reason, what was kept (`kept()`, asked only then) and what to do (`fix(e)`)."""
     try:
         yield
     except OSError as e:
-        raise WriteFailedError(e.filename or "a file", e.strerror or str(e), kept(), fix(e)) from e
+        if e.filename is None or isinstance(e, (ConnectionError, TimeoutError)):
+            raise  # not a file's write (a socket, a collective's timeout): its own error, not "could not write"
+        raise WriteFailedError(e.filename, e.strerror or str(e), kept(), fix(e)) from e

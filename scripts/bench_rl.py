@@ -67,12 +67,18 @@ def build_parser():
     return p
 
 
+NOT_BENCHED = ("teacher", "distill_coef", "reward_coef")  # on-policy distillation's settings (issue 75)
+
+
 def parse_args(argv):
     """The benchmark's flags, and chat_rl's (every other flag, nanochat.cli.rl_parser's) as args.rl: an RLConfig."""
     args, rest = build_parser().parse_known_args(argv)
     flags = parse_rl_args(rest)
     given = [flag_name(name) for name, default in PER_CONFIG.items() if getattr(flags, name) != default]
     require(not given, f"{', '.join(given)}: bench_rl sets them per configuration (choose those with --configs)")
+    # a benchmark's run loads no teacher (it measures chat_rl's own step): distillation's flags would fail mid-run
+    taught = [flag_name(name) for name in NOT_BENCHED if getattr(flags, name) != getattr(RLConfig(), name)]
+    require(not taught, f"{', '.join(taught)}: bench_rl measures chat_rl's step without a distillation teacher")
     args.rl = RLConfig.from_flags(flags)
     return args
 

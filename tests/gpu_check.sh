@@ -226,7 +226,7 @@ triton_bench() {  # triton_bench KERNEL_CHECKS_EXIT: part 2b, the d20 bench of t
         bundle
         return 1
     fi
-    # the step in the project's Triton kernels (issue 66; nanochat/kernels/: 9 kernels a block): decode ms, its
+    # the step in the project's Triton kernels (issue 66; nanochat/kernels/: 10 kernels a block): decode ms, its
     # first call's Triton JIT in the captures' seconds, its tokens_digest beside part 2's; decides the engine's default
     step "d20 triton" 150 "$out/triton_d20.log" \
         "$python" -m scripts.bench_rl --preset=d20 --device-type=cuda --configs=batched_bf16_graph_triton \

@@ -8,7 +8,7 @@ field, the scripts' --decode-kernels) names one:
             SharedPromptStep), compiled where the spec compiles the static step
     flex    the same with the shared-prompt attention through FlexAttention (variants/flex_prompt_attention.py), a
             benchmark's variant (bench_rl's *_flex configs)
-    triton  the whole step in the project's own Triton kernels (variants/triton_step.py over nanochat/kernels/: 198
+    triton  the whole step in the project's own Triton kernels (variants/triton_step.py over nanochat/kernels/: 218
             kernels a d20 step on `meta` against the torch step's 1,152), never compiled: its kernels are the fusion
     auto    the default, resolved once (resolve_decode_kernels, in spec.py's resolve_rollout_spec): torch everywhere
             for now. The Triton step has not been timed on a GPU yet (it is meant to be auto's choice on CUDA once a

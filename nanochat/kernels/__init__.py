@@ -4,7 +4,7 @@ custom op with a fake (meta) implementation: the meta op count, Dynamo and CUDA-
 
     launch.py            where a kernel runs: compiled on CUDA, in Triton's interpreter on a CPU (tests); or
                          recorded, not run (the sm_90 compile of nanochat/diagnostics/kernel_binary.py)
-    prompt_attention.py  the shared-prompt decode attention, one kernel a layer
+    prompt_attention.py  the shared-prompt decode attention, two kernels a layer (own keys in splits; prompts + merge)
     rotary_store.py      rotary, q/k norm and scale, the value embedding's term, the KV write: one kernel a layer
     residual_norm.py     residual add + lambdas/backout + RMSNorm; the MLP's relu^2
     sampling.py          temperature, Gumbel-max over top-k, both log-probabilities, the streams' draws

@@ -3,8 +3,9 @@ Reinforcement learning on a task's questions, as nanochat's chat_rl does it.
 
 The run, in the order scripts/chat_rl.py uses it:
     config.py           chat_rl's settings, one table (SETTINGS), and RLConfig: the frozen dataclass of them, checked
-    resume.py           where a run starts: a new run from --source, or --resume of a saved step; the frozen models
-                        beside it (--kl-coef's reference, --teacher's distillation teacher)
+    resume.py           where a run starts: a new run from --source, or --resume of a saved step; --kl-coef's
+                        frozen reference
+    teacher.py          --teacher's frozen distillation teacher: loaded, its tokenizer checked, its forwards
     plan.py             every "auto" resolved once and printed, into the run's frozen RunPlan: dtypes, decode mode,
                         compile, memory budget, output tag, --keep-last, and the engine's RolloutSpec
     run.py              RLRun (what is fixed for a run) and its step(); setup_run and build_run, the one factory;

@@ -163,7 +163,7 @@ SETTINGS = dict(
                     "arithmetic, package.module:ClassName): pass@k on each test split, a field each on the eval line, "
                     "eval/<task>/pass@k in wandb, a row each in the report (default: --task's alone)"),
     decode_kernels=shared("decode_kernels", PERFORMANCE),  # issue 73's
-    # issue 75's: on-policy distillation (docs/flags.md; nanochat/rl/objective.py, nanochat/rl/resume.py)
+    # issue 75's: on-policy distillation (docs/flags.md; nanochat/rl/objective.py, nanochat/rl/teacher.py)
     teacher=flag(ALGORITHM, "", "on-policy distillation's teacher, SOURCE[:MODEL_TAG[:STEP]] (source base|mid|sft|rl; "
                  "any depth or nanochat generation whose tokenizer is the student's); it scores every sampled token "
                  "(empty: none; needs --distill-coef > 0)"),

@@ -146,7 +146,7 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
     (of several prompts) and sampled_logprobs, as GPT does. Every parameter ends with a gradient (zeros if no
     row was trained here), so that distributed optimizers see the same tensors on every rank.
     forward: the chunk forward of the policy, the reference and the teacher (chunk_logprobs, or its compiled version).
-    teacher: with loss.distill_coef > 0, the Teacher (nanochat/rl/resume.py) whose log-probabilities make each
+    teacher: with loss.distill_coef > 0, the Teacher (nanochat/rl/teacher.py) whose log-probabilities make each
     token's advantage; then every row with a sampled token runs (its distillation term is known only from the
     forward), as with the KL penalty.
     Returns TrainStats."""

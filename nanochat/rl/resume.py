@@ -23,6 +23,7 @@ from nanochat.errors import UserError
 from nanochat.files import check_writable_dir
 from nanochat.rl.config import RLConfig, resolve_output_tag
 from nanochat.rl.progress import is_eval_step
+from nanochat.rl.teacher import teacher_checkpoint
 from nanochat.runtime.distributed import print0
 from tasks.registry import make_task
 
@@ -63,6 +64,15 @@ class NoStartCheckpointError(UserError):
 
     def __init__(self):
         super().__init__("a KL penalty needs the checkpoint the run started from, and this run's meta does not record it")
+
+
+class TeacherInRunDirError(UserError):
+    """The teacher's checkpoints are in the directory the new run would write its own into: its checkpoints would
+    take the teacher's step numbers (and an overwrite delete the teacher), so a resumed run could not reload it."""
+
+    def __init__(self, checkpoint_dir):
+        super().__init__(f"the teacher's checkpoints are in {checkpoint_dir}, the directory this run would write its "
+                         f"own into")
 
 
 class RunExistsError(UserError):
@@ -233,6 +243,11 @@ def run_target(config, resume):
         output_tag = resolve_output_tag(config, source_tag, depth=recorded_depth(source_dir, source_step))
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], output_tag)
     old = [] if resume else run_files(checkpoint_dir)
+    if not resume and config.teacher:
+        teacher = teacher_checkpoint(config)
+        teacher_dir, _, _ = find_checkpoint(teacher["source"], teacher["model_tag"], teacher["step"])
+        if os.path.realpath(teacher_dir) == os.path.realpath(checkpoint_dir):
+            raise TeacherInRunDirError(checkpoint_dir)
     if old and not config.overwrite:
         raise RunExistsError(checkpoint_dir, old)
     check_writable_dir(checkpoint_dir, "the run's checkpoints", "make it writable, or set NANOCHAT_BASE_DIR (or "

@@ -64,7 +64,7 @@ class RLRun:
     num_steps: int
     start_step: int
     device: torch.device
-    teacher: object = None                 # --teacher's Teacher (nanochat/rl/resume.py), or None
+    teacher: object = None                 # --teacher's Teacher (nanochat/rl/teacher.py), or None
     rank: int = 0
     world_size: int = 1
     lean: bool = True  # train only rows with an advantage, each prompt once a forward (False: nanochat's way)

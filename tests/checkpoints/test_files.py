@@ -93,3 +93,14 @@ def test_a_write_that_fails_later_is_one_line_with_what_was_kept(tmp_path):
             open(tmp_path / "missing" / "out.json", "w")
     assert str(e.value) == (f"could not write {tmp_path / 'missing' / 'out.json'}: No such file or directory; step 3 "
                             f"was kept; check the disk, or write elsewhere")
+
+
+@pytest.mark.parametrize("error", [ConnectionError("peer closed"), TimeoutError("collective timed out"),
+                                   OSError(5, "Input/output error")])
+def test_an_error_that_is_no_files_write_passes_through_as_it_is(error):
+    """A failed write becomes "could not write <file>": an OSError of no file (a socket, a collective's timeout, an
+    error naming no path) inside the training loop's guard is not one, and keeps its own type and message."""
+    with pytest.raises(type(error)) as e:
+        with write_errors(lambda: "step 3 was kept"):
+            raise error
+    assert e.value is error

@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("triton", reason="the kernels' tests need triton (tests/run.sh installs it)")
 from nanochat.diagnostics.kernel_binary import VARIANTS, kernel_binaries  # noqa: E402
 
-STEP_KERNELS = {"_residual_norm_kernel", "_rotary_store_kernel", "_prompt_attention_kernel", "_relu_square_kernel",
-                "_sample_kernel"}
+STEP_KERNELS = {"_residual_norm_kernel", "_rotary_store_kernel", "_own_keys_kernel", "_prompt_attention_kernel",
+                "_relu_square_kernel", "_sample_kernel"}
 # the GPU image's triton (pinned by its torch), installed apart: pip install --target DIR --no-deps triton==3.6.0
 TRITON_36 = os.environ.get("NANOCHAT_TRITON36_DIR")
 
@@ -33,5 +33,10 @@ def test_every_recorded_kernel_compiles_for_an_sm90_gpu_without_spilling(triton_
     # the dtype mix the real calls have: bf16 projections and caches beside fp32 rotary tables and residual stream
     assert {b["pointers"] for b in binaries if b["variant"] == "d20 bf16" and b["kernel"] == "_rotary_store_kernel"} \
         == {"bf16 fp32"}
+    # the attention's two kernels as d20 launches them: the own keys one program per (row, kv head, split of 128 keys:
+    # 2 at 256 keys), 4 warps, writing fp32 parts; the prompts and the merge one per (slot, kv head) and the free-row
+    # programs, 4 warps for 16 rows (prompt_attention.attention_warps)
+    own = [b for b in binaries if b["kernel"] == "_own_keys_kernel" and b["variant"] == "d20 bf16"]
+    assert [(b["pointers"], b["num_warps"], b["grid"]) for b in own] == [("bf16 fp32", 4, 256 * 10 * 2)]
     attention = [b for b in binaries if b["kernel"] == "_prompt_attention_kernel" and b["variant"] == "d20 bf16"]
-    assert [(b["pointers"], b["num_warps"], b["grid"]) for b in attention] == [("bf16", 8, 16 * 10 + 256 // 16)]
+    assert [(b["pointers"], b["num_warps"], b["grid"]) for b in attention] == [("bf16 fp32", 4, 16 * 10 + 256 // 16)]

@@ -353,3 +353,11 @@ def test_graph_configs_are_checked_against_the_static_step_and_static_ones_again
     del results["batched_bf16_static"], results["batched_bf16_static+early"]
     bench_results.mark_identical_tokens(results, [bench_configs.CONFIGS[n] for n in ("batched_bf16", "batched_bf16_graph")])
     assert results["batched_bf16_graph"]["tokens_identical_to"] == ("batched_bf16", False)
+
+
+@pytest.mark.parametrize("flags", [["--teacher=sft", "--distill-coef=1"], ["--distill-coef=0.5"], ["--reward-coef=0"]])
+def test_bench_rl_refuses_distillations_flags_before_it_measures(flags):
+    """A benchmark's run loads no teacher: --teacher / --distill-coef / --reward-coef would fail at the first training
+    pass, after the machine was measured (a traceback): refused in one line while the flags are read."""
+    with pytest.raises(UserError, match=": bench_rl measures chat_rl's step without a distillation teacher$"):
+        bench_rl.parse_args(flags)

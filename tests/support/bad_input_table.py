@@ -139,6 +139,12 @@ def _teacher_of_another_tokenizer(base):
     return {}
 
 
+def _teacher_in_the_runs_directory(base):
+    """The SFT checkpoint copied as an RL run's (chatrl_checkpoints/d2): a new run from sft:d2 writes there too."""
+    shutil.copytree(base / SFT_DIR, base / "chatrl_checkpoints" / "d2")
+    return {}
+
+
 def _truncated_checkpoint(base):
     path = base / SFT_MODEL
     data = path.read_bytes()
@@ -289,6 +295,9 @@ CASES = [
          setup=_empty_base_dir),
     Case("--teacher trained with another tokenizer", flags=["--model-tag=d2", "--teacher=sft:t3", "--distill-coef=1"],
          setup=_teacher_of_another_tokenizer),
+    Case("--teacher in the directory the new run writes (with --overwrite it would be deleted)",
+         flags=["--model-tag=d2", "--teacher=rl:d2", "--distill-coef=1", "--overwrite"],
+         setup=_teacher_in_the_runs_directory),
 ]
 
 
