@@ -318,12 +318,16 @@ def rl_plots(stem, history, eval_history):
                                                        [(gap_steps, [h["sampler_gap_mean"] for h in gap], "sampler_gap_mean"),
                                                         (gap_steps, [h["sampler_gap_max"] for h in gap], "sampler_gap_max")],
                                                        marker=".")))
-        # --teacher's per-token reverse KL, on the steps that trained a token
+        # --teacher's per-token reverse KL and its log-probability of the sampled tokens, on the steps that trained one
         distilled = [h for h in history if "reverse_kl" in h and h.get("trained_tokens")]
         if distilled:
             plots.append(("reverse KL to the teacher", _plot(
                 f"{stem}-reverse-kl.png", "mean logp student - logp teacher",
                 [([h["step"] for h in distilled], [h["reverse_kl"] for h in distilled], "reverse_kl")], marker=".")))
+            plots.append(("teacher's log-probability", _plot(
+                f"{stem}-teacher-logprob.png", "mean logp teacher of the sampled tokens",
+                [([h["step"] for h in distilled], [h["teacher_logprob"] for h in distilled], "teacher_logprob")],
+                marker=".")))
     if eval_history:
         plots.append(("pass@1", _plot(f"{stem}-pass1.png", "pass@1",
                                       [([s for s, _ in eval_history], [d["pass@1"] for _, d in eval_history],

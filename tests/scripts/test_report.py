@@ -193,3 +193,25 @@ def test_a_smoke_run_after_a_run_keeps_that_runs_report(sft, base_dir, capsys):
     latest = base_dir / "report" / "chat-rl.md"
     assert latest.read_text() == (run_dirs["smoke"] / "chat-rl.md").read_text()
     assert "| steps logged | 1 |" in (base_dir / "report" / "report.md").read_text()
+
+
+def test_a_distillation_run_plots_the_reverse_kl_and_the_teachers_log_probability(tmp_path, monkeypatch):
+    """Issue 75: the report shows the per-token reverse KL and the teacher's mean log-probability of the sampled
+    tokens, on the steps that trained a token; a run without a teacher has neither plot."""
+    import nanochat.report as report_module
+    drawn = {}
+    real_plot = report_module._plot
+
+    def plot(path, ylabel, series, **kwargs):
+        drawn[Path(path).name] = series
+        return real_plot(path, ylabel, series, **kwargs)
+    monkeypatch.setattr(report_module, "_plot", plot)
+    history = fake_history(4)
+    for step, (kl, logp, tokens) in enumerate(((0.5, -2.0, 10), (0.3, -1.5, 0), (0.25, -1.25, 7), (0.2, -1.0, 9))):
+        history[step].update(reverse_kl=kl, teacher_logprob=logp, trained_tokens=tokens)
+    log_chat_rl(Report(tmp_path), CONFIG, history, [])
+    assert drawn["chat-rl-reverse-kl.png"] == [([0, 2, 3], [0.5, 0.25, 0.2], "reverse_kl")]
+    assert drawn["chat-rl-teacher-logprob.png"] == [([0, 2, 3], [-2.0, -1.25, -1.0], "teacher_logprob")]
+    drawn.clear()
+    log_chat_rl(Report(tmp_path / "none"), CONFIG, fake_history(3), [])
+    assert not {"chat-rl-reverse-kl.png", "chat-rl-teacher-logprob.png"} & set(drawn)
