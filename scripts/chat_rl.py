@@ -37,7 +37,7 @@ from nanochat.rl.metrics import reduce_metrics
 from nanochat.rl.progress import (ROLLOUTS_FILE, is_eval_step, is_save_step, no_signal_settings, report_step,
                                   sample_table)
 from nanochat.rl.resume import finished_run, restore_settings, run_target
-from nanochat.rl.run import auto_compile_step, meta_data, setup_run
+from nanochat.rl.run import auto_compile_step, check_run_device, meta_data, setup_run
 from nanochat.runtime.distributed import get_dist_info, print0, wait_for_all_ranks
 from nanochat.runtime.graceful_stop import GracefulStop
 from nanochat.wandb_utils import init_wandb, log_samples_table
@@ -81,12 +81,13 @@ def main(argv):
             return
     else:
         config.check_ranks(world_size)
-    target = run_target(config, resume)  # refused, or checked writable, before anything loads
-    if rank == 0:
-        check_outputs(config, target)
     _, rank, _, world_size, device = compute_init(config.device_type)
     stop = GracefulStop().install()
     try:
+        check_run_device(config, device)  # what the device rules out first: then the run's directory,
+        target = run_target(config, resume)  # refused, or checked writable, before anything loads
+        if rank == 0:
+            check_outputs(config, target)
         train(setup_run(config, resume, target, rank, world_size, device), stop)
     finally:
         stop.uninstall()

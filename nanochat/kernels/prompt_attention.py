@@ -52,12 +52,13 @@ OWN_TILE_HEADS_KEYS = 32  # query heads x own keys a tile of the own-key kernel:
 OWN_SPLIT_KEYS = 128
 
 
-def attention_warps(query_rows):
+def attention_warps(query_rows, grouped_fp32=False):
     """Warps a program of the prompt kernel with `query_rows` rows (cells x group): 4 for 16 rows (d20's), ~136
     registers a thread on sm_90, 3 programs an SM: d20's 176 programs in one wave (with 8, Triton 3.6.0's ~150 left
-    one program an SM, two waves: nanochat/diagnostics/gpu_model.py); 8 for 32 rows (a GQA group of 32), which spill
-    registers with 4 (tests/support/sm90_compile.py)."""
-    return 4 if query_rows <= 16 else 8
+    one program an SM, two waves: nanochat/diagnostics/gpu_model.py); 8 for 32 rows (a GQA group of 32), and for a
+    GQA group's fp32 tiles (grouped_fp32), which spill registers with 4 (the binaries of the engine's recorded
+    calls, nanochat/diagnostics/kernel_binary.py: a group of 2 in fp32 spilled 52 bytes)."""
+    return 8 if query_rows > 16 or grouped_fp32 else 4
 
 
 def own_keys_a_tile(group):
@@ -324,7 +325,7 @@ def _prompt_and_merge(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tenso
         cells.size(1), part_top.size(0), window, 1.0 / math.sqrt(D), slots, Hkv, chunks,
         q.stride(0), q.stride(1), *pool_k.stride()[:3], *pool_v.stride()[:3], out.stride(0), out.stride(1),
         REP=rep, D=D, BLOCK_CELLS=block_cells, BLOCK_REP=block_rep, BLOCK_D=block_d, BLOCK_N=16,
-        BLOCK_FREE=FREE_ROWS_BLOCK, IEEE=ieee, num_warps=attention_warps(block_cells * block_rep))
+        BLOCK_FREE=FREE_ROWS_BLOCK, IEEE=ieee, num_warps=attention_warps(block_cells * block_rep, ieee and rep > 1))
     return out
 
 

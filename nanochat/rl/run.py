@@ -182,12 +182,17 @@ def policy_loss_of(config):
                       distill_coef=config.distill_coef)
 
 
+def check_run_device(config, device):
+    """The settings `device` rules out, each a one-line error, before the checkpoints are even listed (run_target) and
+    long before the model loads: graph decode off CUDA, a decode step that cannot run there."""
+    check_decode_flag(config.decode, device)
+    check_decode_kernels(config.decode_kernels, device, compiled=config.compile == "on")
+
+
 def setup_run(config, resume, target, rank, world_size, device):
     """Load the model (a new run, or `resume`: restore_settings' Resume; from and to run_target's Target), resolve the
     plan (nanochat/rl/plan.py), and build the optimizers, the engine and the tasks: an RLRun at its first step
     (build_run)."""
-    check_decode_flag(config.decode, device)  # before the model loads: graph off CUDA is a one-line error
-    check_decode_kernels(config.decode_kernels, device, compiled=config.compile == "on")  # and a step that cannot run
     model, tokenizer, meta, start_step = load_start(config, resume, target, device)
     output_tag, checkpoint_dir = target.output_tag, target.checkpoint_dir
     start = meta.get("start_checkpoint")

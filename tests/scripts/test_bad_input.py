@@ -25,6 +25,8 @@ EXPECTED = {
     "model and tokenizer vocab differ": ["vocab size 400", "512", "tokenizer"],
     "--teacher trained with another tokenizer": ["teacher sft:t3:0", "(vocab 512)", "student sft:d2:0 (vocab 400)",
                                                  "must share the student's tokenizer"],
+    "--teacher in the directory the new run writes (with --overwrite it would be deleted)": [
+        "the teacher's checkpoints are in", "chatrl_checkpoints/d2", "--output-tag=<new name>"],
     "checkpoint truncated": ["model_000000.pt", "truncated", "--model-step"],
     "checkpoint is random bytes": ["model_000000.pt", "corrupted", "--model-step"],
     "checkpoint meta is cut-off json": ["meta_000000.json", "not valid json", "--model-step"],
