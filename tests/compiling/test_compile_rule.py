@@ -288,7 +288,8 @@ def test_the_engine_decodes_in_the_resolved_mode_unless_auto_switched_before_the
     from nanochat.compiling.plan import CompilePlan
     from nanochat.rl.plan import run_rollout_spec
     ledger = CompileLedger(str(tmp_path / "ledger.json"))
-    config = lambda decode: SimpleNamespace(decode=decode, max_rows=0, calculator_format="str")  # noqa: E731
+    config = lambda decode: SimpleNamespace(decode=decode, max_rows=0, calculator_format="str",  # noqa: E731
+                                             decode_kernels="torch")
 
     def spec(decode, device, compiling, auto_compile):
         return run_rollout_spec(config(decode), torch.device(device), compiling, auto_compile, 4.0, "float32")
