@@ -67,7 +67,6 @@ def compute_dtype(model, device):
 def check_kernel_model(model):
     """A ValueError when the kernels' forward cannot compute `model` as GPT does: its token embedding must be fp32
     (the residual stream the kernels keep in fp32 is then the model's)."""
-    model = getattr(model, "decode_model", model)  # a wrapper's GPT (kernel_static_step)
     if model.transformer.wte.weight.dtype != torch.float32:
         raise ValueError(f"the Triton kernels need the token embedding in float32, and this model's is "
                          f"{model.transformer.wte.weight.dtype}")
@@ -126,14 +125,23 @@ def kernel_static_step(batch, rows, keys):
     """static_step (nanochat/engine/decode_batch.py) with the kernels: the same inputs, the same writes for the rows
     in use (the cache, `sampled`, the streams' draws). A static cache's free rows get a zero attention output, so
     their own position-0 keys and their `sampled` differ from static_step's: nothing reads them (admission resets
-    them first)."""
+    them first). Its two halves: kernel_step_logits, then sample_step_logits."""
+    _, step, logits = kernel_step_logits(batch.model, batch, rows, keys)
+    sample_step_logits(batch, step, logits)
+
+
+def kernel_step_logits(model, batch, rows, keys):
+    """The first half of kernel_static_step: the rows' inputs (rows,), the step's KernelPromptStep and the logits
+    (rows, V) fp32 of `model` (a GPT: the batch's, whose weights the kernels run) for them."""
     known, token = batch.host_inputs[:, :rows]
     inputs = torch.where(known.bool(), token, batch.sampled[:rows, 0].long())  # (rows,)
     step = batch.cache.decode_step(rows, keys)
-    model = getattr(batch.model, "decode_model", batch.model)  # a wrapper's GPT (a benchmark's EarlyStopModel)
-    logits = model.logits(kernel_hidden_states(model, inputs, step))  # (rows, V) fp32
-    if hasattr(batch.model, "adjust_decode_logits"):  # what the wrapper's forward does to a decode step's logits
-        batch.model.adjust_decode_logits(inputs, step.positions[:, 0], logits)
+    return inputs, step, model.logits(kernel_hidden_states(model, inputs, step))
+
+
+def sample_step_logits(batch, step, logits):
+    """The second half of kernel_static_step: a token a row sampled from `logits` (rows, V) into the batch's
+    `sampled`, and the step's rows advanced."""
     top_k = batch.top_k
     top = (None, None)
     if batch.temperature != 0.0 and top_k is not None and 0 < top_k < logits.size(-1):
