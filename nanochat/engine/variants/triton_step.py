@@ -72,13 +72,20 @@ def check_kernel_model(model):
                          f"{model.transformer.wte.weight.dtype}")
 
 
+def add_and_norm(x, delta, norm_dtype, a=None, a_index=0, y=None, b=None, b_index=0, sign=1.0, keep_sum=False):
+    """The residual_norm kernel (nanochat/kernels/residual_norm.py: its arguments by name) with what a call leaves
+    out off: no lambdas (a, y, b), sign 1, no sum kept. Returns (x_new, normed, summed)."""
+    return residual_norm(x, delta=delta, a=a, a_index=a_index, y=y, b=b, b_index=b_index, sign=sign,
+                         keep_sum=keep_sum, norm_dtype=norm_dtype)
+
+
 def kernel_hidden_states(model, idx, step):
     """idx (B,) one token a row -> (B, n_embd) the normed output of the last block, as GPT.hidden_states(idx[:, None],
     step)[:, 0] (the module docstring)."""
     gen, blocks = model.generation, model.transformer.h
     dtype = compute_dtype(model, idx.device)
     embedding = model.transformer.wte(idx)  # (B, C) fp32
-    _, x, _ = residual_norm(embedding, None, None, 0, None, None, 0, 1.0, False, torch.float32)
+    _, x, _ = add_and_norm(embedding, None, torch.float32)
     if gen.smear:
         previous = step.smear_previous
         step.keep_smear_state(x[:, None])  # the token's normed embedding (GPT.smear_state), made once here
@@ -90,17 +97,17 @@ def kernel_hidden_states(model, idx, step):
         # blocks in it; block i is from the residual add of block i - 1's MLP output to its own MLP's output
         with torch.profiler.record_function(f"{BLOCK_RANGE}{i}"):
             keep = backout_layer == i - 1
-            lambdas = (model.resid_lambdas, i, x0, model.x0_lambdas, i) if gen.lambdas else (None, 0, None, None, 0)
-            x, h, summed = residual_norm(x, delta, *lambdas, 1.0, keep, dtype)
+            lambdas = dict(a=model.resid_lambdas, a_index=i, y=x0, b=model.x0_lambdas, b_index=i) if gen.lambdas else {}
+            x, h, summed = add_and_norm(x, delta, dtype, keep_sum=keep, **lambdas)
             kept = summed if keep else kept
             y = _attention(model, i, h, idx, step)
-            x, h, _ = residual_norm(x, block.attn.c_proj(y), None, 0, None, None, 0, 1.0, False, dtype)
+            x, h, _ = add_and_norm(x, block.attn.c_proj(y), dtype)
             delta = block.mlp.c_proj(relu_square(block.mlp.c_fc(h)))
     if backout_layer == len(blocks) - 1:  # the kept residual is the last block's own output
         kept = x + delta
         x, delta = kept, None
-    backout = (kept, model.backout_lambda, 0, -1.0) if backout_layer is not None else (None, None, 0, 1.0)
-    _, normed, _ = residual_norm(x, delta, None, 0, *backout, False, torch.float32)
+    backout = dict(y=kept, b=model.backout_lambda, b_index=0, sign=-1.0) if backout_layer is not None else {}
+    _, normed, _ = add_and_norm(x, delta, torch.float32, **backout)
     return normed
 
 
