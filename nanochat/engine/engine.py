@@ -265,8 +265,8 @@ class Engine(NanochatGenerate, RolloutMemory):
 
     def _new_batch(self, num_prompts, longest, num_samples, max_tokens, temperature, top_k, max_rows):
         """An empty DecodeBatch: max_rows rows (else the engine's, else what the memory budget holds beside the
-        batches kept, see KeptBatches.rows_beside), at most one per sample of every prompt, with a cache for prompts of up
-        to `longest` tokens.
+        batches kept, see KeptBatches.rows_beside), at most one per sample of every prompt, with a cache for prompts of
+        up to `longest` tokens.
 
         A static batch (static and graph modes) has a shape fixed for the run: its prompts' capacity is the longest
         prompt seen or reserved (prompt_floor) rounded up to PROMPT_BUCKET positions, never less, and its rows are
