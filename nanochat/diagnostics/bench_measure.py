@@ -13,7 +13,7 @@ import hashlib
 import torch
 
 from nanochat.compiling.plan import compile_block_regions
-from nanochat.diagnostics.early_stop import EarlyStopModel, kernel_step_ending_early
+from nanochat.diagnostics.early_stop import EarlyStopEngine, EarlyStopModel
 from nanochat.diagnostics.op_count import compiled_step_graphs, compiled_step_kernels, count_decode_step_ops
 from nanochat.engine.decode_weights import matmul_modules
 from nanochat.engine.engine import Engine
@@ -79,14 +79,13 @@ def bench_run(model, rollout_model, tokenizer, task, config, rl, device, optimiz
     (optimize=False: none)."""
     rl = dataclasses.replace(rl, dtype=dtype_name(config.dtype), rollout_dtype=dtype_name(config.dtype),
                              decode=config.decode, decode_kernels=config.decode_kernels)
-    engine = Engine(rollout_model, tokenizer, max_rows=(rl.max_rows or None) if config.batched else None,
-                    memory_budget_gb=rl.memory_budget_gb, share_prompts=config.lean, decode=config.decode,
-                    compile="on" if config.compiled else "off", lag=config.lag, decode_kernels=config.decode_kernels,
-                    dtype=rl.rollout_dtype)
+    engine_type = EarlyStopEngine if isinstance(rollout_model, EarlyStopModel) else Engine
+    engine = engine_type(rollout_model, tokenizer, max_rows=(rl.max_rows or None) if config.batched else None,
+                         memory_budget_gb=rl.memory_budget_gb, share_prompts=config.lean, decode=config.decode,
+                         compile="on" if config.compiled else "off", lag=config.lag,
+                         decode_kernels=config.decode_kernels, dtype=rl.rollout_dtype)
     if engine.spec.decode != "eager":  # as chat_rl's: one static batch, sized for the task's longest prompt
         engine.reserve_prompt_length(longest_prompt(tokenizer, task))
-    if isinstance(rollout_model, EarlyStopModel) and engine.spec.decode_kernels == "triton":
-        engine.step = kernel_step_ending_early  # the kernels run the GPT's weights, not the wrapper's forward
     return build_run(rl, RunPlan.as_given(rl, engine.spec), model, tokenizer, engine, make_optimizers(rl, model) if optimize else [],
                      (task, None), device, steps=(BENCH_STEP, BENCH_STEP + 1), compiled=config.compiled,
                      rows=train_rows(rl, device.type) if config.batched else rl.device_batch_size, required=True,

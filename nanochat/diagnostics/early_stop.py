@@ -6,6 +6,7 @@ model wrapper whose decode steps force <|assistant_end|> by a hash of the input 
 import torch
 import torch.nn as nn
 
+from nanochat.engine.engine import Engine
 from nanochat.engine.variants.triton_step import kernel_step_logits, sample_step_logits
 from nanochat.model.sampling import mix32
 
@@ -42,10 +43,17 @@ class EarlyStopModel(nn.Module):
         logits[:, self.end_token] = torch.where(self.ends(tokens, positions), FORCED_END_LOGIT, logits[:, self.end_token])
 
 
+class EarlyStopEngine(Engine):
+    """An Engine decoding an EarlyStopModel: with the Triton kernels' decode step, kernel_step_ending_early."""
+
+    def decode_step_for(self, spec):
+        step = super().decode_step_for(spec)
+        return kernel_step_ending_early if spec.decode_kernels == "triton" else step
+
+
 def kernel_step_ending_early(batch, rows, keys):
     """The Triton kernels' decode step (kernel_static_step) of a batch whose model is an EarlyStopModel: the kernels
-    run its GPT's weights, not its forward, so the ends are forced here, between the step's logits and its sampling.
-    An engine of the triton step decoding an EarlyStopModel runs this as its step (bench_measure.bench_run)."""
+    run its GPT's weights, not its forward, so the ends are forced here, between the step's logits and its sampling."""
     wrapper = batch.model
     inputs, step, logits = kernel_step_logits(wrapper.model, batch, rows, keys)
     wrapper.adjust_decode_logits(inputs, step.positions[:, 0], logits)

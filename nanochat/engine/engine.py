@@ -216,13 +216,18 @@ class Engine(NanochatGenerate, RolloutMemory):
             model.get_device(), decode, compile, lag, max_rows=max_rows, memory_budget_gb=memory_budget_gb,
             share_prompts=share_prompts, decode_kernels=decode_kernels, calculator_format=calculator_format,
             prefill_tokens=prefill_tokens, dtype=dtype)
-        self.step = decode_step_function(model, self.spec)
+        self.step = self.decode_step_for(self.spec)
         self.max_rows = self.spec.max_rows  # halved where a rollout runs out of memory (run_within_memory)
         self.kept = KeptBatches()  # between rollouts (see _new_batch); release() drops them
         self.prompt_floor = 0  # static batches are sized for prompts this long at least (it never shrinks)
         self.keeps_between_rollouts = True  # the static batch and the decode weights; release() may turn it off
         self.weights = DecodeWeights(model)
         self.last_stats = RolloutStats()
+
+    def decode_step_for(self, spec):
+        """The static decode step this engine's batches run under RolloutSpec `spec` (decode_step_function); an engine
+        of a model that decodes otherwise (a benchmark's wrapper) names its own here."""
+        return decode_step_function(self.model, spec)
 
     def reconfigure(self, spec):
         """Run the next rollouts as RolloutSpec `spec` says (a run's new spec, once --compile=auto switched its decode
@@ -231,7 +236,7 @@ class Engine(NanochatGenerate, RolloutMemory):
         its batches serve on. Its rows are the spec's again."""
         if any(getattr(spec, name) != getattr(self.spec, name) for name in STEP_FIELDS):
             self.release()
-            self.step, self.last_stats = decode_step_function(self.model, spec), RolloutStats()
+            self.step, self.last_stats = self.decode_step_for(spec), RolloutStats()
         self.spec, self.max_rows = spec, spec.max_rows
 
     def reserve_prompt_length(self, length):
