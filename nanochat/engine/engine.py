@@ -224,9 +224,7 @@ class Engine(NanochatGenerate, RolloutMemory):
         self.weights = DecodeWeights(model)
         self.last_stats = RolloutStats()
 
-    def decode_step_for(self, spec):
-        """The static decode step this engine's batches run under RolloutSpec `spec` (decode_step_function); an engine
-        of a model that decodes otherwise (a benchmark's wrapper) names its own here."""
+    def decode_step_for(self, spec):  # the static decode step of `spec` (a benchmark's wrapper's engine: its own)
         return decode_step_function(self.model, spec)
 
     def reconfigure(self, spec):
