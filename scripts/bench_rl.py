@@ -1,9 +1,9 @@
 """
 Benchmark of one chat_rl step, several ways, in one process, on the same model and questions (docs/performance.md):
-chat_rl's step (nanochat.rl.run: RLRun.step, its rollouts then train_on_rollouts) on an RLRun of chat_rl's flags (all but the
-benchmark's own). --configs: baseline (nanochat's rollouts, a generate_batch call per device_batch_size rows, and
-training: every row, with its prompt; fp32), batched_plain (chat_rl's rollouts, nanochat's training), batched_fp32 /
-batched_bf16 (chat_rl's step), *_static / *_graph (the static decode step, eagerly / from CUDA graphs: tokens checked
+chat_rl's step (nanochat.rl.run: RLRun.step's halves, sample_rollouts then train_on_rollouts, timed here) on an RLRun
+of chat_rl's flags (all but the benchmark's own). --configs: baseline (nanochat's rollouts, a generate_batch call per
+device_batch_size rows, and training: every row, with its prompt; fp32), batched_plain (chat_rl's rollouts, nanochat's
+training), batched_fp32 / batched_bf16 (chat_rl's step), *_static / *_graph (the static decode step, eagerly / from CUDA graphs: tokens checked
 against eager's / static's), *_compiled (torch.compile), *_blocks (--compile=blocks), *_nolag (the host not one step
 behind the device), *_flex (the shared-prompt attention through FlexAttention), *_triton (the whole decode step in the
 project's Triton kernels; --decode-kernels is per config); each as is and "+early" (rows end at random lengths).

@@ -19,7 +19,8 @@ class BenchConfig:
     name: str
     batched: bool        # chat_rl's rollouts (sample_rollouts), else nanochat's: a generate_batch call per pass
     dtype: torch.dtype   # of rollouts and training (bf16: autocast; weights stay fp32)
-    lean: bool           # chat_rl's work (RLRun.lean, the engine's share_prompts), else nanochat's
+    lean: bool           # chat_rl's work, else nanochat's (train_on_rollouts' share_prompt and skip_zero_advantage,
+    #                      the engine's share_prompts)
     decode: str = "eager"  # the engine's decode mode (nanochat.engine.cuda_graphs.decode_mode): the same tokens in each
     compiled: bool = False  # torch.compile the training forward and (static, graph) the decode step
     blocks: bool = False    # torch.compile each block around its attention instead (--compile=blocks)

@@ -13,6 +13,7 @@ import hashlib
 import torch
 
 from nanochat.compiling.plan import compile_block_regions
+from nanochat.diagnostics.early_stop import EarlyStopEngine, EarlyStopModel
 from nanochat.diagnostics.op_count import compiled_step_graphs, compiled_step_kernels, count_decode_step_ops
 from nanochat.engine.decode_weights import matmul_modules
 from nanochat.engine.engine import Engine
@@ -23,8 +24,8 @@ from nanochat.model.gpt import GPT
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.plan import RunPlan, train_rows
 from nanochat.rl.policy_gradient import accumulate_policy_gradient
-from nanochat.rl.rollout import QuestionRollout, StepRollouts, longest_prompt, step_question_indices
-from nanochat.rl.run import build_run, make_optimizers, sample_rollouts
+from nanochat.rl.rollout import QuestionRollout, longest_prompt, step_question_indices
+from nanochat.rl.run import build_run, count_bad_step, make_optimizers, sample_rollouts, train_on_rollouts
 from nanochat.runtime.dtypes import autocast_context, dtype_name
 from nanochat.runtime.machine import device_time
 
@@ -78,46 +79,50 @@ def bench_run(model, rollout_model, tokenizer, task, config, rl, device, optimiz
     (optimize=False: none)."""
     rl = dataclasses.replace(rl, dtype=dtype_name(config.dtype), rollout_dtype=dtype_name(config.dtype),
                              decode=config.decode, decode_kernels=config.decode_kernels)
-    engine = Engine(rollout_model, tokenizer, max_rows=(rl.max_rows or None) if config.batched else None,
-                    memory_budget_gb=rl.memory_budget_gb, share_prompts=config.lean, decode=config.decode,
-                    compile="on" if config.compiled else "off", lag=config.lag, decode_kernels=config.decode_kernels,
-                    dtype=rl.rollout_dtype)
+    engine_type = EarlyStopEngine if isinstance(rollout_model, EarlyStopModel) else Engine
+    engine = engine_type(rollout_model, tokenizer, max_rows=(rl.max_rows or None) if config.batched else None,
+                         memory_budget_gb=rl.memory_budget_gb, share_prompts=config.lean, decode=config.decode,
+                         compile="on" if config.compiled else "off", lag=config.lag,
+                         decode_kernels=config.decode_kernels, dtype=rl.rollout_dtype)
     if engine.spec.decode != "eager":  # as chat_rl's: one static batch, sized for the task's longest prompt
         engine.reserve_prompt_length(longest_prompt(tokenizer, task))
     return build_run(rl, RunPlan.as_given(rl, engine.spec), model, tokenizer, engine, make_optimizers(rl, model) if optimize else [],
-                     (task, None), device, steps=(BENCH_STEP, BENCH_STEP + 1), lean=config.lean, compiled=config.compiled,
+                     (task, None), device, steps=(BENCH_STEP, BENCH_STEP + 1), compiled=config.compiled,
                      rows=train_rows(rl, device.type) if config.batched else rl.device_batch_size, required=True,
                      reference=copy.deepcopy(model).requires_grad_(False) if rl.kl_coef else None)
 
 
 def bench_step(run, config, force_advantages):
-    """One chat_rl step (RLRun.step), timed on the device: the rollouts (chat_rl's, or nanochat's: step_rollouts),
-    then train_on_rollouts (its optimizer steps timed apart, by hooks)."""
-    optimizer_seconds, calls, digest = [], [], []
+    """One chat_rl step of the run, as RLRun.step runs it, timed on the device: the step's rollouts (chat_rl's, or
+    nanochat's: step_rollouts) in the profiler's "rollout" range, then train_on_rollouts (chat_rl's training, or
+    nanochat's: config.lean) in its "training" range, its optimizer steps timed apart, by hooks. Every repeat samples
+    the questions of chat_rl's step BENCH_STEP; force_advantages: +1, -1, ... before training."""
+    optimizer_seconds = []
     hooks = [hook for opt in run.optimizers for hook in (
         opt.register_step_pre_hook(lambda *_: optimizer_seconds.append(-device_time(run.device))),
         opt.register_step_post_hook(lambda *_: optimizer_seconds.append(device_time(run.device))))]
-
-    def sample(run, step, position):  # every repeat the step's questions, as chat_rl's step BENCH_STEP
-        rollouts, step_calls = step_rollouts(run, config)
-        calls.extend(step_calls)
-        return StepRollouts(rollouts, rollouts, position)
-
-    def before_training(rollouts):
-        digest.append(hashlib.sha1(repr([r.batch.inputs.tolist() for r in rollouts]).encode()).hexdigest()[:16])
-        return [dataclasses.replace(r, batch=dataclasses.replace(r.batch, advantages=(
-            1 - 2 * (torch.arange(len(r.batch.advantages)) % 2)).to(r.batch.advantages))) for r in rollouts] \
-            if force_advantages else rollouts
-    outcome = run.step(BENCH_STEP, clock=lambda: device_time(run.device), sample=sample, before_training=before_training)
+    t0 = device_time(run.device)
+    with torch.profiler.record_function("rollout"):
+        rollouts, calls = step_rollouts(run, config)
+        t_rollout = device_time(run.device) - t0
+    digest = hashlib.sha1(repr([r.batch.inputs.tolist() for r in rollouts]).encode()).hexdigest()[:16]
+    if force_advantages:
+        rollouts = [dataclasses.replace(r, batch=dataclasses.replace(r.batch, advantages=(
+            1 - 2 * (torch.arange(len(r.batch.advantages)) % 2)).to(r.batch.advantages))) for r in rollouts]
+    t0 = device_time(run.device)
+    with torch.profiler.record_function("training"):
+        result = train_on_rollouts(run, rollouts, BENCH_STEP, share_prompt=config.lean, skip_zero_advantage=config.lean)
+        count_bad_step(run, BENCH_STEP, result)
+        t_train = device_time(run.device) - t0
     for hook in hooks:
         hook.remove()
-    (compiles, compile_seconds), optimizer_s, trained = run.compile_clock.lap(), sum(optimizer_seconds), outcome.result.first
-    return {**engine_work(run.model, calls, run.config.max_new_tokens), "tokens_digest": digest[0], "compiles": compiles,
-            "compile_seconds": compile_seconds, "rollout_seconds": outcome.t_rollout,
-            "train_seconds": outcome.t_train - optimizer_s, "optimizer_seconds": optimizer_s,
-            "step_seconds": outcome.t_rollout + outcome.t_train, "captures": run.engine.last_stats.captures,
+    (compiles, compile_seconds), optimizer_s, trained = run.compile_clock.lap(), sum(optimizer_seconds), result.first
+    return {**engine_work(run.model, calls, run.config.max_new_tokens), "tokens_digest": digest, "compiles": compiles,
+            "compile_seconds": compile_seconds, "rollout_seconds": t_rollout,
+            "train_seconds": t_train - optimizer_s, "optimizer_seconds": optimizer_s,
+            "step_seconds": t_rollout + t_train, "captures": run.engine.last_stats.captures,
             "rows": trained.rows_total, "rows_trained": trained.rows_trained,
-            "rows_skipped": trained.rows_total - trained.rows_trained, "batches": [r.batch for r in outcome.trained],
+            "rows_skipped": trained.rows_total - trained.rows_trained, "batches": [r.batch for r in rollouts],
             **{key: getattr(trained, key) for key in ("sampler_tokens", "sampler_gap_mean", "sampler_gap_max", "sampler_k3")}}
 
 

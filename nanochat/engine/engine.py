@@ -216,13 +216,16 @@ class Engine(NanochatGenerate, RolloutMemory):
             model.get_device(), decode, compile, lag, max_rows=max_rows, memory_budget_gb=memory_budget_gb,
             share_prompts=share_prompts, decode_kernels=decode_kernels, calculator_format=calculator_format,
             prefill_tokens=prefill_tokens, dtype=dtype)
-        self.step = decode_step_function(model, self.spec)
+        self.step = self.decode_step_for(self.spec)
         self.max_rows = self.spec.max_rows  # halved where a rollout runs out of memory (run_within_memory)
         self.kept = KeptBatches()  # between rollouts (see _new_batch); release() drops them
         self.prompt_floor = 0  # static batches are sized for prompts this long at least (it never shrinks)
         self.keeps_between_rollouts = True  # the static batch and the decode weights; release() may turn it off
         self.weights = DecodeWeights(model)
         self.last_stats = RolloutStats()
+
+    def decode_step_for(self, spec):  # the static decode step of `spec` (a benchmark's wrapper's engine: its own)
+        return decode_step_function(self.model, spec)
 
     def reconfigure(self, spec):
         """Run the next rollouts as RolloutSpec `spec` says (a run's new spec, once --compile=auto switched its decode
@@ -231,7 +234,7 @@ class Engine(NanochatGenerate, RolloutMemory):
         its batches serve on. Its rows are the spec's again."""
         if any(getattr(spec, name) != getattr(self.spec, name) for name in STEP_FIELDS):
             self.release()
-            self.step, self.last_stats = decode_step_function(self.model, spec), RolloutStats()
+            self.step, self.last_stats = self.decode_step_for(spec), RolloutStats()
         self.spec, self.max_rows = spec, spec.max_rows
 
     def reserve_prompt_length(self, length):
@@ -265,8 +268,8 @@ class Engine(NanochatGenerate, RolloutMemory):
 
     def _new_batch(self, num_prompts, longest, num_samples, max_tokens, temperature, top_k, max_rows):
         """An empty DecodeBatch: max_rows rows (else the engine's, else what the memory budget holds beside the
-        batches kept, see rows_beside_kept), at most one per sample of every prompt, with a cache for prompts of up
-        to `longest` tokens.
+        batches kept, see KeptBatches.rows_beside), at most one per sample of every prompt, with a cache for prompts of
+        up to `longest` tokens.
 
         A static batch (static and graph modes) has a shape fixed for the run: its prompts' capacity is the longest
         prompt seen or reserved (prompt_floor) rounded up to PROMPT_BUCKET positions, never less, and its rows are

@@ -101,12 +101,12 @@ class RolloutCache(Protocol):
         """Keys of its own storage a row can hold (what a decode step may read)."""
 
     def holds_prompts(self) -> bool:
-        """Whether prompts are stored once in the cache (add_prompt) rather than copied into each row."""
+        """Whether prompts are stored once in the cache (store_prompt) rather than copied into each row."""
 
     def admit_rows(self, start: int, stop: int, prompt_cache: "KVCache", pool_slot: Optional[int],
                    first_sample: int) -> int:
         """Rows [start, stop) start from a prefilled prompt (samples first_sample.. of it; pool_slot: where
-        add_prompt stored it, None if the cache holds no prompts). Returns the prompt positions the rows hold in
+        store_prompt stored it, None if the cache holds no prompts). Returns the prompt positions the rows hold in
         their own storage."""
 
     def decode_step(self, rows: int, keys: int) -> CacheStep:

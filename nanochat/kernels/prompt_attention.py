@@ -28,8 +28,8 @@ empty (no key read).
 Offsets that a product with a stride can take past 2^31 at sizes a user may set (a row's completion storage:
 rows x Hkv x capacity x D; a prompt slot's; the parts: splits x rows x heads x D) are taken in int64.
 
-The hand-written step (nanochat/engine/shared_prompt_cache.py) is the reference; `reference_prompt_attention` below is
-the same function written with torch ops on this op's arguments, for the tests.
+The hand-written step (nanochat/engine/shared_prompt_cache.py) is the reference; the tests' second one is the same
+function written with torch ops on this op's arguments (tests/support/oracles.py: reference_prompt_attention).
 """
 
 import math
@@ -332,26 +332,3 @@ def _prompt_and_merge(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tenso
 @_prompt_and_merge.register_fake
 def _(q, pool_k, pool_v, pool_len, cells, part_top, part_total, part_acc, pos, sample, used_columns, window):
     return torch.empty_like(q)
-
-
-def reference_prompt_attention(q, pool_k, pool_v, pool_len, cells, own_k, own_v, pos, sample, used_columns, keys,
-                               window):
-    """prompt_attention written with torch ops, row by row (slow, plain): the tests' second reference beside the
-    hand-written step."""
-    B, H, D = q.shape
-    Hkv = pool_k.size(1)
-    out = torch.zeros_like(q)
-    slot_of = {int(r): s for s in range(cells.size(0)) for c in range(used_columns) if (r := int(cells[s, c])) >= 0}
-    for b, slot in slot_of.items():
-        L, p = int(pool_len[slot]), int(pos[b])
-        k = torch.cat([pool_k[slot, :, :L], own_k[b, :, :keys]], dim=1).float()  # (Hkv, L + keys, D)
-        v = torch.cat([pool_v[slot, :, :L], own_v[b, :, :keys]], dim=1).float()
-        absolute = torch.cat([torch.arange(L), L + torch.arange(keys)])
-        own = torch.cat([torch.zeros(L, dtype=torch.bool), torch.ones(keys, dtype=torch.bool)])
-        query = L + p
-        seen = (absolute <= query) & (query - absolute <= window) & (~own | (absolute - L <= p))
-        k, v = k.repeat_interleave(H // Hkv, 0), v.repeat_interleave(H // Hkv, 0)
-        scores = (q[b].float()[:, None, :] @ k.transpose(1, 2))[:, 0] / math.sqrt(D)  # (H, keys)
-        probs = scores.masked_fill(~seen.to(scores.device), float("-inf")).softmax(-1)
-        out[b] = (probs[:, None, :] @ v)[:, 0].to(q.dtype)
-    return out

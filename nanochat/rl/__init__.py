@@ -20,17 +20,4 @@ The data path of one step, top-down:
     policy_gradient.py  the training pass: rows through the model in chunks, the objective backpropagated
     metrics.py          what a step's rollouts and training looked like, combined across ranks
     evaluation.py       pass@k on the test split
-
-What used to be `nanochat.rl` (one module) is re-exported here.
 """
-
-from nanochat.rl.advantages import ADVANTAGE_STD_EPS, QuestionBatch, advantages_from_rewards, make_question_batch
-from nanochat.rl.objective import (LOSS_NORMS, ROLLOUT_CORRECTIONS, PolicyLoss, StepCounts, clipped_surrogate,
-                                   counted_rows, k3_kl, pass_denominators, pass_objective, row_denominators,
-                                   step_counts, token_logprobs_and_entropy, trainable_targets)
-from nanochat.rl.policy_gradient import TrainStats, accumulate_policy_gradient, chunk_logprobs
-
-__all__ = ["ADVANTAGE_STD_EPS", "QuestionBatch", "advantages_from_rewards", "make_question_batch", "LOSS_NORMS",
-           "ROLLOUT_CORRECTIONS", "PolicyLoss", "StepCounts", "clipped_surrogate", "counted_rows", "k3_kl",
-           "pass_denominators", "pass_objective", "row_denominators", "step_counts", "token_logprobs_and_entropy",
-           "trainable_targets", "TrainStats", "accumulate_policy_gradient", "chunk_logprobs"]

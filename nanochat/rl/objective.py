@@ -56,24 +56,6 @@ from nanochat.model.head import logprobs_and_entropy
 from nanochat.rl.advantages import QuestionBatch
 
 
-def pass_objective(logp, targets, advantages, num_passes, examples_per_rank, num_valid=None):
-    """nanochat's per-pass policy-gradient objective (to be maximised).
-
-    logp: (B, T) log-probabilities of the targets (any value where targets == -1; it is masked here).
-    targets: (B, T) with -1 on positions that carry no gradient. advantages: (B,).
-    Returns sum(logp * adv over valid positions) / (num_valid * num_passes * examples_per_rank), where
-    num_valid defaults to the valid positions in these rows; pass the whole pass's count when the rows are
-    a chunk of a pass (so chunking a pass to save memory leaves the objective unchanged).
-    A pass with no valid target (every row empty) contributes 0.
-    """
-    valid = targets >= 0
-    if num_valid is None:
-        num_valid = valid.sum()
-    num_valid = max(int(num_valid), 1)
-    weighted = torch.where(valid, logp * advantages[:, None].to(logp.dtype), torch.zeros_like(logp))
-    return weighted.sum() / (num_valid * num_passes * examples_per_rank)
-
-
 def token_logprobs_and_entropy(logits, targets):
     """From one forward's logits (..., V), the log-probability of each target (...) (0 where target == -1) and the
     mean entropy over the valid positions (a detached scalar: a diagnostic): nanochat/model/head.py's

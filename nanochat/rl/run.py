@@ -1,7 +1,7 @@
 """
-One RL run's state and its step, as chat_rl's loop and bench_rl call them: setup_run builds the run (model,
-optimizers, engine, tasks) from the config, through build_run, which bench_rl's runs go through too; RLRun.step()
-is one step, its two halves sample_rollouts and train_on_rollouts; the run's Checkpointer writes a step for
+One RL run's state and its step, as chat_rl's loop calls it: setup_run builds the run (model, optimizers, engine,
+tasks) from the config, through build_run, which bench_rl's runs go through too; RLRun.step() is one step, its two
+halves sample_rollouts and train_on_rollouts (which bench_rl times itself); the run's Checkpointer writes a step for
 --resume. Out of memory, a step retries with fewer rows at a time, which gives the same tokens and the same
 gradient.
 """
@@ -67,7 +67,6 @@ class RLRun:
     teacher: object = None                 # --teacher's Teacher (nanochat/rl/teacher.py), or None
     rank: int = 0
     world_size: int = 1
-    lean: bool = True  # train only rows with an advantage, each prompt once a forward (False: nanochat's way)
     extra_eval_tasks: tuple = ()           # --eval-tasks: ((name, test task), ...) evaluated beside val_task
     loss_scale: object = None              # --dtype=float16: the dynamic loss scale (nanochat/optim/loss_scale.py)
     auto_compile: AutoCompile = None       # --compile=auto decided during the run (nanochat/compiling/rule.py), or None
@@ -106,18 +105,18 @@ class RLRun:
         """Training's autocast (its forwards in the plan's dtype); the engine decodes in its own (RolloutSpec.dtype)."""
         return autocast_context(self.device, getattr(torch, self.plan.dtype))
 
-    def step(self, step, clock=time.time, sample=None, before_training=None):
-        """One step: this rank's questions sampled and rewarded from the run's data position (`sample`, default
-        sample_rollouts), the last checkpoint settled before the first collective, then the policy gradient and
-        optimizer step(s) (train_on_rollouts; a non-finite one counted). Each half timed by `clock` (bench_rl: the
-        device's) inside the profiler's "rollout" and "training" ranges; `before_training` may change the rollouts
-        trained (bench_rl's forced advantages). Returns a StepOutcome."""
+    def step(self, step):
+        """One step: this rank's questions sampled and rewarded from the run's data position (sample_rollouts), the
+        last checkpoint settled before the first collective, then the policy gradient and optimizer step(s)
+        (train_on_rollouts; a non-finite one counted). Each half timed inside the profiler's "rollout" and "training"
+        ranges. Returns a StepOutcome."""
+        clock = time.time
         t0 = clock()
         with torch.profiler.record_function("rollout"):
-            sampled = (sample or sample_rollouts)(self, step, self.progress.data_position)
+            sampled = sample_rollouts(self, step, self.progress.data_position)
             t_rollout = clock() - t0
         self.progress.advance(sampled.next_position)
-        trained = before_training(sampled.trained) if before_training else sampled.trained
+        trained = sampled.trained
         if self.checkpointer:  # the last checkpoint committed on every rank before the step's first collective
             self.checkpointer.before_collective()
         t0 = clock()
@@ -243,7 +242,7 @@ def setup_run(config, resume, target, rank, world_size, device):
 
 
 def build_run(config, plan, model, tokenizer, engine, optimizers, tasks, device, steps, rows, compiled, ranks=(0, 1),
-              lean=True, reference=None, loss_scale=None, checkpoint_dir=None, resumed=None, required=None, **fixed):
+              reference=None, loss_scale=None, checkpoint_dir=None, resumed=None, required=None, **fixed):
     """The one place an RLRun is made (chat_rl's setup_run, bench_rl's bench_run): its objective from the config,
     its training forward (compiled where `compiled`, a failure an error where `required`, by default under
     --compile=on; loss-scaled under fp16), its progress (a resumed run's from
@@ -257,7 +256,7 @@ def build_run(config, plan, model, tokenizer, engine, optimizers, tasks, device,
     required = plan.compile == "on" if required is None else required
     run = RLRun(config=config, plan=plan, model=model, tokenizer=tokenizer, optimizers=optimizers,
                 policy_loss=policy_loss_of(config), reference=reference, train_task=tasks[0], val_task=tasks[1],
-                num_steps=num_steps, start_step=start_step, device=device, rank=rank, world_size=world_size, lean=lean,
+                num_steps=num_steps, start_step=start_step, device=device, rank=rank, world_size=world_size,
                 loss_scale=loss_scale, engine=engine, micro_rows=rows, progress=progress,
                 forward=scaled_forward(compiled_chunk_forward(compiled, required=required), loss_scale),
                 **fixed)
@@ -362,12 +361,14 @@ class TrainResult:
     stepped: bool           # every epoch's optimizer step was taken (finite loss and gradient on all ranks)
 
 
-def train_on_rollouts(run, rollouts, step):
+def train_on_rollouts(run, rollouts, step, share_prompt=True, skip_zero_advantage=True):
     """--ppo-epochs optimizer steps on these rollouts (nanochat: 1). The first epoch is on-policy and records
-    the sampled tokens' log-probabilities; later epochs clip the ratio to them. A non-finite epoch ends the step."""
+    the sampled tokens' log-probabilities; later epochs clip the ratio to them. A non-finite epoch ends the step.
+    share_prompt, skip_zero_advantage: accumulate_policy_gradient's (the same gradient either way; False: nanochat's
+    work, each row's prompt in its own forward and every row trained)."""
     cfg = run.config
     batches, _ = without_rejected_tokens(run.model, [r.batch for r in rollouts], run.policy_loss, run.micro_rows,
-                                         run.device, run.autocast(), run.lean, run.forward)  # --rejected-tokens
+                                         run.device, run.autocast(), share_prompt, run.forward)  # --rejected-tokens
     lrm = lr_multiplier(step, run.num_steps, cfg.lr_schedule, cfg.warmup_steps, cfg.final_lr_frac)
     counts = step_counts(batches, cfg.mask_truncated, run.reduce_device) if cfg.loss_norm != "pass" else None
     run.model.train()
@@ -378,7 +379,8 @@ def train_on_rollouts(run, rollouts, step):
             return accumulate_policy_gradient(run.model, batches, cfg.device_batch_size, run.examples_per_rank, run.device,
                                               run.autocast(), micro_batch_rows=rows, loss=run.policy_loss, counts=counts,
                                               reference=run.reference, first_epoch=first, forward=run.forward,
-                                              share_prompt=run.lean, skip_zero_advantage=run.lean, teacher=run.teacher)
+                                              share_prompt=share_prompt, skip_zero_advantage=skip_zero_advantage,
+                                              teacher=run.teacher)
         last, run.micro_rows = with_fewer_rows_on_oom(attempt, run.micro_rows, "out of memory during training: "
                                                       "retrying with {rows} rows per forward pass",
                                                       free_memory=lambda: give_back_rollout_memory(run.engine))

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import FP32_GAP_BOUND, install_generation, prompt_of, random_model, tiny_config
+from oracles import reference_prompt_attention
 from test_flex_prompt_attention import cache_in_use, rollouts
 
 from nanochat.checkpoints.loading import build_model
@@ -18,7 +19,7 @@ from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import write_rows
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache, SharedPromptStep
 from nanochat.kernels.launch import kernels_unavailable
-from nanochat.kernels.prompt_attention import OWN_SPLIT_KEYS, cell_rows, prompt_attention, reference_prompt_attention
+from nanochat.kernels.prompt_attention import OWN_SPLIT_KEYS, cell_rows, prompt_attention
 from nanochat.kernels.residual_norm import relu_square, residual_norm
 from nanochat.kernels.rotary_store import norm_result_fp32, rotary_store
 from nanochat.kernels.sampling import sample_rows
@@ -303,15 +304,17 @@ def test_residual_norm_composes_the_models_residual_ops(target, part, rows):
     x, delta, y = (torch.randn(rows, 40, device=device) for _ in "xdy")
     delta = delta.bfloat16()
     lam_a, lam_b = torch.randn(3, device=device), torch.randn(3, device=device)
+    none = dict(delta=None, a=None, a_index=0, y=None, b=None, b_index=0, sign=1.0)  # the op's other arguments
     if part == "lambdas":
-        args, want = (delta, lam_a, 2, y, lam_b, 1, 1.0), lam_a[2] * (x + delta) + lam_b[1] * y
+        args, want = {**none, "delta": delta, "a": lam_a, "a_index": 2, "y": y, "b": lam_b, "b_index": 1}, \
+            lam_a[2] * (x + delta) + lam_b[1] * y
     elif part == "add":
-        args, want = (delta, None, 0, None, None, 0, 1.0), x + delta
+        args, want = {**none, "delta": delta}, x + delta
     elif part == "backout":
-        args, want = (delta, None, 0, y, lam_b, 0, -1.0), (x + delta) - lam_b[0] * y
+        args, want = {**none, "delta": delta, "y": y, "b": lam_b, "sign": -1.0}, (x + delta) - lam_b[0] * y
     else:
-        args, want = (None, None, 0, None, None, 0, 1.0), x
-    x_new, normed, summed = residual_norm(x, *args, True, torch.bfloat16)
+        args, want = none, x
+    x_new, normed, summed = residual_norm(x, **args, keep_sum=True, norm_dtype=torch.bfloat16)
     assert_within_ulps(x_new, want, torch.float32, residual_roundings(target), scale=(x + delta).abs().amax())
     assert_within_ulps(normed, norm(want).bfloat16(), torch.bfloat16, 1)
     assert torch.equal(summed, x + delta if part != "norm only" else x)

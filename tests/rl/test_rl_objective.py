@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import TableModel, random_model, tiny_config
+from oracles import pass_objective
 
 from nanochat.rl.advantages import advantages_from_rewards, make_question_batch
 from nanochat.rl.objective import (PolicyLoss, epoch_objective, k3_kl, kl_penalty, on_policy_objective, pass_denominators,
-                                   pass_objective, ppo_objective, rollout_correction_weights, sampler_gap,
-                                   token_logprobs_and_entropy)
+                                   ppo_objective, rollout_correction_weights, sampler_gap, token_logprobs_and_entropy)
 from nanochat.rl.policy_gradient import accumulate_policy_gradient
 
 PAD = 99

@@ -28,7 +28,8 @@ LN2, LN8 = math.log(2), math.log(8)
 def row_weights(targets, advantages, device_batch_size, examples_per_rank):
     """Each row's weight in nanochat's objective: the objective is sum over rows r and their valid positions
     t of logp[r, t] * w[r], with w[r] = adv[r] / (valid targets of r's pass * passes * examples_per_rank),
-    which is pass_objective summed over the question's passes. targets: (R, T); advantages: (R,) -> (R,)."""
+    which is pass_objective (tests/support/oracles.py) summed over the question's passes. targets: (R, T);
+    advantages: (R,) -> (R,)."""
     return advantages / pass_denominators(targets, device_batch_size, examples_per_rank).to(advantages.dtype)
 
 

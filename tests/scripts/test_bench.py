@@ -163,11 +163,10 @@ def test_config_subset_without_baseline_has_no_ratios(base_dir, tmp_path, monkey
     once in the warm-up, without optimizers, then once measured, with them."""
     runs = []
 
-    def train_on_rollouts(run, rollouts, step):
+    def train_on_rollouts(run, rollouts, step, **work):
         runs.append((run.policy_loss.loss_norm, len(run.optimizers), step))
-        return chat_rl_step(run, rollouts, step)
-    chat_rl_step = rl_run.train_on_rollouts
-    monkeypatch.setattr(rl_run, "train_on_rollouts", train_on_rollouts)
+        return rl_run.train_on_rollouts(run, rollouts, step, **work)
+    monkeypatch.setattr(bench_measure, "train_on_rollouts", train_on_rollouts)
     output = tmp_path / "bench.json"
     bench_rl.main(TINY_FLAGS + ["--configs=batched_fp32", "--early-stop-mean=0", "--loss-norm=token", f"--output={output}"])
     report = json.loads(output.read_text())

@@ -67,10 +67,16 @@ def compute_dtype(model, device):
 def check_kernel_model(model):
     """A ValueError when the kernels' forward cannot compute `model` as GPT does: its token embedding must be fp32
     (the residual stream the kernels keep in fp32 is then the model's)."""
-    model = getattr(model, "decode_model", model)  # a wrapper's GPT (kernel_static_step)
     if model.transformer.wte.weight.dtype != torch.float32:
         raise ValueError(f"the Triton kernels need the token embedding in float32, and this model's is "
                          f"{model.transformer.wte.weight.dtype}")
+
+
+def add_and_norm(x, delta, norm_dtype, a=None, a_index=0, y=None, b=None, b_index=0, sign=1.0, keep_sum=False):
+    """The residual_norm kernel (nanochat/kernels/residual_norm.py: its arguments by name) with what a call leaves
+    out off: no lambdas (a, y, b), sign 1, no sum kept. Returns (x_new, normed, summed)."""
+    return residual_norm(x, delta=delta, a=a, a_index=a_index, y=y, b=b, b_index=b_index, sign=sign,
+                         keep_sum=keep_sum, norm_dtype=norm_dtype)
 
 
 def kernel_hidden_states(model, idx, step):
@@ -79,7 +85,7 @@ def kernel_hidden_states(model, idx, step):
     gen, blocks = model.generation, model.transformer.h
     dtype = compute_dtype(model, idx.device)
     embedding = model.transformer.wte(idx)  # (B, C) fp32
-    _, x, _ = residual_norm(embedding, None, None, 0, None, None, 0, 1.0, False, torch.float32)
+    _, x, _ = add_and_norm(embedding, None, torch.float32)
     if gen.smear:
         previous = step.smear_previous
         step.keep_smear_state(x[:, None])  # the token's normed embedding (GPT.smear_state), made once here
@@ -91,17 +97,17 @@ def kernel_hidden_states(model, idx, step):
         # blocks in it; block i is from the residual add of block i - 1's MLP output to its own MLP's output
         with torch.profiler.record_function(f"{BLOCK_RANGE}{i}"):
             keep = backout_layer == i - 1
-            lambdas = (model.resid_lambdas, i, x0, model.x0_lambdas, i) if gen.lambdas else (None, 0, None, None, 0)
-            x, h, summed = residual_norm(x, delta, *lambdas, 1.0, keep, dtype)
+            lambdas = dict(a=model.resid_lambdas, a_index=i, y=x0, b=model.x0_lambdas, b_index=i) if gen.lambdas else {}
+            x, h, summed = add_and_norm(x, delta, dtype, keep_sum=keep, **lambdas)
             kept = summed if keep else kept
             y = _attention(model, i, h, idx, step)
-            x, h, _ = residual_norm(x, block.attn.c_proj(y), None, 0, None, None, 0, 1.0, False, dtype)
+            x, h, _ = add_and_norm(x, block.attn.c_proj(y), dtype)
             delta = block.mlp.c_proj(relu_square(block.mlp.c_fc(h)))
     if backout_layer == len(blocks) - 1:  # the kept residual is the last block's own output
         kept = x + delta
         x, delta = kept, None
-    backout = (kept, model.backout_lambda, 0, -1.0) if backout_layer is not None else (None, None, 0, 1.0)
-    _, normed, _ = residual_norm(x, delta, None, 0, *backout, False, torch.float32)
+    backout = dict(y=kept, b=model.backout_lambda, b_index=0, sign=-1.0) if backout_layer is not None else {}
+    _, normed, _ = add_and_norm(x, delta, torch.float32, **backout)
     return normed
 
 
@@ -126,14 +132,23 @@ def kernel_static_step(batch, rows, keys):
     """static_step (nanochat/engine/decode_batch.py) with the kernels: the same inputs, the same writes for the rows
     in use (the cache, `sampled`, the streams' draws). A static cache's free rows get a zero attention output, so
     their own position-0 keys and their `sampled` differ from static_step's: nothing reads them (admission resets
-    them first)."""
+    them first). Its two halves: kernel_step_logits, then sample_step_logits."""
+    _, step, logits = kernel_step_logits(batch.model, batch, rows, keys)
+    sample_step_logits(batch, step, logits)
+
+
+def kernel_step_logits(model, batch, rows, keys):
+    """The first half of kernel_static_step: the rows' inputs (rows,), the step's KernelPromptStep and the logits
+    (rows, V) fp32 of `model` (a GPT: the batch's, whose weights the kernels run) for them."""
     known, token = batch.host_inputs[:, :rows]
     inputs = torch.where(known.bool(), token, batch.sampled[:rows, 0].long())  # (rows,)
     step = batch.cache.decode_step(rows, keys)
-    model = getattr(batch.model, "decode_model", batch.model)  # a wrapper's GPT (a benchmark's EarlyStopModel)
-    logits = model.logits(kernel_hidden_states(model, inputs, step))  # (rows, V) fp32
-    if hasattr(batch.model, "adjust_decode_logits"):  # what the wrapper's forward does to a decode step's logits
-        batch.model.adjust_decode_logits(inputs, step.positions[:, 0], logits)
+    return inputs, step, model.logits(kernel_hidden_states(model, inputs, step))
+
+
+def sample_step_logits(batch, step, logits):
+    """The second half of kernel_static_step: a token a row sampled from `logits` (rows, V) into the batch's
+    `sampled`, and the step's rows advanced."""
     top_k = batch.top_k
     top = (None, None)
     if batch.temperature != 0.0 and top_k is not None and 0 < top_k < logits.size(-1):
