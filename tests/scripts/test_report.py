@@ -78,9 +78,8 @@ def test_chat_rl_section_without_evals(tmp_path):
     assert (tmp_path / "chat-rl-reward.png").exists()
 
 
-def test_entropy_plot_skips_the_steps_without_one(tmp_path, monkeypatch):
-    """Steps that trained no row have no entropy (older runs logged NaN there): the plot draws the others only,
-    and a run with no entropy at all has no entropy plot."""
+def drawn_plots(monkeypatch):
+    """{file name: the series drawn in it}, filled as the report draws its plots (each still written)."""
     import nanochat.report as report_module
     drawn = {}
     real_plot = report_module._plot
@@ -89,6 +88,13 @@ def test_entropy_plot_skips_the_steps_without_one(tmp_path, monkeypatch):
         drawn[Path(path).name] = series
         return real_plot(path, ylabel, series, **kwargs)
     monkeypatch.setattr(report_module, "_plot", plot)
+    return drawn
+
+
+def test_entropy_plot_skips_the_steps_without_one(tmp_path, monkeypatch):
+    """Steps that trained no row have no entropy (older runs logged NaN there): the plot draws the others only,
+    and a run with no entropy at all has no entropy plot."""
+    drawn = drawn_plots(monkeypatch)
     history = fake_history(5)
     for step, entropy in ((0, 2.5), (2, float("nan")), (3, 2.25)):
         history[step]["entropy"] = entropy
@@ -198,14 +204,7 @@ def test_a_smoke_run_after_a_run_keeps_that_runs_report(sft, base_dir, capsys):
 def test_a_distillation_run_plots_the_reverse_kl_and_the_teachers_log_probability(tmp_path, monkeypatch):
     """Issue 75: the report shows the per-token reverse KL and the teacher's mean log-probability of the sampled
     tokens, on the steps that trained a token; a run without a teacher has neither plot."""
-    import nanochat.report as report_module
-    drawn = {}
-    real_plot = report_module._plot
-
-    def plot(path, ylabel, series, **kwargs):
-        drawn[Path(path).name] = series
-        return real_plot(path, ylabel, series, **kwargs)
-    monkeypatch.setattr(report_module, "_plot", plot)
+    drawn = drawn_plots(monkeypatch)
     history = fake_history(4)
     for step, (kl, logp, tokens) in enumerate(((0.5, -2.0, 10), (0.3, -1.5, 0), (0.25, -1.25, 7), (0.2, -1.0, 9))):
         history[step].update(reverse_kl=kl, teacher_logprob=logp, trained_tokens=tokens)
