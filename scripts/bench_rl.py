@@ -28,7 +28,7 @@ from nanochat.errors import require
 from nanochat.files import atomic_write, check_writable_file, write_errors
 from nanochat.model.flops import matmul_flops_per_token
 from nanochat.model.gpt import build_fresh_model
-from nanochat.rl.config import RLConfig
+from nanochat.rl.config import SETTINGS, RLConfig
 from nanochat.rl.plan import resolve_memory, train_rows
 from nanochat.rl.run import make_optimizers
 from nanochat.runtime.distributed import get_dist_info, print0
@@ -77,7 +77,7 @@ def parse_args(argv):
     given = [flag_name(name) for name, default in PER_CONFIG.items() if getattr(flags, name) != default]
     require(not given, f"{', '.join(given)}: bench_rl sets them per configuration (choose those with --configs)")
     # a benchmark's run loads no teacher (it measures chat_rl's own step): distillation's flags would fail mid-run
-    taught = [flag_name(name) for name in NOT_BENCHED if getattr(flags, name) != getattr(RLConfig(), name)]
+    taught = [flag_name(name) for name in NOT_BENCHED if getattr(flags, name) != SETTINGS[name].default]
     require(not taught, f"{', '.join(taught)}: bench_rl measures chat_rl's step without a distillation teacher")
     args.rl = RLConfig.from_flags(flags)
     return args
