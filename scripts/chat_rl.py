@@ -37,7 +37,8 @@ from nanochat.rl.metrics import reduce_metrics
 from nanochat.rl.progress import (ROLLOUTS_FILE, is_eval_step, is_save_step, no_signal_settings, report_step,
                                   sample_table)
 from nanochat.rl.resume import finished_run, restore_settings, run_target
-from nanochat.rl.run import auto_compile_step, check_run_device, meta_data, setup_run
+from nanochat.rl.auto_switch import auto_compile_step
+from nanochat.rl.run import check_run_device, meta_data, setup_run
 from nanochat.runtime.distributed import get_dist_info, print0, wait_for_all_ranks
 from nanochat.runtime.graceful_stop import GracefulStop
 from nanochat.wandb_utils import init_wandb, log_samples_table
@@ -116,7 +117,7 @@ def train(run, stop):
         for step in range(run.start_step, num_steps):
             # ---- eval: pass@k on the test split
             if is_eval_step(step, num_steps, cfg.eval_every):
-                saves.finish()  # the last checkpoint in place first: the eval's collectives
+                saves.before_eval()  # the last checkpoint in place first: the eval's collectives
                 wandb_run.log(evaluate(run, step))
 
             # ---- rollouts, policy gradient and optimizer step (the last checkpoint is written meanwhile)
@@ -138,7 +139,7 @@ def train(run, stop):
 
         # ---- the final eval, after the last update: of the last saved model, whose meta records it
         if run.start_step <= num_steps and is_eval_step(num_steps, num_steps, cfg.eval_every):
-            saves.finish()
+            saves.before_eval()
             wandb_run.log(evaluate(run, num_steps))
             saves.refresh_meta(num_steps - 1, meta_data(run, num_steps - 1))
         saves.finish()  # the last step's checkpoint, when no final eval committed it
@@ -148,7 +149,7 @@ def train(run, stop):
         report = get_report()
         # the run's own section and plots (never replaced by another run's), copied to nanochat's names as the latest
         own = log_chat_rl(report, run.user_config, run.progress.history, run.progress.eval_history,
-                          run_name=f"{run.plan.output_tag}-{run.run_id}")
+                          run_name=f"{run.plan.output_tag}-{run.lineage.run_id}")
         path = report.write_report(run.device)
     if path:
         print0(f"Report: {path} (this run's section and plots: {os.path.dirname(own)})")

@@ -2,10 +2,13 @@
 A training run's checkpoint protocol in one object, called once at each point of the loop:
 
     save(step)            begin saving a step: its tensors copied to host memory, its files written by a thread
-    before_collective()   before a step's first collective: with several ranks the save in flight committed (its
-                          commit is a collective of its own, which must come at the same point on every rank);
-                          alone, committed once written, waiting for nothing
-    finish()              commit whatever is in flight: before an eval, a stop, the run's end
+    written_behind()      around the stretch of a step that runs no collective (its rollouts' first draw): the save
+                          written meanwhile, committed at the stretch's end (before_collective): with several ranks
+                          there on every rank (the commit is a collective of its own, which must come at the same
+                          point on every rank); alone, once written, waiting for nothing
+    before_eval()         commit whatever is in flight: the eval's collectives follow
+    finish()              commit whatever is in flight: a stop, the run's end
+    settled_last()        commit whatever is in flight, then the run's last saved step: what a run that stops names
     refresh_meta(step, meta)  rewrite the meta of the last saved step (the final eval is of that model)
     on_error()            around the loop: a run that stops on an error still commits the save in flight
 A write that fails at any of them is one line naming the file and the step the run kept (kept()).
@@ -66,10 +69,29 @@ class Checkpointer:
             else:
                 self.saver.commit_if_written()
 
+    @contextlib.contextmanager
+    def written_behind(self):
+        """Around the stretch of a step that runs no collective (chat_rl's: its rollouts' first draw): the save in
+        flight written by its thread meanwhile, and committed at the stretch's end, before the step's first
+        collective (before_collective). An error inside commits nothing here: on_error, around the loop, does."""
+        yield
+        self.before_collective()
+
+    def before_eval(self):
+        """Before an eval: the save in flight, if any, committed (the eval's collectives come next; the final eval is
+        of the last saved step, whose meta refresh_meta rewrites)."""
+        self.finish()
+
     def finish(self):
         """The save in flight, if any, committed (waiting for its thread)."""
         with self.kept_said():
             self.saver.finish()
+
+    def settled_last(self):
+        """The run's last saved step once the save in flight, if any, is committed (what a run that stops names), or
+        None if none was."""
+        self.finish()
+        return self.last_saved
 
     def refresh_meta(self, step, meta):
         """The meta of `step` rewritten (rank 0), if `step` is the last one saved: what followed it (the final eval)."""
@@ -95,13 +117,18 @@ class Checkpointer:
     @contextlib.contextmanager
     def on_error(self):
         """Around the training loop: a run that stops on an error still commits the checkpoint its thread was writing.
-        With several ranks a save is pending only between a step's end and the next step's training, a stretch
-        without collectives (the rollouts; with --dynamic-sampling their first draw, before the draws' agreement
-        commits it), so every rank reaches a commit: its own here, or the one before its next collective. Alone, a
-        run's save may stay pending for steps (before_collective): committed here all the same."""
+        With several ranks a save is pending only between a step's end and the end of the next step's first draw of
+        rollouts, a stretch without collectives (written_behind), so every rank reaches a commit: its own here, or
+        the one at that stretch's end. Alone, a run's save may stay pending for steps (before_collective): committed
+        here all the same."""
         try:
             yield
         except BaseException:
             with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
                 self.saver.finish()
             raise
+
+
+def written_behind(checkpointer):
+    """checkpointer.written_behind(), or nothing to commit for a run that saves nothing (None: bench_rl's)."""
+    return checkpointer.written_behind() if checkpointer else contextlib.nullcontext()

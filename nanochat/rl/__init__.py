@@ -10,6 +10,9 @@ The run, in the order scripts/chat_rl.py uses it:
                         compile, memory budget, output tag, --keep-last, and the engine's RolloutSpec
     run.py              RLRun (what is fixed for a run) and its step(); setup_run and build_run, the one factory;
                         a step's two halves (sample_rollouts, train_on_rollouts)
+    training.py         TrainingState: what only the training half holds (objective, forward, rows, loss scale)
+    auto_switch.py      --compile=auto during the run: each step's parts timed apart from their compiling
+                        (CompileMarks), the rule's switches made into the run's next plan and training state
     progress.py         RunProgress (what changes each step: history, data position, counters, timings), each
                         step's record and log line, and the warnings of a run with nothing to learn
 

@@ -7,7 +7,8 @@ decode step (--decode-kernels, resolved by the engine's spec).
 The resolved values are the run's RunPlan, frozen, which the run reads; the config stays as given. Checkpoints record
 the config with the plan's values in place of the flags' (RunPlan.recorded): a resumed run computes as it started.
 The plan holds the engine's RolloutSpec too, resolved by the engine's own function (nanochat/engine/spec.py) from
-the config and the values above; --compile=auto's switches replace it (nanochat/rl/run.py's auto_compile_step).
+the config and the values above; --compile=auto's switches replace it (nanochat/rl/auto_switch.py's switched, which
+RLRun.take applies).
 Decisions that are measured (a dtype on a CPU) are measured on rank 0 and taken by every rank.
 """
 

@@ -64,7 +64,7 @@ def step_record(run, step, rollouts, result, t_rollout, t_train, trained=None, t
             "completion_length": metrics["completion_len_mean"], "lrm": result.lrm, "grad_norm": result.grad_norm,
             "time/rollout": t_rollout, "time/train": t_train, "rollout_tokens_per_s": num_tokens / max(t_rollout, 1e-9),
             **({"time/teacher": t_teacher} if t_teacher is not None else {}),
-            **(run.loss_scale.record() if getattr(run, "loss_scale", None) else {})}  # fp16: the same on every rank
+            **(run.training.loss_scale.record() if run.training.loss_scale else {})}  # fp16: the same on every rank
 
 
 def report_step(run, step, outcome, run_start):

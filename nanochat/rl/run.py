@@ -12,28 +12,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanochat.checkpoints.checkpointer import Checkpointer
+from nanochat.checkpoints.checkpointer import Checkpointer, written_behind
 from nanochat.checkpoints.store import new_run_id
-from nanochat.compiling.functions import CompileClock, compile_seconds
+from nanochat.compiling.functions import CompileClock
 from nanochat.compiling.plan import compile_models
 from nanochat.compiling.rule import AutoCompile
 from nanochat.engine.cuda_graphs import check_decode_flag
-from nanochat.engine.decode_batch import static_step
 from nanochat.engine.decode_steps import check_decode_kernels
-from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine
+from nanochat.engine.engine import Engine
 from nanochat.errors import UserError
 from nanochat.model.precision import ortho_dtype
-from nanochat.optim.loss_scale import loss_scale_for, scaled_forward
+from nanochat.optim.loss_scale import loss_scale_for
 from nanochat.optim.optimizers import guarded_step, lr_multiplier, scale_initial_lr
 from nanochat.rl.config import RLConfig
 from nanochat.rl.objective import PolicyLoss, step_counts
+from nanochat.rl.auto_switch import CompileMarks
 from nanochat.rl.plan import (RunPlan, auto_compile_of, describe_plan, resolve_compute_plan, resolve_keep_last,
                               resolve_memory, run_rollout_spec, train_rows)
-from nanochat.rl.policy_gradient import (TrainStats, accumulate_policy_gradient, chunk_logprobs, compiled_chunk_forward,
-                                         without_rejected_tokens)
+from nanochat.rl.policy_gradient import TrainStats, accumulate_policy_gradient, without_rejected_tokens
 from nanochat.rl.progress import RolloutLog, RunProgress, drop_rollouts_after
 from nanochat.rl.resume import load_reference, load_start, prepare_output_dir, restore_optimizers
 from nanochat.rl.teacher import load_teacher
+from nanochat.rl.training import TrainingState, training_forward
 from nanochat.rl.rollout import (Sampling, StepRollouts, has_signal, longest_prompt, question_indices_at, question_seed,
                                  sample_questions, step_questions)
 from nanochat.runtime.device import with_fewer_rows_on_oom
@@ -42,23 +42,30 @@ from nanochat.runtime.dtypes import autocast_context
 from tasks.registry import make_task
 
 
+@dataclass(frozen=True)
+class RunLineage:
+    """Where a run comes from, as every checkpoint's meta records it (meta_data) and --resume reads it back."""
+    run_id: str = None                     # the run's id, in its shards too (checked on --resume)
+    start_checkpoint: dict = None          # {source, model_tag, step} the run started from
+    segments: list = field(default_factory=list)  # [{start_step, world_size}] of the run's start and each --resume
+
+
 @dataclass
 class RLRun:
     """One run. Fixed for it, set once by build_run: `config` as given (the flags, after --resume put back the run's
-    own), `plan` what the run resolved from it at its start (dtypes, decode mode, compiling, memory budget, output
-    tag, --keep-last; every checkpoint records the two together, RunPlan.recorded; and the engine's RolloutSpec),
-    the model, optimizers, objective, tasks, engine and ranks. What changes from step to step: `progress` (history,
-    data position, counters, timings) through its methods, the saves through `checkpointer`, the plan's spec (the
-    engine reconfigured with it), training forward and rows per forward through this module (--compile=auto's
-    switches, out-of-memory retries), and what the engine holds through the engine's own methods. step() runs one
-    step."""
+    own), the model, optimizers, tasks, engine, ranks and lineage. What changes from step to step: `plan` (resolved at
+    the run's start: dtypes, decode mode, compiling, memory budget, output tag, --keep-last, which every checkpoint
+    records with the config, RunPlan.recorded; and the engine's RolloutSpec) and `training` (TrainingState), each a
+    frozen value replaced whole: --compile=auto's switches through take(), the one place, an out-of-memory's fewer
+    rows in train_on_rollouts; `progress` (history, data position, counters, timings) through its methods, the saves
+    through `checkpointer`, --compile=auto's `compile_marks` at each step's rollouts and end, and what the engine holds
+    through the engine's own methods. step() runs one step."""
     config: RLConfig
     plan: RunPlan
     model: torch.nn.Module
     tokenizer: object                      # the engine's, to size its batches for the tasks' prompts
     optimizers: list
-    policy_loss: PolicyLoss
-    reference: torch.nn.Module             # --kl-coef's frozen starting model, or None
+    training: TrainingState                # the training half's objective, forward, rows, reference, loss scale
     train_task: object
     val_task: object
     num_steps: int
@@ -68,21 +75,14 @@ class RLRun:
     rank: int = 0
     world_size: int = 1
     extra_eval_tasks: tuple = ()           # --eval-tasks: ((name, test task), ...) evaluated beside val_task
-    loss_scale: object = None              # --dtype=float16: the dynamic loss scale (nanochat/optim/loss_scale.py)
     auto_compile: AutoCompile = None       # --compile=auto decided during the run (nanochat/compiling/rule.py), or None
-    start_checkpoint: dict = None          # {source, model_tag, step} the run started from
-    run_id: str = None                     # recorded in every checkpoint's meta and shards (checked on --resume)
-    segments: list = field(default_factory=list)  # [{start_step, world_size}] of the run's start and each --resume
+    lineage: RunLineage = field(default_factory=RunLineage)
     rollout_log: RolloutLog = None         # --save-rollouts: this rank's samples as JSON lines
     checkpointer: Checkpointer = None      # its saves (chat_rl's runs), or None
     compile_clock: CompileClock = field(default_factory=CompileClock)  # what each step compiled
     progress: RunProgress = field(default_factory=RunProgress)
-    engine: Engine = None                  # built from plan.spec, reconfigured with its new one (auto_compile_step)
-    # changed in this module only
-    forward: object = chunk_logprobs       # the training pass's chunk forward: compiled or not (--compile)
-    micro_rows: int = 0                    # rows per training forward; halved on out-of-memory
-    compile_marks: dict = field(default_factory=lambda: {"seen": _part_compile_seconds()})  # parts' compile seconds
-    #                           at the rollouts' start; "seen": at the last step's end (or the run's start)
+    engine: Engine = None                  # built from plan.spec, reconfigured with each new one (take)
+    compile_marks: CompileMarks = field(default_factory=CompileMarks.at_start)  # nanochat/rl/auto_switch.py
 
     @property
     def user_config(self):
@@ -106,19 +106,18 @@ class RLRun:
         return autocast_context(self.device, getattr(torch, self.plan.dtype))
 
     def step(self, step):
-        """One step: this rank's questions sampled and rewarded from the run's data position (sample_rollouts), the
-        last checkpoint settled before the first collective, then the policy gradient and optimizer step(s)
-        (train_on_rollouts; a non-finite one counted). Each half timed inside the profiler's "rollout" and "training"
-        ranges. Returns a StepOutcome."""
+        """One step: this rank's questions sampled and rewarded from the run's data position (sample_rollouts: the
+        last checkpoint committed at its first draw's end, before the step's first collective), then the policy
+        gradient and optimizer step(s) (train_on_rollouts; a non-finite one counted). Each half timed inside the
+        profiler's "rollout" and "training" ranges. Returns a StepOutcome."""
         clock = time.time
         t0 = clock()
         with torch.profiler.record_function("rollout"):
+            self.compile_marks = self.compile_marks.rollouts_begin()  # --compile=auto: auto_compile_step's
             sampled = sample_rollouts(self, step, self.progress.data_position)
             t_rollout = clock() - t0
         self.progress.advance(sampled.next_position)
         trained = sampled.trained
-        if self.checkpointer:  # the last checkpoint committed on every rank before the step's first collective
-            self.checkpointer.before_collective()
         t0 = clock()
         with torch.profiler.record_function("training"):
             result = train_on_rollouts(self, trained, step)
@@ -127,10 +126,20 @@ class RLRun:
         return StepOutcome(sampled.drawn, trained, result, t_rollout, t_train,
                            self.teacher.take_seconds() if self.teacher else None)
 
+    def take(self, plan, training):
+        """The run's plan and training state from the next step on (--compile=auto's switches, auto_switch.switched):
+        the one place a run's plan changes. A new RolloutSpec reconfigures the engine, which runs it from the next
+        rollout on (what it kept for the other step goes), its batch sized again for the tasks' prompts."""
+        respec = plan.spec is not self.plan.spec
+        self.plan, self.training = plan, training
+        if respec:
+            self.engine.reconfigure(plan.spec)
+            size_for_prompts(self.engine, self.tokenizer, self.train_task, self.val_task, self.extra_eval_tasks)
+
     def snapshot(self, step):
         """What a checkpoint of `step` holds: the model (rank 0), this rank's optimizer shard, the meta."""
         shard = {"optimizers": [opt.state_dict() for opt in self.optimizers], "world_size": self.world_size,
-                 "rank": self.rank, "step": step, "run_id": self.run_id}
+                 "rank": self.rank, "step": step, "run_id": self.lineage.run_id}
         return self.model.state_dict() if self.master else None, shard, meta_data(self, step)
 
 
@@ -236,8 +245,9 @@ def setup_run(config, resume, target, rank, world_size, device):
     return build_run(config, plan, model, tokenizer, engine, optimizers, (train_task, val_task), device,
                      steps=(start_step, num_steps), rows=rows, ranks=(rank, world_size), reference=reference,
                      compiled=compiling.train or bool(auto_compile and auto_compile.compiled_now("train")),
-                     loss_scale=loss_scale_for(plan, resumed), auto_compile=auto_compile, start_checkpoint=start,
-                     segments=segments, checkpoint_dir=checkpoint_dir, resumed=resumed,
+                     loss_scale=loss_scale_for(plan, resumed), auto_compile=auto_compile,
+                     lineage=RunLineage(start_checkpoint=start, segments=segments), checkpoint_dir=checkpoint_dir,
+                     resumed=resumed,
                      extra_eval_tasks=extra_eval_tasks, teacher=teacher)
 
 
@@ -254,15 +264,14 @@ def build_run(config, plan, model, tokenizer, engine, optimizers, tasks, device,
                          f"{engine.spec.dtype}: build it with dtype={plan.rollout_dtype!r}")
     progress = RunProgress() if resumed is None else RunProgress.restored(resumed, start_step, config.examples_per_step)
     required = plan.compile == "on" if required is None else required
-    run = RLRun(config=config, plan=plan, model=model, tokenizer=tokenizer, optimizers=optimizers,
-                policy_loss=policy_loss_of(config), reference=reference, train_task=tasks[0], val_task=tasks[1],
-                num_steps=num_steps, start_step=start_step, device=device, rank=rank, world_size=world_size,
-                loss_scale=loss_scale, engine=engine, micro_rows=rows, progress=progress,
-                forward=scaled_forward(compiled_chunk_forward(compiled, required=required), loss_scale),
-                **fixed)
+    training = TrainingState(policy_loss=policy_loss_of(config), rows=rows, reference=reference, loss_scale=loss_scale,
+                             forward=training_forward(compiled, loss_scale, required))
+    run = RLRun(config=config, plan=plan, model=model, tokenizer=tokenizer, optimizers=optimizers, training=training,
+                train_task=tasks[0], val_task=tasks[1], num_steps=num_steps, start_step=start_step, device=device,
+                rank=rank, world_size=world_size, engine=engine, progress=progress, **fixed)
     if checkpoint_dir is not None:
         # a new run (from any source): a new id
-        run.run_id = (resumed or {}).get("run_id") or new_run_id()
+        run.lineage = dataclasses.replace(run.lineage, run_id=(resumed or {}).get("run_id") or new_run_id())
         run.checkpointer = Checkpointer(checkpoint_dir, rank, world_size, plan.keep_last, run.snapshot,
                                         last_saved=None if resumed is None else start_step - 1)
         if config.save_rollouts:
@@ -279,34 +288,6 @@ def size_for_prompts(engine, tokenizer, train_task, val_task, extra_eval_tasks):
         engine.reserve_prompt_length(longest_prompt(tokenizer, *tasks))
 
 
-def _part_compile_seconds():  # what each part has compiled so far, in seconds
-    return {"train": compile_seconds(chunk_logprobs, True), "decode": compile_seconds(static_step, STATIC_STEP_DYNAMIC)}
-
-
-def auto_compile_step(run, step, t_rollout, t_train):
-    """--compile=auto measuring (run.auto_compile): the step's seconds of each part, compiling left out, to the rule;
-    its decisions (rank 0's) said and made from the next step on."""
-    if run.auto_compile is None:
-        return
-    now, seen = _part_compile_seconds(), run.compile_marks["seen"]
-    spent = {part: now[part] - run.compile_marks[part] for part in now}  # in the step: not the part's step time
-    seconds = {"train": max(t_train - spent["train"], 0.0), "decode": max(t_rollout - spent["decode"], 0.0)}
-    # the compile's cost: since the last step's end, an eval's graphs of the part included
-    compiled = {part: now[part] - seen[part] for part in now}
-    switches = run.auto_compile.observe(step, seconds, compiled, run.reduce_device, run.world_size)
-    run.compile_marks["seen"] = now
-    for line in run.auto_compile.take_said():
-        print0(line)
-    for part, on in switches:
-        if part == "train":
-            run.forward = scaled_forward(compiled_chunk_forward(on), run.loss_scale)
-        else:  # a new spec, which the engine runs from the next rollout on (what it kept for the other step goes)
-            run.plan = dataclasses.replace(run.plan, spec=run.plan.spec.with_step_compiled(on, run.config.decode,
-                                                                                           run.device))
-            run.engine.reconfigure(run.plan.spec)
-            size_for_prompts(run.engine, run.tokenizer, run.train_task, run.val_task, run.extra_eval_tasks)
-
-
 def give_back_rollout_memory(engine):
     """After an out-of-memory in training: what the engine gives back for it (Engine.yield_memory: first the batches
     it keeps from other rollouts, then all it keeps), as the line to print, or None if it held nothing."""
@@ -321,11 +302,9 @@ def sample_rollouts(run, step, position=None):
     of questions whose samples differ in reward, up to --dynamic-sampling-rounds more draws (every rank draws as
     many: the count is agreed). Returns StepRollouts."""
     cfg = run.config
-    run.compile_marks = {**_part_compile_seconds(), "seen": run.compile_marks["seen"]}  # see auto_compile_step
     position = step * cfg.examples_per_step if position is None else position
-    drawn = sample_draw(run, step, position, 0)
-    if cfg.dynamic_sampling and run.checkpointer:  # the agreement below is a collective: the last checkpoint
-        run.checkpointer.before_collective()          # committed first, after the first draw, which it overlapped
+    with written_behind(run.checkpointer):  # no collective in the first draw: the last checkpoint written meanwhile,
+        drawn = sample_draw(run, step, position, 0)  # committed at its end (the draws' agreement, training follow)
     for draw in range(1, 1 + cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1):
         if not any_rank(sum(map(has_signal, drawn)) < run.examples_per_rank, run.reduce_device):
             break
@@ -367,8 +346,9 @@ def train_on_rollouts(run, rollouts, step, share_prompt=True, skip_zero_advantag
     share_prompt, skip_zero_advantage: accumulate_policy_gradient's (the same gradient either way; False: nanochat's
     work, each row's prompt in its own forward and every row trained)."""
     cfg = run.config
-    batches, _ = without_rejected_tokens(run.model, [r.batch for r in rollouts], run.policy_loss, run.micro_rows,
-                                         run.device, run.autocast(), share_prompt, run.forward)  # --rejected-tokens
+    training = run.training  # --rejected-tokens:
+    batches, _ = without_rejected_tokens(run.model, [r.batch for r in rollouts], training.policy_loss, training.rows,
+                                         run.device, run.autocast(), share_prompt, training.forward)
     lrm = lr_multiplier(step, run.num_steps, cfg.lr_schedule, cfg.warmup_steps, cfg.final_lr_frac)
     counts = step_counts(batches, cfg.mask_truncated, run.reduce_device) if cfg.loss_norm != "pass" else None
     run.model.train()
@@ -377,15 +357,17 @@ def train_on_rollouts(run, rollouts, step, share_prompt=True, skip_zero_advantag
         def attempt(rows):
             run.model.zero_grad(set_to_none=True)  # what a failed attempt accumulated
             return accumulate_policy_gradient(run.model, batches, cfg.device_batch_size, run.examples_per_rank, run.device,
-                                              run.autocast(), micro_batch_rows=rows, loss=run.policy_loss, counts=counts,
-                                              reference=run.reference, first_epoch=first, forward=run.forward,
-                                              share_prompt=share_prompt, skip_zero_advantage=skip_zero_advantage,
+                                              run.autocast(), micro_batch_rows=rows, loss=training.policy_loss,
+                                              counts=counts, reference=training.reference, first_epoch=first,
+                                              forward=training.forward, share_prompt=share_prompt,
+                                              skip_zero_advantage=skip_zero_advantage,
                                               teacher=run.teacher)
-        last, run.micro_rows = with_fewer_rows_on_oom(attempt, run.micro_rows, "out of memory during training: "
-                                                      "retrying with {rows} rows per forward pass",
-                                                      free_memory=lambda: give_back_rollout_memory(run.engine))
+        last, rows = with_fewer_rows_on_oom(attempt, run.training.rows, "out of memory during training: "
+                                            "retrying with {rows} rows per forward pass",
+                                            free_memory=lambda: give_back_rollout_memory(run.engine))
+        run.training = dataclasses.replace(run.training, rows=rows)  # fewer from here on, after an out-of-memory
         last_gnorm, stepped = guarded_step(run.model, run.optimizers, lrm, last.objective, run.reduce_device,
-                                           run.loss_scale)
+                                           training.loss_scale)
         if first is None:
             first, gnorm = last, last_gnorm
         if not stepped:
@@ -398,7 +380,8 @@ def count_bad_step(run, step, result):
     if result.stepped:
         run.progress.count_bad(True)
         return
-    overflow = run.loss_scale.overflow_note(step) if run.loss_scale else None
+    loss_scale = run.training.loss_scale
+    overflow = loss_scale.overflow_note(step) if loss_scale else None
     if overflow:  # fp16: a smaller scale may fit; not a bad step
         print0(overflow)
         return
@@ -406,19 +389,18 @@ def count_bad_step(run, step, result):
     print0(f"warning: step {step} has a non-finite loss or gradient (objective {result.last.objective}, grad norm "
            f"{result.last_grad_norm}); skipping the optimizer step ({bad}/{run.config.max_bad_steps})")
     if bad >= run.config.max_bad_steps:
-        saves = run.checkpointer
-        if saves:
-            saves.finish()  # alone, the last save may still be in flight (before_collective): the one to name
-        where = (f"step {saves.last_saved} in {saves.checkpoint_dir}" if saves and saves.last_saved is not None
-                 else "none saved yet")
+        saves = run.checkpointer  # alone, the last save may still be in flight (before_collective): the one to name
+        last = saves.settled_last() if saves else None
+        where = f"step {last} in {saves.checkpoint_dir}" if last is not None else "none saved yet"
         raise NonFiniteStepsError(bad, where)
 
 
 def meta_data(run, step):
     return {"step": step, "model_config": run.model.meta_model_config(), "generation": run.model.generation.name,
-            "user_config": run.user_config, "start_checkpoint": run.start_checkpoint, "history": run.progress.history,
-            "eval_history": run.progress.eval_history, "run_id": run.run_id, "world_size": run.world_size,
-            "segments": run.segments, "loss_scale": run.loss_scale.state_dict() if run.loss_scale else None,
+            "user_config": run.user_config, "start_checkpoint": run.lineage.start_checkpoint,
+            "history": run.progress.history, "eval_history": run.progress.eval_history, "run_id": run.lineage.run_id,
+            "world_size": run.world_size, "segments": run.lineage.segments,
+            "loss_scale": run.training.loss_scale.state_dict() if run.training.loss_scale else None,
             "data_position": run.progress.data_position,
             "teacher": run.teacher.checkpoint if run.teacher else None,
             "compile_auto": run.auto_compile.state() if run.auto_compile and run.plan.compile == "auto" else None}

@@ -115,8 +115,7 @@ def draws_of(monkeypatch, signal_per_draw, rounds, examples=4, position=8):
         return [rollout(at + i, [1, 0] if i < with_signal else [0, 0]) for i in range(examples)]
     monkeypatch.setattr(rl_run, "sample_draw", sample_draw)
     config = SimpleNamespace(examples_per_step=examples, dynamic_sampling=True, dynamic_sampling_rounds=rounds)
-    run = SimpleNamespace(config=config, checkpointer=None, compile_marks={"seen": None}, examples_per_rank=examples,
-                          reduce_device="cpu")
+    run = SimpleNamespace(config=config, checkpointer=None, examples_per_rank=examples, reduce_device="cpu")
     return made, rl_run.sample_rollouts(run, 3, position)
 
 

@@ -18,11 +18,11 @@ from nanochat import cli
 from nanochat.compiling.plan import CompilePlan
 from nanochat.engine.decode_batch import static_step
 from nanochat.engine.engine import Engine
-from nanochat.rl import run as rl_run
 from nanochat.rl.config import RLConfig
 from nanochat.rl.plan import RunPlan, run_rollout_spec
 from nanochat.rl.rollout import longest_prompt
-from nanochat.rl.run import auto_compile_step, build_run
+from nanochat.rl.auto_switch import auto_compile_step
+from nanochat.rl.run import build_run
 from nanochat.settings import SCRIPT_DEFAULTS, SHARED
 from tasks.arithmetic import Arithmetic
 
@@ -225,9 +225,8 @@ def test_the_engine_runs_the_plans_spec_after_an_auto_switch(tiny_tokenizer):
                     compiled=False, auto_compile=Switches(("decode", True), ("decode", False)))
     recorded = run.user_config
 
-    def end_of_step(step):  # the compile seconds a step's rollouts start from (sample_rollouts), then its end
-        marks = rl_run._part_compile_seconds()
-        run.compile_marks = {**marks, "seen": marks}
+    def end_of_step(step):  # the compile seconds a step's rollouts start from (RLRun.step), then its end
+        run.compile_marks = run.compile_marks.rollouts_begin()
         auto_compile_step(run, step, 1.0, 1.0)
     assert (engine.spec.decode, engine.spec.compiled, engine.step) == ("eager", False, static_step)
     end_of_step(0)

@@ -164,7 +164,7 @@ def test_config_subset_without_baseline_has_no_ratios(base_dir, tmp_path, monkey
     runs = []
 
     def train_on_rollouts(run, rollouts, step, **work):
-        runs.append((run.policy_loss.loss_norm, len(run.optimizers), step))
+        runs.append((run.training.policy_loss.loss_norm, len(run.optimizers), step))
         return rl_run.train_on_rollouts(run, rollouts, step, **work)
     monkeypatch.setattr(bench_measure, "train_on_rollouts", train_on_rollouts)
     output = tmp_path / "bench.json"
