@@ -268,3 +268,56 @@ def test_the_final_evals_meta_goes_to_the_step_saved_last_and_nowhere_else(tmp_p
     checkpointer.refresh_meta(2, {"step": 2, "final_eval": 0.25})
     _, _, meta = load_checkpoint(str(tmp_path), 2, "cpu")
     assert meta == {"step": 2, "final_eval": 0.25} and os.path.exists(meta_path(str(tmp_path), 2))
+
+
+class RecordedSaver:
+    """A BackgroundSaver's commits as events: which one the Checkpointer asked for, in order."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def finish(self):
+        self.events.append("finish")
+
+    def commit_if_written(self):
+        self.events.append("commit_if_written")
+
+
+@pytest.mark.parametrize("world_size, commit", [(2, "finish"), (1, "commit_if_written")])
+def test_written_behind_commits_at_the_stretchs_end_and_not_on_its_error(tmp_path, world_size, commit):
+    """Checkpointer.written_behind, around a step's stretch without collectives (its first draw): nothing committed
+    while it runs, the commit at its end (several ranks: the save finished there, on every rank; alone: committed if
+    written, waiting for nothing); an error inside commits nothing there (an exit would race the other ranks to a
+    collective), but on_error around the loop does, and the error is the one raised."""
+    from nanochat.checkpoints.checkpointer import Checkpointer
+    events = []
+    checkpointer = Checkpointer(str(tmp_path), rank=0, world_size=world_size, keep_last=0, snapshot=None)
+    checkpointer.saver = RecordedSaver(events)
+    with checkpointer.written_behind():
+        events.append("draw")
+    events.append("agreement")
+    assert events == ["draw", commit, "agreement"]
+    events.clear()
+    with pytest.raises(RuntimeError, match="out of luck"):
+        with checkpointer.on_error():
+            with checkpointer.written_behind():
+                events.append("draw")
+                raise RuntimeError("out of luck")
+    assert events == ["draw", "finish"]
+
+
+def test_the_last_saved_step_is_named_once_committed_and_an_eval_follows_a_commit(tmp_path):
+    """settled_last (what a run stopped by non-finite steps names) commits the save in flight first: the step just
+    saved, not the one before it; before_eval leaves the step committed on disk; a run that saved nothing names
+    none."""
+    from nanochat.checkpoints.checkpointer import Checkpointer
+
+    def snapshot(step):
+        return state(step), optimizer_shard(step), {"step": step, "user_config": {}}
+    checkpointer = Checkpointer(str(tmp_path), rank=0, world_size=1, keep_last=0, snapshot=snapshot)
+    assert checkpointer.settled_last() is None
+    checkpointer.save(2)
+    checkpointer.before_eval()
+    assert list_steps(str(tmp_path)) == [2] and not checkpointer.saver.pending
+    checkpointer.save(4)
+    assert checkpointer.settled_last() == 4 and list_steps(str(tmp_path)) == [2, 4]

@@ -119,6 +119,37 @@ def draws_of(monkeypatch, signal_per_draw, rounds, examples=4, position=8):
     return made, rl_run.sample_rollouts(run, 3, position)
 
 
+def test_the_last_checkpoint_is_committed_after_the_first_draw_before_any_collective(monkeypatch, tmp_path):
+    """A step's rollouts commit the checkpoint its loop saved last (Checkpointer.written_behind) at the end of their
+    first draw, which ran no collective, and before the first one: with --dynamic-sampling the draws' agreement
+    (any_rank), without it the training that follows the rollouts. With several ranks the commit is a collective
+    of its own, so every rank must make it at that same point."""
+    from types import SimpleNamespace
+
+    from nanochat.checkpoints.checkpointer import Checkpointer
+    from nanochat.rl import run as rl_run
+    events = []
+
+    def sample_draw(run, step, at, draw):
+        events.append(f"draw {draw}")
+        return [rollout(at + i, [0, 0]) for i in range(2)]
+
+    def any_rank(flag, device):
+        events.append("agreement")
+        return flag
+    monkeypatch.setattr(rl_run, "sample_draw", sample_draw)
+    monkeypatch.setattr(rl_run, "any_rank", any_rank)
+    saves = Checkpointer(str(tmp_path), rank=0, world_size=2, keep_last=0, snapshot=None)
+    monkeypatch.setattr(saves.saver, "finish", lambda: events.append("commit"))
+    for dynamic, expected in ((True, ["draw 0", "commit", "agreement", "draw 1", "agreement", "draw 2"]),
+                              (False, ["draw 0", "commit"])):
+        config = SimpleNamespace(examples_per_step=2, dynamic_sampling=dynamic, dynamic_sampling_rounds=2)
+        run = SimpleNamespace(config=config, checkpointer=saves, examples_per_rank=2, reduce_device="cpu")
+        events.clear()
+        rl_run.sample_rollouts(run, 3, 6)
+        assert events == expected
+
+
 def test_a_step_draws_again_exactly_while_its_share_lacks_signal(monkeypatch):
     """Both sides of each bound (issue 67: a loop bound in the draws passed this file): a first draw with exactly the
     share of questions with signal draws no more, one short draws a second; a draw count stops at exactly

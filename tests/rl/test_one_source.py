@@ -9,6 +9,7 @@
 - no error raised below the config names a flag: the library states the facts, nanochat.cli or the config the flag."""
 
 import ast
+import dataclasses
 
 import pytest
 import torch
@@ -20,9 +21,11 @@ from nanochat.engine.decode_batch import static_step
 from nanochat.engine.engine import Engine
 from nanochat.rl.config import RLConfig
 from nanochat.rl.plan import RunPlan, run_rollout_spec
+from nanochat.rl import auto_switch
+from nanochat.rl.auto_switch import CompileMarks, auto_compile_step, switched
 from nanochat.rl.rollout import longest_prompt
-from nanochat.rl.auto_switch import auto_compile_step
 from nanochat.rl.run import build_run
+from nanochat.rl.training import TrainingState
 from nanochat.settings import SCRIPT_DEFAULTS, SHARED
 from tasks.arithmetic import Arithmetic
 
@@ -237,6 +240,47 @@ def test_the_engine_runs_the_plans_spec_after_an_auto_switch(tiny_tokenizer):
     end_of_step(1)
     assert engine.spec is run.plan.spec and run.plan.spec == plan.spec and engine.step is static_step
     assert run.user_config == recorded
+
+
+def test_an_auto_switch_is_a_new_plan_and_training_state_the_old_ones_as_they_were(monkeypatch):
+    """--compile=auto's switches are one transition (auto_switch.switched): given the run's plan and training state,
+    a decode switch returns the plan with the spec RolloutSpec.with_step_compiled makes for the run's --decode (the
+    training state the same value), a train switch the training state with the forward training_forward makes for
+    the switch, loss-scaled with the run's scale (the plan the same value), both switches both; nothing changed in
+    place."""
+    cpu, config = torch.device("cpu"), RLConfig(device_type="cpu", compile="auto")
+    measured = CompilePlan(False, False, "auto on a CPU", measured=True)
+    plan = RunPlan(dtype="float32", rollout_dtype="float32", decode="eager", compile="auto", memory_budget_gb=4.0,
+                   output_tag="d2", keep_last=0, spec=run_rollout_spec(config, cpu, measured, None, 4.0, "float32"))
+    training = TrainingState(policy_loss=None, forward="eager forward", rows=8, loss_scale="the scale")
+    monkeypatch.setattr(auto_switch, "training_forward", lambda on, scale: ("forward", on, scale))
+    decode_on = dataclasses.replace(plan, spec=plan.spec.with_step_compiled(True, "auto", cpu))
+    assert decode_on.spec.decode == "static" and decode_on != plan
+    assert switched(plan, training, [("decode", True)], "auto", cpu) == (decode_on, training)
+    train_on = dataclasses.replace(training, forward=("forward", True, "the scale"))
+    assert switched(plan, training, [("train", True)], "auto", cpu) == (plan, train_on)
+    assert switched(plan, training, [("train", True), ("decode", True)], "auto", cpu) == (decode_on, train_on)
+    assert switched(decode_on, train_on, [("decode", False), ("train", False)], "auto", cpu) == (
+        plan, dataclasses.replace(training, forward=("forward", False, "the scale")))
+    assert training.forward == "eager forward" and plan.spec.decode == "eager"
+
+
+def test_compile_marks_leave_a_steps_compiling_out_of_its_parts_seconds(monkeypatch):
+    """CompileMarks: a step's seconds of each part are its half's seconds less what the part compiled since the
+    rollouts began (never below 0); what each part compiled is counted from the last step's end (an eval's graphs
+    between steps included); the step's end is the next step's mark."""
+    totals = iter([{"train": 1.0, "decode": 2.0}, {"train": 3.0, "decode": 2.0}, {"train": 6.0, "decode": 2.5}])
+    monkeypatch.setattr(auto_switch, "part_compile_seconds", lambda: next(totals))
+    marks = CompileMarks.at_start()
+    assert marks == CompileMarks(at_rollouts={"train": 1.0, "decode": 2.0}, at_step_end={"train": 1.0, "decode": 2.0})
+    marks = marks.rollouts_begin()  # an eval compiled 2 s of the training forward before this step's rollouts
+    seconds, compiled, ended = marks.step_end(t_rollout=5.0, t_train=2.0)
+    assert seconds == {"train": 0.0, "decode": 4.5}  # train: 2 s less the 3 s compiled in the step, at least 0
+    assert compiled == {"train": 5.0, "decode": 0.5}
+    assert ended == CompileMarks(at_rollouts={"train": 3.0, "decode": 2.0}, at_step_end={"train": 6.0, "decode": 2.5})
+    totals = iter([{"train": 7.0, "decode": 2.5}])
+    seconds, _, _ = ended.step_end(t_rollout=5.0, t_train=6.0)
+    assert seconds == {"train": 2.0, "decode": 4.5}
 
 
 def raised_texts(tree):
