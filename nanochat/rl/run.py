@@ -24,9 +24,9 @@ from nanochat.errors import UserError
 from nanochat.model.precision import ortho_dtype
 from nanochat.optim.loss_scale import loss_scale_for
 from nanochat.optim.optimizers import guarded_step, lr_multiplier, scale_initial_lr
+from nanochat.rl.auto_switch import CompileMarks
 from nanochat.rl.config import RLConfig
 from nanochat.rl.objective import PolicyLoss, step_counts
-from nanochat.rl.auto_switch import CompileMarks
 from nanochat.rl.plan import (RunPlan, auto_compile_of, describe_plan, resolve_compute_plan, resolve_keep_last,
                               resolve_memory, run_rollout_spec, train_rows)
 from nanochat.rl.policy_gradient import TrainStats, accumulate_policy_gradient, without_rejected_tokens
@@ -300,11 +300,13 @@ def sample_rollouts(run, step, position=None):
     data position `position` (default: step * --examples-per-step, a run's own without --dynamic-sampling). With
     --dynamic-sampling, draws of --examples-per-step more questions follow while some rank has fewer than its share
     of questions whose samples differ in reward, up to --dynamic-sampling-rounds more draws (every rank draws as
-    many: the count is agreed). Returns StepRollouts."""
+    many: the count is agreed). The first draw runs no collective: the run's last checkpoint is written meanwhile and
+    committed at its end (Checkpointer.written_behind), before the draws' agreement or the training's collectives.
+    Returns StepRollouts."""
     cfg = run.config
     position = step * cfg.examples_per_step if position is None else position
-    with written_behind(run.checkpointer):  # no collective in the first draw: the last checkpoint written meanwhile,
-        drawn = sample_draw(run, step, position, 0)  # committed at its end (the draws' agreement, training follow)
+    with written_behind(run.checkpointer):
+        drawn = sample_draw(run, step, position, 0)
     for draw in range(1, 1 + cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1):
         if not any_rank(sum(map(has_signal, drawn)) < run.examples_per_rank, run.reduce_device):
             break
