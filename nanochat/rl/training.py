@@ -1,7 +1,8 @@
 """
 What a run's training half holds besides the model and its optimizers (TrainingState): the objective, --kl-coef's
-frozen reference, the chunk forward and the rows per forward, fp16's loss scale. Only the training half reads it
-(nanochat/rl/run.py's train_on_rollouts and count_bad_step) and the meta records the loss scale.
+frozen reference, the chunk forward and the rows per forward, fp16's loss scale. The training half reads it
+(nanochat/rl/run.py's train_on_rollouts and count_bad_step); of the rest of the run, only the loss scale is read, by
+the step's record and the meta.
 """
 
 from dataclasses import dataclass
