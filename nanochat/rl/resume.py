@@ -23,7 +23,7 @@ from nanochat.errors import UserError
 from nanochat.files import check_writable_dir
 from nanochat.rl.config import RLConfig, resolve_output_tag
 from nanochat.rl.progress import is_eval_step
-from nanochat.rl.teacher import teacher_checkpoint
+from nanochat.rl.teacher import find_teacher
 from nanochat.runtime.distributed import print0
 from tasks.registry import make_task
 
@@ -244,8 +244,7 @@ def run_target(config, resume):
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], output_tag)
     old = [] if resume else run_files(checkpoint_dir)
     if not resume and config.teacher:
-        teacher = teacher_checkpoint(config)
-        teacher_dir, _, _ = find_checkpoint(teacher["source"], teacher["model_tag"], teacher["step"])
+        teacher_dir, _ = find_teacher(config)
         if os.path.realpath(teacher_dir) == os.path.realpath(checkpoint_dir):
             raise TeacherInRunDirError(checkpoint_dir)
     if old and not config.overwrite:

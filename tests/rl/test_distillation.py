@@ -20,7 +20,10 @@ from nanochat.engine.engine import Engine
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.objective import PolicyLoss
 from nanochat.rl.policy_gradient import accumulate_policy_gradient
-from nanochat.rl.teacher import Teacher
+from nanochat.rl.config import RLConfig
+from nanochat.rl.resume import run_target
+from nanochat.rl.teacher import Teacher, load_teacher
+from nanochat.tokenizer import get_tokenizer
 from scripts import chat_rl
 
 V, DEVICE_BATCH = 64, 2
@@ -207,6 +210,24 @@ def test_resume_with_a_teacher_is_the_uninterrupted_run(sft, base_dir, capsys):
     make_sft_checkpoint(base_dir, sft.config.vocab_size, seed=6, tag="t3", step=9, n_layer=3)  # the tag's newest
     chat_rl.main(["--resume=d2:2", "--device-type=cpu"])
     assert_same_weights(weights(run_dir / "model_000003.pt"), uninterrupted)
+
+
+def test_the_teachers_directory_is_listed_once_where_the_run_is_settled_and_once_where_it_loads(sft, base_dir,
+                                                                                                   monkeypatch):
+    """run_target (the teacher refused in the run's own directory) and load_teacher each list the teacher's
+    checkpoint directory once. Each resolved the teacher (its last step here) and then looked that checkpoint up
+    again, listing the directory twice (and load_teacher's load_model a third time)."""
+    make_sft_checkpoint(base_dir, sft.config.vocab_size, seed=5, tag="t3", step=4, n_layer=3)
+    teacher_dir = os.path.realpath(base_dir / "chatsft_checkpoints" / "t3")
+    listed, listdir = [], os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path=".": listed.append(os.path.realpath(path)) or listdir(path))
+    config = RLConfig(task="rl_toy_task:ParityTask", device_type="cpu", source="sft", model_tag="d2",
+                      teacher="sft:t3", distill_coef=1.0)
+    target = run_target(config, None)
+    assert listed.count(teacher_dir) == 1 and target.output_tag == "d2"
+    listed.clear()
+    teacher = load_teacher(config, sft, get_tokenizer(), "cpu", "float32")
+    assert listed.count(teacher_dir) == 1 and teacher.checkpoint == {"source": "sft", "model_tag": "t3", "step": 4}
 
 
 def test_the_side_by_side_table_reads_each_runs_last_meta(tmp_path):

@@ -506,7 +506,9 @@ MUTATIONS = [
              ("tests/rl/test_distillation.py::test_one_steps_gradient_is_the_hand_written_distillation_loss",),
              "the logged reverse KL is the forward difference's negative"),
     Mutation("teacher-reresolved-on-resume", "nanochat/rl/teacher.py",
-             "    if resumed:\n        return dict(resumed)\n", "",
+             'source, tag, step = ((resumed["source"], resumed["model_tag"], resumed["step"]) if resumed\n'
+             "                         else parse_teacher(config.teacher))",
+             "source, tag, step = parse_teacher(config.teacher)",
              ("tests/rl/test_distillation.py::test_resume_with_a_teacher_is_the_uninterrupted_run",),
              "--resume loads the teacher's latest step, not the one the run was taught by"),
     Mutation("teacher-not-in-meta", "nanochat/rl/run.py",
