@@ -80,8 +80,10 @@ def test_a_finished_run_says_so_and_how_to_go_on_without_evaluating_it_again(sft
         f"Run d2 is finished: all 2 of its steps are trained, the last (step 1) saved and its final eval recorded "
         f"(pass@1 {final[1]['pass@1']:.4f}). Nothing to do.",
         f"  evaluate it:      python -m scripts.chat_eval --source=rl --model-tag=d2 {task}",
-        f"  train it further: python -m scripts.chat_rl --source=rl --model-tag=d2 {task} --num-steps=N (a new run, "
-        f"written to d2_cont)"]
+        f"  train it further: python -m scripts.chat_rl --source=rl --model-tag=d2 --device-type=cpu --dtype=float32 "
+        f"--rollout-dtype=float32 {task} --device-batch-size=2 --examples-per-step=4 --num-samples=4 "
+        f"--max-new-tokens=12 --eval-every=2 --eval-examples=2 --save-every=-1 --num-steps=N (a new run, written to "
+        f"d2_cont)"]
     assert digests(base_dir) == before  # no eval run again: its meta and the report as they were
 
 
@@ -98,7 +100,8 @@ def test_resume_names_each_flag_it_replaced_and_refuses_a_longer_run(sft, base_d
     assert e.value.code == 2 and err.startswith("error: --num-steps=4: run d2 was planned with 3 steps, over which its "
                                                 "learning rate decays (--lr-schedule=linear), and --resume continues it "
                                                 "to that end, not further; ") and err.count("\n") == 1
-    assert "python -m scripts.chat_rl --source=rl --model-tag=d2 --task=rl_toy_task:ParityTask --num-steps=4" in err
+    assert "python -m scripts.chat_rl --source=rl --model-tag=d2 --device-type=cpu " in err
+    assert " --num-steps=4 (a new run, written to d2_cont)\n" in err  # (its flags: the test below)
     assert out == "" and digests(base_dir) == before  # refused before anything loads or changes
     # the saved length or less, other flags given: each replaced one said by name; a runtime flag (--train-rows) and
     # a value the run has (--max-new-tokens=12) are not
@@ -116,6 +119,32 @@ def test_resume_names_each_flag_it_replaced_and_refuses_a_longer_run(sft, base_d
                                "defaults: ") and "max_new_tokens" not in restored and "num_steps" not in restored
     assert "task=rl_toy_task:ParityTask" in restored
     assert any(line.startswith("Step 2/3 ") for line in lines)  # the run's third and last step, as saved
+
+
+def test_the_command_that_trains_further_carries_the_runs_settings_and_the_flags_given(sft, base_dir, capsys):
+    """Regression: the new run that --resume's refusal of a longer run suggests (from the run's last checkpoint) took
+    the run's --task alone, so copied it ran on nanochat's defaults, without the flags given with --resume
+    (--device-type, --eval-examples): another run, on another device. Copied as printed, it now trains on with each
+    of the run's settings (as its meta records them) but the flags given, which are the command line's."""
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--eval-examples=2", "--top-k=5"])
+    saved = json.loads((rl_dir(base_dir) / "meta_000001.json").read_text())["user_config"]
+    capsys.readouterr()
+    given = ["--resume", "--device-type=cpu", "--num-steps=3", "--eval-examples=3", "--train-rows=2", "--advantage-std"]
+    with pytest.raises(SystemExit) as e:
+        run_main(chat_rl.main, given)
+    err = capsys.readouterr().err
+    command = ("python -m scripts.chat_rl --source=rl --model-tag=d2 --device-type=cpu --dtype=float32 "
+               "--rollout-dtype=float32 --task=rl_toy_task:ParityTask --device-batch-size=2 --train-rows=2 "
+               "--examples-per-step=4 --num-samples=4 --max-new-tokens=12 --top-k=5 --advantage-std --eval-every=-1 "
+               "--eval-examples=3 --save-every=-1 --num-steps=3")
+    assert e.value.code == 2 and err.endswith(f"start a new run from its last checkpoint: {command} (a new run, "
+                                              f"written to d2_cont)\n")
+    chat_rl.main(command.split()[3:])
+    new = json.loads((base_dir / "chatrl_checkpoints" / "d2_cont" / "meta_000002.json").read_text())["user_config"]
+    assert (new["source"], new["model_tag"], new["num_steps"], new["output_tag"]) == ("rl", "d2", 3, "d2_cont")
+    changed = {k for k in saved if new[k] != saved[k]} - {"source", "model_tag", "model_step", "num_steps", "output_tag"}
+    assert changed == {"eval_examples", "train_rows", "advantage_std"}
+    assert (new["eval_examples"], new["train_rows"], new["advantage_std"]) == (3, 2, True)
 
 
 def test_resume_errors_are_one_line(sft, base_dir, capsys):

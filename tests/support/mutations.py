@@ -464,6 +464,19 @@ MUTATIONS = [
              "    for k in (k for k in changed if k in given):", "    for k in (k for k in changed if k in ()):",
              ("tests/checkpoints/test_resume.py::test_resume_names_each_flag_it_replaced_and_refuses_a_longer_run",),
              "a flag given with --resume replaced by the run's saved setting without a word"),
+    Mutation("further-command-without-given-flags", "nanochat/rl/resume.py",
+             "    flags = [given_flag(k, given.get(k, getattr(config, k))) for k in names\n"
+             "             if k in given or getattr(config, k) != getattr(defaults, k)]",
+             "    flags = [given_flag(k, getattr(config, k)) for k in names if getattr(config, k) != getattr(defaults, k)]",
+             ("tests/checkpoints/test_resume.py::test_the_command_that_trains_further_carries_the_runs_settings_and_the_"
+              "flags_given",),
+             "the command that trains a run further drops the flags given with --resume (--eval-examples, --train-rows)"),
+    Mutation("further-command-without-run-settings", "nanochat/rl/resume.py",
+             "             if k in given or getattr(config, k) != getattr(defaults, k)]",
+             "             if k in given or k == \"task\" and getattr(config, k) != getattr(defaults, k)]",
+             ("tests/checkpoints/test_resume.py::test_the_command_that_trains_further_carries_the_runs_settings_and_the_"
+              "flags_given",),
+             "the command that trains a run further takes the run's --task alone: copied, it runs on the defaults"),
     Mutation("resume-lengthened-silently", "nanochat/rl/resume.py",
              "        if asked > planned:", "        if asked < planned:",
              ("tests/checkpoints/test_resume.py::test_resume_names_each_flag_it_replaced_and_refuses_a_longer_run",),
