@@ -31,9 +31,8 @@ def rows_in_budget(bytes_per_token, budget_bytes, prompt_len, max_tokens, num_sa
 
 
 class CountedProgress:
-    """A rollout's progress(n) (n rows just finished; None: no progress), counted, so that a retry after an
-    out-of-memory takes back what the failed attempt counted (progress(-n)): a progress bar counts the rows of the
-    attempt that runs."""
+    """A rollout's progress(n) (n rows just finished), counted, so that a retry after an out-of-memory takes back
+    what the failed attempt counted (progress(-n)): a progress bar counts the rows of the attempt that runs."""
 
     def __init__(self, progress):
         self.progress, self.counted = progress, 0

@@ -190,7 +190,8 @@ def test_compiled_bf16_greedy_decode_parts_from_eager_bf16_only_at_near_ties(ari
     model, tokenizer, prompts = arithmetic.model, arithmetic.tokenizer, arithmetic.prompts
     with torch.autocast("cpu", dtype=torch.bfloat16):
         eager = Engine(model, tokenizer, rollout_spec(model, decode="static")).generate_many(prompts, **GREEDY)
-        fast = Engine(model, tokenizer, rollout_spec(model, decode="static", compile="on")).generate_many(prompts, **GREEDY)
+        fast = Engine(model, tokenizer, rollout_spec(model, decode="static", compile="on"))
+        fast = fast.generate_many(prompts, **GREEDY)
     agreement = agreement_of(arithmetic, prompts, eager, fast)
     assert agreement["rows"] == 256 and agreement["tokens"] > 256 * 20
     margins = agreement["fp32_margins_at_differences"]
@@ -326,7 +327,8 @@ def test_the_step_compiled_is_the_one_proven_on_the_meta_device(share_prompts, t
     compiled step reads nothing from the host either (fullgraph alone would not show it: Dynamo can capture
     .item() into a graph)."""
     ending = ending_model(tiny_tokenizer)
-    assert Engine(ending, tiny_tokenizer, rollout_spec(ending, decode="static", compile="on")).step.func.fn is static_step
+    spec = rollout_spec(ending, decode="static", compile="on")
+    assert Engine(ending, tiny_tokenizer, spec).step.func.fn is static_step
     config = tiny_config(sequence_len=64, vocab_size=tiny_tokenizer.get_vocab_size(), window_pattern="SL")
     model = random_model(config, generation="smear").to("meta")
     if share_prompts:

@@ -170,7 +170,8 @@ def test_fused_rollouts_sample_the_separate_matmuls_tokens(share_prompts, decode
     kwargs = dict(num_samples=4, max_tokens=24, temperature=1.0, top_k=50, seeds=[1, 2, 3], max_rows=7)
 
     def run():
-        out = Engine(model, tiny_tokenizer, rollout_spec(model, decode=decode, share_prompts=share_prompts)).generate_many(prompts, **kwargs)
+        spec = rollout_spec(model, decode=decode, share_prompts=share_prompts)
+        out = Engine(model, tiny_tokenizer, spec).generate_many(prompts, **kwargs)
         return [[c.tokens for c in per] for per in out], [[c.logprobs for c in per] for per in out]
     fused_tokens, fused_logprobs = run()
     monkeypatch.setattr(DecodeWeights, "_fused_in_use", lambda self: [])

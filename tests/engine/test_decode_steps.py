@@ -54,8 +54,10 @@ def test_the_triton_step_in_exact_shapes_samples_the_torch_steps_tokens(tiny_tok
     model = random_model(config, generation="smear")
     prompts = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold 48 clips")]
     kwargs = dict(num_samples=3, max_tokens=12, temperature=1.0, top_k=50, seeds=[1, 2], max_rows=4)
-    torch_tokens, torch_lp = rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="eager")), prompts, **kwargs)
-    ours, ours_lp = rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="eager", decode_kernels="triton")), prompts, **kwargs)
+    torch_tokens, torch_lp = rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="eager")), prompts,
+                                      **kwargs)
+    ours, ours_lp = rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="eager",
+                                                                        decode_kernels="triton")), prompts, **kwargs)
     assert ours == torch_tokens
     assert torch_lp.numel() >= 12 and (ours_lp - torch_lp).abs().max() <= FP32_GAP_BOUND
 

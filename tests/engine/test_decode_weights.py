@@ -133,7 +133,8 @@ def test_a_rollout_after_an_optimizer_step_uses_the_new_weights(decode, tiny_tok
 
     with bf16():
         after = outcome(engine.generate_many(prompts, **kwargs))
-        fresh = outcome(Engine(model, tiny_tokenizer, rollout_spec(model, decode=decode)).generate_many(prompts, **kwargs))
+        fresh = Engine(model, tiny_tokenizer, rollout_spec(model, decode=decode))
+        fresh = outcome(fresh.generate_many(prompts, **kwargs))
     # refreshed in place, and a static batch reused: graphs captured over the copies would stay valid
     assert [c.data_ptr() for c in engine.memory.weights.copies] == copies and engine.memory.kept_batch is kept
     assert (kept is not None) == (decode == "static")

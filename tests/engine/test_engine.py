@@ -199,7 +199,8 @@ def test_shared_prompts_fit_more_rows(tiny_model, tiny_tokenizer):
     """In the same memory budget a prompt stored once leaves room for more rows."""
     shared = Engine(tiny_model, tiny_tokenizer, rollout_spec(tiny_model, memory_budget_gb=0.01))
     copies = Engine(tiny_model, tiny_tokenizer, rollout_spec(tiny_model, memory_budget_gb=0.01, share_prompts=False))
-    rows = [e.memory.rows_for_budget(prompt_len=200, max_tokens=100, dtype=torch.float32, num_samples=16) for e in (shared, copies)]
+    rows = [e.memory.rows_for_budget(prompt_len=200, max_tokens=100, dtype=torch.float32,
+                                     num_samples=16) for e in (shared, copies)]
     assert rows[0] > 2 * rows[1]
 
 

@@ -101,7 +101,8 @@ def test_flex_rollouts_sample_the_hand_written_tokens(name, tmp_path, monkeypatc
     prompts = [prompt_of(tokenizer, q) for q in ("What is 12 times 7?", "Tom has 3 apples", "Hi")]
     kwargs = dict(num_samples=5, max_tokens=24, temperature=1.0, top_k=50, seeds=[4, 5, 6], max_rows=7)
     explicit, explicit_lp = rollouts(Engine(model, tokenizer, rollout_spec(model, decode="static")), prompts, **kwargs)
-    flex, flex_lp = rollouts(Engine(model, tokenizer, rollout_spec(model, decode="static", decode_kernels="flex")), prompts, **kwargs)
+    flex, flex_lp = rollouts(Engine(model, tokenizer, rollout_spec(model, decode="static", decode_kernels="flex")),
+                             prompts, **kwargs)
     assert flex == explicit
     assert explicit_lp.numel() >= 100 and (flex_lp - explicit_lp).abs().max() <= FP32_GAP_BOUND
 
@@ -143,7 +144,8 @@ def test_the_compiled_static_step_takes_flex_attention_in_whole(tiny_tokenizer, 
     monkeypatch.setitem(nc_functions._COMPILED, (static_step, STATIC_STEP_DYNAMIC), traced)
     prompts = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold 48 clips")]
     kwargs = dict(num_samples=3, max_tokens=20, temperature=1.0, top_k=50, seeds=[1, 2], max_rows=4)
-    eager, _ = rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="static", decode_kernels="flex")), prompts, **kwargs)
+    eager, _ = rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="static", decode_kernels="flex")),
+                        prompts, **kwargs)
     engine = Engine(model, tiny_tokenizer, rollout_spec(model, decode="static", compile="on", decode_kernels="flex"))
     compiled, _ = rollouts(engine, prompts, **kwargs)
     assert engine.step.func is traced and traced.compiles >= 1 and traced.failed is None
@@ -190,7 +192,8 @@ def test_flex_rollouts_replayed_from_cuda_graphs_equal_the_static_flex_step(tiny
     prompts = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold 48 clips", "c")]
     kwargs = dict(num_samples=4, max_tokens=30, temperature=1.0, top_k=50, seeds=[1, 2, 3], max_rows=8)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        static, _ = rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="static", decode_kernels="flex")), prompts, **kwargs)
+        static, _ = rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="static", decode_kernels="flex")),
+                             prompts, **kwargs)
         graph = Engine(model, tiny_tokenizer, rollout_spec(model, decode="graph", decode_kernels="flex"))
         replayed, _ = rollouts(graph, prompts, **kwargs)
     assert replayed == static and len(graph.memory.kept_batch.graphs.replays) >= 2

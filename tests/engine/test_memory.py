@@ -42,7 +42,7 @@ def out_of_memory_over(model, rows):
     return failed
 
 
-def test_a_rollout_within_memory_halves_its_rows_until_they_fit_and_samples_the_same(model, tiny_tokenizer, capsys):
+def test_a_rollout_within_memory_halves_its_rows_until_they_fit(model, tiny_tokenizer, capsys):
     """12 rows on a device that holds 4: the rollout runs with 6, then 3 rows, printing chat_rl's lines, and samples
     exactly what an unconstrained engine samples (each row its own stream). The rows stay halved for later
     rollouts, which then run at once."""
@@ -133,7 +133,7 @@ def test_yield_memory_gives_back_the_evals_batch_then_all_it_keeps(model, tiny_t
     assert engine.memory.kept_batch is None and engine.memory.yield_memory() is None
 
 
-def test_a_new_decode_mode_starts_the_memory_afresh_and_its_rows_are_the_specs(model, tiny_tokenizer):
+def test_a_new_spec_starts_the_memory_afresh_and_brings_its_rows(model, tiny_tokenizer):
     """Engine.reconfigure: a spec that changes how batches are made drops what the memory keeps; any new spec's
     rows replace the rows an out-of-memory halved."""
     prompts = prompts_of(tiny_tokenizer)

@@ -68,8 +68,10 @@ def test_static_sampling_equals_eager_for_every_generation(name, share_prompts, 
     model, tokenizer, _ = build_model(str(install_generation(tmp_path, name)), 5, "cpu", "eval")
     prompts = [prompt_of(tokenizer, q) for q in ("What is 12 times 7?", "Tom has 3 apples", "Hi")]
     kwargs = dict(num_samples=5, max_tokens=24, temperature=1.0, top_k=50, seeds=[4, 5, 6], max_rows=7)
-    eager = rollouts(Engine(model, tokenizer, rollout_spec(model, decode="eager", share_prompts=share_prompts)), prompts, **kwargs)
-    static = rollouts(Engine(model, tokenizer, rollout_spec(model, decode="static", share_prompts=share_prompts)), prompts, **kwargs)
+    eager = rollouts(Engine(model, tokenizer, rollout_spec(model, decode="eager", share_prompts=share_prompts)),
+                     prompts, **kwargs)
+    static = rollouts(Engine(model, tokenizer, rollout_spec(model, decode="static", share_prompts=share_prompts)),
+                      prompts, **kwargs)
     assert static == eager
 
 
@@ -83,8 +85,10 @@ def test_static_tool_calls_and_early_ends_equal_eager(tiny_tokenizer, share_prom
     script = [ps, *tok.encode("6*7"), pe] + tok.encode("a b c d e f g") + [ps, *tok.encode("1/0"), pe] + tok.encode("h i j") * 3
     model = ScriptedModel(script, len(prompts[0]), tok.get_vocab_size(), stop_token=end, stop_logit=-2.5)
     kwargs = dict(num_samples=6, max_tokens=40, temperature=1.0, seed=11, max_rows=9)
-    eager = rollouts(Engine(model, tok, rollout_spec(model, decode="eager", share_prompts=share_prompts)), prompts, **kwargs)
-    static = rollouts(Engine(model, tok, rollout_spec(model, decode="static", share_prompts=share_prompts)), prompts, **kwargs)
+    eager = rollouts(Engine(model, tok, rollout_spec(model, decode="eager", share_prompts=share_prompts)), prompts,
+                     **kwargs)
+    static = rollouts(Engine(model, tok, rollout_spec(model, decode="static", share_prompts=share_prompts)), prompts,
+                      **kwargs)
     assert static == eager
     assert len({len(c[0]) for per in eager for c in per}) > 3 and any(c[3] >= 1 and c[4] >= 1 for per in eager for c in per)
 
@@ -187,12 +191,15 @@ def test_the_stand_in_catches_what_a_capture_breaks(tiny_tokenizer, cpu_graphs, 
         self.k, self.v = self.k[:, :, :, :8].clone(), self.v[:, :, :, :8].clone()
 
     monkeypatch.setattr(SharedPromptKVCache, "__init__", growing_storage)
-    assert rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="static")), prompts, **ENDING_KWARGS) == right
+    assert rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="static")), prompts,
+                    **ENDING_KWARGS) == right
     # shapes captured largest first (the engine's order): the storage grows at the first warm-up, before any
     # capture, so the graphs hold; smallest first, it grows after some captures, whose replays write the old one
-    assert rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="graph")), prompts, **ENDING_KWARGS) == right
+    assert rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="graph")), prompts,
+                    **ENDING_KWARGS) == right
     monkeypatch.setattr(decode_batch, "bucket_shapes", lambda rows, keys: bucket_shapes(rows, keys)[::-1])
-    assert rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="graph")), prompts, **ENDING_KWARGS) != right
+    assert rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="graph")), prompts,
+                    **ENDING_KWARGS) != right
 
 
 REFUSED_IN_A_CAPTURE = {
@@ -250,7 +257,8 @@ def test_a_static_batch_is_reused_by_the_next_rollout_of_its_shape(tiny_tokenize
                     for p, s in ((first, [1, 2]), (second, [3, 4]))]
     long_prompt = [prompt_of(tiny_tokenizer, "word " * 40)]
     rollouts(engine, long_prompt, seeds=[5], **kwargs)
-    assert engine.memory.kept_batch is not batch and engine.memory.kept[-1].shape.prompt_cap == 128  # the pool rounded up to 128
+    # the pool rounded up to 128
+    assert engine.memory.kept_batch is not batch and engine.memory.kept[-1].shape.prompt_cap == 128
     assert len(engine.memory.kept) == 1  # the batch for shorter prompts can serve no rollout again: gone
     long_batch = engine.memory.kept_batch
     stream = engine.generate(first[0], num_samples=2, max_tokens=10, seed=1)
@@ -312,7 +320,8 @@ def test_two_shapes_alternating_keep_a_batch_each(tiny_tokenizer):
     both = Engine(model, tiny_tokenizer, rollout_spec(model, decode="static"))
     rollouts(both, prompts[:2], seeds=[0, 1], **step)
     step_batch = both.memory.kept[-1]
-    room = lambda budget: both.memory.rows_for_budget(64, evals["max_tokens"], torch.float32, evals["num_samples"], budget)
+    room = lambda budget: both.memory.rows_for_budget(64, evals["max_tokens"], torch.float32, evals["num_samples"],
+                                                      budget)
     eval_bytes = next(b for b in range(0, 10 ** 9, 1024) if room(b) >= 10)
     both.reconfigure(dataclasses.replace(both.spec, memory_budget_gb=(step_batch.nbytes + eval_bytes) / 2 ** 30))
     questions = prompts * 4  # 32 samples: more than the budget holds

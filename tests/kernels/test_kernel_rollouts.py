@@ -41,7 +41,8 @@ def test_greedy_fp32_rollouts_agree_with_the_torch_step_up_to_near_ties(target, 
     model, tokenizer, _ = build_model(str(install_generation(tmp_path, name)), 5, target.device, "eval")
     prompts = [prompt_of(tokenizer, q) for q in (QUESTIONS[:2] if target.interpreted else QUESTIONS)]
     kwargs = dict(num_samples=2, max_tokens=6 if target.interpreted else 48, temperature=0.0, max_rows=3)
-    torch_step = Engine(model, tokenizer, rollout_spec(model, decode="static", dtype="float32")).generate_many(prompts, **kwargs)
+    torch_step = Engine(model, tokenizer, rollout_spec(model, decode="static", dtype="float32"))
+    torch_step = torch_step.generate_many(prompts, **kwargs)
     triton_step = Engine(model, tokenizer, rollout_spec(model, decode="static", dtype="float32",
                          decode_kernels="triton")).generate_many(prompts, **kwargs)
     reference = [c.tokens for per in torch_step for c in per]

@@ -396,7 +396,8 @@ def test_kernel_rollouts_sample_the_hand_written_tokens(name, tmp_path, monkeypa
     kwargs = dict(num_samples=3, max_tokens=10, temperature=1.0, top_k=50, seeds=[4, 5], max_rows=4)
     explicit, explicit_lp = rollouts(Engine(model, tokenizer, rollout_spec(model, decode="static")), prompts, **kwargs)
     with checked_memory():  # every load and store of the whole step's kernels inside its tensor
-        ours, ours_lp = rollouts(Engine(model, tokenizer, rollout_spec(model, decode="static", decode_kernels="triton")), prompts, **kwargs)
+        ours, ours_lp = rollouts(Engine(model, tokenizer, rollout_spec(model, decode="static",
+                                                                       decode_kernels="triton")), prompts, **kwargs)
     assert ours == explicit
     assert explicit_lp.numel() >= 40 and (ours_lp - explicit_lp).abs().max() <= FP32_GAP_BOUND
 

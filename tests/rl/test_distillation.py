@@ -130,8 +130,8 @@ def rollout_batches(model, tokenizer):
     """3 questions x 4 samples of the engine (fp32, eager), rewards alternating (every row's advantage +-0.5), with
     the sampler's log-probabilities."""
     prompts = [prompt_of(tokenizer, q) for q in ("What is 12 times 7?", "Tom has 3 apples and buys 5 more.", "Hi")]
-    results = Engine(model, tokenizer, rollout_spec(model, decode="eager")).generate_many(prompts, num_samples=4, max_tokens=24,
-                                                                     temperature=1.0, top_k=50, seeds=[3, 4, 5])
+    engine = Engine(model, tokenizer, rollout_spec(model, decode="eager"))
+    results = engine.generate_many(prompts, num_samples=4, max_tokens=24, temperature=1.0, top_k=50, seeds=[3, 4, 5])
     pad = tokenizer.encode_special("<|assistant_end|>")
     return [make_question_batch(prompt, [(c.tokens, c.masks) for c in completions], [float(i % 2) for i in range(4)],
                                 pad, sampler_logprobs=[c.logprobs for c in completions])

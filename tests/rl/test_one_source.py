@@ -273,6 +273,7 @@ def test_a_runs_engine_must_decode_in_the_plans_rollout_dtype(tiny_tokenizer):
     with pytest.raises(ValueError, match="build it with dtype='bfloat16'"):
         build_run(config, plan, model, tiny_tokenizer, Engine(model, tiny_tokenizer), [], (task, task), cpu,
                   steps=(0, 10), rows=4, compiled=False)
-    run = build_run(config, plan, model, tiny_tokenizer, Engine(model, tiny_tokenizer, rollout_spec(model, dtype="bfloat16")), [],
+    bf16 = Engine(model, tiny_tokenizer, rollout_spec(model, dtype="bfloat16"))
+    run = build_run(config, plan, model, tiny_tokenizer, bf16, [],
                     (task, task), cpu, steps=(0, 10), rows=4, compiled=False)
     assert run.engine.spec.dtype == run.plan.rollout_dtype

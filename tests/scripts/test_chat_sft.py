@@ -395,7 +395,8 @@ def test_measure_pass1_is_the_mean_fraction_of_correct_samples_in_eval_mode(tiny
     assert model.training and entered == [True]
     kept = engine.memory.kept_batch
     assert measure_pass1(engine, task, indices, 4, 12, contextlib.nullcontext(), "cpu", seed=3) == pass1
-    assert kept is not None and engine.memory.kept_batch is kept  # the next check reuses the batch (on CUDA: its graphs)
+    # the next check reuses the batch (on CUDA: its graphs)
+    assert kept is not None and engine.memory.kept_batch is kept
     assert RecordingParity.modes and not any(RecordingParity.modes)
     model.eval()
     outcomes = sample_outcomes(Engine(model, tiny_tokenizer), task, list(indices), 4, 12, temperature=1.0, top_k=50, seed=3)

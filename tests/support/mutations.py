@@ -535,7 +535,7 @@ MUTATIONS = [
     # issue 76: the engine's own out-of-memory back-off and the memory object that holds its state
     Mutation("rollout-halved-rows-forgotten", "nanochat/engine/memory.py",
              "            if cap != rows:  # halved\n                self.max_rows = cap\n", "",
-             ("tests/engine/test_memory.py::test_a_rollout_within_memory_halves_its_rows_until_they_fit_and_samples_the_same",),
+             ("tests/engine/test_memory.py::test_a_rollout_within_memory_halves_its_rows_until_they_fit",),
              "a rollout that ran out of memory halves its rows for itself only: every later rollout runs out again"),
     Mutation("rollout-kept-batches-not-given-back", "nanochat/engine/memory.py",
              "free_memory=give_back_kept_batches,", "free_memory=None,",
@@ -551,7 +551,7 @@ MUTATIONS = [
              "chat_eval's rollouts halve the engine's rows behind its back instead of reporting the out-of-memory"),
     Mutation("respec-keeps-halved-rows", "nanochat/engine/memory.py",
              "self.spec, self.max_rows = spec, spec.max_rows", "self.spec = spec",
-             ("tests/engine/test_memory.py::test_a_new_decode_mode_starts_the_memory_afresh_and_its_rows_are_the_specs",),
+             ("tests/engine/test_memory.py::test_a_new_spec_starts_the_memory_afresh_and_brings_its_rows",),
              "a new spec leaves the rows an out-of-memory halved, not its own"),
     Mutation("yield-memory-drops-the-steps-batch-first", "nanochat/engine/memory.py",
              "dropped = self.drop_kept_batches(keep_latest=True)", "dropped = self.drop_kept_batches()",
