@@ -114,7 +114,7 @@ def rollout_decode_mode(decode, device, compiled):
 
 
 def resolve_rollout_spec(device, decode="auto", compile="off", lag=None, decode_kernels=AUTO, **fields):
-    """The RolloutSpec of an engine on `device`, for an Engine given keywords and a chat_rl run alike. decode: as
+    """The RolloutSpec of an engine on `device`, for a script's settings and a chat_rl run alike. decode: as
     --decode takes it (an unusable mode is a ValueError here, before anything is built). compile: a --compile mode
     (compile_plan's rule for the static step in that decode mode; a failure to compile it is an error under on, else
     a warning and the eager step), or whether a run compiles its static step (its CompilePlan's decode part, or
