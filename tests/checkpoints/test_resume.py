@@ -15,6 +15,7 @@ from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS, assert_same_weights, weight
 
 from nanochat.cli import run_main
 from nanochat.engine import Engine
+from nanochat.engine.memory import RolloutMemory
 from nanochat.errors import UserError
 from nanochat.rl import run as rl_run
 from nanochat.rl.policy_gradient import TrainStats
@@ -206,15 +207,15 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(sft, base_dir,
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1"])
     reference = weights(rl_dir(base_dir) / "model_000001.pt")
 
-    real_generate, real_accumulate = Engine.generate_many, rl_run.accumulate_policy_gradient
+    real_rollout, real_accumulate = Engine._completions, rl_run.accumulate_policy_gradient
     raised = {"rollout": 0, "train": 0}
 
-    def generate_many(self, *args, **kwargs):
+    def rollout(self, *args, **kwargs):  # one attempt of a step's rollouts (Engine.generate_many)
         if not raised["rollout"]:
             raised["rollout"] += 1
             self.last_stats.max_batch_rows = 8
             raise torch.OutOfMemoryError("simulated")
-        return real_generate(self, *args, **kwargs)
+        return real_rollout(self, *args, **kwargs)
 
     def accumulate(*args, micro_batch_rows=None, **kwargs):
         if micro_batch_rows == 16:  # --train-rows auto: 16 rows, every trained row of the step
@@ -222,7 +223,7 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(sft, base_dir,
             raise torch.OutOfMemoryError("simulated")
         return real_accumulate(*args, micro_batch_rows=micro_batch_rows, **kwargs)
 
-    monkeypatch.setattr(Engine, "generate_many", generate_many)
+    monkeypatch.setattr(Engine, "_completions", rollout)
     monkeypatch.setattr(rl_run, "accumulate_policy_gradient", accumulate)
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--overwrite"])
     out = capsys.readouterr().out
@@ -251,15 +252,17 @@ def test_out_of_memory_in_a_rollout_first_gives_back_the_batches_kept_from_other
                              "--eval-examples=4"]
     chat_rl.main(flags)
     reference = weights(rl_dir(base_dir) / "model_000001.pt")
-    real_sample, kept_when_raised = rl_run.sample_questions, []
+    real_within_memory, kept_when_raised = RolloutMemory.within_memory, []
 
-    def sample_questions(engine, *args, **kwargs):
-        if not kept_when_raised:
-            kept_when_raised.append(len(engine.kept))
-            raise torch.OutOfMemoryError("simulated")
-        return real_sample(engine, *args, **kwargs)
+    def within_memory(memory, rollout, *args):  # a step's rollouts (the evals' do not back off)
+        def failing_once(*attempt):
+            if not kept_when_raised:
+                kept_when_raised.append(len(memory.kept))
+                raise torch.OutOfMemoryError("simulated")
+            return rollout(*attempt)
+        return real_within_memory(memory, failing_once, *args)
 
-    monkeypatch.setattr(rl_run, "sample_questions", sample_questions)
+    monkeypatch.setattr(RolloutMemory, "within_memory", within_memory)
     chat_rl.main(flags + ["--overwrite"])
     out = capsys.readouterr().out
     assert kept_when_raised == [1]  # step 0's eval batch
@@ -286,7 +289,7 @@ def test_out_of_memory_in_training_first_gives_back_the_evals_batch_then_the_ste
 
     def accumulate(*args, **kwargs):
         if not kept_when_raised:
-            kept_when_raised.append([k.shape.num_samples for k in engines[-1].kept])
+            kept_when_raised.append([k.shape.num_samples for k in engines[-1].memory.kept])
             raise torch.OutOfMemoryError("simulated")
         return real_accumulate(*args, **kwargs)
 
@@ -298,7 +301,7 @@ def test_out_of_memory_in_training_first_gives_back_the_evals_batch_then_the_ste
     assert ("out of memory during training: gave back the 1 decode batch(es) the rollout engine keeps from other "
             "rollouts (an eval's); retrying") in out
     assert "keeps none from now on" not in out and "retrying with" not in out
-    assert engines[-1].keeps_between_rollouts
+    assert engines[-1].memory.keeps_between_rollouts
     assert_same_weights(weights(rl_dir(base_dir) / "model_000001.pt"), reference)
 
 
@@ -310,12 +313,12 @@ def test_out_of_memory_in_training_first_releases_the_kept_rollout_batch(sft, ba
     flags = TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--decode=static"]
     chat_rl.main(flags)
     reference = weights(rl_dir(base_dir) / "model_000001.pt")
-    real_accumulate, real_release = rl_run.accumulate_policy_gradient, Engine.release
+    real_accumulate, real_release = rl_run.accumulate_policy_gradient, RolloutMemory.release
     released, kept_at_training = [], []
     engines = []
 
     def accumulate(*args, **kwargs):
-        kept_at_training.append(engines[-1].kept_batch is not None)
+        kept_at_training.append(engines[-1].memory.kept_batch is not None)
         if not released:
             raise torch.OutOfMemoryError("simulated")
         return real_accumulate(*args, **kwargs)
@@ -331,7 +334,7 @@ def test_out_of_memory_in_training_first_releases_the_kept_rollout_batch(sft, ba
         real_init(self, *args, **kwargs)
 
     monkeypatch.setattr(rl_run, "accumulate_policy_gradient", accumulate)
-    monkeypatch.setattr(Engine, "release", release)
+    monkeypatch.setattr(RolloutMemory, "release", release)
     monkeypatch.setattr(Engine, "__init__", init)
     chat_rl.main(flags + ["--overwrite"])
     out = capsys.readouterr().out

@@ -17,6 +17,7 @@ from helpers import (FP32_GAP_BOUND, TINY_RL_FLAGS, assert_same_weights, install
 from nanochat.checkpoints.loading import build_model
 from nanochat.cli import run_main
 from nanochat.engine.engine import Engine
+from nanochat.engine.spec import rollout_spec
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.objective import PolicyLoss
 from nanochat.rl.policy_gradient import accumulate_policy_gradient
@@ -132,8 +133,8 @@ def rollout_batches(model, tokenizer):
     """3 questions x 4 samples of the engine (fp32, eager), rewards alternating (every row's advantage +-0.5), with
     the sampler's log-probabilities."""
     prompts = [prompt_of(tokenizer, q) for q in ("What is 12 times 7?", "Tom has 3 apples and buys 5 more.", "Hi")]
-    results = Engine(model, tokenizer, decode="eager").generate_many(prompts, num_samples=4, max_tokens=24,
-                                                                     temperature=1.0, top_k=50, seeds=[3, 4, 5])
+    engine = Engine(model, tokenizer, rollout_spec(model, decode="eager"))
+    results = engine.generate_many(prompts, num_samples=4, max_tokens=24, temperature=1.0, top_k=50, seeds=[3, 4, 5])
     pad = tokenizer.encode_special("<|assistant_end|>")
     return [make_question_batch(prompt, [(c.tokens, c.masks) for c in completions], [float(i % 2) for i in range(4)],
                                 pad, sampler_logprobs=[c.logprobs for c in completions])
