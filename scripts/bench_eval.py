@@ -23,7 +23,7 @@ from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.decode_batch import DecodeBatch
 from nanochat.engine.engine import Engine
 from nanochat.engine.scheduler import PREFILL_TOKENS
-from nanochat.engine.spec import resolve_memory_budget
+from nanochat.engine.spec import resolve_memory_budget, rollout_spec
 from nanochat.errors import UserError
 from nanochat.rl.config import SETTINGS
 from nanochat.rl.evaluation import EVAL_MAX_NEW_TOKENS, evaluate_pass_at_k
@@ -86,7 +86,7 @@ def main(argv):
     budget, _ = resolve_memory_budget(args.memory_budget_gb, model, device)
     task = make_task(args.task, "test")
     # one engine for both ways: the limit changes no batch or graph, so they share the budget's one static batch
-    engine = Engine(model, tokenizer, memory_budget_gb=budget, decode=decode, compile=args.compile)
+    engine = Engine(model, tokenizer, rollout_spec(model, memory_budget_gb=budget, decode=decode, compile=args.compile))
 
     def evaluate(way):
         engine.reconfigure(dataclasses.replace(engine.spec, prefill_tokens=WAYS[way]))  # the same batches serve

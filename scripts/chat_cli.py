@@ -32,6 +32,7 @@ from nanochat.engine.calculator import recorded_calculator_format
 from nanochat.engine.decode_steps import check_decode_kernels
 from nanochat.engine.engine import Engine
 from nanochat.engine.rows import SpecialIds
+from nanochat.engine.spec import rollout_spec
 from nanochat.errors import UserError
 from nanochat.model.gpt import ROTARY_OVERSIZE
 from nanochat.runtime.distributed import get_dist_info
@@ -227,8 +228,9 @@ def main(argv):
             autocast = autocast_context(device, compute_dtype(device, args.dtype))
             model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag,
                                                 step=args.step, generation=args.model_generation)
-        engine = Engine(model, tokenizer, calculator_format=args.calculator_format or recorded_calculator_format(meta),
-                        decode_kernels=args.decode_kernels)
+        calculator = args.calculator_format or recorded_calculator_format(meta)
+        engine = Engine(model, tokenizer,
+                        rollout_spec(model, calculator_format=calculator, decode_kernels=args.decode_kernels))
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
         with autocast:
             if args.prompt:

@@ -27,7 +27,7 @@ from nanochat.engine.calculator import recorded_calculator_format
 from nanochat.engine.cuda_graphs import check_decode_flag
 from nanochat.engine.decode_steps import check_decode_kernels
 from nanochat.engine.engine import Engine
-from nanochat.engine.spec import resolve_memory_budget
+from nanochat.engine.spec import resolve_memory_budget, rollout_spec
 from nanochat.errors import UserError
 from nanochat.files import check_writable_dir, check_writable_file, write_errors
 from nanochat.report import EVALS_DIR, eval_result_paths, save_json
@@ -192,9 +192,10 @@ def main(argv):
                                                                    rollout_dtype=dtype)
         print0(budget_line or f"KV cache budget: {args.memory_budget_gb:g} GiB (--memory-budget-gb)")
         calculator = args.calculator_format or recorded_calculator_format(meta)
-        engine = Engine(model, tokenizer, max_rows=args.max_rows or None, memory_budget_gb=args.memory_budget_gb,
-                        decode=args.decode, compile=args.compile, calculator_format=calculator,
-                        decode_kernels=args.decode_kernels)
+        engine = Engine(model, tokenizer, rollout_spec(model, max_rows=args.max_rows or None,
+                                                       memory_budget_gb=args.memory_budget_gb, decode=args.decode,
+                                                       compile=args.compile, calculator_format=calculator,
+                                                       decode_kernels=args.decode_kernels))
         results = [evaluate_task(name, engine, args, autocast, device, meta, decode) for name in task_names(tasks)]
         result = results[0] if len(results) == 1 else {"tasks": results}  # one task: the file as it always was
         if rank == 0:

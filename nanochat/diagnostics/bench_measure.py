@@ -19,6 +19,7 @@ from nanochat.engine.decode_weights import matmul_modules
 from nanochat.engine.engine import Engine
 from nanochat.engine.variants.flex_prompt_attention import flex_compile_state
 from nanochat.engine.kv_cache import cache_geometry
+from nanochat.engine.spec import rollout_spec
 from nanochat.model.flops import rollout_flops, train_flops
 from nanochat.model.gpt import GPT
 from nanochat.rl.advantages import make_question_batch
@@ -80,10 +81,11 @@ def bench_run(model, rollout_model, tokenizer, task, config, rl, device, optimiz
     rl = dataclasses.replace(rl, dtype=dtype_name(config.dtype), rollout_dtype=dtype_name(config.dtype),
                              decode=config.decode, decode_kernels=config.decode_kernels)
     engine_type = EarlyStopEngine if isinstance(rollout_model, EarlyStopModel) else Engine
-    engine = engine_type(rollout_model, tokenizer, max_rows=(rl.max_rows or None) if config.batched else None,
-                         memory_budget_gb=rl.memory_budget_gb, share_prompts=config.lean, decode=config.decode,
-                         compile="on" if config.compiled else "off", lag=config.lag,
-                         decode_kernels=config.decode_kernels, dtype=rl.rollout_dtype)
+    spec = rollout_spec(rollout_model, max_rows=(rl.max_rows or None) if config.batched else None,
+                        memory_budget_gb=rl.memory_budget_gb, share_prompts=config.lean, decode=config.decode,
+                        compile="on" if config.compiled else "off", lag=config.lag,
+                        decode_kernels=config.decode_kernels, dtype=rl.rollout_dtype)
+    engine = engine_type(rollout_model, tokenizer, spec)
     if engine.spec.decode != "eager":  # as chat_rl's: one static batch, sized for the task's longest prompt
         engine.reserve_prompt_length(longest_prompt(tokenizer, task))
     return build_run(rl, RunPlan.as_given(rl, engine.spec), model, tokenizer, engine, make_optimizers(rl, model) if optimize else [],

@@ -2,10 +2,11 @@
 The batched rollout engine: prompts in, sampled completions out, with the calculator tool run in between.
 
 One rollout, top-down through the modules:
-    engine.py               Engine: nanochat's generate / generate_batch, and generate_many for rollouts; the
-                            memory it holds between rollouts and gives back (RolloutMemory)
+    engine.py               Engine: nanochat's generate / generate_batch, and generate_many for rollouts
+    memory.py               the memory an engine holds between rollouts and gives back, and how one of its rollouts
+                            backs off when it runs out (RolloutMemory, engine.memory)
     spec.py                 RolloutSpec, what an Engine is built from, resolved once (decode mode, compiled step,
-                            dtype, rows, ...), and how much memory the rollout's KV caches may take (the budget)
+                            dtype, rows, ...; rollout_spec), and how much memory the rollout's KV caches may take
     scheduler.py            the static batches kept between rollouts, a rollout's prompts on their way in, and the
                             prompt slots that hold them
     decode_batch.py         the rows decoded together: prefill, admission, the static decode step, retirement

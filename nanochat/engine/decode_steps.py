@@ -34,7 +34,7 @@ AUTO = "auto"
 
 class DecodeKernelsError(SettingError, ValueError):
     """A decode step asked for where it cannot run. The message states the facts (nanochat.cli adds the flags to
-    change); a ValueError too, as the engine refuses its other keywords. conflict: the other setting it cannot go with
+    change); a ValueError too, as a spec refuses its other settings. conflict: the other setting it cannot go with
     ("compile"), or None."""
 
     def __init__(self, problem, conflict=None):

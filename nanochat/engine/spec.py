@@ -2,7 +2,8 @@
 How an engine runs its rollouts, resolved once: RolloutSpec, what an Engine is built from (its decode mode, whether
 its static step is compiled, the dtype it decodes in, the KV caches' memory budget, the rows it decodes at once at
 most, the decode step it runs (decode_steps.py's table), the calculator's format, a prefill's positions, the host's
-lag behind the device), and resolve_rollout_spec, the one function that resolves it from a script's settings. A
+lag behind the device), and resolve_rollout_spec, the one function that resolves it from a script's settings
+(rollout_spec: for a model, on its device; an Engine is built from the spec, engine.Engine(model, tokenizer, spec)). A
 chat_rl run's plan holds its spec (nanochat/rl/plan.py's RunPlan) and prints it (RolloutSpec.describe); where
 --compile=auto switches the decode step during the run, a new spec takes its place (RolloutSpec.with_step_compiled)
 and the engine runs it from the next rollout on (Engine.reconfigure).
@@ -26,7 +27,7 @@ bytes a weight). The KV caches of static decode batches are kept from one rollou
 eval's, within the budget together), so they are still there when the model trains: hence the training peak in the
 reserve. FRACTION leaves room for the allocator's fragmentation and for what the estimates miss (CUDA-graph pools, one
 per kept batch; temporaries of the optimizer step). An out-of-memory in training gives back the eval's batch first
-(Engine.yield_memory).
+(the engine's RolloutMemory.yield_memory).
 
 The arithmetic is `plan_budget`, a pure function of byte counts; `resolve_memory_budget` measures the free memory and
 returns the GiB the spec takes, with the line that states how it was chosen.
@@ -113,7 +114,7 @@ def rollout_decode_mode(decode, device, compiled):
 
 
 def resolve_rollout_spec(device, decode="auto", compile="off", lag=None, decode_kernels=AUTO, **fields):
-    """The RolloutSpec of an engine on `device`, for an Engine given keywords and a chat_rl run alike. decode: as
+    """The RolloutSpec of an engine on `device`, for a script's settings and a chat_rl run alike. decode: as
     --decode takes it (an unusable mode is a ValueError here, before anything is built). compile: a --compile mode
     (compile_plan's rule for the static step in that decode mode; a failure to compile it is an error under on, else
     a warning and the eager step), or whether a run compiles its static step (its CompilePlan's decode part, or
@@ -134,6 +135,13 @@ def resolve_rollout_spec(device, decode="auto", compile="off", lag=None, decode_
     return RolloutSpec(decode=rollout_decode_mode(decode, device, compiled), compiled=compiled,
                        compile_required=compile == "on", lag=device.type == "cuda" if lag is None else lag,
                        decode_kernels=decode_kernels, **fields)
+
+
+def rollout_spec(model, **settings):
+    """The RolloutSpec of an engine of `model` on its device: resolve_rollout_spec's for these settings (decode,
+    compile, lag, decode_kernels, and RolloutSpec's other fields), e.g. Engine(model, tokenizer,
+    rollout_spec(model, decode="static", max_rows=8))."""
+    return resolve_rollout_spec(model.get_device(), **settings)
 
 
 def run_decode_mode(decode_flag, compile_mode, device, num_steps, dtype="bfloat16", measured=False):

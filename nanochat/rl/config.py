@@ -14,8 +14,7 @@ import dataclasses
 import os
 
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS
-from nanochat.engine.calculator import CALCULATOR_FORMATS, DEFAULT_FORMAT
-from nanochat.engine.decode_steps import DECODE_KERNELS
+from nanochat.engine.calculator import DEFAULT_FORMAT
 from nanochat.errors import UserError, require
 from nanochat.optim.optimizers import LR_SCHEDULES, check_optimizer_flags
 from nanochat.rl.objective import LOSSES, LOSS_CLIPS, LOSS_NORMS, REJECTED_TOKENS, ROLLOUT_CORRECTIONS
@@ -210,6 +209,7 @@ class RLConfig:
                                      "pass only one")
         if self.source == "rl" and self.model_tag is not None:
             resolve_output_tag(self, self.model_tag, depth=None)  # refuses the run it reads
+        self._check_choices()
         self._check_batch()
         self._check_optimization()
         self._check_run()
@@ -227,6 +227,15 @@ class RLConfig:
         require(self.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
         require(self.top_k >= 0, f"--top-k must be >= 0 (0 = disabled), got {self.top_k}")
         require(self.max_rows >= 0, f"--max-rows must be >= 0 (0 = from the memory budget), got {self.max_rows}")
+
+    def _check_choices(self):
+        # a setting whose table entry lists its choices (argparse's on the command line) is checked here by them too,
+        # for a config made in code or restored from a run's meta: one declaration, one check, for every such flag
+        for field in dataclasses.fields(self):
+            setting, value = field.metadata["setting"], getattr(self, field.name)
+            if setting.choices is not None and value != setting.default and value not in setting.choices:
+                listed = (" or " if len(setting.choices) == 2 else ", ").join(map(str, setting.choices))
+                raise UserError(f"--{field.name.replace('_', '-')} must be {listed}, got {value!r}")
 
     def _check_optimization(self):
         check_optimizer_flags(self)
@@ -256,10 +265,6 @@ class RLConfig:
             resolve_task_class(name)
         require(len(set(self.extra_eval_tasks)) == len(self.extra_eval_tasks) and self.task not in self.extra_eval_tasks,
                 f"--eval-tasks={self.eval_tasks!r} names a task twice (--task's, {self.task}, is always evaluated)")
-        require(self.rejected_tokens in REJECTED_TOKENS,
-                f"--rejected-tokens must be {' or '.join(REJECTED_TOKENS)}, got {self.rejected_tokens!r}")
-        require(self.calculator_format in CALCULATOR_FORMATS,
-                f"--calculator-format must be {' or '.join(CALCULATOR_FORMATS)}, got {self.calculator_format!r}")
         default_low, default_high = LOSS_CLIPS[self.loss]
         object.__setattr__(self, "clip_low", default_low if self.clip_low is None else self.clip_low)
         object.__setattr__(self, "clip_high", default_high if self.clip_high is None else self.clip_high)
@@ -285,8 +290,6 @@ class RLConfig:
         require(self.num_steps == -1 or self.num_steps >= 1,
                 f"--num-steps must be >= 1, or -1 to derive it from epochs, got {self.num_steps}")
         require(self.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {self.max_bad_steps}")
-        require(self.decode_kernels in DECODE_KERNELS,
-                f"--decode-kernels must be {', '.join(DECODE_KERNELS)}, got {self.decode_kernels!r}")
         require(self.no_signal_steps >= 0,
                 f"--no-signal-steps must be >= 0 (0 = never warn), got {self.no_signal_steps}")
 

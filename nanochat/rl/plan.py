@@ -20,10 +20,11 @@ import torch
 from nanochat.compiling.plan import compile_models, resolve_compile_flag
 from nanochat.compiling.rule import AutoCompile, CompileLedger, PartRule, part_key
 from nanochat.engine.decode_steps import decode_step_of, resolve_decode_kernels
-from nanochat.engine.engine import Engine, rows_in_budget
+from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import cache_geometry
+from nanochat.engine.memory import rows_in_budget
 from nanochat.engine.spec import (FIXED_GB, RolloutSpec, resolve_memory_budget, resolve_rollout_spec,
-                                  rollout_decode_mode, run_decode_mode)
+                                  rollout_decode_mode, rollout_spec, run_decode_mode)
 from nanochat.model.head import HEAD_CHUNK_TOKENS
 from nanochat.model.precision import MARGIN, PREFERENCE, fastest_rollout_dtype, fastest_training_dtype, rank0_choice
 from nanochat.optim.training_memory import optimizer_bytes, teacher_forward_bytes, training_peak_bytes
@@ -127,8 +128,8 @@ def resolve_rollout_dtype(config, dtype, decode, model, tokenizer, train_task, d
         questions = max(1, min(len(train_task), config.examples_per_step // world_size))  # a rank's step
         prompts = [tokenizer.render_for_completion(train_task[i]) for i in range(questions)]
         budget = config.memory_budget_gb if isinstance(config.memory_budget_gb, (int, float)) else FIXED_GB  # off CUDA
-        engine = Engine(model, tokenizer, max_rows=config.max_rows or None, memory_budget_gb=budget, decode=decode,
-                        compile="off")
+        engine = Engine(model, tokenizer, rollout_spec(model, max_rows=config.max_rows or None, memory_budget_gb=budget,
+                                                       decode=decode, compile="off"))
         return fastest_rollout_dtype(engine, prompts, config.num_samples, candidates)
     return phase_dtype("rollouts", device, rollout_request, measure_rollouts)
 

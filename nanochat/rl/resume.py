@@ -11,7 +11,8 @@ import contextlib
 import dataclasses
 import os
 import re
-from dataclasses import dataclass
+import shlex
+from dataclasses import dataclass, field
 
 from nanochat.checkpoints.errors import CheckpointError
 from nanochat.checkpoints.layout import CHECKPOINT_DIRS, meta_path
@@ -23,7 +24,7 @@ from nanochat.errors import UserError
 from nanochat.files import check_writable_dir
 from nanochat.rl.config import RLConfig, resolve_output_tag
 from nanochat.rl.progress import is_eval_step
-from nanochat.rl.teacher import teacher_checkpoint
+from nanochat.rl.teacher import find_teacher
 from nanochat.runtime.distributed import print0
 from tasks.registry import make_task
 
@@ -33,6 +34,10 @@ RUNTIME_FLAGS = ("run", "device_type", "resume", "overwrite", "debug", "max_rows
                  "decode_kernels",  # the decode step: the same tokens from each (up to near-ties), the machine decides
                  "train_rows",  # the same gradient for any value: the machine's memory decides
                  "save_rollouts")  # what is written beside the run, not what it computes
+# what the command that trains a run further (a new run from its last checkpoint) sets itself: the checkpoint it starts
+# from, its length, its directory (<tag>_cont); or cannot take along: --resume, --overwrite
+FURTHER_RUN_SETS = ("source", "model_tag", "model_step", "model_generation", "output_tag", "num_steps", "num_epochs",
+                    "resume", "overwrite")
 RUN_FILE_PREFIXES = ("model_", "meta_", "optim_", "rollouts_")  # an RL run's files in its directory
 
 
@@ -115,6 +120,7 @@ class Resume:
     checkpoint_dir: str
     meta: dict    # the step's meta json as saved
     num_steps: int = 0  # the run's planned number of steps (check_run_length)
+    given: dict = field(default_factory=dict)  # the flags given with --resume: name -> value as the command line set it
 
     @contextlib.contextmanager
     def errors(self):
@@ -136,12 +142,13 @@ def restore_settings(config, world_size, given=frozenset()):
     restored RLConfig, the Resume)."""
     tag, step = resolve_resume(config.resume)
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], tag)
-    resume = Resume(tag=tag, step=step, checkpoint_dir=checkpoint_dir, meta={})
+    resume = Resume(tag=tag, step=step, checkpoint_dir=checkpoint_dir, meta={},
+                    given={k: getattr(config, k) for k in given})
     with resume.errors():
         resume.meta = load_meta(checkpoint_dir, step)
     saved = {k: v for k, v in resume.meta.get("user_config", {}).items() if k not in RUNTIME_FLAGS}
     restored = config.restored(saved)
-    resume.num_steps = check_run_length(config, restored, given, tag)
+    resume.num_steps = check_run_length(restored, resume.given, tag)
     changed = sorted(k for k, v in saved.items() if getattr(config, k, v) != v)
     defaults = [f"{k}={saved[k]}" for k in changed if k not in given]
     print0(f"--resume: run {tag} continues with its saved settings"
@@ -165,27 +172,35 @@ def planned_steps(config):
     return config.run_length(0 if config.num_steps > 0 else len(make_task(config.task, "train")))
 
 
-def check_run_length(config, restored, given, tag):
+def check_run_length(restored, given, tag):
     """The resumed run's number of steps. --resume does not lengthen a run: its learning rate's schedule (linear:
     down to 0 at the last step) is laid over the steps it planned, and a longer run would have taken its earlier
     steps at other rates; a --num-steps (or --num-epochs) that asks for more steps is refused, naming the new run
-    from its last step that trains further (--source=rl). Fewer steps: the flag is ignored, as any other."""
+    from its last step that trains further (--source=rl). Fewer steps: the flag is ignored, as any other. `given`:
+    the flags given (name -> value, Resume.given)."""
     planned = planned_steps(restored)
-    length_flags = {k: getattr(config, k) for k in ("num_steps", "num_epochs") if k in given}
+    length_flags = {k: v for k, v in given.items() if k in ("num_steps", "num_epochs")}
     if length_flags:
         asked = planned_steps(dataclasses.replace(restored, **length_flags))
         if asked > planned:
             setting = "num_steps" if "num_steps" in length_flags else "num_epochs"
             raise LongerRunError(setting, length_flags[setting], tag, planned, restored.lr_schedule,
-                                 train_further_command(restored, tag, asked))
+                                 train_further_command(restored, tag, given, asked))
     return planned
 
 
-def train_further_command(config, tag, num_steps="N"):
-    """The command of a new run from the last checkpoint of run `tag` (of `config`'s task), written to <tag>_cont."""
-    task = f" --task={config.task}" if config.task != RLConfig().task else ""
-    return (f"python -m scripts.chat_rl --source=rl --model-tag={tag}{task} --num-steps={num_steps} (a new run, "
-            f"written to {tag}_cont)")
+def train_further_command(config, tag, given, num_steps="N"):
+    """The command of a new run from the last checkpoint of run `tag` (of settings `config`), written to <tag>_cont,
+    that copied trains on as the run did, where the user ran it: the run's settings where they differ from the
+    defaults, each flag given with --resume (`given`: name -> value) in place of the run's, less those the command
+    sets itself (FURTHER_RUN_SETS)."""
+    defaults = RLConfig()
+    names = [f.name for f in dataclasses.fields(config) if f.name not in FURTHER_RUN_SETS]
+    flags = [given_flag(k, given.get(k, getattr(config, k))) for k in names
+             if k in given or getattr(config, k) != getattr(defaults, k)]
+    command = shlex.join(["python", "-m", "scripts.chat_rl", "--source=rl", f"--model-tag={tag}", *flags,
+                          f"--num-steps={num_steps}"])
+    return f"{command} (a new run, written to {tag}_cont)"
 
 
 def finished_run(config, resume):
@@ -201,7 +216,7 @@ def finished_run(config, resume):
     trained = f"all {num_steps} of its steps are trained" if num_steps > 1 else "its one step is trained"
     return [f"Run {resume.tag} is finished: {trained}, the last (step {resume.step}) saved{evaluated}. Nothing to do.",
             f"  evaluate it:      python -m scripts.chat_eval --source=rl --model-tag={resume.tag}{task}",
-            f"  train it further: {train_further_command(config, resume.tag)}"]
+            f"  train it further: {train_further_command(config, resume.tag, resume.given)}"]
 
 
 def restore_optimizers(resume, optimizers, meta, rank, world_size, device):
@@ -244,8 +259,7 @@ def run_target(config, resume):
     checkpoint_dir = os.path.join(get_base_dir(), CHECKPOINT_DIRS["rl"], output_tag)
     old = [] if resume else run_files(checkpoint_dir)
     if not resume and config.teacher:
-        teacher = teacher_checkpoint(config)
-        teacher_dir, _, _ = find_checkpoint(teacher["source"], teacher["model_tag"], teacher["step"])
+        teacher_dir, _ = find_teacher(config)
         if os.path.realpath(teacher_dir) == os.path.realpath(checkpoint_dir):
             raise TeacherInRunDirError(checkpoint_dir)
     if old and not config.overwrite:

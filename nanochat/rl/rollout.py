@@ -124,11 +124,14 @@ def progress_bar(total, desc):
     return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
 
 
-def sample_questions(engine, task, indices, seeds, sampling, score=None, scale_by_std=False, label="rollouts"):
+def sample_questions(engine, task, indices, seeds, sampling, score=None, scale_by_std=False, label="rollouts",
+                     within_memory=False):
     """Sample sampling.num_samples completions of each task question in `indices` (all in one batched engine
     call, question i seeded with seeds[i]) and score them with score(conversation, text) (default
     task.reward). scale_by_std: GRPO's advantages (see nanochat.rl.advantages.advantages_from_rewards).
-    Returns [QuestionRollout], in the order of `indices`."""
+    within_memory: the engine's call backs off where it runs out of memory (Engine.generate_many's; chat_rl's steps;
+    the progress bar then counts the rows of the attempt that runs). Returns [QuestionRollout], in the order of
+    `indices`."""
     tokenizer = engine.tokenizer
     score = score or task.reward
     conversations = [task[i] for i in indices]
@@ -136,7 +139,7 @@ def sample_questions(engine, task, indices, seeds, sampling, score=None, scale_b
     bar = progress_bar(len(prompts) * sampling.num_samples, label)
     results = engine.generate_many(prompts, num_samples=sampling.num_samples, max_tokens=sampling.max_new_tokens,
                                    temperature=sampling.temperature, top_k=sampling.top_k or None, seeds=seeds,
-                                   progress=bar.update)
+                                   progress=bar.update, within_memory=within_memory)
     bar.close()
     pad = tokenizer.encode_special("<|assistant_end|>")  # any id: padded positions carry no target
     rollouts = []

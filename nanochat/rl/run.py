@@ -289,9 +289,9 @@ def size_for_prompts(engine, tokenizer, train_task, val_task, extra_eval_tasks):
 
 
 def give_back_rollout_memory(engine):
-    """After an out-of-memory in training: what the engine gives back for it (Engine.yield_memory: first the batches
-    it keeps from other rollouts, then all it keeps), as the line to print, or None if it held nothing."""
-    given = engine.yield_memory()
+    """After an out-of-memory in training: what the engine gives back for it (RolloutMemory.yield_memory: first the
+    batches it keeps from other rollouts, then all it keeps), as the line to print, or None if it held nothing."""
+    given = engine.memory.yield_memory()
     return f"out of memory during training: gave back {given}; retrying" if given else None
 
 
@@ -317,18 +317,16 @@ def sample_rollouts(run, step, position=None):
 
 
 def sample_draw(run, step, position, draw):
-    """This rank's questions at data position `position`, sampled and rewarded (the `draw`-th of the step)."""
+    """This rank's questions at data position `position`, sampled and rewarded (the `draw`-th of the step), in the
+    plan's rollout dtype (the engine's spec). Out of memory, the engine gives back what it keeps from other rollouts,
+    then halves its rows (within_memory)."""
     cfg = run.config
     indices = question_indices_at(position, run.examples_per_rank, run.rank, run.world_size, len(run.train_task))
     sampling = Sampling(num_samples=cfg.num_samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                         top_k=cfg.top_k)
-
-    def sample():  # in the plan's rollout dtype (the engine's spec)
-        return sample_questions(run.engine, run.train_task, indices, [question_seed(step, i, draw) for i in indices],
-                                sampling, scale_by_std=cfg.advantage_std, label=f"step {step} rollouts")
     run.model.eval()
-    # out of memory, the engine gives back what it keeps from other rollouts, then halves its rows
-    return run.engine.run_within_memory(sample, "out of memory during rollouts: retrying with --max-rows={rows}")
+    return sample_questions(run.engine, run.train_task, indices, [question_seed(step, i, draw) for i in indices],
+                            sampling, scale_by_std=cfg.advantage_std, label=f"step {step} rollouts", within_memory=True)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.checkpoints.loading import find_checkpoint, load_model
+from nanochat.checkpoints.loading import build_model, find_checkpoint
 from nanochat.checkpoints.store import load_meta
 from nanochat.errors import UserError
 from nanochat.rl.config import parse_teacher
@@ -78,25 +78,23 @@ def same_tokenizer(a, b):
             and a.encode(TOKENIZER_PROBE) == b.encode(TOKENIZER_PROBE))
 
 
-def teacher_checkpoint(config, resumed=None):
-    """{source, model_tag, step} of --teacher: a resumed run's own (`resumed`, its meta's "teacher": the checkpoint
-    it was taught by, whatever is latest now), else --teacher resolved (a missing tag: the largest model; a missing
-    step: the last)."""
-    if resumed:
-        return dict(resumed)
-    source, tag, step = parse_teacher(config.teacher)
-    _, tag, step = find_checkpoint(source, tag, step)
-    return {"source": source, "model_tag": tag, "step": step}
+def find_teacher(config, resumed=None):
+    """(checkpoint_dir, {source, model_tag, step}) of --teacher: a resumed run's own (`resumed`, its meta's
+    "teacher": the checkpoint it was taught by, whatever is latest now), else --teacher resolved (a missing tag: the
+    largest model; a missing step: the last). One find_checkpoint: the teacher's directory is listed once."""
+    source, tag, step = ((resumed["source"], resumed["model_tag"], resumed["step"]) if resumed
+                         else parse_teacher(config.teacher))
+    checkpoint_dir, tag, step = find_checkpoint(source, tag, step)
+    return checkpoint_dir, {"source": source, "model_tag": tag, "step": step}
 
 
 def load_teacher(config, student, student_tokenizer, device, rollout_dtype, start=None, resumed=None):
-    """The run's Teacher (--teacher; `resumed`: see teacher_checkpoint), on `device`, forwards in `rollout_dtype`
+    """The run's Teacher (--teacher; `resumed`: see find_teacher), on `device`, forwards in `rollout_dtype`
     (a torch dtype name); start: the student's checkpoint {source, model_tag, step} (its name in an error). A
     teacher trained with another tokenizer than the student's is refused in one line naming both, before its
     weights load: a model's vocabulary size is its tokenizer's (the base directory's tokenizer
     serves every checkpoint of a run), and the loaded tokenizers are compared too."""
-    checkpoint = teacher_checkpoint(config, resumed)
-    checkpoint_dir, _, _ = find_checkpoint(checkpoint["source"], checkpoint["model_tag"], checkpoint["step"])
+    checkpoint_dir, checkpoint = find_teacher(config, resumed)
     vocab = load_meta(checkpoint_dir, checkpoint["step"]).get("model_config", {}).get("vocab_size")
     name = f"{checkpoint['source']}:{checkpoint['model_tag']}:{checkpoint['step']}"
     student_name = (":".join(str(start[k]) for k in ("source", "model_tag", "step")) if start else config.source) + \
@@ -104,8 +102,7 @@ def load_teacher(config, student, student_tokenizer, device, rollout_dtype, star
     if vocab != student.config.vocab_size:
         raise UserError(f"the teacher {name} was trained with another tokenizer (vocab {vocab}) than the student "
                         f"{student_name}; a teacher must share the student's tokenizer")
-    model, tokenizer, _ = load_model(checkpoint["source"], device, phase="eval", model_tag=checkpoint["model_tag"],
-                                     step=checkpoint["step"], generation=None)
+    model, tokenizer, _ = build_model(checkpoint_dir, checkpoint["step"], device, "eval")
     if not same_tokenizer(tokenizer, student_tokenizer):
         raise UserError(f"the teacher {name}'s tokenizer encodes otherwise than the student {student_name}'s; a "
                         f"teacher must share the student's tokenizer")

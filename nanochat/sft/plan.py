@@ -9,6 +9,7 @@ from nanochat.compiling.functions import maybe_compiled
 from nanochat.compiling.plan import SFT_CPU_MIN_STEPS, compile_models, resolve_compile_flag
 from nanochat.engine.cuda_graphs import decode_mode
 from nanochat.engine.engine import Engine
+from nanochat.engine.spec import rollout_spec
 from nanochat.errors import SettingError, UserError
 from nanochat.model.gpt import build_fresh_model
 from nanochat.runtime.distributed import print0
@@ -75,5 +76,6 @@ def compiled_parts(compile_flag, model, tokenizer, band, device, num_steps):
                                                    cpu_min_steps=SFT_CPU_MIN_STEPS)
     compile_models(compiling, model)
     forward = maybe_compiled(summed_cross_entropy, compiling.train, dynamic=True, required=compile_flag == "on")
-    engine = Engine(model, tokenizer, decode=decode, compile=compile_flag) if band is not None else None
+    checks = band is not None
+    engine = Engine(model, tokenizer, rollout_spec(model, decode=decode, compile=compile_flag)) if checks else None
     return forward, engine, compile_flag

@@ -15,6 +15,7 @@ from helpers import PYTHONPATH, REPO, TINY_RL_FLAGS, assert_same_weights, weight
 
 from nanochat.cli import run_main
 from nanochat.engine import Engine
+from nanochat.engine.memory import RolloutMemory
 from nanochat.errors import UserError
 from nanochat.rl import run as rl_run
 from nanochat.rl.policy_gradient import TrainStats
@@ -80,8 +81,10 @@ def test_a_finished_run_says_so_and_how_to_go_on_without_evaluating_it_again(sft
         f"Run d2 is finished: all 2 of its steps are trained, the last (step 1) saved and its final eval recorded "
         f"(pass@1 {final[1]['pass@1']:.4f}). Nothing to do.",
         f"  evaluate it:      python -m scripts.chat_eval --source=rl --model-tag=d2 {task}",
-        f"  train it further: python -m scripts.chat_rl --source=rl --model-tag=d2 {task} --num-steps=N (a new run, "
-        f"written to d2_cont)"]
+        f"  train it further: python -m scripts.chat_rl --source=rl --model-tag=d2 --device-type=cpu --dtype=float32 "
+        f"--rollout-dtype=float32 {task} --device-batch-size=2 --examples-per-step=4 --num-samples=4 "
+        f"--max-new-tokens=12 --eval-every=2 --eval-examples=2 --save-every=-1 --num-steps=N (a new run, written to "
+        f"d2_cont)"]
     assert digests(base_dir) == before  # no eval run again: its meta and the report as they were
 
 
@@ -98,7 +101,8 @@ def test_resume_names_each_flag_it_replaced_and_refuses_a_longer_run(sft, base_d
     assert e.value.code == 2 and err.startswith("error: --num-steps=4: run d2 was planned with 3 steps, over which its "
                                                 "learning rate decays (--lr-schedule=linear), and --resume continues it "
                                                 "to that end, not further; ") and err.count("\n") == 1
-    assert "python -m scripts.chat_rl --source=rl --model-tag=d2 --task=rl_toy_task:ParityTask --num-steps=4" in err
+    assert "python -m scripts.chat_rl --source=rl --model-tag=d2 --device-type=cpu " in err
+    assert " --num-steps=4 (a new run, written to d2_cont)\n" in err  # (its flags: the test below)
     assert out == "" and digests(base_dir) == before  # refused before anything loads or changes
     # the saved length or less, other flags given: each replaced one said by name; a runtime flag (--train-rows) and
     # a value the run has (--max-new-tokens=12) are not
@@ -116,6 +120,32 @@ def test_resume_names_each_flag_it_replaced_and_refuses_a_longer_run(sft, base_d
                                "defaults: ") and "max_new_tokens" not in restored and "num_steps" not in restored
     assert "task=rl_toy_task:ParityTask" in restored
     assert any(line.startswith("Step 2/3 ") for line in lines)  # the run's third and last step, as saved
+
+
+def test_the_command_that_trains_further_carries_the_runs_settings_and_the_flags_given(sft, base_dir, capsys):
+    """Regression: the new run that --resume's refusal of a longer run suggests (from the run's last checkpoint) took
+    the run's --task alone, so copied it ran on nanochat's defaults, without the flags given with --resume
+    (--device-type, --eval-examples): another run, on another device. Copied as printed, it now trains on with each
+    of the run's settings (as its meta records them) but the flags given, which are the command line's."""
+    chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--eval-examples=2", "--top-k=5"])
+    saved = json.loads((rl_dir(base_dir) / "meta_000001.json").read_text())["user_config"]
+    capsys.readouterr()
+    given = ["--resume", "--device-type=cpu", "--num-steps=3", "--eval-examples=3", "--train-rows=2", "--advantage-std"]
+    with pytest.raises(SystemExit) as e:
+        run_main(chat_rl.main, given)
+    err = capsys.readouterr().err
+    command = ("python -m scripts.chat_rl --source=rl --model-tag=d2 --device-type=cpu --dtype=float32 "
+               "--rollout-dtype=float32 --task=rl_toy_task:ParityTask --device-batch-size=2 --train-rows=2 "
+               "--examples-per-step=4 --num-samples=4 --max-new-tokens=12 --top-k=5 --advantage-std --eval-every=-1 "
+               "--eval-examples=3 --save-every=-1 --num-steps=3")
+    assert e.value.code == 2 and err.endswith(f"start a new run from its last checkpoint: {command} (a new run, "
+                                              f"written to d2_cont)\n")
+    chat_rl.main(command.split()[3:])
+    new = json.loads((base_dir / "chatrl_checkpoints" / "d2_cont" / "meta_000002.json").read_text())["user_config"]
+    assert (new["source"], new["model_tag"], new["num_steps"], new["output_tag"]) == ("rl", "d2", 3, "d2_cont")
+    changed = {k for k in saved if new[k] != saved[k]} - {"source", "model_tag", "model_step", "num_steps", "output_tag"}
+    assert changed == {"eval_examples", "train_rows", "advantage_std"}
+    assert (new["eval_examples"], new["train_rows"], new["advantage_std"]) == (3, 2, True)
 
 
 def test_resume_errors_are_one_line(sft, base_dir, capsys):
@@ -177,15 +207,15 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(sft, base_dir,
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1"])
     reference = weights(rl_dir(base_dir) / "model_000001.pt")
 
-    real_generate, real_accumulate = Engine.generate_many, rl_run.accumulate_policy_gradient
+    real_rollout, real_accumulate = Engine._completions, rl_run.accumulate_policy_gradient
     raised = {"rollout": 0, "train": 0}
 
-    def generate_many(self, *args, **kwargs):
+    def rollout(self, *args, **kwargs):  # one attempt of a step's rollouts (Engine.generate_many)
         if not raised["rollout"]:
             raised["rollout"] += 1
             self.last_stats.max_batch_rows = 8
             raise torch.OutOfMemoryError("simulated")
-        return real_generate(self, *args, **kwargs)
+        return real_rollout(self, *args, **kwargs)
 
     def accumulate(*args, micro_batch_rows=None, **kwargs):
         if micro_batch_rows == 16:  # --train-rows auto: 16 rows, every trained row of the step
@@ -193,7 +223,7 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(sft, base_dir,
             raise torch.OutOfMemoryError("simulated")
         return real_accumulate(*args, micro_batch_rows=micro_batch_rows, **kwargs)
 
-    monkeypatch.setattr(Engine, "generate_many", generate_many)
+    monkeypatch.setattr(Engine, "_completions", rollout)
     monkeypatch.setattr(rl_run, "accumulate_policy_gradient", accumulate)
     chat_rl.main(TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--overwrite"])
     out = capsys.readouterr().out
@@ -222,15 +252,17 @@ def test_out_of_memory_in_a_rollout_first_gives_back_the_batches_kept_from_other
                              "--eval-examples=4"]
     chat_rl.main(flags)
     reference = weights(rl_dir(base_dir) / "model_000001.pt")
-    real_sample, kept_when_raised = rl_run.sample_questions, []
+    real_within_memory, kept_when_raised = RolloutMemory.within_memory, []
 
-    def sample_questions(engine, *args, **kwargs):
-        if not kept_when_raised:
-            kept_when_raised.append(len(engine.kept))
-            raise torch.OutOfMemoryError("simulated")
-        return real_sample(engine, *args, **kwargs)
+    def within_memory(memory, rollout, *args):  # a step's rollouts (the evals' do not back off)
+        def failing_once(*attempt):
+            if not kept_when_raised:
+                kept_when_raised.append(len(memory.kept))
+                raise torch.OutOfMemoryError("simulated")
+            return rollout(*attempt)
+        return real_within_memory(memory, failing_once, *args)
 
-    monkeypatch.setattr(rl_run, "sample_questions", sample_questions)
+    monkeypatch.setattr(RolloutMemory, "within_memory", within_memory)
     chat_rl.main(flags + ["--overwrite"])
     out = capsys.readouterr().out
     assert kept_when_raised == [1]  # step 0's eval batch
@@ -257,7 +289,7 @@ def test_out_of_memory_in_training_first_gives_back_the_evals_batch_then_the_ste
 
     def accumulate(*args, **kwargs):
         if not kept_when_raised:
-            kept_when_raised.append([k.shape.num_samples for k in engines[-1].kept])
+            kept_when_raised.append([k.shape.num_samples for k in engines[-1].memory.kept])
             raise torch.OutOfMemoryError("simulated")
         return real_accumulate(*args, **kwargs)
 
@@ -269,7 +301,7 @@ def test_out_of_memory_in_training_first_gives_back_the_evals_batch_then_the_ste
     assert ("out of memory during training: gave back the 1 decode batch(es) the rollout engine keeps from other "
             "rollouts (an eval's); retrying") in out
     assert "keeps none from now on" not in out and "retrying with" not in out
-    assert engines[-1].keeps_between_rollouts
+    assert engines[-1].memory.keeps_between_rollouts
     assert_same_weights(weights(rl_dir(base_dir) / "model_000001.pt"), reference)
 
 
@@ -281,12 +313,12 @@ def test_out_of_memory_in_training_first_releases_the_kept_rollout_batch(sft, ba
     flags = TINY_RL_FLAGS + ["--num-steps=2", "--save-every=-1", "--decode=static"]
     chat_rl.main(flags)
     reference = weights(rl_dir(base_dir) / "model_000001.pt")
-    real_accumulate, real_release = rl_run.accumulate_policy_gradient, Engine.release
+    real_accumulate, real_release = rl_run.accumulate_policy_gradient, RolloutMemory.release
     released, kept_at_training = [], []
     engines = []
 
     def accumulate(*args, **kwargs):
-        kept_at_training.append(engines[-1].kept_batch is not None)
+        kept_at_training.append(engines[-1].memory.kept_batch is not None)
         if not released:
             raise torch.OutOfMemoryError("simulated")
         return real_accumulate(*args, **kwargs)
@@ -302,7 +334,7 @@ def test_out_of_memory_in_training_first_releases_the_kept_rollout_batch(sft, ba
         real_init(self, *args, **kwargs)
 
     monkeypatch.setattr(rl_run, "accumulate_policy_gradient", accumulate)
-    monkeypatch.setattr(Engine, "release", release)
+    monkeypatch.setattr(RolloutMemory, "release", release)
     monkeypatch.setattr(Engine, "__init__", init)
     chat_rl.main(flags + ["--overwrite"])
     out = capsys.readouterr().out

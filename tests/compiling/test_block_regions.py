@@ -20,6 +20,7 @@ from nanochat.engine.decode_batch import RolloutStats
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.engine import Engine, make_batch
 from nanochat.engine.scheduler import BatchShape
+from nanochat.engine.spec import rollout_spec
 from nanochat.model.blocks import EAGER_REGIONS, BlockRegions
 from scripts import chat_rl
 
@@ -77,10 +78,10 @@ def test_rollouts_with_compiled_block_regions_sample_the_eager_tokens(decode, ti
     with the regions compiled sample the eager model's tokens and record its log-probabilities, exactly."""
     model = ending_model(tiny_tokenizer)
     prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
-    eager = Engine(model, tiny_tokenizer, decode=decode)
+    eager = Engine(model, tiny_tokenizer, rollout_spec(model, decode=decode))
     expected = rollouts(eager, prompts, **ENDING_KWARGS), logprobs(eager, prompts, **ENDING_KWARGS)
     model.block_regions, graphs = traced_regions()
-    compiled = Engine(model, tiny_tokenizer, decode=decode)
+    compiled = Engine(model, tiny_tokenizer, rollout_spec(model, decode=decode))
     assert (rollouts(compiled, prompts, **ENDING_KWARGS), logprobs(compiled, prompts, **ENDING_KWARGS)) == expected
     assert all(len(g) >= 1 for g in graphs.values()), graphs  # it did run compiled
 
@@ -119,11 +120,11 @@ def test_on_a_gpu_the_compiled_regions_replayed_from_cuda_graphs_equal_them_run_
     prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
     compile_block_regions(model, required=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        static = Engine(model, tiny_tokenizer, decode="static")
-        graph = Engine(model, tiny_tokenizer, decode="graph")
+        static = Engine(model, tiny_tokenizer, rollout_spec(model, decode="static"))
+        graph = Engine(model, tiny_tokenizer, rollout_spec(model, decode="graph"))
         assert rollouts(graph, prompts, **ENDING_KWARGS) == rollouts(static, prompts, **ENDING_KWARGS)
         assert logprobs(graph, prompts, **ENDING_KWARGS) == logprobs(static, prompts, **ENDING_KWARGS)
-        assert len(graph.kept_batch.graphs.replays) >= 3
+        assert len(graph.memory.kept_batch.graphs.replays) >= 3
     assert all(region.func.failed is None and region.func.compiles >= 1 for region in model.block_regions)
 
 

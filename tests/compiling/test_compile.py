@@ -47,7 +47,7 @@ from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine, make_batch
 from nanochat.engine.scheduler import BatchShape
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
-from nanochat.engine.spec import run_decode_mode
+from nanochat.engine.spec import rollout_spec, run_decode_mode
 from nanochat.model.gpt import GPT
 from nanochat.rl import plan as rl_plan, policy_gradient, progress as rl_progress
 from nanochat.rl.objective import pass_denominators
@@ -113,9 +113,9 @@ def test_compiled_decode_samples_the_eager_tokens_on_generation_fixtures(name, t
     model, tokenizer, _ = build_model(str(install_generation(tmp_path, name)), 5, "cpu", "eval")
     prompts = [prompt_of(tokenizer, q) for q in ("What is 12 times 7?", "Hi")]
     kwargs = dict(num_samples=2, max_tokens=16, temperature=1.0, top_k=50, seeds=[1, 2], max_rows=2)
-    eager, eager_lp = completions(Engine(model, tokenizer, decode="eager"), prompts, **kwargs)
+    eager, eager_lp = completions(Engine(model, tokenizer, rollout_spec(model, decode="eager")), prompts, **kwargs)
     step = compiled_for(name, static_step, STATIC_STEP_DYNAMIC, monkeypatch)
-    engine = Engine(model, tokenizer, decode="static", compile="on")
+    engine = Engine(model, tokenizer, rollout_spec(model, decode="static", compile="on"))
     fast, fast_lp = completions(engine, prompts, **kwargs)
     assert engine.step.func is step and step.compiles >= 1 and step.failed is None  # it did run compiled
     assert fast == eager
@@ -152,8 +152,8 @@ def greedy_fp32(arithmetic):
     """The 256 questions' greedy fp32 rollouts by the eager static step and by the compiled one, with the compiled
     engine (its batch kept for the next rollout), the (rows, keys) of each of its steps and the graphs it compiled."""
     model, tokenizer, prompts = arithmetic.model, arithmetic.tokenizer, arithmetic.prompts
-    eager = Engine(model, tokenizer, decode="static").generate_many(prompts, **GREEDY)
-    engine = Engine(model, tokenizer, decode="static", compile="on")
+    eager = Engine(model, tokenizer, rollout_spec(model, decode="static")).generate_many(prompts, **GREEDY)
+    engine = Engine(model, tokenizer, rollout_spec(model, decode="static", compile="on"))
     step, shapes = engine.step, []
     engine.step = lambda batch, rows, keys: (shapes.append((rows, keys)), step(batch, rows, keys))
     before, graphs_before = compile_totals()[0], len(generated_kernels(static_step, STATIC_STEP_DYNAMIC))
@@ -189,8 +189,9 @@ def test_compiled_bf16_greedy_decode_parts_from_eager_bf16_only_at_near_ties(ari
     fp32 margins 0.0035 to 0.055."""
     model, tokenizer, prompts = arithmetic.model, arithmetic.tokenizer, arithmetic.prompts
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        eager = Engine(model, tokenizer, decode="static").generate_many(prompts, **GREEDY)
-        fast = Engine(model, tokenizer, decode="static", compile="on").generate_many(prompts, **GREEDY)
+        eager = Engine(model, tokenizer, rollout_spec(model, decode="static")).generate_many(prompts, **GREEDY)
+        fast = Engine(model, tokenizer, rollout_spec(model, decode="static", compile="on"))
+        fast = fast.generate_many(prompts, **GREEDY)
     agreement = agreement_of(arithmetic, prompts, eager, fast)
     assert agreement["rows"] == 256 and agreement["tokens"] > 256 * 20
     margins = agreement["fp32_margins_at_differences"]
@@ -212,15 +213,15 @@ def test_a_rollout_compiles_a_few_graphs_and_the_next_rollout_none(arithmetic, g
     model, tokenizer, prompts = arithmetic.model, arithmetic.tokenizer, arithmetic.prompts[:32]
     shapes, engine = set(greedy_fp32.shapes), greedy_fp32.engine
     assert {rows for rows, _ in shapes} == {2, 3} and 1 <= greedy_fp32.compiles <= 2, (shapes, greedy_fp32.compiles)
-    kept, weights = engine.kept_batch, {k: v.clone() for k, v in model.state_dict().items()}
+    kept, weights = engine.memory.kept_batch, {k: v.clone() for k, v in model.state_dict().items()}
     try:
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(1.1)
         before = compile_totals()[0]
         again = engine.generate_many(prompts, **GREEDY)
-        assert compile_totals()[0] == before and engine.kept_batch is kept is not None
-        eager = Engine(model, tokenizer, decode="static").generate_many(prompts, **GREEDY)
+        assert compile_totals()[0] == before and engine.memory.kept_batch is kept is not None
+        eager = Engine(model, tokenizer, rollout_spec(model, decode="static")).generate_many(prompts, **GREEDY)
         agreement = agreement_of(arithmetic, prompts, eager, again)
         assert all(abs(m) <= FP32_NEAR_TIE for m in agreement["fp32_margins_at_differences"]), agreement
         assert [c.tokens for c, in again] != [c.tokens for c, in greedy_fp32.fast[:32]]
@@ -325,7 +326,9 @@ def test_the_step_compiled_is_the_one_proven_on_the_meta_device(share_prompts, t
     whole graph Dynamo captures from it (fullgraph: one graph, no break) runs on `meta` under DeviceOnly, so the
     compiled step reads nothing from the host either (fullgraph alone would not show it: Dynamo can capture
     .item() into a graph)."""
-    assert Engine(ending_model(tiny_tokenizer), tiny_tokenizer, decode="static", compile="on").step.func.fn is static_step
+    ending = ending_model(tiny_tokenizer)
+    spec = rollout_spec(ending, decode="static", compile="on")
+    assert Engine(ending, tiny_tokenizer, spec).step.func.fn is static_step
     config = tiny_config(sequence_len=64, vocab_size=tiny_tokenizer.get_vocab_size(), window_pattern="SL")
     model = random_model(config, generation="smear").to("meta")
     if share_prompts:
@@ -442,12 +445,12 @@ def test_the_compiled_step_replayed_from_cuda_graphs_equals_it_run_without(dtype
     model = ending_model(tiny_tokenizer).cuda()
     prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
     with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-        static = Engine(model, tiny_tokenizer, decode="static", compile="on")
-        graph = Engine(model, tiny_tokenizer, decode="graph", compile="on")
+        static = Engine(model, tiny_tokenizer, rollout_spec(model, decode="static", compile="on"))
+        graph = Engine(model, tiny_tokenizer, rollout_spec(model, decode="graph", compile="on"))
         assert graph.step.func is static.step.func  # one compiled function: the same graphs
         assert rollouts(graph, prompts, **ENDING_KWARGS) == rollouts(static, prompts, **ENDING_KWARGS)
         assert logprobs(graph, prompts, **ENDING_KWARGS) == logprobs(static, prompts, **ENDING_KWARGS)
-        assert len(graph.kept_batch.graphs.replays) >= 3
+        assert len(graph.memory.kept_batch.graphs.replays) >= 3
     step = graph.step.func
     assert step.failed is None and step.compiles >= 1
 

@@ -26,6 +26,7 @@ from helpers import REPO
 
 from nanochat.engine.calculator import format_result, use_calculator
 from nanochat.engine.engine import Engine
+from nanochat.engine.spec import rollout_spec
 
 SEED = 1234
 MIN_CORPUS = 1000
@@ -543,7 +544,7 @@ def test_engine_survives_hostile_tool_calls(fuzz, tiny_tokenizer):
     scripts = [[sp["python_start"], *tok.encode(e), sp["python_end"], sp["assistant_end"]] for e in sample]
     model = PerPromptScriptedModel(scripts, tok.get_vocab_size())
     # fewer rows than prompts: rows are recycled mid-run; the double keeps its state in a per-row KV cache
-    engine = Engine(model, tok, max_rows=16, share_prompts=False)
+    engine = Engine(model, tok, rollout_spec(model, max_rows=16, share_prompts=False))
     prompts = [[tok.get_bos_token_id()] * (i + 1) for i in range(len(sample))]
     max_tokens = max(len(s) for s in scripts) + 64
     results = engine.generate_many(prompts, num_samples=2, max_tokens=max_tokens, temperature=0.0)

@@ -17,6 +17,7 @@ from nanochat.diagnostics.op_count import count_decode_step_ops
 from nanochat.engine.decode_batch import DecodeBatch
 from nanochat.engine.decode_weights import DecodeWeights
 from nanochat.engine.engine import Engine
+from nanochat.engine.spec import rollout_spec
 from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.model.rotary import Rotary, apply_rotary, rotary_tables
 from nanochat.model.sampling import row_uniforms, sample_with_logprobs
@@ -169,7 +170,8 @@ def test_fused_rollouts_sample_the_separate_matmuls_tokens(share_prompts, decode
     kwargs = dict(num_samples=4, max_tokens=24, temperature=1.0, top_k=50, seeds=[1, 2, 3], max_rows=7)
 
     def run():
-        out = Engine(model, tiny_tokenizer, decode=decode, share_prompts=share_prompts).generate_many(prompts, **kwargs)
+        spec = rollout_spec(model, decode=decode, share_prompts=share_prompts)
+        out = Engine(model, tiny_tokenizer, spec).generate_many(prompts, **kwargs)
         return [[c.tokens for c in per] for per in out], [[c.logprobs for c in per] for per in out]
     fused_tokens, fused_logprobs = run()
     monkeypatch.setattr(DecodeWeights, "_fused_in_use", lambda self: [])
@@ -269,7 +271,7 @@ def test_the_host_reads_the_device_once_per_decode_step(share_prompts, decode, t
     with torch.no_grad():
         model.lm_head.weight[tiny_tokenizer.encode_special("<|assistant_end|>")] *= 2.5  # rows end at varied steps
     prompts = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold 48 clips", "c", "d e f")]
-    engine = Engine(model, tiny_tokenizer, decode=decode, share_prompts=share_prompts)
+    engine = Engine(model, tiny_tokenizer, rollout_spec(model, decode=decode, share_prompts=share_prompts))
     host = HostReads(monkeypatch)
     phases = {"decode_step": [], "admit": [], "prefill": []}
     for name, calls in phases.items():

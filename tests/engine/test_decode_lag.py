@@ -13,6 +13,7 @@ from test_static_decode import ENDING_KWARGS, ENDING_PROMPTS, ending_model, logp
 
 from nanochat.engine.decode_batch import DecodeBatch
 from nanochat.engine.engine import Engine
+from nanochat.engine.spec import rollout_spec
 
 BIGRAM_PROMPTS = ("a b", "Natalia sold clips", "c", "d e", "f")
 
@@ -32,7 +33,7 @@ def both(model, tokenizer, prompts, decode, share_prompts, **kwargs):
     """(rollouts, log-probabilities, stats) of an engine without lag and of one with."""
     out = []
     for lag in (False, True):
-        engine = Engine(model, tokenizer, decode=decode, share_prompts=share_prompts, lag=lag)
+        engine = Engine(model, tokenizer, rollout_spec(model, decode=decode, share_prompts=share_prompts, lag=lag))
         out.append((rollouts(engine, prompts, **kwargs), logprobs(engine, prompts, **kwargs), engine.last_stats))
     return out
 
@@ -77,7 +78,7 @@ def test_a_lagging_rollout_reads_the_device_at_most_once_a_step(tiny_tokenizer, 
     but admissions and prefills."""
     model = bigram_model(tiny_tokenizer)
     prompts = [prompt_of(tiny_tokenizer, q) for q in BIGRAM_PROMPTS]
-    engine = Engine(model, tiny_tokenizer, decode="static", lag=True)
+    engine = Engine(model, tiny_tokenizer, rollout_spec(model, decode="static", lag=True))
     host = HostReads(monkeypatch)
     phases = {"decode_step": [], "admit": [], "prefill": []}
     for name, calls in phases.items():
@@ -125,7 +126,7 @@ def test_nanochats_generate_never_lags(tiny_tokenizer):
     engine without lag."""
     model = bigram_model(tiny_tokenizer)
     prompt = prompt_of(tiny_tokenizer, "Natalia sold clips")
-    columns = [list(Engine(model, tiny_tokenizer, decode="static", max_rows=3, lag=lag).generate(
+    columns = [list(Engine(model, tiny_tokenizer, rollout_spec(model, decode="static", max_rows=3, lag=lag)).generate(
         prompt, num_samples=8, max_tokens=20, temperature=1.0, top_k=0, seed=5)) for lag in (False, True)]
     assert columns[1] == columns[0] and len(columns[0]) > 2
 
@@ -137,7 +138,7 @@ def test_an_engine_lags_by_default_on_cuda_and_not_on_a_cpu(tiny_tokenizer):
     built) gets the lag, and an explicit lag wins either way."""
     cpu_model, cuda_model = bigram_model(tiny_tokenizer), bigram_model(tiny_tokenizer)
     cuda_model.get_device = lambda: torch.device("cuda")
-    assert Engine(cuda_model, tiny_tokenizer, decode="eager").spec.lag is True
-    assert Engine(cuda_model, tiny_tokenizer, decode="eager", lag=False).spec.lag is False
+    assert Engine(cuda_model, tiny_tokenizer, rollout_spec(cuda_model, decode="eager")).spec.lag is True
+    assert Engine(cuda_model, tiny_tokenizer, rollout_spec(cuda_model, decode="eager", lag=False)).spec.lag is False
     assert Engine(cpu_model, tiny_tokenizer).spec.lag is False
-    assert Engine(cpu_model, tiny_tokenizer, lag=True).spec.lag is True
+    assert Engine(cpu_model, tiny_tokenizer, rollout_spec(cpu_model, lag=True)).spec.lag is True

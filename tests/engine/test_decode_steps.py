@@ -14,7 +14,7 @@ from nanochat.diagnostics.op_count import static_batch
 from nanochat.engine.decode_steps import (DECODE_KERNELS, DECODE_STEPS, DecodeKernelsError, check_decode_kernels,
                                           resolve_decode_kernels)
 from nanochat.engine.engine import Engine
-from nanochat.engine.spec import resolve_rollout_spec
+from nanochat.engine.spec import resolve_rollout_spec, rollout_spec
 from nanochat.kernels.launch import interpreter_on, triton
 from nanochat.rl.plan import measured_parts
 
@@ -37,7 +37,7 @@ def test_the_engine_its_caches_and_the_meta_counter_build_the_tables_step(name, 
     the table's per-step object, and op_count's batch runs the same pair: one entry decides for all three."""
     model = random_model(tiny_config(vocab_size=tiny_tokenizer.get_vocab_size()))
     entry = DECODE_STEPS[name]
-    engine = Engine(model, tiny_tokenizer, decode="static", decode_kernels=name)
+    engine = Engine(model, tiny_tokenizer, rollout_spec(model, decode="static", decode_kernels=name))
     assert engine.spec.decode_kernels == name and engine.step is entry.static_step
     batch, _ = engine._new_batch(1, 5, 2, 4, 1.0, None, 4)
     rows = batch.cache.batch_size
@@ -54,8 +54,10 @@ def test_the_triton_step_in_exact_shapes_samples_the_torch_steps_tokens(tiny_tok
     model = random_model(config, generation="smear")
     prompts = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold 48 clips")]
     kwargs = dict(num_samples=3, max_tokens=12, temperature=1.0, top_k=50, seeds=[1, 2], max_rows=4)
-    torch_tokens, torch_lp = rollouts(Engine(model, tiny_tokenizer, decode="eager"), prompts, **kwargs)
-    ours, ours_lp = rollouts(Engine(model, tiny_tokenizer, decode="eager", decode_kernels="triton"), prompts, **kwargs)
+    torch_tokens, torch_lp = rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="eager")), prompts,
+                                      **kwargs)
+    ours, ours_lp = rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="eager",
+                                                                        decode_kernels="triton")), prompts, **kwargs)
     assert ours == torch_tokens
     assert torch_lp.numel() >= 12 and (ours_lp - torch_lp).abs().max() <= FP32_GAP_BOUND
 
@@ -89,7 +91,7 @@ def test_a_model_the_kernels_cannot_compute_is_refused_in_one_line(tiny_tokenize
     model.transformer.wte.to(torch.bfloat16)
     with pytest.raises(DecodeKernelsError, match=r"^decode_kernels is triton: the Triton kernels need the token "
                                                  r"embedding in float32, and this model's is torch.bfloat16$"):
-        Engine(model, tiny_tokenizer, decode_kernels="triton")
+        Engine(model, tiny_tokenizer, rollout_spec(model, decode_kernels="triton"))
 
 
 def test_compile_auto_never_measures_a_step_that_does_not_compile():

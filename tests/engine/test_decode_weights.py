@@ -16,6 +16,7 @@ from nanochat.checkpoints.loading import build_model
 from nanochat.engine.decode_weights import DecodeWeights, matmul_modules
 from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import KVCache, forward_cached
+from nanochat.engine.spec import rollout_spec
 from nanochat.model.generations import GENERATIONS
 
 
@@ -77,14 +78,14 @@ def bf16_rollouts(model, tokenizer, prompts, decode, share_prompts):
     """Greedy and sampled (T=1, top-k 50) rollouts with rows admitted into freed slots, and the generate() stream,
     under bf16 autocast on one engine. Returns (their outcomes, the decode weights the engine held, the parameters
     autocast cast in the greedy rollout)."""
-    engine = Engine(model, tokenizer, decode=decode, share_prompts=share_prompts)
+    engine = Engine(model, tokenizer, rollout_spec(model, decode=decode, share_prompts=share_prompts))
     kwargs = dict(num_samples=3, max_tokens=32, seeds=[4, 5, 6], max_rows=5, top_k=50)
     with bf16():
         with Casts(dict(model.named_parameters())) as casts:  # slow (Python per op): one rollout
             out = [outcome(engine.generate_many(prompts, temperature=0.0, **kwargs))]
         out.append(outcome(engine.generate_many(prompts, temperature=1.0, **kwargs)))
         out.append(list(engine.generate(prompts[0], num_samples=3, max_tokens=16, temperature=1.0, seed=7)))
-    return out, len(engine.weights.copies), casts.cast
+    return out, len(engine.memory.weights.copies), casts.cast
 
 
 @pytest.mark.parametrize("name,decode,share_prompts", [("oct2025", "eager", True), ("oct2025", "static", False),
@@ -116,11 +117,11 @@ def test_a_rollout_after_an_optimizer_step_uses_the_new_weights(decode, tiny_tok
     model = random_model(config, generation="smear")
     prompts = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold 48 clips")]
     kwargs = dict(num_samples=3, max_tokens=12, temperature=1.0, top_k=50, seeds=[1, 2])
-    engine = Engine(model, tiny_tokenizer, decode=decode)
+    engine = Engine(model, tiny_tokenizer, rollout_spec(model, decode=decode))
     parameters = list(model.parameters())
     with bf16():
         before = outcome(engine.generate_many(prompts, **kwargs))
-    copies, kept = [c.data_ptr() for c in engine.weights.copies], engine.kept_batch
+    copies, kept = [c.data_ptr() for c in engine.memory.weights.copies], engine.memory.kept_batch
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     ids = torch.tensor([prompts[1]])
@@ -132,9 +133,10 @@ def test_a_rollout_after_an_optimizer_step_uses_the_new_weights(decode, tiny_tok
 
     with bf16():
         after = outcome(engine.generate_many(prompts, **kwargs))
-        fresh = outcome(Engine(model, tiny_tokenizer, decode=decode).generate_many(prompts, **kwargs))
+        fresh = Engine(model, tiny_tokenizer, rollout_spec(model, decode=decode))
+        fresh = outcome(fresh.generate_many(prompts, **kwargs))
     # refreshed in place, and a static batch reused: graphs captured over the copies would stay valid
-    assert [c.data_ptr() for c in engine.weights.copies] == copies and engine.kept_batch is kept
+    assert [c.data_ptr() for c in engine.memory.weights.copies] == copies and engine.memory.kept_batch is kept
     assert (kept is not None) == (decode == "static")
     assert after == fresh and after != before
 
@@ -148,16 +150,16 @@ def test_fp32_rollouts_make_no_copies_and_a_failed_forward_restores_the_paramete
     engine = Engine(model, tiny_tokenizer)
     prompt = prompt_of(tiny_tokenizer, "a b")
     engine.generate_many([prompt], num_samples=2, max_tokens=4)
-    assert engine.weights.copies == []
+    assert engine.memory.weights.copies == []
     with bf16():
         engine.generate_many([prompt], num_samples=2, max_tokens=4)
-    assert len(engine.weights.copies) == len(matmul_modules(model)) > 0
+    assert len(engine.memory.weights.copies) == len(matmul_modules(model)) > 0
     engine.generate_many([prompt], num_samples=2, max_tokens=4)
-    assert engine.weights.copies == []
+    assert engine.memory.weights.copies == []
     with bf16():
         engine.generate_many([prompt], num_samples=2, max_tokens=4)
-    engine.release()
-    assert engine.weights.copies == []
+    engine.memory.release()
+    assert engine.memory.weights.copies == []
 
     weights = DecodeWeights(model)
     weights.refresh(torch.bfloat16)

@@ -7,6 +7,7 @@ from helpers import ScriptedModel, prompt_of, random_model, tiny_config
 from nanochat.engine.calculator import CALCULATOR_FORMATS, format_result
 from nanochat.engine.engine import Engine
 from nanochat.engine.rows import Row, SpecialIds
+from nanochat.engine.spec import rollout_spec
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +129,7 @@ def test_finished_rows_cost_no_compute(tiny_tokenizer):
     prompts = [prompt_of(tok, q) for q in ("one", "two words", "three more words")]
     script = tok.encode("a b c d e f g h i j k l m n o p q r s t u v w x y z") * 2
     model = ScriptedModel(script, 0, tok.get_vocab_size(), stop_token=end, stop_logit=-2.0)  # P(stop) ~ 12% per step
-    engine = Engine(model, tok, max_rows=8)
+    engine = Engine(model, tok, rollout_spec(model, max_rows=8))
     results = engine.generate_many(prompts, num_samples=6, max_tokens=40, temperature=1.0, seed=1)
     rows = [c for per_prompt in results for c in per_prompt]
     emitted = [len(c.tokens) + int(c.ended) for c in rows]
@@ -188,7 +189,7 @@ def test_shared_prompt_cache_gives_the_tokens_of_per_row_copies(tiny_tokenizer, 
     for sampling in (dict(temperature=0.0), dict(temperature=1.0, top_k=20)):
         outs = []
         for share in (True, False):
-            engine = Engine(model, tiny_tokenizer, share_prompts=share)
+            engine = Engine(model, tiny_tokenizer, rollout_spec(model, share_prompts=share))
             out = engine.generate_many(prompts, num_samples=3, max_tokens=24, seeds=[5, 6, 7, 8], max_rows=5, **sampling)
             outs.append([[(c.tokens, c.masks) for c in per] for per in out])
         assert outs[0] == outs[1]
@@ -196,9 +197,10 @@ def test_shared_prompt_cache_gives_the_tokens_of_per_row_copies(tiny_tokenizer, 
 
 def test_shared_prompts_fit_more_rows(tiny_model, tiny_tokenizer):
     """In the same memory budget a prompt stored once leaves room for more rows."""
-    shared = Engine(tiny_model, tiny_tokenizer, memory_budget_gb=0.01)
-    copies = Engine(tiny_model, tiny_tokenizer, memory_budget_gb=0.01, share_prompts=False)
-    rows = [e.rows_for_budget(prompt_len=200, max_tokens=100, dtype=torch.float32, num_samples=16) for e in (shared, copies)]
+    shared = Engine(tiny_model, tiny_tokenizer, rollout_spec(tiny_model, memory_budget_gb=0.01))
+    copies = Engine(tiny_model, tiny_tokenizer, rollout_spec(tiny_model, memory_budget_gb=0.01, share_prompts=False))
+    rows = [e.memory.rows_for_budget(prompt_len=200, max_tokens=100, dtype=torch.float32,
+                                     num_samples=16) for e in (shared, copies)]
     assert rows[0] > 2 * rows[1]
 
 
@@ -276,7 +278,7 @@ def test_the_calculator_format_writes_integral_floats_as_nanochat_or_as_ints(tin
         forced[style] = tok.decode([row.feed(sp.assistant_end)[0] for _ in range(len(row.forced))])
     assert forced == {"str": "<|output_start|>5.0<|output_end|>", "int": "<|output_start|>5<|output_end|>"}
     with pytest.raises(ValueError, match="calculator_format must be one of str, int, got 'float'"):
-        Engine(random_model(tiny_config()), tok, calculator_format="float")
+        rollout_spec(random_model(tiny_config()), calculator_format="float")
 
 
 def _sampled(engine, prompts):
@@ -292,15 +294,15 @@ def test_an_engine_of_a_dtype_decodes_in_it_whatever_its_callers_autocast(tiny_m
     fp32 = _sampled(Engine(tiny_model, tiny_tokenizer), prompts)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         bf16 = _sampled(Engine(tiny_model, tiny_tokenizer), prompts)
-        assert _sampled(Engine(tiny_model, tiny_tokenizer, dtype="float32"), prompts) == fp32
+        assert _sampled(Engine(tiny_model, tiny_tokenizer, rollout_spec(tiny_model, dtype="float32")), prompts) == fp32
     assert bf16 != fp32  # the two precisions are told apart
-    assert _sampled(Engine(tiny_model, tiny_tokenizer, dtype="bfloat16"), prompts) == bf16
+    assert _sampled(Engine(tiny_model, tiny_tokenizer, rollout_spec(tiny_model, dtype="bfloat16")), prompts) == bf16
 
 
 def test_the_engines_dtype_does_not_reach_its_caller_between_steps(tiny_model, tiny_tokenizer):
     """The engine enters its dtype's autocast for each decode step and leaves it before yielding (generate streams
     its steps to the caller): the caller's code between steps runs under its own autocast, not the engine's."""
-    engine = Engine(tiny_model, tiny_tokenizer, dtype="bfloat16")
+    engine = Engine(tiny_model, tiny_tokenizer, rollout_spec(tiny_model, dtype="bfloat16"))
     seen = [torch.is_autocast_enabled("cpu") for _ in engine.generate(prompt_of(tiny_tokenizer, "a b"), num_samples=2,
                                                                       max_tokens=6, seed=1)]
     assert seen and not any(seen)

@@ -17,6 +17,7 @@ from nanochat.engine.decode_batch import static_step
 from nanochat.engine.engine import STATIC_STEP_DYNAMIC, Engine
 from nanochat.engine.variants.flex_prompt_attention import FLEX_DYNAMIC, flex_compile_state, flex_prompt_attention
 from nanochat.engine.shared_prompt_cache import FlexPromptStep, SharedPromptKVCache, SharedPromptStep
+from nanochat.engine.spec import rollout_spec
 
 # eagerly FlexAttention is PyTorch's unfused reference, and says so once per process
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
@@ -99,8 +100,9 @@ def test_flex_rollouts_sample_the_hand_written_tokens(name, tmp_path, monkeypatc
     model, tokenizer, _ = build_model(str(install_generation(tmp_path, name)), 5, "cpu", "eval")
     prompts = [prompt_of(tokenizer, q) for q in ("What is 12 times 7?", "Tom has 3 apples", "Hi")]
     kwargs = dict(num_samples=5, max_tokens=24, temperature=1.0, top_k=50, seeds=[4, 5, 6], max_rows=7)
-    explicit, explicit_lp = rollouts(Engine(model, tokenizer, decode="static"), prompts, **kwargs)
-    flex, flex_lp = rollouts(Engine(model, tokenizer, decode="static", decode_kernels="flex"), prompts, **kwargs)
+    explicit, explicit_lp = rollouts(Engine(model, tokenizer, rollout_spec(model, decode="static")), prompts, **kwargs)
+    flex, flex_lp = rollouts(Engine(model, tokenizer, rollout_spec(model, decode="static", decode_kernels="flex")),
+                             prompts, **kwargs)
     assert flex == explicit
     assert explicit_lp.numel() >= 100 and (flex_lp - explicit_lp).abs().max() <= FP32_GAP_BOUND
 
@@ -142,8 +144,9 @@ def test_the_compiled_static_step_takes_flex_attention_in_whole(tiny_tokenizer, 
     monkeypatch.setitem(nc_functions._COMPILED, (static_step, STATIC_STEP_DYNAMIC), traced)
     prompts = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold 48 clips")]
     kwargs = dict(num_samples=3, max_tokens=20, temperature=1.0, top_k=50, seeds=[1, 2], max_rows=4)
-    eager, _ = rollouts(Engine(model, tiny_tokenizer, decode="static", decode_kernels="flex"), prompts, **kwargs)
-    engine = Engine(model, tiny_tokenizer, decode="static", compile="on", decode_kernels="flex")
+    eager, _ = rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="static", decode_kernels="flex")),
+                        prompts, **kwargs)
+    engine = Engine(model, tiny_tokenizer, rollout_spec(model, decode="static", compile="on", decode_kernels="flex"))
     compiled, _ = rollouts(engine, prompts, **kwargs)
     assert engine.step.func is traced and traced.compiles >= 1 and traced.failed is None
     assert compiled == eager
@@ -152,10 +155,10 @@ def test_the_compiled_static_step_takes_flex_attention_in_whole(tiny_tokenizer, 
 def test_an_unknown_decode_step_is_refused(tiny_tokenizer):
     model = random_model(tiny_config(vocab_size=tiny_tokenizer.get_vocab_size()))
     with pytest.raises(ValueError, match="decode_kernels must be one of auto, torch, flex, triton, got 'fast'"):
-        Engine(model, tiny_tokenizer, decode_kernels="fast")
+        Engine(model, tiny_tokenizer, rollout_spec(model, decode_kernels="fast"))
     with pytest.raises(ValueError, match="decode_kernels is flex, a step of the shared-prompt cache: it needs "
                                          "share_prompts=True"):
-        Engine(model, tiny_tokenizer, decode_kernels="flex", share_prompts=False)
+        Engine(model, tiny_tokenizer, rollout_spec(model, decode_kernels="flex", share_prompts=False))
 
 
 @pytest.mark.cuda
@@ -189,9 +192,10 @@ def test_flex_rollouts_replayed_from_cuda_graphs_equal_the_static_flex_step(tiny
     prompts = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold 48 clips", "c")]
     kwargs = dict(num_samples=4, max_tokens=30, temperature=1.0, top_k=50, seeds=[1, 2, 3], max_rows=8)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        static, _ = rollouts(Engine(model, tiny_tokenizer, decode="static", decode_kernels="flex"), prompts, **kwargs)
-        graph = Engine(model, tiny_tokenizer, decode="graph", decode_kernels="flex")
+        static, _ = rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="static", decode_kernels="flex")),
+                             prompts, **kwargs)
+        graph = Engine(model, tiny_tokenizer, rollout_spec(model, decode="graph", decode_kernels="flex"))
         replayed, _ = rollouts(graph, prompts, **kwargs)
-    assert replayed == static and len(graph.kept_batch.graphs.replays) >= 2
+    assert replayed == static and len(graph.memory.kept_batch.graphs.replays) >= 2
     state = flex_compile_state()
     assert state is not None and state["failed"] is None and state["compiles"] >= 1, state

@@ -11,7 +11,7 @@ import torch
 from nanochat.cli import error_line
 from nanochat.engine import spec
 from nanochat.engine.engine import Engine
-from nanochat.engine.spec import GiB, parse_budget, plan_budget, resolve_memory_budget
+from nanochat.engine.spec import GiB, parse_budget, plan_budget, resolve_memory_budget, rollout_spec
 from nanochat.errors import SettingError, UserError
 from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.optim import training_memory
@@ -29,8 +29,8 @@ def test_the_budget_and_the_rows_it_holds_are_as_computed_by_hand(tiny_tokenizer
     assert "54.0 GiB = 0.9 x (80.0 GiB free with the model's 2.0 GiB loaded - 20.0 GiB reserved" in plan.describe()
     with torch.device("meta"):
         d20 = GPT(GPTConfig(sequence_len=2048, vocab_size=65536, n_layer=20, n_head=10, n_kv_head=10, n_embd=1280))
-    engine = Engine(d20, tiny_tokenizer, memory_budget_gb=plan.budget_gb)
-    assert engine.rows_for_budget(prompt_len=300, max_tokens=256, dtype=torch.bfloat16, num_samples=16) == 1928
+    engine = Engine(d20, tiny_tokenizer, rollout_spec(d20, memory_budget_gb=plan.budget_gb))
+    assert engine.memory.rows_for_budget(prompt_len=300, max_tokens=256, dtype=torch.bfloat16, num_samples=16) == 1928
 
 
 class Stub(torch.nn.Module):

@@ -11,6 +11,7 @@ from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import KVCache, forward_cached
 from nanochat.engine.scheduler import PREFILL_TOKENS, Admission
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
+from nanochat.engine.spec import rollout_spec
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 
@@ -73,7 +74,7 @@ def test_rollouts_prefill_prompts_together_and_sample_as_one_by_one(tiny_tokeniz
         for share in (True, False):
             runs, forwards = [], []
             for limit in (PREFILL_TOKENS, 1):
-                engine = Engine(model, tiny_tokenizer, share_prompts=share, prefill_tokens=limit)
+                engine = Engine(model, tiny_tokenizer, rollout_spec(model, share_prompts=share, prefill_tokens=limit))
                 out = engine.generate_many(prompts, num_samples=2, max_tokens=12, seeds=range(6), max_rows=12, **sampling)
                 runs.append([[(c.tokens, c.masks) for c in per] for per in out])
                 forwards.append(engine.last_stats.prefill_forwards)

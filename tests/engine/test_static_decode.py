@@ -22,6 +22,7 @@ from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import KVCache
 from nanochat.engine.scheduler import KEEP_BATCHES
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
+from nanochat.engine.spec import rollout_spec
 from nanochat.model.gpt import GPT
 
 GENERATIONS = ["oct2025", "jan2026", "ve", "ve_late", "mar9", "smear"]
@@ -67,8 +68,10 @@ def test_static_sampling_equals_eager_for_every_generation(name, share_prompts, 
     model, tokenizer, _ = build_model(str(install_generation(tmp_path, name)), 5, "cpu", "eval")
     prompts = [prompt_of(tokenizer, q) for q in ("What is 12 times 7?", "Tom has 3 apples", "Hi")]
     kwargs = dict(num_samples=5, max_tokens=24, temperature=1.0, top_k=50, seeds=[4, 5, 6], max_rows=7)
-    eager = rollouts(Engine(model, tokenizer, decode="eager", share_prompts=share_prompts), prompts, **kwargs)
-    static = rollouts(Engine(model, tokenizer, decode="static", share_prompts=share_prompts), prompts, **kwargs)
+    eager = rollouts(Engine(model, tokenizer, rollout_spec(model, decode="eager", share_prompts=share_prompts)),
+                     prompts, **kwargs)
+    static = rollouts(Engine(model, tokenizer, rollout_spec(model, decode="static", share_prompts=share_prompts)),
+                      prompts, **kwargs)
     assert static == eager
 
 
@@ -82,8 +85,10 @@ def test_static_tool_calls_and_early_ends_equal_eager(tiny_tokenizer, share_prom
     script = [ps, *tok.encode("6*7"), pe] + tok.encode("a b c d e f g") + [ps, *tok.encode("1/0"), pe] + tok.encode("h i j") * 3
     model = ScriptedModel(script, len(prompts[0]), tok.get_vocab_size(), stop_token=end, stop_logit=-2.5)
     kwargs = dict(num_samples=6, max_tokens=40, temperature=1.0, seed=11, max_rows=9)
-    eager = rollouts(Engine(model, tok, decode="eager", share_prompts=share_prompts), prompts, **kwargs)
-    static = rollouts(Engine(model, tok, decode="static", share_prompts=share_prompts), prompts, **kwargs)
+    eager = rollouts(Engine(model, tok, rollout_spec(model, decode="eager", share_prompts=share_prompts)), prompts,
+                     **kwargs)
+    static = rollouts(Engine(model, tok, rollout_spec(model, decode="static", share_prompts=share_prompts)), prompts,
+                      **kwargs)
     assert static == eager
     assert len({len(c[0]) for per in eager for c in per}) > 3 and any(c[3] >= 1 and c[4] >= 1 for per in eager for c in per)
 
@@ -118,11 +123,11 @@ def test_replayed_graphs_equal_the_static_step(name, share_prompts, tmp_path, mo
     model, tokenizer, _ = build_model(str(install_generation(tmp_path, name)), 5, "cpu", "eval")
     prompts = [prompt_of(tokenizer, q) for q in ("What is 12 times 7?", "Tom has 3 apples", "Hi")]
     kwargs = dict(num_samples=5, max_tokens=40, temperature=1.0, top_k=50, seeds=[4, 5, 6], max_rows=7)
-    static = Engine(model, tokenizer, decode="static", share_prompts=share_prompts)
-    graph = Engine(model, tokenizer, decode="graph", share_prompts=share_prompts)
+    static = Engine(model, tokenizer, rollout_spec(model, decode="static", share_prompts=share_prompts))
+    graph = Engine(model, tokenizer, rollout_spec(model, decode="graph", share_prompts=share_prompts))
     assert rollouts(graph, prompts, **kwargs) == rollouts(static, prompts, **kwargs)
     # every shape of the batch captured when it was made, every step of the rollout replayed from its graph
-    cache = graph.kept_batch.cache
+    cache = graph.memory.kept_batch.cache
     shapes = bucket_shapes(cache.batch_size, cache.key_capacity)
     first = graph.last_stats
     assert cpu_graphs.captures == first.captures == len(shapes) >= 3 and cpu_graphs.replays == first.decode_forwards
@@ -143,8 +148,8 @@ def test_replayed_graphs_carry_tool_calls_early_ends_and_refilled_slots(tiny_tok
     model = BigramModel(tiny_tokenizer)
     prompts = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold clips", "c", "d e")]
     kwargs = dict(num_samples=6, max_tokens=40, temperature=1.0, top_k=0, seeds=[1, 2, 3, 4], max_rows=9)
-    static = Engine(model, tiny_tokenizer, decode="static", share_prompts=share_prompts)
-    graph = Engine(model, tiny_tokenizer, decode="graph", share_prompts=share_prompts)
+    static = Engine(model, tiny_tokenizer, rollout_spec(model, decode="static", share_prompts=share_prompts))
+    graph = Engine(model, tiny_tokenizer, rollout_spec(model, decode="graph", share_prompts=share_prompts))
     want = rollouts(static, prompts, **kwargs)
     assert rollouts(graph, prompts, **kwargs) == want
     assert logprobs(graph, prompts, **kwargs) == logprobs(static, prompts, **kwargs)
@@ -163,7 +168,7 @@ def test_the_stand_in_catches_what_a_capture_breaks(tiny_tokenizer, cpu_graphs, 
     bigram = BigramModel(tiny_tokenizer)
     calls = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold clips", "c", "d e")]
     kwargs = dict(num_samples=6, max_tokens=40, temperature=1.0, top_k=0, seeds=[1, 2, 3, 4], max_rows=9)
-    right = rollouts(Engine(bigram, tiny_tokenizer, decode="static"), calls, **kwargs)
+    right = rollouts(Engine(bigram, tiny_tokenizer, rollout_spec(bigram, decode="static")), calls, **kwargs)
     feed = DecodeBatch._feed
 
     def feed_into_a_new_tensor(self, sampled, rows):
@@ -172,12 +177,12 @@ def test_the_stand_in_catches_what_a_capture_breaks(tiny_tokenizer, cpu_graphs, 
 
     with monkeypatch.context() as patch:
         patch.setattr(DecodeBatch, "_feed", feed_into_a_new_tensor)
-        assert rollouts(Engine(bigram, tiny_tokenizer, decode="static"), calls, **kwargs) == right
-        assert rollouts(Engine(bigram, tiny_tokenizer, decode="graph"), calls, **kwargs) != right
+        assert rollouts(Engine(bigram, tiny_tokenizer, rollout_spec(bigram, decode="static")), calls, **kwargs) == right
+        assert rollouts(Engine(bigram, tiny_tokenizer, rollout_spec(bigram, decode="graph")), calls, **kwargs) != right
 
     model = ending_model(tiny_tokenizer)
     prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
-    right = rollouts(Engine(model, tiny_tokenizer, decode="static"), prompts, **ENDING_KWARGS)
+    right = rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="static")), prompts, **ENDING_KWARGS)
 
     init = SharedPromptKVCache.__init__
 
@@ -186,12 +191,15 @@ def test_the_stand_in_catches_what_a_capture_breaks(tiny_tokenizer, cpu_graphs, 
         self.k, self.v = self.k[:, :, :, :8].clone(), self.v[:, :, :, :8].clone()
 
     monkeypatch.setattr(SharedPromptKVCache, "__init__", growing_storage)
-    assert rollouts(Engine(model, tiny_tokenizer, decode="static"), prompts, **ENDING_KWARGS) == right
+    assert rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="static")), prompts,
+                    **ENDING_KWARGS) == right
     # shapes captured largest first (the engine's order): the storage grows at the first warm-up, before any
     # capture, so the graphs hold; smallest first, it grows after some captures, whose replays write the old one
-    assert rollouts(Engine(model, tiny_tokenizer, decode="graph"), prompts, **ENDING_KWARGS) == right
+    assert rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="graph")), prompts,
+                    **ENDING_KWARGS) == right
     monkeypatch.setattr(decode_batch, "bucket_shapes", lambda rows, keys: bucket_shapes(rows, keys)[::-1])
-    assert rollouts(Engine(model, tiny_tokenizer, decode="graph"), prompts, **ENDING_KWARGS) != right
+    assert rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="graph")), prompts,
+                    **ENDING_KWARGS) != right
 
 
 REFUSED_IN_A_CAPTURE = {
@@ -235,27 +243,28 @@ def test_a_static_batch_is_reused_by_the_next_rollout_of_its_shape(tiny_tokenize
     those of fresh eager engines. A longer prompt, or an interrupted rollout, gets a new batch."""
     config = tiny_config(sequence_len=256, vocab_size=tiny_tokenizer.get_vocab_size(), window_pattern="SL")
     model = random_model(config, generation="smear")
-    engine = Engine(model, tiny_tokenizer, decode="static")
+    engine = Engine(model, tiny_tokenizer, rollout_spec(model, decode="static"))
     kwargs = dict(num_samples=4, max_tokens=20, temperature=1.0, top_k=50, max_rows=6)
     first = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold 48 clips")]
     second = [prompt_of(tiny_tokenizer, q) for q in ("c", "d e f g")]
     assert max(map(len, first + second)) <= 64
     outs = [rollouts(engine, first, seeds=[1, 2], **kwargs)]
-    batch = engine.kept_batch
+    batch = engine.memory.kept_batch
     assert batch is not None
     outs.append(rollouts(engine, second, seeds=[3, 4], **kwargs))
-    assert engine.kept_batch is batch  # reused, and kept again
-    assert outs == [rollouts(Engine(model, tiny_tokenizer, decode="eager"), p, seeds=s, **kwargs)
+    assert engine.memory.kept_batch is batch  # reused, and kept again
+    assert outs == [rollouts(Engine(model, tiny_tokenizer, rollout_spec(model, decode="eager")), p, seeds=s, **kwargs)
                     for p, s in ((first, [1, 2]), (second, [3, 4]))]
     long_prompt = [prompt_of(tiny_tokenizer, "word " * 40)]
     rollouts(engine, long_prompt, seeds=[5], **kwargs)
-    assert engine.kept_batch is not batch and engine.kept[-1].shape.prompt_cap == 128  # the pool rounded up to 128
-    assert len(engine.kept) == 1  # the batch for shorter prompts can serve no rollout again: gone
-    long_batch = engine.kept_batch
+    # the pool rounded up to 128
+    assert engine.memory.kept_batch is not batch and engine.memory.kept[-1].shape.prompt_cap == 128
+    assert len(engine.memory.kept) == 1  # the batch for shorter prompts can serve no rollout again: gone
+    long_batch = engine.memory.kept_batch
     stream = engine.generate(first[0], num_samples=2, max_tokens=10, seed=1)
     next(stream)  # a rollout left unfinished: its batch is not kept
     stream.close()
-    assert [k.batch for k in engine.kept] == [long_batch]
+    assert [k.batch for k in engine.memory.kept] == [long_batch]
 
 
 def test_two_shapes_alternating_keep_a_batch_each(tiny_tokenizer):
@@ -269,49 +278,50 @@ def test_two_shapes_alternating_keep_a_batch_each(tiny_tokenizer):
     prompts = [prompt_of(tiny_tokenizer, q) for q in ("a b", "Natalia sold 48 clips", "c", "d e f g")]
     step = dict(num_samples=4, max_tokens=20, temperature=1.0, top_k=50)
     evals = dict(num_samples=2, max_tokens=24, temperature=1.0, top_k=50)
-    eager = Engine(model, tiny_tokenizer, decode="eager")
-    engine = Engine(model, tiny_tokenizer, decode="static")
+    eager = Engine(model, tiny_tokenizer, rollout_spec(model, decode="eager"))
+    engine = Engine(model, tiny_tokenizer, rollout_spec(model, decode="static"))
     assert KEEP_BATCHES == 2
     outs, batches = [], []
     for kwargs, questions in ((step, prompts[:2]), (evals, prompts), (step, prompts[:2]), (evals, prompts)):
         outs.append(rollouts(engine, questions, seeds=list(range(len(questions))), **kwargs))
         assert outs[-1] == rollouts(eager, questions, seeds=list(range(len(questions))), **kwargs)
-        batches.append(engine.kept_batch)
+        batches.append(engine.memory.kept_batch)
     assert batches[0] is batches[2] and batches[1] is batches[3] and batches[0] is not batches[1]
-    assert [k.batch for k in engine.kept] == [batches[0], batches[1]]
+    assert [k.batch for k in engine.memory.kept] == [batches[0], batches[1]]
     rollouts(engine, prompts[:1], seeds=[0], num_samples=3, max_tokens=8)  # a third shape: the oldest goes
-    assert [k.batch for k in engine.kept][0] is batches[1] and len(engine.kept) == 2
+    assert [k.batch for k in engine.memory.kept][0] is batches[1] and len(engine.memory.kept) == 2
 
     # a budget that holds the step's batch and little more: the eval's batch takes its place, with every row the
     # budget holds (6, not its 8 samples), and serves the next eval; the step's batch comes back in its place
-    tight = Engine(model, tiny_tokenizer, decode="static")
+    tight = Engine(model, tiny_tokenizer, rollout_spec(model, decode="static"))
     rollouts(tight, prompts[:2], seeds=[0, 1], **step)
-    step_batch = tight.kept[-1]
+    step_batch = tight.memory.kept[-1]
     tight.reconfigure(dataclasses.replace(tight.spec, memory_budget_gb=step_batch.nbytes * 1.2 / 2 ** 30))
-    rows_alone = tight.rows_for_budget(64, evals["max_tokens"], torch.float32, evals["num_samples"])
+    rows_alone = tight.memory.rows_for_budget(64, evals["max_tokens"], torch.float32, evals["num_samples"])
     assert rows_alone < 8  # the budget binds the eval's rows
-    assert tight.rows_for_budget(64, evals["max_tokens"], torch.float32, evals["num_samples"],
+    assert tight.memory.rows_for_budget(64, evals["max_tokens"], torch.float32, evals["num_samples"],
                                  tight.spec.memory_budget_gb * 2 ** 30 - step_batch.nbytes) * 2 < rows_alone
     rollouts(tight, prompts, seeds=[0, 1, 2, 3], **evals)
-    eval_batch = tight.kept_batch
-    assert [k.batch for k in tight.kept] == [eval_batch] and eval_batch.cache.batch_size == rows_alone
-    assert tight.kept[-1].budget_bound
+    eval_batch = tight.memory.kept_batch
+    assert [k.batch for k in tight.memory.kept] == [eval_batch] and eval_batch.cache.batch_size == rows_alone
+    assert tight.memory.kept[-1].budget_bound
     again = rollouts(tight, prompts, seeds=[0, 1, 2, 3], **evals)
-    assert tight.kept_batch is eval_batch and again == rollouts(eager, prompts, seeds=[0, 1, 2, 3], **evals)
+    assert tight.memory.kept_batch is eval_batch and again == rollouts(eager, prompts, seeds=[0, 1, 2, 3], **evals)
     rollouts(tight, prompts[:2], seeds=[0, 1], **step)
-    step_rows = min(8, tight.rows_for_budget(64, step["max_tokens"], torch.float32, step["num_samples"]))
-    assert [(k.shape.num_samples, k.batch.cache.batch_size) for k in tight.kept] == [(4, step_rows)]  # made way
+    step_rows = min(8, tight.memory.rows_for_budget(64, step["max_tokens"], torch.float32, step["num_samples"]))
+    assert [(k.shape.num_samples, k.batch.cache.batch_size) for k in tight.memory.kept] == [(4, step_rows)]  # made way
     # the kept batch fills the budget: not one row beside it
-    tight.reconfigure(dataclasses.replace(tight.spec, memory_budget_gb=tight.kept[0].nbytes / 2 ** 30))
+    tight.reconfigure(dataclasses.replace(tight.spec, memory_budget_gb=tight.memory.kept[0].nbytes / 2 ** 30))
     rollouts(tight, prompts[:1], seeds=[0], num_samples=1, max_tokens=8)
-    assert [k.shape.num_samples for k in tight.kept] == [1]
+    assert [k.shape.num_samples for k in tight.memory.kept] == [1]
 
     # chat_rl's case: an eval of more samples than the budget holds, beside the step's batch, with 10 rows (of the
     # at most 20 the whole budget would give) in the budget the step's batch leaves: both kept, both serve again
-    both = Engine(model, tiny_tokenizer, decode="static")
+    both = Engine(model, tiny_tokenizer, rollout_spec(model, decode="static"))
     rollouts(both, prompts[:2], seeds=[0, 1], **step)
-    step_batch = both.kept[-1]
-    room = lambda budget: both.rows_for_budget(64, evals["max_tokens"], torch.float32, evals["num_samples"], budget)
+    step_batch = both.memory.kept[-1]
+    room = lambda budget: both.memory.rows_for_budget(64, evals["max_tokens"], torch.float32, evals["num_samples"],
+                                                      budget)
     eval_bytes = next(b for b in range(0, 10 ** 9, 1024) if room(b) >= 10)
     both.reconfigure(dataclasses.replace(both.spec, memory_budget_gb=(step_batch.nbytes + eval_bytes) / 2 ** 30))
     questions = prompts * 4  # 32 samples: more than the budget holds
@@ -320,9 +330,9 @@ def test_two_shapes_alternating_keep_a_batch_each(tiny_tokenizer):
     for _ in range(2):
         assert rollouts(both, questions, seeds=list(range(16)), **evals) == rollouts(eager, questions, seeds=list(range(16)), **evals)
         rollouts(both, prompts[:2], seeds=[0, 1], **step)
-        assert [(k.shape.num_samples, k.shape.rows) for k in both.kept] == [(2, 10), (4, 8)]
-        assert both.kept[0].budget_bound and both.kept[1].batch is step_batch.batch
-        eval_batches.append(both.kept[0].batch)
+        assert [(k.shape.num_samples, k.shape.rows) for k in both.memory.kept] == [(2, 10), (4, 8)]
+        assert both.memory.kept[0].budget_bound and both.memory.kept[1].batch is step_batch.batch
+        eval_batches.append(both.memory.kept[0].batch)
     assert eval_batches[0] is eval_batches[1]
 
 
@@ -409,11 +419,11 @@ def test_cuda_graph_replay_equals_the_static_step(dtype, tiny_tokenizer):
     model = ending_model(tiny_tokenizer).cuda()
     prompts = [prompt_of(tiny_tokenizer, q) for q in ENDING_PROMPTS]
     with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-        static = Engine(model, tiny_tokenizer, decode="static")
-        graph = Engine(model, tiny_tokenizer, decode="graph")
+        static = Engine(model, tiny_tokenizer, rollout_spec(model, decode="static"))
+        graph = Engine(model, tiny_tokenizer, rollout_spec(model, decode="graph"))
         assert rollouts(graph, prompts, **ENDING_KWARGS) == rollouts(static, prompts, **ENDING_KWARGS)
         assert logprobs(graph, prompts, **ENDING_KWARGS) == logprobs(static, prompts, **ENDING_KWARGS)
-        assert len(graph.kept_batch.graphs.replays) >= 3
+        assert len(graph.memory.kept_batch.graphs.replays) >= 3
         ends = {len(c[0]) for per in rollouts(graph, prompts, **ENDING_KWARGS) for c in per}
     assert len(ends) > 2
 

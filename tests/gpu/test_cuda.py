@@ -114,20 +114,22 @@ def test_a_real_out_of_memory_in_rollouts_is_backed_off(base_dir, tiny_tokenizer
     code = f"""
 import torch
 from nanochat.cli import run_main
-from nanochat.rl import run as rl_run
+from nanochat.engine.memory import RolloutMemory
 from scripts import chat_rl
 
-sample_questions = rl_run.sample_questions
+within_memory = RolloutMemory.within_memory
 
-def with_ballast(*args, **kwargs):  # each attempt of the rollout finds OOM_HEADROOM free, whatever came before
-    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    ballast = torch.empty(max(0, free - {OOM_HEADROOM}), dtype=torch.uint8, device="cuda")
-    try:
-        return sample_questions(*args, **kwargs)
-    finally:
-        del ballast
+def with_ballast(memory, rollout, *args):  # a step's rollouts, which back off where they run out of memory
+    def attempt(*given):  # each attempt finds OOM_HEADROOM free, whatever came before
+        free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        ballast = torch.empty(max(0, free - {OOM_HEADROOM}), dtype=torch.uint8, device="cuda")
+        try:
+            return rollout(*given)
+        finally:
+            del ballast
+    return within_memory(memory, attempt, *args)
 
-rl_run.sample_questions = with_ballast
+RolloutMemory.within_memory = with_ballast
 run_main(chat_rl.main, {flags + ['--overwrite']!r})
 """
     out = run([sys.executable, "-c", code], base_dir)

@@ -58,11 +58,13 @@ def test_occupancy_on_sm90(registers, threads, shared, expected):
 @pytest.mark.skipif(tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9),
                     reason="Triton's interpreter before 3.9 cannot run the kernels (test_triton_kernels.py)")
 def test_offsets_past_2_to_the_31_are_64_bit():
-    """rotary_store writing a KV cache, and sample_rows reading logits, whose rows are 2^30 + 2^20 elements apart (row
-    2 past 2^31) write what they write on contiguous copies (tests/support/wide_offsets.py, in Triton's interpreter
-    in a process of its own: with 32-bit offsets row 2's address wraps below the tensor and the process crashes)."""
+    """rotary_store writing a KV cache, sample_rows reading logits, and prompt_attention's two kernels reading queries,
+    own keys and values and prompt slots, whose rows are 2^30 + 2^20 elements apart (row 2 past 2^31), write what
+    they write on contiguous copies (tests/support/wide_offsets.py, in Triton's interpreter in a process of its own:
+    with 32-bit offsets row 2's address wraps below the tensor and the process crashes)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": PYTHONPATH}
     done = subprocess.run([sys.executable, str(SUPPORT / "wide_offsets.py")], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
-    assert done.stdout.split("\n")[:2] == ["rotary_store ok", "sample_rows ok"]
+    assert done.stdout.splitlines() == ["rotary_store ok", "sample_rows ok", "own_key_attention ok",
+                                        "prompt_attention ok"]

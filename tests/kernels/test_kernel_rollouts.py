@@ -18,6 +18,7 @@ from kernel_targets import target  # noqa: E402,F401 (a fixture)
 
 from nanochat.checkpoints.loading import build_model  # noqa: E402
 from nanochat.engine.engine import Engine  # noqa: E402
+from nanochat.engine.spec import rollout_spec  # noqa: E402
 
 QUESTIONS = ("What is 12 times 7?", "Tom has 3 apples and buys 5 more. How many?", "Hi", "Name a prime over 50.")
 
@@ -40,9 +41,10 @@ def test_greedy_fp32_rollouts_agree_with_the_torch_step_up_to_near_ties(target, 
     model, tokenizer, _ = build_model(str(install_generation(tmp_path, name)), 5, target.device, "eval")
     prompts = [prompt_of(tokenizer, q) for q in (QUESTIONS[:2] if target.interpreted else QUESTIONS)]
     kwargs = dict(num_samples=2, max_tokens=6 if target.interpreted else 48, temperature=0.0, max_rows=3)
-    torch_step = Engine(model, tokenizer, decode="static", dtype="float32").generate_many(prompts, **kwargs)
-    triton_step = Engine(model, tokenizer, decode="static", dtype="float32",
-                         decode_kernels="triton").generate_many(prompts, **kwargs)
+    torch_step = Engine(model, tokenizer, rollout_spec(model, decode="static", dtype="float32"))
+    torch_step = torch_step.generate_many(prompts, **kwargs)
+    triton_step = Engine(model, tokenizer, rollout_spec(model, decode="static", dtype="float32",
+                         decode_kernels="triton")).generate_many(prompts, **kwargs)
     reference = [c.tokens for per in torch_step for c in per]
     ours = [c.tokens for per in triton_step for c in per]
     ends = [tokenizer.encode_special(t) for t in ("<|assistant_end|>", "<|bos|>")]

@@ -18,6 +18,7 @@ from nanochat.diagnostics.op_count import count_decode_step_ops
 from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import write_rows
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache, SharedPromptStep
+from nanochat.engine.spec import rollout_spec
 from nanochat.kernels.launch import kernels_unavailable
 from nanochat.kernels.prompt_attention import OWN_SPLIT_KEYS, cell_rows, prompt_attention
 from nanochat.kernels.residual_norm import relu_square, residual_norm
@@ -393,9 +394,10 @@ def test_kernel_rollouts_sample_the_hand_written_tokens(name, tmp_path, monkeypa
     model, tokenizer, _ = build_model(str(install_generation(tmp_path, name)), 5, "cpu", "eval")
     prompts = [prompt_of(tokenizer, q) for q in ("What is 12 times 7?", "Hi")]
     kwargs = dict(num_samples=3, max_tokens=10, temperature=1.0, top_k=50, seeds=[4, 5], max_rows=4)
-    explicit, explicit_lp = rollouts(Engine(model, tokenizer, decode="static"), prompts, **kwargs)
+    explicit, explicit_lp = rollouts(Engine(model, tokenizer, rollout_spec(model, decode="static")), prompts, **kwargs)
     with checked_memory():  # every load and store of the whole step's kernels inside its tensor
-        ours, ours_lp = rollouts(Engine(model, tokenizer, decode="static", decode_kernels="triton"), prompts, **kwargs)
+        ours, ours_lp = rollouts(Engine(model, tokenizer, rollout_spec(model, decode="static",
+                                                                       decode_kernels="triton")), prompts, **kwargs)
     assert ours == explicit
     assert explicit_lp.numel() >= 40 and (ours_lp - explicit_lp).abs().max() <= FP32_GAP_BOUND
 
@@ -418,10 +420,10 @@ def test_the_triton_step_is_refused_in_one_line_where_it_cannot_run(tiny_tokeniz
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match=r"^decode_kernels is triton: the Triton kernels run on a CUDA GPU; on a CPU "
                                          r"only in Triton's interpreter"):
-        Engine(model, tiny_tokenizer, decode_kernels="triton")
+        Engine(model, tiny_tokenizer, rollout_spec(model, decode_kernels="triton"))
     assert kernels_unavailable(torch.device("cuda")) is None
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match="decode_kernels is triton, a step of the shared-prompt cache"):
-        Engine(model, tiny_tokenizer, decode_kernels="triton", share_prompts=False)
+        Engine(model, tiny_tokenizer, rollout_spec(model, decode_kernels="triton", share_prompts=False))
     with pytest.raises(ValueError, match="decode_kernels is triton, whose step is never compiled"):
-        Engine(model, tiny_tokenizer, decode_kernels="triton", compile="on")
+        Engine(model, tiny_tokenizer, rollout_spec(model, decode_kernels="triton", compile="on"))

@@ -17,6 +17,7 @@ from nanochat.checkpoints.store import save_checkpoint
 from nanochat.cli import run_main
 from nanochat.engine.engine import Engine
 from nanochat.engine.kv_cache import KVCache, forward_cached
+from nanochat.engine.spec import rollout_spec
 from nanochat.errors import UserError
 from nanochat.model.generations import GENERATIONS, summarize_keys
 from nanochat.model.gpt import GPT, UNLIMITED_WINDOW, GPTConfig, layer_windows
@@ -204,7 +205,7 @@ def test_greedy_generations_match_nanochat(gen_base, name, decode):
     Both decode steps: eager (exact shapes) and static (bucketed shapes with free rows, what CUDA graphs run)."""
     model, tokenizer, _ = load(gen_base, name)
     ref = generation_reference(name)
-    engine = Engine(model, tokenizer, decode=decode)
+    engine = Engine(model, tokenizer, rollout_spec(model, decode=decode))
     kwargs = dict(num_samples=ref["greedy_num_samples"], max_tokens=ref["greedy_max_tokens"], temperature=0.0)
     for conversation, prompt in zip(ref["greedy_prompt_conversations"], ref["greedy_prompts"]):
         assert tokenizer.render_for_completion(conversation) == prompt

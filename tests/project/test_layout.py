@@ -101,8 +101,11 @@ def test_the_files_scheduled_first_exist():
 def test_every_mutation_still_applies_to_the_code_it_names():
     """tests/support/mutations.py's rows (the bugs the suite is proved against) name code by its exact text: each
     original occurs exactly once in its file, and each test it names exists. A refactor that moves or rewrites the
-    code leaves a row that the runner refuses, and the row's bug unguarded, unless the row moves with it."""
+    code leaves a row that the runner refuses, and the row's bug unguarded, unless the row moves with it. Each row's
+    name is its own: the runner takes rows by name, so two of one name ran together and reported as one."""
     from mutations import MUTATIONS
     stale = [m.name for m in MUTATIONS if (REPO / m.file).read_text().count(m.original) != 1]
     missing = [(m.name, t) for m in MUTATIONS for t in m.tests if not (REPO / t.split("::")[0]).is_file()]
+    names = [m.name for m in MUTATIONS]
     assert stale == [] and missing == []
+    assert sorted({name for name in names if names.count(name) > 1}) == []

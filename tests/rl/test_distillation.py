@@ -17,10 +17,14 @@ from helpers import (FP32_GAP_BOUND, TINY_RL_FLAGS, assert_same_weights, install
 from nanochat.checkpoints.loading import build_model
 from nanochat.cli import run_main
 from nanochat.engine.engine import Engine
+from nanochat.engine.spec import rollout_spec
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.objective import PolicyLoss
 from nanochat.rl.policy_gradient import accumulate_policy_gradient
-from nanochat.rl.teacher import Teacher
+from nanochat.rl.config import RLConfig
+from nanochat.rl.resume import run_target
+from nanochat.rl.teacher import Teacher, load_teacher
+from nanochat.tokenizer import get_tokenizer
 from scripts import chat_rl
 
 V, DEVICE_BATCH = 64, 2
@@ -129,8 +133,8 @@ def rollout_batches(model, tokenizer):
     """3 questions x 4 samples of the engine (fp32, eager), rewards alternating (every row's advantage +-0.5), with
     the sampler's log-probabilities."""
     prompts = [prompt_of(tokenizer, q) for q in ("What is 12 times 7?", "Tom has 3 apples and buys 5 more.", "Hi")]
-    results = Engine(model, tokenizer, decode="eager").generate_many(prompts, num_samples=4, max_tokens=24,
-                                                                     temperature=1.0, top_k=50, seeds=[3, 4, 5])
+    engine = Engine(model, tokenizer, rollout_spec(model, decode="eager"))
+    results = engine.generate_many(prompts, num_samples=4, max_tokens=24, temperature=1.0, top_k=50, seeds=[3, 4, 5])
     pad = tokenizer.encode_special("<|assistant_end|>")
     return [make_question_batch(prompt, [(c.tokens, c.masks) for c in completions], [float(i % 2) for i in range(4)],
                                 pad, sampler_logprobs=[c.logprobs for c in completions])
@@ -207,6 +211,24 @@ def test_resume_with_a_teacher_is_the_uninterrupted_run(sft, base_dir, capsys):
     make_sft_checkpoint(base_dir, sft.config.vocab_size, seed=6, tag="t3", step=9, n_layer=3)  # the tag's newest
     chat_rl.main(["--resume=d2:2", "--device-type=cpu"])
     assert_same_weights(weights(run_dir / "model_000003.pt"), uninterrupted)
+
+
+def test_the_teachers_directory_is_listed_once_where_the_run_is_settled_and_once_where_it_loads(sft, base_dir,
+                                                                                                   monkeypatch):
+    """run_target (the teacher refused in the run's own directory) and load_teacher each list the teacher's
+    checkpoint directory once. Each resolved the teacher (its last step here) and then looked that checkpoint up
+    again, listing the directory twice (and load_teacher's load_model a third time)."""
+    make_sft_checkpoint(base_dir, sft.config.vocab_size, seed=5, tag="t3", step=4, n_layer=3)
+    teacher_dir = os.path.realpath(base_dir / "chatsft_checkpoints" / "t3")
+    listed, listdir = [], os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path=".": listed.append(os.path.realpath(path)) or listdir(path))
+    config = RLConfig(task="rl_toy_task:ParityTask", device_type="cpu", source="sft", model_tag="d2",
+                      teacher="sft:t3", distill_coef=1.0)
+    target = run_target(config, None)
+    assert listed.count(teacher_dir) == 1 and target.output_tag == "d2"
+    listed.clear()
+    teacher = load_teacher(config, sft, get_tokenizer(), "cpu", "float32")
+    assert listed.count(teacher_dir) == 1 and teacher.checkpoint == {"source": "sft", "model_tag": "t3", "step": 4}
 
 
 def test_the_side_by_side_table_reads_each_runs_last_meta(tmp_path):

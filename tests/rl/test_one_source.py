@@ -19,10 +19,11 @@ from nanochat import cli
 from nanochat.compiling.plan import CompilePlan
 from nanochat.engine.decode_batch import static_step
 from nanochat.engine.engine import Engine
-from nanochat.rl.config import RLConfig
-from nanochat.rl.plan import RunPlan, run_rollout_spec
+from nanochat.engine.spec import rollout_spec
 from nanochat.rl import auto_switch
 from nanochat.rl.auto_switch import CompileMarks, auto_compile_step, switched
+from nanochat.rl.config import RLConfig
+from nanochat.rl.plan import RunPlan, run_rollout_spec
 from nanochat.rl.rollout import longest_prompt
 from nanochat.rl.run import build_run
 from nanochat.rl.training import TrainingState
@@ -172,7 +173,7 @@ def is_engine(node):
 
 
 def engine_writes(path, tree):
-    """Each assignment to an engine's field (or into one: engine.kept[0] = ...) and each setattr on an engine."""
+    """Each assignment to an engine's field (or into one: engine.memory.kept[0] = ...) and each setattr on an engine."""
     found = []
     for node in ast.walk(tree):
         targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -187,11 +188,12 @@ def engine_writes(path, tree):
 def test_nothing_outside_the_engine_writes_an_engines_field():
     """The engine owns how its rollouts run and the memory it holds (issue 68): outside nanochat/engine/ nothing
     assigns an engine's field (run.py set `engine.max_rows` for its out-of-memory retries, bench_eval
-    `engine.prefill_tokens`); a run asks through its methods (reconfigure, yield_memory, run_within_memory)."""
+    `engine.prefill_tokens`); a run asks through its methods (reconfigure, memory.yield_memory,
+    generate_many(within_memory=True)). Its memory's fields are its fields."""
     assert engine_writes("snippet", ast.parse("run.engine.max_rows = 4\nengine.prefill_tokens += 1\n"
-                                              "setattr(engine, 'decode', 'static')")) == [
+                                              "setattr(engine, 'decode', 'static')\nengine.memory.max_rows = 2")) == [
         "snippet:1 run.engine.max_rows =", "snippet:2 engine.prefill_tokens =",
-        "snippet:3 setattr(engine, 'decode', 'static')"]
+        "snippet:4 engine.memory =", "snippet:3 setattr(engine, 'decode', 'static')"]
     assert engine_writes("snippet", ast.parse("run.engine = Engine(model, tokenizer, spec=spec)")) == []
     found = [write for path, tree in list(sources("nanochat")) + list(sources("scripts"))
              if not path.startswith("nanochat/engine/") for write in engine_writes(path, tree)]
@@ -314,6 +316,7 @@ def test_a_runs_engine_must_decode_in_the_plans_rollout_dtype(tiny_tokenizer):
     with pytest.raises(ValueError, match="build it with dtype='bfloat16'"):
         build_run(config, plan, model, tiny_tokenizer, Engine(model, tiny_tokenizer), [], (task, task), cpu,
                   steps=(0, 10), rows=4, compiled=False)
-    run = build_run(config, plan, model, tiny_tokenizer, Engine(model, tiny_tokenizer, dtype="bfloat16"), [],
+    bf16 = Engine(model, tiny_tokenizer, rollout_spec(model, dtype="bfloat16"))
+    run = build_run(config, plan, model, tiny_tokenizer, bf16, [],
                     (task, task), cpu, steps=(0, 10), rows=4, compiled=False)
     assert run.engine.spec.dtype == run.plan.rollout_dtype

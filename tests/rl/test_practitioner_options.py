@@ -43,7 +43,7 @@ def engines_made(monkeypatch):
 
     def recording(self, *args, **kwargs):
         real(self, *args, **kwargs)
-        made.append(self.spec.calculator_format)  # as the engine resolved it, from its keywords or a run's spec
+        made.append(self.spec.calculator_format)  # as resolved, from a script's settings or a run's spec
     monkeypatch.setattr(engine_module.Engine, "__init__", recording)
     return made
 

@@ -138,3 +138,19 @@ def test_a_checkpoint_records_the_config_with_the_plans_values_in_place():
     assert (config.dtype, config.memory_budget_gb, config.output_tag, config.keep_last) == ("auto", "auto", None, None)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.decode = "static"
+
+
+CHOICE_SETTINGS = [name for name, setting in SETTINGS.items() if setting.choices is not None]
+
+
+@pytest.mark.parametrize("name", CHOICE_SETTINGS)
+def test_a_setting_with_choices_is_checked_by_them_in_code_as_on_the_command_line(name):
+    """The table's choices are the one declaration: argparse refuses another value on the command line, and RLConfig
+    the same value made in code or restored from a run's meta, in one line naming the flag; each choice is taken."""
+    flag, choices = "--" + name.replace("_", "-"), SETTINGS[name].choices
+    with pytest.raises(UserError, match=f"^argument {flag}: invalid choice: 'bogus'"):
+        cli.rl_parser().parse_args([f"{flag}=bogus"])
+    listed = (" or " if len(choices) == 2 else ", ").join(choices)
+    with pytest.raises(UserError, match=f"^{flag} must be {listed}, got 'bogus'$"):
+        RLConfig(**{name: "bogus"})
+    assert [getattr(RLConfig(**{name: choice}), name) for choice in choices] == list(choices)

@@ -19,6 +19,7 @@ from nanochat.checkpoints.loading import build_model
 from nanochat.engine.decode_batch import DecodeBatch
 from nanochat.engine.engine import Engine
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
+from nanochat.engine.spec import rollout_spec
 from nanochat.model.sampling import row_seeds, sample_with_logprobs
 from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.metrics import objective_metrics
@@ -53,7 +54,7 @@ def gap_of(model, tokenizer, prompts, autocast=NOTHING, decode="eager", **kwargs
     """Roll out with the engine, then run the policy-gradient pass (fp32) on every row (advantages forced to
     +-1) and return (its TrainStats, the completions)."""
     with autocast:
-        results = Engine(model, tokenizer, decode=decode).generate_many(prompts, **kwargs)
+        results = Engine(model, tokenizer, rollout_spec(model, decode=decode)).generate_many(prompts, **kwargs)
     pad = tokenizer.encode_special("<|assistant_end|>")
     batches = []
     for prompt, completions in zip(prompts, results):

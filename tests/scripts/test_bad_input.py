@@ -65,8 +65,10 @@ EXPECTED = {
     "--resume asks for more steps than the run planned": [
         "error: --num-steps=5: run d2 was planned with 4 steps, over which its learning rate decays "
         "(--lr-schedule=linear), and --resume continues it to that end, not further; to train it further, start a new "
-        "run from its last checkpoint: python -m scripts.chat_rl --source=rl --model-tag=d2 --task=arithmetic "
-        "--num-steps=5 (a new run, written to d2_cont)"],
+        "run from its last checkpoint: python -m scripts.chat_rl --source=rl --model-tag=d2 --device-type=cpu "
+        "--dtype=float32 --rollout-dtype=float32 --task=arithmetic --device-batch-size=2 --examples-per-step=2 "
+        "--num-samples=2 --max-new-tokens=8 --eval-every=-1 --save-every=1 --num-steps=5 (a new run, written to "
+        "d2_cont)"],
     "disk full while saving a checkpoint": ["model_000002.pt", "No space left on device",
                                             "the checkpoint of step 1 was kept (--resume=d2:1 continues from it)",
                                             "free space"],

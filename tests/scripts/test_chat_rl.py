@@ -452,7 +452,7 @@ def test_a_run_captures_its_decode_graphs_in_its_first_step_only(sft, base_dir, 
                   f"--memory-budget-gb={budget_gb}", "--save-every=-1"])
     out = capsys.readouterr().out
     assert f"static batch sized for prompts of up to {longest} tokens" in out
-    assert engines[0].kept_batch.cache.batch_size < 16  # the budget caps the rows
+    assert engines[0].memory.kept_batch.cache.batch_size < 16  # the budget caps the rows
     lines = [line for line in out.splitlines() if re.match(r"Step \d+/5 \|", line)]
     captures = [int(m.group(1)) if (m := re.search(r", (\d+) CUDA graphs captured \|", line)) else 0 for line in lines]
     assert len(captures) == 5 and captures[0] == cpu_graphs.captures > 0 and captures[1:] == [0, 0, 0, 0], captures

@@ -17,6 +17,7 @@ from rl_toy_task import ParityTask, ScriptedParity
 from nanochat.checkpoints.loading import load_model
 from nanochat.cli import run_main
 from nanochat.engine.engine import Engine
+from nanochat.engine.spec import rollout_spec
 from nanochat.optim.optimizers import lr_multiplier
 from nanochat.rl.evaluation import sample_outcomes
 from nanochat.model.gpt import build_fresh_model
@@ -389,12 +390,13 @@ def test_measure_pass1_is_the_mean_fraction_of_correct_samples_in_eval_mode(tiny
         yield
 
     model.train()
-    engine = Engine(model, tiny_tokenizer, decode="static")
+    engine = Engine(model, tiny_tokenizer, rollout_spec(model, decode="static"))
     pass1 = measure_pass1(engine, task, indices, 4, 12, autocast(), "cpu", seed=3)
     assert model.training and entered == [True]
-    kept = engine.kept_batch
+    kept = engine.memory.kept_batch
     assert measure_pass1(engine, task, indices, 4, 12, contextlib.nullcontext(), "cpu", seed=3) == pass1
-    assert kept is not None and engine.kept_batch is kept  # the next check reuses the batch (on CUDA: its graphs)
+    # the next check reuses the batch (on CUDA: its graphs)
+    assert kept is not None and engine.memory.kept_batch is kept
     assert RecordingParity.modes and not any(RecordingParity.modes)
     model.eval()
     outcomes = sample_outcomes(Engine(model, tiny_tokenizer), task, list(indices), 4, 12, temperature=1.0, top_k=50, seed=3)

@@ -1,7 +1,8 @@
 """The kernels whose offsets can pass 2^31 elements at sizes a user may set (rotary_store's KV-cache rows, sample_rows'
-logits rows), run in Triton's interpreter on tensors whose row stride is ROW_STRIDE: row 2 starts past 2^31 elements.
+logits rows, prompt_attention's two kernels: the rows' queries and own keys and values, the prompt slots' keys and
+values), run in Triton's interpreter on tensors whose row stride is ROW_STRIDE: row 2 starts past 2^31 elements.
 Each must write what it writes on contiguous copies of the same values; with 32-bit offsets row 2's address wraps
-below the tensor (a crash, or a write elsewhere). The storage is a sparse file mapped shared: the gigabytes it spans
+below the tensor (a crash, a write elsewhere, or a read of other values). The storage is a sparse file mapped shared: the gigabytes it spans
 are neither allocated nor written, only the pages the rows touch. Prints `<op> ok`; run by
 tests/kernels/test_kernel_binary.py in a process of its own (a crash must not take pytest with it), with
 TRITON_INTERPRET=1."""
@@ -12,6 +13,7 @@ import tempfile
 
 import torch
 
+from nanochat.kernels.prompt_attention import cell_rows, own_key_attention, prompt_attention
 from nanochat.kernels.rotary_store import rotary_store
 from nanochat.kernels.sampling import sample_rows
 
@@ -28,6 +30,14 @@ def wide_rows(directory, name, shape, dtype):
         f.truncate(size * torch.tensor([], dtype=dtype).element_size())
     storage = torch.from_file(path, shared=True, size=size, dtype=dtype)
     return storage.as_strided((ROWS, *shape), (ROW_STRIDE, *inner))
+
+
+def random_wide_rows(directory, name, shape, generator):
+    """wide_rows in float32 (the attention kernels take fp32 as they are; other dtypes get contiguous fp32 copies in
+    the interpreter), filled with normal values."""
+    rows = wide_rows(directory, name, shape, torch.float32)
+    rows.copy_(torch.randn(ROWS, *shape, generator=generator))
+    return rows
 
 
 def check_rotary_store(directory):
@@ -59,9 +69,43 @@ def check_sample_rows(directory):
     assert torch.equal(results[0], results[1]), "the sampler read other logits"
 
 
+def attention_rows(directory, seed):
+    """Queries (ROWS, H, D) and own keys and values (ROWS, Hkv, capacity, D) of 3 rows, ROW_STRIDE apart: row 2's
+    read past 2^31 elements (the kernels' row offsets), GQA of 2 query heads a kv head."""
+    g = torch.Generator().manual_seed(seed)
+    H, Hkv, D, capacity = 4, 2, 4, 6
+    return [random_wide_rows(directory, name, shape, g)
+            for name, shape in (("q", (H, D)), ("own_k", (Hkv, capacity, D)), ("own_v", (Hkv, capacity, D)))]
+
+
+def check_own_key_attention(directory):
+    """The own-key kernel's parts (maximum, sum, weighted sum) of rows ROW_STRIDE apart, as of contiguous ones."""
+    q, own_k, own_v = attention_rows(directory, 2)
+    pos, sample = torch.tensor([4, 2, 5]), torch.tensor([0, 1, 2])
+    parts = [own_key_attention(*tensors, pos, sample, 3, 6, 3, 2)  # 6 keys, window 3: 3 splits of 2 keys
+             for tensors in ([t.contiguous() for t in (q, own_k, own_v)], (q, own_k, own_v))]
+    assert all(torch.equal(a, b) for a, b in zip(*parts)), "the own-key kernel read other keys or queries"
+    assert parts[0][1][:, 2].sum() > 0, "row 2 saw no key: its offsets are not checked"
+
+
+def check_prompt_attention(directory):
+    """Both kernels (own keys, then the prompts and the merge) over rows and prompt slots ROW_STRIDE apart, as over
+    contiguous ones: each row in a slot of its own, slot 2's keys and values past 2^31 elements."""
+    q, own_k, own_v = attention_rows(directory, 3)
+    g = torch.Generator().manual_seed(4)
+    Hkv, D, prompt_keys = own_k.size(1), own_k.size(3), 5
+    pool_k, pool_v = (random_wide_rows(directory, name, (Hkv, prompt_keys, D), g) for name in ("pool_k", "pool_v"))
+    pool_len, pos, sample = torch.tensor([5, 3, 4]), torch.tensor([4, 2, 5]), torch.zeros(ROWS, dtype=torch.long)
+    cells = cell_rows(torch.arange(ROWS), sample, ROWS, 1)
+    outs = [prompt_attention(q_, k, v, pool_len, cells, own_k_, own_v_, pos, sample, 1, 6, 7, split_keys=2)
+            for q_, k, v, own_k_, own_v_ in ([t.contiguous() for t in (q, pool_k, pool_v, own_k, own_v)],
+                                             (q, pool_k, pool_v, own_k, own_v))]
+    assert torch.equal(outs[0], outs[1]), "the prompt kernel read other keys, values or queries"
+
+
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as directory:
-        for check in (check_rotary_store, check_sample_rows):
+        for check in (check_rotary_store, check_sample_rows, check_own_key_attention, check_prompt_attention):
             check(directory)
             print(check.__name__.removeprefix("check_"), "ok", flush=True)
     sys.exit(0)
