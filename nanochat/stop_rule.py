@@ -118,7 +118,7 @@ def measure_pass1(engine, task, indices, num_samples, max_new_tokens, autocast, 
     try:
         with autocast:
             outcomes = sample_outcomes(engine, task, mine, num_samples, max_new_tokens,
-                                       EVAL_TEMPERATURE, EVAL_TOP_K, seed=seed) if mine else []
+                                       temperature=EVAL_TEMPERATURE, top_k=EVAL_TOP_K, seed=seed) if mine else []
     finally:
         model.train(was_training)
     return aggregate_pass_at_k(outcomes, num_samples, device=reduce_device).unbiased[0]

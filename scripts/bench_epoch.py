@@ -152,7 +152,8 @@ def main(argv):
         # an eval samples eval_rows rows at the step's rollout rate (an upper bound: a random model's rows run to the cap)
         eval_seconds = step["rollout_seconds"] * args.eval_rows / max(step["rows"], 1)
         minutes, evals, n_saves, unhidden = epoch_estimate(step["step_seconds"], eval_seconds, saves["alone_blocking_seconds"],
-                                                 args.steps, args.eval_every, args.save_every, saves["write_seconds"])
+                                                 args.steps, args.eval_every, save_every=args.save_every,
+                                                 write_seconds=saves["write_seconds"])
         where = f"this {'GPU' if device.type == 'cuda' else device.type.upper()}"
         print0(f"d{depth} epoch on {where} ≈ {minutes:.0f} min ({args.steps} steps x {step['step_seconds']:.2f} s + "
                f"{evals} evals x {eval_seconds:.1f} s + {n_saves} saves x {saves['alone_blocking_seconds']:.2f} s + "

@@ -154,7 +154,8 @@ def run(args, configs, device):
                       num_params=model.num_params(), matmul_flops_per_token=matmul_flops_per_token(model))
     print0(f"model: {model_info}")
     initial_state, memory = {k: v.detach().clone() for k, v in model.state_dict().items()}, PeakMemory(device)
-    _, budget = resolve_memory(rl, model, device, make_optimizers(rl, model), train_rows(rl, device.type), rl.rollout_dtype)
+    _, budget = resolve_memory(rl, model, device, make_optimizers(rl, model), train_rows(rl, device.type),
+                               rollout_dtype=rl.rollout_dtype)
     rl = dataclasses.replace(rl, memory_budget_gb=budget)  # once for every config, as chat_rl
     results, skipping, train_kernels = {}, None, None  # the same anywhere, so not in a GPU's (scarce) time
     report = lambda: {"machine": {**info, "load_average_after": load_average()}, "model": model_info,  # noqa: E731
@@ -168,7 +169,8 @@ def run(args, configs, device):
         for config in configs:
             print0(f"running {config.name + suffix} ...", end=" ")
             r = results[config.name + suffix] = bench_measure.measure(
-                model, rollout_model, initial_state, tokenizer, task, config, rl, args, device, memory, peaks, bandwidth)
+                model, rollout_model, initial_state, tokenizer, task, config=config, rl=rl, args=args, device=device,
+                memory=memory, peaks=peaks, bandwidth=bandwidth)
             compiled = f", compiled {r['compiles_each']} graphs (warm-up, steps)" if any(r["compiles_each"]) else ""
             print0(f"step {r['step_seconds']:.1f}s (rollout {r['rollout_seconds']:.1f}s, train {r['train_seconds']:.1f}s, "
                    f"optimizer {r['optimizer_seconds']:.1f}s{compiled})")
@@ -188,7 +190,7 @@ def run(args, configs, device):
     if args.profile:  # where a step's time goes: the GPU's kernels against its waits on the host, and by torch op
         model.load_state_dict(initial_state)
         config = CONFIGS[args.profile]
-        profile_run = bench_measure.bench_run(model, model, tokenizer, task, config, rl, device)
+        profile_run = bench_measure.bench_run(model, model, tokenizer, task, config, rl=rl, device=device)
         split, text = profile_phases(lambda: bench_measure.bench_step(profile_run, config, args.force_advantages), device,
                                      ("rollout", "training"), args.profile_rows)
         print0(f"\nprofiled step of {config.name}: {text}")

@@ -237,7 +237,7 @@ def main(argv):
                 prompt = render_prompt(tokenizer, [{"role": "user", "content": args.prompt}])
                 if too_long(engine, prompt):
                     raise UserError(f"--prompt is too long: {too_long(engine, prompt)}")
-                answer(engine, prompt, args, args.seed, sys.stdout, color)
+                answer(engine, prompt, args, args.seed, sys.stdout, color=color)
             else:
                 chat(engine, args, color)
         return 0
@@ -273,7 +273,7 @@ def chat(engine, args, color):
             print(f"({too_long(engine, prompt)}; type 'clear' to start over)")
             continue
         sys.stdout.write("\nAssistant: ")
-        parts = answer(engine, prompt, args, args.seed + turn, sys.stdout, color, interruptible=True)
+        parts = answer(engine, prompt, args, args.seed + turn, sys.stdout, color=color, interruptible=True)
         messages = asked + [{"role": "assistant", "content": parts}]
         turn += 1
 

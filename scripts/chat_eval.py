@@ -196,7 +196,8 @@ def main(argv):
                                                        memory_budget_gb=args.memory_budget_gb, decode=args.decode,
                                                        compile=args.compile, calculator_format=calculator,
                                                        decode_kernels=args.decode_kernels))
-        results = [evaluate_task(name, engine, args, autocast, device, meta, decode) for name in task_names(tasks)]
+        results = [evaluate_task(name, engine, args, autocast, device, meta=meta,
+                                 decode=decode) for name in task_names(tasks)]
         result = results[0] if len(results) == 1 else {"tasks": results}  # one task: the file as it always was
         if rank == 0:
             with write_errors(lambda: "the results are the table above", fix=lambda e: "pass --output=<a writable path>"):

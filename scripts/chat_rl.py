@@ -89,7 +89,7 @@ def main(argv):
         target = run_target(config, resume)  # refused, or checked writable, before anything loads
         if rank == 0:
             check_outputs(config, target)
-        train(setup_run(config, resume, target, rank, world_size, device), stop)
+        train(setup_run(config, resume, target, rank, world_size, device=device), stop)
     finally:
         stop.uninstall()
         compute_cleanup()

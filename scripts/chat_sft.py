@@ -194,35 +194,33 @@ def main(argv):
 
 
 def run(args, task_names, rank, world_size, device):
-    master = rank == 0
     args.dtype = dtype_name(compute_dtype(device, args.dtype))  # the config records what runs
     autocast = autocast_context(device, getattr(torch, args.dtype))
     reduce_device = collective_device(device)
 
     model, tokenizer, args.max_seq_len = load_start_model(args, device)
-    config = model.config
     print0(f"config: {json.dumps(vars(args))}")
     print0(f"model: {model.meta_model_config()} ({model.generation.name}) | {model.num_params():,} parameters")
 
     wandb_run = init_wandb(args.run, "nanochat-sft", vars(args))
-
     train_tasks, held_out, train_order, num_steps = training_plan(args, task_names)
-    checkpoint_dir = output_dir(args, config, num_steps, held_out)
+    checkpoint_dir = output_dir(args, model.config, num_steps, held_out)
 
     pad_token = tokenizer.encode_special("<|assistant_end|>")  # any id works: padded positions have target -1
-    val_batches = val_micro_batches(args, task_names, tokenizer, pad_token, rank, world_size) if args.eval_every > 0 else []
+    val_batches = val_micro_batches(args, task_names, tokenizer, pad_token, rank,
+                                    world_size=world_size) if args.eval_every > 0 else []
 
     optimizers = setup_optimizers(model, args)
     band = PassBand(*parse_band(args.stop_at_pass1)) if held_out is not None else None
-    forward, check_engine, args.compile = compiled_parts(args.compile, model, tokenizer, band, device, num_steps)
-    compile_clock = CompileClock()
-    val_loss, missed = None, None
+    forward, check_engine, args.compile = compiled_parts(args.compile, model, tokenizer, band, device,
+                                                         num_steps=num_steps)
+    compile_clock, val_loss, missed = CompileClock(), None, None
     for step in range(num_steps + 1):  # `step` updates done so far
         last_step = step == num_steps
         if band is not None and step > 0 and (step % args.stop_check_every == 0 or last_step):
             try:
-                last_step = check_stop(band, check_engine, train_tasks[0], held_out, args, step, num_steps, autocast,
-                                       reduce_device)
+                last_step = check_stop(band, check_engine, train_tasks[0], held_out, args, step=step,
+                                       num_steps=num_steps, autocast=autocast, reduce_device=reduce_device)
             except MissedBandError as e:
                 missed, last_step = e, True
             wandb_run.log({"step": step, "held_out_pass1": band.last[1]})
@@ -237,16 +235,19 @@ def run(args, task_names, rank, world_size, device):
         convs = conversations_at(train_tasks, train_order, rank_positions(step, args.examples_per_step, rank, world_size))
         micro_batches = make_micro_batches(tokenizer, convs, args.max_seq_len, args.device_batch_size, pad_token)
         lrm = lr_multiplier(step, num_steps)
-        loss, gnorm, updated = train_step(model, optimizers, micro_batches, lrm, device, reduce_device, autocast, forward)
+        loss, gnorm, updated = train_step(model, optimizers, micro_batches, lrm, device, reduce_device=reduce_device,
+                                          autocast=autocast, forward=forward)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        log_step(step + 1, num_steps, loss, gnorm, lrm, (time.time() - t0) * 1000, updated, compile_clock, wandb_run)
+        log_step(step + 1, num_steps, loss, gnorm, lrm, dt=(time.time() - t0) * 1000, updated=updated,
+                 compile_clock=compile_clock, wandb_run=wandb_run)
 
     # A run that missed the band still saves its model (nothing is lost: it is a finished, valid checkpoint, and its
     # meta's stop.in_band says it missed), then fails with the error, so that a pipeline does not go on with it.
-    if master:
+    if rank == 0:
         stop = None if band is None else stop_record(band, held_out, args, task_names[0])
-        save_final_model(checkpoint_dir, model, step, sft_meta(model, args, step, val_loss, stop, compile_clock.total()),
+        save_final_model(checkpoint_dir, model, step, sft_meta(model, args, step, val_loss, stop,
+                                                               compiled=compile_clock.total()),
                          "" if missed is None else f", outside the band {band.describe()}")
     wandb_run.finish()
     wait_for_all_ranks()

@@ -62,7 +62,7 @@ def read_shard(checkpoint_dir, step, rank, world_size, run_id, device, mmap=Fals
         raise ShardError(path, f"is missing (step {step} was saved by {world_size} rank{'s' * (world_size != 1)}; each "
                                f"writes its own shard)")
     data = torch_load_checked(path, device, mmap=mmap)
-    check_shard(data, path, step, rank, world_size, run_id)
+    check_shard(data, path, step, rank, world_size, run_id=run_id)
     return data
 
 
@@ -94,7 +94,7 @@ def load_shard_for_resume(checkpoint_dir, step, device, meta, world_size, rank=N
     rank = get_rank() if rank is None else rank
     data, error = None, None
     try:
-        data = read_shard(checkpoint_dir, step, rank, world_size, meta.get("run_id"), device)
+        data = read_shard(checkpoint_dir, step, rank, world_size, meta.get("run_id"), device=device)
     except UserError as e:
         error = e
     _agree(error, checkpoint_dir)
@@ -111,10 +111,10 @@ def optimizer_states_for_resume(checkpoint_dir, step, device, meta, optimizers, 
     world_size = (dist.get_world_size() if dist.is_initialized() else 1) if world_size is None else world_size
     saved = saved_world_size(checkpoint_dir, step, meta, world_size)
     if saved == world_size:
-        return load_shard_for_resume(checkpoint_dir, step, device, meta, world_size, rank)["optimizers"], saved
+        return load_shard_for_resume(checkpoint_dir, step, device, meta, world_size, rank=rank)["optimizers"], saved
     states, error = None, None
     try:
-        shards = [read_shard(checkpoint_dir, step, r, saved, meta.get("run_id"), "cpu", mmap=True)["optimizers"]
+        shards = [read_shard(checkpoint_dir, step, r, saved, meta.get("run_id"), device="cpu", mmap=True)["optimizers"]
                   for r in range(saved)]
         try:
             states = split_optimizer_states(gather_optimizer_states(shards, optimizers), optimizers, rank, world_size)

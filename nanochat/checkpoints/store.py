@@ -82,7 +82,7 @@ def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data,
     The two phases are also callable apart (nanochat/checkpoints/background.py writes in a thread): stage_save
     writes the temp files and touches nothing shared; commit_save, on the main thread, makes them the step.
     """
-    commit_save(stage_save(checkpoint_dir, step, model_data, optimizer_data, meta_data, rank, all_ranks))
+    commit_save(stage_save(checkpoint_dir, step, model_data, optimizer_data, meta_data, rank=rank, all_ranks=all_ranks))
 
 
 @dataclass

@@ -19,7 +19,7 @@ class BenchConfig:
     name: str
     batched: bool        # chat_rl's rollouts (sample_rollouts), else nanochat's: a generate_batch call per pass
     dtype: torch.dtype   # of rollouts and training (bf16: autocast; weights stay fp32)
-    lean: bool           # chat_rl's work, else nanochat's (train_on_rollouts' share_prompt and skip_zero_advantage,
+    shares_work: bool    # chat_rl's work, else nanochat's (train_on_rollouts' share_prompt and skip_zero_advantage,
     #                      the engine's share_prompts)
     decode: str = "eager"  # the engine's decode mode (nanochat.engine.cuda_graphs.decode_mode): the same tokens in each
     compiled: bool = False  # torch.compile the training forward and (static, graph) the decode step
@@ -31,7 +31,7 @@ class BenchConfig:
 CONFIGS = {c.name: c for c in [BenchConfig("baseline", False, torch.float32, False),
                                 BenchConfig("batched_plain", True, torch.float32, False)]
            + [BenchConfig(f"batched_{short}" + ("" if mode == "eager" else "_" + mode) + "_compiled" * compiled, True,
-                          dtype, True, mode, compiled)
+                          dtype, True, mode, compiled=compiled)
               for compiled in (False, True) for short, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
               for mode in ("eager", "static", "graph")[:3 if short == "bf16" else 2]]
            + [BenchConfig("batched_fp32_blocks", True, torch.float32, True, "eager", blocks=True),
@@ -39,7 +39,7 @@ CONFIGS = {c.name: c for c in [BenchConfig("baseline", False, torch.float32, Fal
               BenchConfig("batched_bf16_graph_nolag", True, torch.bfloat16, True, "graph", lag=False),
               BenchConfig("batched_fp32_static_flex", True, torch.float32, True, "static", decode_kernels="flex"),
               BenchConfig("batched_bf16_graph_flex", True, torch.bfloat16, True, "graph", decode_kernels="flex"),
-              BenchConfig("batched_bf16_graph_compiled_flex", True, torch.bfloat16, True, "graph", True,
+              BenchConfig("batched_bf16_graph_compiled_flex", True, torch.bfloat16, True, "graph", compiled=True,
                           decode_kernels="flex"),
               BenchConfig("batched_fp32_static_triton", True, torch.float32, True, "static", decode_kernels="triton"),
               BenchConfig("batched_bf16_graph_triton", True, torch.bfloat16, True, "graph", decode_kernels="triton")]}

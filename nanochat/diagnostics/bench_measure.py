@@ -82,14 +82,15 @@ def bench_run(model, rollout_model, tokenizer, task, config, rl, device, optimiz
                              decode=config.decode, decode_kernels=config.decode_kernels)
     engine_type = EarlyStopEngine if isinstance(rollout_model, EarlyStopModel) else Engine
     spec = rollout_spec(rollout_model, max_rows=(rl.max_rows or None) if config.batched else None,
-                        memory_budget_gb=rl.memory_budget_gb, share_prompts=config.lean, decode=config.decode,
+                        memory_budget_gb=rl.memory_budget_gb, share_prompts=config.shares_work, decode=config.decode,
                         compile="on" if config.compiled else "off", lag=config.lag,
                         decode_kernels=config.decode_kernels, dtype=rl.rollout_dtype)
     engine = engine_type(rollout_model, tokenizer, spec)
     if engine.spec.decode != "eager":  # as chat_rl's: one static batch, sized for the task's longest prompt
         engine.reserve_prompt_length(longest_prompt(tokenizer, task))
-    return build_run(rl, RunPlan.as_given(rl, engine.spec), model, tokenizer, engine, make_optimizers(rl, model) if optimize else [],
-                     (task, None), device, steps=(BENCH_STEP, BENCH_STEP + 1), compiled=config.compiled,
+    return build_run(rl, RunPlan.as_given(rl, engine.spec), model, tokenizer, engine,
+                     optimizers=make_optimizers(rl, model) if optimize else [],
+                     tasks=(task, None), device=device, steps=(BENCH_STEP, BENCH_STEP + 1), compiled=config.compiled,
                      rows=train_rows(rl, device.type) if config.batched else rl.device_batch_size, required=True,
                      reference=copy.deepcopy(model).requires_grad_(False) if rl.kl_coef else None)
 
@@ -97,8 +98,8 @@ def bench_run(model, rollout_model, tokenizer, task, config, rl, device, optimiz
 def bench_step(run, config, force_advantages):
     """One chat_rl step of the run, as RLRun.step runs it, timed on the device: the step's rollouts (chat_rl's, or
     nanochat's: step_rollouts) in the profiler's "rollout" range, then train_on_rollouts (chat_rl's training, or
-    nanochat's: config.lean) in its "training" range, its optimizer steps timed apart, by hooks. Every repeat samples
-    the questions of chat_rl's step BENCH_STEP; force_advantages: +1, -1, ... before training."""
+    nanochat's: config.shares_work) in its "training" range, its optimizer steps timed apart, by hooks. Every repeat
+    samples the questions of chat_rl's step BENCH_STEP; force_advantages: +1, -1, ... before training."""
     optimizer_seconds = []
     hooks = [hook for opt in run.optimizers for hook in (
         opt.register_step_pre_hook(lambda *_: optimizer_seconds.append(-device_time(run.device))),
@@ -113,7 +114,8 @@ def bench_step(run, config, force_advantages):
             1 - 2 * (torch.arange(len(r.batch.advantages)) % 2)).to(r.batch.advantages))) for r in rollouts]
     t0 = device_time(run.device)
     with torch.profiler.record_function("training"):
-        result = train_on_rollouts(run, rollouts, BENCH_STEP, share_prompt=config.lean, skip_zero_advantage=config.lean)
+        result = train_on_rollouts(run, rollouts, BENCH_STEP, share_prompt=config.shares_work,
+                                   skip_zero_advantage=config.shares_work)
         count_bad_step(run, BENCH_STEP, result)
         t_train = device_time(run.device) - t0
     for hook in hooks:
@@ -136,10 +138,11 @@ def measure(model, rollout_model, initial_state, tokenizer, task, config, rl, ar
     graphs_before = len(compiled_step_graphs())  # earlier configs' decode graphs
     warm = dataclasses.replace(rl, examples_per_step=1, num_samples=rl.device_batch_size,
                                max_new_tokens=min(4, rl.max_new_tokens))
-    steps = [bench_step(bench_run(model, rollout_model, tokenizer, task, config, warm, device, optimize=False), config,
+    steps = [bench_step(bench_run(model, rollout_model, tokenizer, task, config, rl=warm, device=device,
+                                  optimize=False), config,
                         args.force_advantages)]
     resident_mb = memory.reset()
-    run = bench_run(model, rollout_model, tokenizer, task, config, rl, device)
+    run = bench_run(model, rollout_model, tokenizer, task, config, rl=rl, device=device)
     steps += [bench_step(run, config, args.force_advantages) for _ in range(args.repeat)]
     r = {**steps[-1], "resident_mb_at_start": resident_mb, "peak_memory_mb": memory.peak_mb(),
          "tokens_digest": steps[1]["tokens_digest"], "train_flops": train_flops(model, steps[-1]["batches"]),
@@ -163,8 +166,8 @@ def measure(model, rollout_model, initial_state, tokenizer, task, config, rl, ar
     flex = config.decode_kernels == "flex"  # FlexAttention does not run on the meta device: no count of its step
     with torch.device("meta"):  # a static decode step at the run's largest shape: the same count on any machine
         ops = None if flex else count_decode_step_ops(GPT(model.config, model.generation), max(r["max_batch_rows"], 1),
-                                                      rl.max_new_tokens, share_prompts=config.lean, num_samples=rl.num_samples,
-                                                      decode_kernels=config.decode_kernels)
+                                                      rl.max_new_tokens, share_prompts=config.shares_work,
+                                                      num_samples=rl.num_samples, decode_kernels=config.decode_kernels)
     compiled = compiled_step_kernels(graphs_before) if config.compiled and config.decode != "eager" else None
     r.update({key: ops and getattr(ops, field) for key, field in (("decode_step_ops", "ops"), ("decode_step_kernels", "kernels"),
               ("decode_step_ops_per_layer", "ops_per_block"), ("decode_step_kernels_per_layer", "kernels_per_block"))},
@@ -186,7 +189,8 @@ def no_signal_table(model, batches, fractions, rl, device):
         for key, skip in (("skip", True), ("all_rows", False)):
             t0 = device_time(device)
             trained = accumulate_policy_gradient(model, trial, rl.device_batch_size, len(trial), device,
-                                                 autocast_context(device, torch.float32), skip_zero_advantage=skip)
+                                                 autocast=autocast_context(device, torch.float32),
+                                                 skip_zero_advantage=skip)
             out[-1].update({f"{key}_seconds": device_time(device) - t0, f"{key}_rows_trained": trained.rows_trained})
             model.zero_grad(set_to_none=True)
     model.eval()

@@ -115,7 +115,7 @@ def record_step(decode_kernels, keys, workload=Workload(), config=D20, generatio
     slots = prompt_slots(workload.rows, workload.samples, workload.prompts)
     step = decode_step_of(decode_kernels)  # the engine's table: "torch" (hand-written) or "triton"
     cache = SharedPromptKVCache.for_model(model, workload.rows, slots, workload.prompt_cap, workload.new_tokens,
-                                          workload.samples, dtype=workload.dtype, static=True,
+                                          rows_per_slot=workload.samples, dtype=workload.dtype, static=True,
                                           step_class=step.cache_step)
     batch = DecodeBatch(model, cache, 1.0, 50, RolloutStats(), weights=weights, step=step.static_step)
     recorder = RecordKernels(workload, one_kernel_attention)

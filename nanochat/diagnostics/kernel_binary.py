@@ -100,9 +100,10 @@ def kernel_step_batch(model, dtype, temperature, top_k):
     from nanochat.engine.decode_steps import decode_step_of
 
     prompts = ROWS // SAMPLES
-    shape = BatchShape(ROWS, prompt_slots(ROWS, SAMPLES, prompts), PROMPT_LEN, KEYS, SAMPLES, dtype, temperature, top_k)
+    shape = BatchShape(ROWS, prompt_slots(ROWS, SAMPLES, prompts), PROMPT_LEN, KEYS, SAMPLES, dtype=dtype,
+                       temperature=temperature, top_k=top_k)
     step = decode_step_of("triton").static_step
-    return make_batch(model, shape, decode_plan("static"), RolloutStats(), None, step, decode_kernels="triton")
+    return make_batch(model, shape, decode_plan("static"), RolloutStats(), None, step=step, decode_kernels="triton")
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ def triton_binding(record, backend):
     return Binding(jit.fn.__name__, tuple(signature.items()),
                    tuple((names[path[0]], value) for path, value in constexprs.items()),
                    tuple((names[path[0]], tuple(tuple(a) for a in attr)) for path, attr in attrs.items() if attr),
-                   options.num_warps, tuple(record.grid))
+                   options.num_warps, grid=tuple(record.grid))
 
 
 @dataclass
@@ -205,10 +206,13 @@ def compile_binding(record, binding, target, variant, calls):
     for n in binding.grid:
         grid *= n
     pointers = sorted({t[1:] for _, t in binding.signature if t.startswith("*") and t[1:] in ("bf16", "fp16", "fp32")})
-    return KernelBinary(binding.kernel, variant, grid, binding.num_warps, registers, spills, shared, threads, blocks,
-                        limit, blocks * binding.num_warps / (SM90["threads"] // 32), grid / (SM90["sms"] * blocks),
-                        calls, " ".join(pointers), dict(binding.constexprs), triton.__version__,
-                        [n for n, t in binding.signature if t != "constexpr" and not t.startswith("fp")
+    return KernelBinary(binding.kernel, variant, grid, binding.num_warps, registers, spill_bytes=spills,
+                        shared_bytes=shared, threads=threads, blocks_per_sm=blocks,
+                        limited_by=limit, occupancy=blocks * binding.num_warps / (SM90["threads"] // 32),
+                        waves=grid / (SM90["sms"] * blocks),
+                        calls=calls, pointers=" ".join(pointers), constexprs=dict(binding.constexprs),
+                        triton=triton.__version__,
+                        not_divisible=[n for n, t in binding.signature if t != "constexpr" and not t.startswith("fp")
                          and n not in dict(binding.attributes)])
 
 

@@ -90,7 +90,8 @@ def count_decode_step_ops(model, rows, keys, share_prompts=True, prompt_len=64, 
     model = model.to("meta")
     blocks = list(model.transformer.h)
     count = OpCount(ops_per_block=[0] * len(blocks), kernels_per_block=[0] * len(blocks))
-    batch = static_batch(model, rows, keys, share_prompts, prompt_len, num_samples, temperature, top_k, decode_kernels)
+    batch = static_batch(model, rows, keys, share_prompts, prompt_len, num_samples=num_samples, temperature=temperature,
+                         top_k=top_k, decode_kernels=decode_kernels)
     mode = CountOps(count)
 
     def enter(index):
@@ -115,8 +116,8 @@ def static_batch(model, rows, keys, share_prompts, prompt_len, num_samples, temp
     step.check(share_prompts)
     if share_prompts:
         slots = -(-rows // num_samples) * 2 + 1
-        cache = SharedPromptKVCache.for_model(model, rows, slots, prompt_len, keys, num_samples, static=True,
-                                              step_class=step.cache_step)
+        cache = SharedPromptKVCache.for_model(model, rows, slots, prompt_len, keys, rows_per_slot=num_samples,
+                                              static=True, step_class=step.cache_step)
     else:
         cache = KVCache.for_model(model, rows, prompt_len + keys)
     return DecodeBatch(model, cache, temperature, top_k, RolloutStats(), step=step.static_step)
@@ -128,7 +129,8 @@ def compiled_decode_step_kernels(model, rows, keys, share_prompts=True, prompt_l
     over `rows` rows reading `keys` keys each launches, compiled by Inductor as the engine compiles it (dynamic
     shapes): GraphKernels (nanochat/compiling/inductor_code.py), in the unit of count_decode_step_ops' kernels. Compiles
     anew in this process (minutes for a d20 on a CPU)."""
-    batch = static_batch(model, rows, keys, share_prompts, prompt_len, num_samples, temperature, top_k)
+    batch = static_batch(model, rows, keys, share_prompts, prompt_len, num_samples=num_samples, temperature=temperature,
+                         top_k=top_k)
     step = CompiledFunction(static_step, STATIC_STEP_DYNAMIC, announce=False)
     batch.step = functools.partial(step, required=True)
     with torch.no_grad():

@@ -42,7 +42,8 @@ def count_train_step_ops(model=None, questions=16, rows=16, prompt_len=100, comp
     meta = torch.device("meta")
     no_autocast = contextlib.nullcontext()
     count, stopped_in = count_meta_ops(lambda: accumulate_policy_gradient(model, batches, rows, questions, meta,
-                                                                          no_autocast, micro_batch_rows=rows_per_forward))
+                                                                          autocast=no_autocast,
+                                                                          micro_batch_rows=rows_per_forward))
     if "stats" not in stopped_in:  # only _Tally.stats, at the pass's end, reads back: a read anywhere else cut it short
         raise RuntimeError(f"the counted training pass read back to the host before its end, in {' < '.join(stopped_in)}")
     model.zero_grad(set_to_none=True)

@@ -201,7 +201,7 @@ class DecodeBatch:
             prefill = prefill_forward(self.model, prompts, self.cache.dtype)
         self.stats.prefill_tokens += sum(len(p) for p in prompts)
         self.stats.prefill_forwards += 1
-        return prefilled_prompts(prefill, requests, prompts, seeds, num_samples, self.pool, self.cache)
+        return prefilled_prompts(prefill, requests, prompts, seeds, num_samples, pool=self.pool, cache=self.cache)
 
     def admit(self, prompt, rows):
         """`rows`, samples prompt.next_samples(free_rows) of `prompt`, take the first free rows, starting from

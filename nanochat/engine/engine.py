@@ -72,12 +72,13 @@ def make_batch(model, shape, plan, stats, weights, step, decode_kernels="torch")
     shared-prompt cache makes."""
     if shape.prompt_slots is not None:
         cache = SharedPromptKVCache.for_model(model, shape.rows, shape.prompt_slots, shape.prompt_cap, shape.max_tokens,
-                                              shape.num_samples, shape.dtype, static=plan.static,
+                                              rows_per_slot=shape.num_samples, dtype=shape.dtype, static=plan.static,
                                               step_class=decode_step_of(decode_kernels).cache_step)
     else:
         cache = KVCache.for_model(model, shape.rows, shape.prompt_cap + shape.max_tokens, shape.dtype,
                                   spare_positions=1 if plan.static else 0)
-    batch = DecodeBatch(model, cache, shape.temperature, shape.top_k, stats, plan.shape, plan.graphs, weights, step)
+    batch = DecodeBatch(model, cache, shape.temperature, shape.top_k, stats, shape=plan.shape, graphs=plan.graphs,
+                        weights=weights, step=step)
     if plan.static:
         prepare_shapes(batch)
     return batch
@@ -94,15 +95,12 @@ def check_rollout_arguments(prompts, num_samples, temperature):
 
 
 class Engine:
-    """KV-cached sampling with the calculator tool, run as a RolloutSpec says (spec.py; a script's settings resolved
-    with rollout_spec; default: the defaults on the model's device). `generate`/`generate_batch` are nanochat's
+    """KV-cached sampling with the calculator tool, run as a RolloutSpec says (spec.py's rollout_spec resolves a
+    script's settings; default: the defaults on the model's device). `generate`/`generate_batch` are nanochat's
     one-prompt API; `generate_many` the batched rollouts: many prompts, `num_samples` rows each, decoded together in
-    one KV-cached batch of at most `max_rows` rows, each prompt prefilled once, finished rows leaving it at once for
-    waiting ones. With share_prompts a prompt's keys and values are stored once for all its rows (SharedPromptKVCache);
-    without, each row holds a copy, as nanochat does. Row r of a prompt seeded s samples with its own stream
-    row_seed(s, r), so its output does not depend on the batch it shares. Under bf16/fp16 autocast (its spec's dtype,
-    else its caller's) the forwards use the matmul weights cast once per rollout (DecodeWeights). What it holds
-    between rollouts, and how it gives it back, is its RolloutMemory's (self.memory, memory.py)."""
+    one KV-cached batch (finished rows leave it at once for waiting ones), each prompt prefilled once and, with
+    share_prompts, its keys and values stored once for all its rows. Row r of a prompt seeded s samples with its own
+    stream row_seed(s, r): its output does not depend on the batch. Its memory is its RolloutMemory's (memory.py)."""
 
     def __init__(self, model, tokenizer, spec=None):
         self.model, self.tokenizer, self.special = model, tokenizer, SpecialIds(tokenizer)
@@ -136,7 +134,8 @@ class Engine:
         appearing as <|assistant_end|> with mask 0 until all rows end (nanochat keeps sampling them). No lag: a row
         admitted while others run (more samples than rows) would skip a column."""
         pad = self.special.assistant_end
-        for events in self._rollout([list(tokens)], num_samples, max_tokens, temperature, top_k, [seed], lag=False):
+        for events in self._rollout([list(tokens)], num_samples, max_tokens, temperature, top_k, seeds=[seed],
+                                    lag=False):
             column, masks = [pad] * num_samples, [0] * num_samples
             for row, token, mask in events:
                 column[row.sample], masks[row.sample] = token, mask
@@ -158,16 +157,17 @@ class Engine:
         seeds = [seed + i for i in range(len(prompts))] if seeds is None else list(seeds)
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
-        rollout = partial(self._completions, prompts, num_samples, max_tokens, temperature, top_k, seeds)
+        rollout = partial(self._completions, prompts=prompts, num_samples=num_samples, max_tokens=max_tokens,
+                          temperature=temperature, top_k=top_k, seeds=seeds)
         if not within_memory:
             return rollout(max_rows, progress)
         return self.memory.within_memory(rollout, max_rows or self.memory.max_rows, progress, lambda: self.last_stats)
 
-    def _completions(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows, progress):
+    def _completions(self, max_rows, progress, prompts, num_samples, max_tokens, temperature, top_k, seeds):
         """One rollout of generate_many's (max_rows: None, the engine's): [prompt][sample] Completion."""
         results = [[None] * num_samples for _ in prompts]
-        for events in self._rollout([list(p) for p in prompts], num_samples, max_tokens, temperature, top_k, seeds,
-                                    max_rows=max_rows):
+        for events in self._rollout([list(p) for p in prompts], num_samples, max_tokens, temperature, top_k,
+                                    seeds=seeds, max_rows=max_rows):
             finished = [row for row, _, _ in events if row.finished]
             for row in finished:
                 results[row.request][row.sample] = row.out
@@ -194,7 +194,7 @@ class Engine:
 
         def shape_of(rows):
             return BatchShape(rows, prompt_slots(rows, num_samples, num_prompts) if self.spec.share_prompts else None,
-                              longest, max_tokens, num_samples, dtype, temperature, top_k)
+                              longest, max_tokens, num_samples, dtype=dtype, temperature=temperature, top_k=top_k)
 
         kept, rows = self.memory.batch_for(shape_of, limit, samples)
         self.last_stats = RolloutStats(rows_allocated=rows)
@@ -202,15 +202,16 @@ class Engine:
             kept.batch.begin_rollout(self.last_stats)
             return kept.batch, kept
         shape = shape_of(rows)
-        batch = make_batch(self.model, shape, plan, self.last_stats, self.memory.weights, self.step,
-                           self.spec.decode_kernels)
+        batch = make_batch(self.model, shape, plan, self.last_stats, self.memory.weights, step=self.step,
+                           decode_kernels=self.spec.decode_kernels)
         keep = KeptBatch(shape, batch, cache_bytes(batch.cache), not limit and rows < samples) if plan.static else None
         return batch, keep
 
     def _rollout(self, prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows=None, lag=None):
         """The decode loop every API adapts (_decode_loop), each of its steps run under the spec's autocast
         (RolloutSpec.autocast), entered step by step: between steps the caller runs under its own."""
-        steps = self._decode_loop(prompts, num_samples, max_tokens, temperature, top_k, seeds, max_rows, lag)
+        steps = self._decode_loop(prompts, num_samples, max_tokens, temperature, top_k, seeds=seeds, max_rows=max_rows,
+                                  lag=lag)
         precision = self.spec.autocast(self.model.get_device())  # made once, entered at every step
         while True:
             with precision:
@@ -228,7 +229,8 @@ class Engine:
         if max_tokens is None:
             max_tokens = max(1, self.model.config.sequence_len - longest)
         self.memory.weights.refresh(autocast_dtype(self.model.get_device()))  # the trainer has changed them since
-        batch, keep = self._new_batch(len(prompts), longest, num_samples, max_tokens, temperature, top_k, max_rows)
+        batch, keep = self._new_batch(len(prompts), longest, num_samples, max_tokens, temperature, top_k=top_k,
+                                      max_rows=max_rows)
         batch.lag = self.spec.lag if lag is None else lag  # a kept batch ends each rollout with every row fed
         admission = Admission(prompts, seeds, num_samples,
                               partial(Row, max_tokens=max_tokens, special=self.special, tokenizer=self.tokenizer,

@@ -24,7 +24,7 @@ def write_rows(store, layer, rows, positions, values, heads_first=False):
     if torch.compiler.is_compiling():
         store_rows(store, layer, rows, positions, values, heads_first)
     else:
-        _index_put_rows(store, layer, rows, positions, values, heads_first)
+        _index_put_rows(store, layer, rows, positions, values, heads_first=heads_first)
 
 
 def _index_put_rows(store, layer, rows, positions, values, heads_first=False):
@@ -80,7 +80,8 @@ def cache_geometry(model):
     linears = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
     compute_dtype = (linears or list(model.parameters()))[0].dtype
     return CacheGeometry(cfg.n_kv_head, cfg.n_embd // cfg.n_head, cfg.n_layer, model.get_device(), compute_dtype,
-                         cfg.n_embd if smear else None, model.transformer.wte.weight.dtype if smear else None)
+                         smear_dim=cfg.n_embd if smear else None,
+                         smear_dtype=model.transformer.wte.weight.dtype if smear else None)
 
 
 class RolloutCache(Protocol):

@@ -143,4 +143,4 @@ class RolloutMemory:
         KV caches': bf16 decode weights (DecodeWeights) come on top."""
         budget_bytes = self.spec.memory_budget_gb * (1 << 30) if budget_bytes is None else budget_bytes
         return rows_in_budget(cache_geometry(self.model).bytes_per_token(dtype), budget_bytes, prompt_len, max_tokens,
-                              num_samples, self.spec.share_prompts, at_least)
+                              num_samples, share_prompts=self.spec.share_prompts, at_least=at_least)

@@ -182,7 +182,8 @@ def prefilled_prompts(prefill, requests, prompts, seeds, num_samples, pool, cach
     kv, logits = prefill
     out = []
     for i, (request, prompt, seed) in enumerate(zip(requests, prompts, seeds)):
-        one = PrefilledPrompt(request, seed, num_samples, kv.row_prefix(i, len(prompt)), logits[i:i + 1], len(prompt))
+        one = PrefilledPrompt(request, seed, num_samples, kv.row_prefix(i, len(prompt)), logits[i:i + 1],
+                              length=len(prompt))
         if pool is not None:
             one.pool_slot = pool.take(request, num_samples)
             cache.store_prompt(one.pool_slot, one.cache)

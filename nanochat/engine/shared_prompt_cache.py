@@ -61,8 +61,8 @@ class SharedPromptKVCache:
     def for_model(cls, model, batch_size, slots, prompt_cap, suffix_cap, rows_per_slot, dtype=None, **options):
         """options: the constructor's static and step_class."""
         g = cache_geometry(model)
-        return cls(batch_size, slots, prompt_cap, suffix_cap, g.n_kv_head, g.head_dim, g.n_layer, device=g.device,
-                   dtype=dtype or g.dtype, rows_per_slot=rows_per_slot, embed_dim=g.smear_dim,
+        return cls(batch_size, slots, prompt_cap, suffix_cap, g.n_kv_head, head_dim=g.head_dim, num_layers=g.n_layer,
+                   device=g.device, dtype=dtype or g.dtype, rows_per_slot=rows_per_slot, embed_dim=g.smear_dim,
                    embed_dtype=g.smear_dtype, **options)
 
     batch_size = property(lambda self: self.k.size(1))

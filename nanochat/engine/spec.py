@@ -206,7 +206,7 @@ class NoMemoryForRolloutsError(UserError):
 
 def plan_budget(free, model, optimizer, decode_weights, training_peak, fraction=FRACTION):
     """The MemoryPlan of these byte counts; a NoMemoryForRolloutsError when nothing is left for a KV cache."""
-    plan = MemoryPlan(int(free), int(model), int(optimizer), int(decode_weights), int(training_peak), fraction)
+    plan = MemoryPlan(int(free), int(model), int(optimizer), int(decode_weights), int(training_peak), fraction=fraction)
     if plan.budget_bytes <= 0:
         raise NoMemoryForRolloutsError(f"no device memory left for rollouts: {plan.describe().split(': ', 1)[1]}")
     return plan

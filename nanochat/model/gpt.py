@@ -160,8 +160,8 @@ class GPT(nn.Module):
                          adam_betas=(0.8, 0.95), scalar_lr=0.5, recipe="2026-01", ortho_dtype=None):
         """The optimizers of a nanochat recipe over this model's parameters (nanochat/optim/param_groups.py says which
         parameter gets which lr, betas and weight decay); with a process group, their distributed versions."""
-        groups = recipe_param_groups(self, recipe, unembedding_lr, embedding_lr, matrix_lr, weight_decay, adam_betas,
-                                     scalar_lr)
+        groups = recipe_param_groups(self, recipe, unembedding_lr, embedding_lr, matrix_lr, weight_decay=weight_decay,
+                                     adam_betas=adam_betas, scalar_lr=scalar_lr)
         return build_optimizers(recipe, groups, ortho_dtype)
 
     def forward(self, idx, targets=None, cache_step=None, loss_reduction="mean"):
@@ -237,7 +237,7 @@ class GPT(nn.Module):
             if self.generation.lambdas:
                 x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             ve = self.value_embeds[str(i)](idx) if block.attn.ve_gate is not None else None
-            x = block(x, ve, rope, self.window_sizes[i], context, self.block_regions)
+            x = block(x, ve, rope, self.window_sizes[i], context, regions=self.block_regions)
             if i == backout_layer:
                 x_backout = x
         if backout_layer is not None:
@@ -246,7 +246,7 @@ class GPT(nn.Module):
 
     def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):
         """nanochat's naive reference sampler (naive_generate): yields max_tokens token ids after `tokens`."""
-        return naive_generate(self, tokens, max_tokens, temperature, top_k, seed)
+        return naive_generate(self, tokens, max_tokens, temperature, top_k, seed=seed)
 
 
 def add_generation_parameters(model, config, gen, vocab):

@@ -67,7 +67,8 @@ def adamw_shard_step_(p, shard_grad, state, group, rank, world):
     else:
         shard = p
     beta1, beta2 = group["betas"]
-    adamw_update_(shard, shard_grad, state, group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+    adamw_update_(shard, shard_grad, state, group["lr"], beta1, beta2=beta2, eps=group["eps"],
+                  weight_decay=group["weight_decay"])
     # in place: the input is p's own slice at offset rank * rows
     return all_gather(p, shard) if sharded else None
 
@@ -91,7 +92,7 @@ class DistAdamW(torch.optim.Optimizer):
         gathers = []
         for group, p, shard_grad, work in pending:
             work.wait()
-            gather = adamw_shard_step_(p, shard_grad, self.state[p], group, rank, world)
+            gather = adamw_shard_step_(p, shard_grad, self.state[p], group, rank, world=world)
             if gather is not None:
                 gathers.append(gather)
 

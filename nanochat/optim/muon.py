@@ -219,7 +219,7 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, beta2=0.95, weight_decay=0.0,
                  ortho_dtype=None):
-        defaults = _muon_defaults(lr, momentum, nesterov, ns_steps, beta2, weight_decay)
+        defaults = _muon_defaults(lr, momentum, nesterov, ns_steps, beta2, weight_decay=weight_decay)
         super().__init__(_split_by_shape(params, defaults), defaults)
         self.ortho_dtype = _resolve_ortho_dtype(ortho_dtype, self.param_groups)
 

@@ -155,7 +155,7 @@ class MuonAdamW(torch.optim.Optimizer):
             if group["kind"] == "adamw":
                 for p, shard_grad, work in reduced:
                     work.wait()
-                    gather = adamw_shard_step_(p, shard_grad, self.state[p], group, rank, world)
+                    gather = adamw_shard_step_(p, shard_grad, self.state[p], group, rank, world=world)
                     if gather is not None:
                         gathers.append((None, None, gather))
                 continue
@@ -165,8 +165,8 @@ class MuonAdamW(torch.optim.Optimizer):
             owned = owned_matrices(params, rank, world)
             if owned:
                 muon_update_2026_07_(owned, owned_grads[:len(owned)].div_(world), [self.state[p] for p in owned],
-                                     group["lr"], group["momentum"], group["ns_steps"], group["beta2"],
-                                     group["weight_decay"], self.ortho_dtype)
+                                     group["lr"], group["momentum"], ns_steps=group["ns_steps"], beta2=group["beta2"],
+                                     weight_decay=group["weight_decay"], ortho_dtype=self.ortho_dtype)
             if world > 1:
                 gathers.append((params, *launch_matrix_gather(params, owned, world)))
 

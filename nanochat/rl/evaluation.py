@@ -75,5 +75,6 @@ def evaluate_pass_at_k(engine, task, num_examples, num_samples, max_new_tokens=E
     Returns (PassAtK, this rank's [QuestionRollout])."""
     num_examples = min(num_examples, len(task))
     indices = list(rank_share(0, num_examples, *rank_and_world()))
-    outcomes = sample_outcomes(engine, task, indices, num_samples, max_new_tokens, temperature, top_k, seed=seed)
+    outcomes = sample_outcomes(engine, task, indices, num_samples, max_new_tokens, temperature=temperature, top_k=top_k,
+                               seed=seed)
     return aggregate_pass_at_k(outcomes, num_samples, device=device), outcomes

@@ -204,9 +204,10 @@ class QuestionRows:
         """The rows of `batch`, the index-th question of the step, under `loss` (counts: see row_denominators)."""
         targets = trainable_targets(batch, loss.mask_truncated)  # (R, T)
         denominators = row_denominators(targets, loss.loss_norm, device_batch_size, examples_per_rank, counts,
-                                        counted_rows(batch, loss.mask_truncated).sum(), loss.max_new_tokens)  # (R,)
+                                        rows_counted=counted_rows(batch, loss.mask_truncated).sum(),
+                                        max_new_tokens=loss.max_new_tokens)  # (R,)
         weights = batch.advantages / denominators.to(batch.advantages.dtype)
-        return cls(index, batch, targets, denominators, weights, batch.advantages)
+        return cls(index, batch, targets, denominators, weights, advantages=batch.advantages)
 
 
 def clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high):
@@ -265,8 +266,8 @@ def later_epoch_terms(loss, logp, old_logp, advantages, row_index, num_rows):
     gspo_surrogate; cispo: cispo_objective), and the tokens whose value the clip changed (N,) bool. row_index: (N,)
     each token's row among the chunk's num_rows (GSPO's ratio is a row's)."""
     if loss.loss == "gspo":
-        term, _, clipped = gspo_surrogate(logp, old_logp, advantages, row_index, num_rows, loss.clip_low,
-                                          loss.clip_high)
+        term, _, clipped = gspo_surrogate(logp, old_logp, advantages, row_index, num_rows, clip_low=loss.clip_low,
+                                          clip_high=loss.clip_high)
     elif loss.loss == "cispo":
         term, _, clipped = cispo_objective(logp, old_logp, advantages, loss.clip_low, loss.clip_high)
     else:
@@ -289,7 +290,7 @@ def ppo_objective(loss, logp, old_logp, advantages, denominators, row_index, num
     """A PPO epoch after the first: sum_t term_t / D_t, loss.loss's term against the first epoch's log-probabilities
     old_logp (later_epoch_terms), each times its correction weight (the first epoch's; None: none). row_index: each
     token's row among the forward's num_rows. Returns (the sum, the tokens whose value the clip changed (N,) bool)."""
-    term, clipped = later_epoch_terms(loss, logp, old_logp, advantages, row_index, num_rows)
+    term, clipped = later_epoch_terms(loss, logp, old_logp, advantages, row_index, num_rows=num_rows)
     if correction is not None:
         term = term * correction
     return (term / denominators).sum(), clipped
@@ -320,7 +321,7 @@ def epoch_objective(loss, first, logp, row_values, row_index, num_rows, correcti
         terms = EpochTerms(on_policy_objective(logp, row_values("weights"), correction))
     else:
         objective, clipped = ppo_objective(loss, logp, old_logp, row_values("advantages"), row_values("denominators"),
-                                           row_index, num_rows, correction)
+                                           row_index=row_index, num_rows=num_rows, correction=correction)
         with torch.no_grad():
             log_ratio = logp - old_logp
             terms = EpochTerms(objective, clipped.sum(), (torch.expm1(log_ratio) - log_ratio).sum())

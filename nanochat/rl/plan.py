@@ -164,10 +164,10 @@ def resolve_compute_plan(config, model, tokenizer, train_task, device, world_siz
     (the compiled decode step follows it), then the decode mode and compiling, then the rollouts' dtype. Returns
     (RunPlan's fields dtype, rollout_dtype, decode and compile; the CompilePlan; the parts auto decides during the
     run: measured_parts)."""
-    dtype = resolve_training_dtype(config, model, tokenizer, train_task, device, rows)
+    dtype = resolve_training_dtype(config, model, tokenizer, train_task, device, rows=rows)
     decode, compile_mode, compiling = resolve_decode_and_compile(config, device, num_steps, dtype)
-    rollout_dtype = resolve_rollout_dtype(config, dtype, decode, model, tokenizer, train_task, device, world_size,
-                                          compiled_decode=bool(compiling.decode))
+    rollout_dtype = resolve_rollout_dtype(config, dtype, decode, model, tokenizer, train_task=train_task, device=device,
+                                          world_size=world_size, compiled_decode=bool(compiling.decode))
     compile_models(compiling, model)  # after the rollout dtype's timing, which would compile them for each dtype
     resolved = dict(dtype=dtype, rollout_dtype=rollout_dtype, decode=decode, compile=compile_mode)
     compiles = decode_step_of(resolve_decode_kernels(config.decode_kernels, device)).compiles

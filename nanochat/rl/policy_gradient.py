@@ -162,7 +162,7 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
     tally = _Tally.of_epoch(first_epoch, use_kl, loss.rollout_correction != "none", distill)
     trained = []  # (question, row) of every row to run, in question order
     for q, batch in enumerate(batches):
-        question = QuestionRows.of(q, batch, loss, device_batch_size, examples_per_rank, counts)
+        question = QuestionRows.of(q, batch, loss, device_batch_size, examples_per_rank, counts=counts)
         R = question.targets.size(0)
         rows = (_trained_rows(question.targets, question.weights, any_weight=use_kl or distill) if skip_zero_advantage
                 else list(range(R)))
@@ -171,7 +171,8 @@ def accumulate_policy_gradient(model, batches, device_batch_size, examples_per_r
     micro = micro_batch_rows or device_batch_size
     for lo in range(0, len(trained), micro):
         chunk = _Chunk.of(trained[lo:lo + micro], share_prompt)
-        _backward_chunk(model, chunk, loss, first, (reference, teacher), device, autocast, tally, forward)
+        _backward_chunk(model, chunk, loss, first, (reference, teacher), device=device, autocast=autocast, tally=tally,
+                        forward=forward)
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -188,7 +189,8 @@ def without_rejected_tokens(model, batches, loss, micro_rows, device, autocast, 
     if loss.rejected_in_denominator or loss.rollout_correction not in MASK_CORRECTIONS:
         return batches, 0
     targets = [trainable_targets(batch, loss.mask_truncated) for batch in batches]
-    questions = [QuestionRows(q, batch, t, None, None, batch.advantages) for q, (batch, t) in enumerate(zip(batches, targets))]
+    questions = [QuestionRows(q, batch, t, None, None, advantages=batch.advantages) for q,
+                 (batch, t) in enumerate(zip(batches, targets))]
     kept = [torch.ones(t.shape, device=device) for t in targets]
     rows = [(question, r) for question in questions for r in range(question.targets.size(0))
             if bool((question.targets[r] >= 0).any())]
@@ -400,13 +402,14 @@ def _backward_chunk(model, chunk, loss, first, frozen, device, autocast, tally, 
     tokens = _Tokens(chunk, device)
     with autocast:  # the log-probabilities are computed in fp32 inside, whatever autocast says
         logp, entropy = forward(model, *tokens.forward_inputs)  # (N,) the sampled tokens' log-probabilities
-    correction, old_logp, ref_logp = _epoch_inputs(logp, tokens, loss, first, tally, reference, autocast, forward)
+    correction, old_logp, ref_logp = _epoch_inputs(logp, tokens, loss, first, tally, reference=reference,
+                                                   autocast=autocast, forward=forward)
     row_values = lambda name: tokens.per_row(name, logp.dtype)
     if loss.per_token:  # not nanochat's path (its row weights, divided on the host): per-token advantages
         distilled = teacher.chunk_logprobs(logp, tokens, first, tally, forward) if teacher else (None, None)
         row_values = per_token_values(loss, row_values, *distilled)
-    terms = epoch_objective(loss, first, logp, row_values, tokens.row_index, tokens.num_rows, correction,
-                            old_logp=old_logp, ref_logp=ref_logp)
+    terms = epoch_objective(loss, first, logp, row_values, tokens.row_index, num_rows=tokens.num_rows,
+                            correction=correction, old_logp=old_logp, ref_logp=ref_logp)
     (-terms.objective).backward()
     tally.add_chunk(terms, entropy, tokens.count)
 
@@ -424,7 +427,8 @@ def _epoch_inputs(logp, tokens, loss, first, tally, reference, autocast, forward
     weights, sampler = None, tokens.sampler_logprobs()
     if sampler is not None:
         gap, known = sampler_gap(logp.detach(), sampler)
-        weights, changed = rollout_correction_weights(loss, gap, known, tokens.row_index, tokens.num_rows, logp.dtype)
+        weights, changed = rollout_correction_weights(loss, gap, known, tokens.row_index, tokens.num_rows,
+                                                      dtype=logp.dtype)
         tally.add_gap(gap, known, changed)
         if weights is not None:
             tokens.store(tally.correction_weights, weights)

@@ -71,7 +71,7 @@ def report_step(run, step, outcome, run_start):
     """A step's record (step_record of its StepOutcome) kept in the run's progress with the step's seconds, its line
     printed (elapsed since time.time() was run_start), a no-signal streak warned of, its samples saved
     (--save-rollouts). Returns the record, for wandb."""
-    record = step_record(run, step, outcome.drawn, outcome.result, outcome.t_rollout, outcome.t_train,
+    record = step_record(run, step, outcome.drawn, outcome.result, outcome.t_rollout, t_train=outcome.t_train,
                          trained=outcome.trained, t_teacher=outcome.t_teacher)
     # the ETA's seconds: compiling is one-off
     run.progress.record_step(record, max(outcome.t_rollout + outcome.t_train - record["compile_s"], 0.0))

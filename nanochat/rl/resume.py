@@ -185,7 +185,7 @@ def check_run_length(restored, given, tag):
         if asked > planned:
             setting = "num_steps" if "num_steps" in length_flags else "num_epochs"
             raise LongerRunError(setting, length_flags[setting], tag, planned, restored.lr_schedule,
-                                 train_further_command(restored, tag, given, asked))
+                                 further=train_further_command(restored, tag, given, asked))
     return planned
 
 
@@ -226,7 +226,7 @@ def restore_optimizers(resume, optimizers, meta, rank, world_size, device):
     number of ranks that saved the step."""
     with resume.errors():
         states, saved = optimizer_states_for_resume(resume.checkpoint_dir, resume.step, device, meta, optimizers,
-                                                    rank, world_size)
+                                                    rank=rank, world_size=world_size)
     for opt, state in zip(optimizers, states):
         opt.load_state_dict(state)  # also restores each group's initial_lr and lr
     if saved != world_size:
@@ -266,7 +266,7 @@ def run_target(config, resume):
         raise RunExistsError(checkpoint_dir, old)
     check_writable_dir(checkpoint_dir, "the run's checkpoints", "make it writable, or set NANOCHAT_BASE_DIR (or "
                        "--output-tag) to write elsewhere")
-    return Target(source, source_tag, source_step, output_tag, checkpoint_dir, old)
+    return Target(source, source_tag, source_step, output_tag, checkpoint_dir, old_files=old)
 
 
 def recorded_depth(checkpoint_dir, step):

@@ -124,7 +124,7 @@ class RLRun:
             count_bad_step(self, step, result)
             t_train = clock() - t0
         return StepOutcome(sampled.drawn, trained, result, t_rollout, t_train,
-                           self.teacher.take_seconds() if self.teacher else None)
+                           t_teacher=self.teacher.take_seconds() if self.teacher else None)
 
     def take(self, plan, training):
         """The run's plan and training state from the next step on (--compile=auto's switches, auto_switch.switched):
@@ -208,28 +208,29 @@ def setup_run(config, resume, target, rank, world_size, device):
     extra_eval_tasks = tuple((name, make_task(name, "test")) for name in config.extra_eval_tasks)
     rows = train_rows(config, device.type)  # per training forward
     num_steps = run_length(config, train_task)
-    resolved, compiling, measured = resolve_compute_plan(config, model, tokenizer, train_task, device, world_size,
-                                                         num_steps, rows)
-    auto_compile = auto_compile_of(resolved, model, measured, compiling, num_steps, start_step, resume and meta, rank)
+    resolved, compiling, measured = resolve_compute_plan(config, model, tokenizer, train_task, device,
+                                                         world_size=world_size, num_steps=num_steps, rows=rows)
+    auto_compile = auto_compile_of(resolved, model, measured, compiling, num_steps, start_step=start_step,
+                                   meta=resume and meta, rank=rank)
     optimizers = make_optimizers(config, model, resolved["dtype"])
     segments = [{"start_step": 0, "world_size": world_size}]  # the world size of each part of the run
     if resume:
-        saved = restore_optimizers(resume, optimizers, meta, rank, world_size, device)
+        saved = restore_optimizers(resume, optimizers, meta, rank, world_size, device=device)
         segments = (meta.get("segments") or [{"start_step": 0, "world_size": saved}]) + [
             {"start_step": start_step, "world_size": world_size}]
     reference = load_reference(start, device, config.model_generation) if config.kl_coef > 0 else None
     if reference is not None:
         compile_models(compiling, reference)
-    teacher = load_teacher(config, model, tokenizer, device, resolved["rollout_dtype"], start,
+    teacher = load_teacher(config, model, tokenizer, device, resolved["rollout_dtype"], start=start,
                            resumed=meta.get("teacher") if config.resume else None) if config.teacher else None
     if teacher is not None:
         compile_models(compiling, teacher.model)
-    rows, budget = resolve_memory(config, model, device, optimizers, rows, resolved["rollout_dtype"],
+    rows, budget = resolve_memory(config, model, device, optimizers, rows, rollout_dtype=resolved["rollout_dtype"],
                                   compiled_training=compiling.train or "train" in measured,
                                   teacher=teacher and teacher.model,
                                   rollout_rows=config.examples_per_step // world_size * config.num_samples,
                                   prompt_tokens=longest_prompt(tokenizer, train_task) if device.type == "cuda" else 0)
-    spec = run_rollout_spec(config, device, compiling, auto_compile, budget, resolved["rollout_dtype"])
+    spec = run_rollout_spec(config, device, compiling, auto_compile, budget, rollout_dtype=resolved["rollout_dtype"])
     plan = RunPlan(**resolved, memory_budget_gb=budget, output_tag=output_tag,
                    keep_last=resolve_keep_last(config, meta), decode_kernels=spec.decode_kernels, spec=spec)
     engine = Engine(model, tokenizer, spec=plan.spec)
@@ -242,7 +243,8 @@ def setup_run(config, resume, target, rank, world_size, device):
     elif rank == 0:  # the run's samples, if it kept them, continue from the resumed step
         drop_rollouts_after(checkpoint_dir, resume.step)
     resumed = meta if config.resume else None
-    return build_run(config, plan, model, tokenizer, engine, optimizers, (train_task, val_task), device,
+    return build_run(config, plan, model, tokenizer, engine, optimizers=optimizers, tasks=(train_task, val_task),
+                     device=device,
                      steps=(start_step, num_steps), rows=rows, ranks=(rank, world_size), reference=reference,
                      compiled=compiling.train or bool(auto_compile and auto_compile.compiled_now("train")),
                      loss_scale=loss_scale_for(plan, resumed), auto_compile=auto_compile,
@@ -261,7 +263,7 @@ def build_run(config, plan, model, tokenizer, engine, optimizers, tasks, device,
     (start_step, num_steps), (rank, world_size) = steps, ranks
     if engine.spec.dtype != plan.rollout_dtype:  # its steps' rollouts and evals sample in it, under no one's autocast
         raise ValueError(f"a run's engine decodes in its plan's rollout dtype {plan.rollout_dtype}, not "
-                         f"{engine.spec.dtype}: build it with dtype={plan.rollout_dtype!r}")
+                         f"{engine.spec.dtype}: build it with rollout_spec(model, dtype={plan.rollout_dtype!r})")
     progress = RunProgress() if resumed is None else RunProgress.restored(resumed, start_step, config.examples_per_step)
     required = plan.compile == "on" if required is None else required
     training = TrainingState(policy_loss=policy_loss_of(config), rows=rows, reference=reference, loss_scale=loss_scale,
@@ -348,7 +350,8 @@ def train_on_rollouts(run, rollouts, step, share_prompt=True, skip_zero_advantag
     cfg = run.config
     training = run.training  # --rejected-tokens:
     batches, _ = without_rejected_tokens(run.model, [r.batch for r in rollouts], training.policy_loss, training.rows,
-                                         run.device, run.autocast(), share_prompt, training.forward)
+                                         run.device, autocast=run.autocast(), share_prompt=share_prompt,
+                                         forward=training.forward)
     lrm = lr_multiplier(step, run.num_steps, cfg.lr_schedule, cfg.warmup_steps, cfg.final_lr_frac)
     counts = step_counts(batches, cfg.mask_truncated, run.reduce_device) if cfg.loss_norm != "pass" else None
     run.model.train()
@@ -357,7 +360,7 @@ def train_on_rollouts(run, rollouts, step, share_prompt=True, skip_zero_advantag
         def attempt(rows):
             run.model.zero_grad(set_to_none=True)  # what a failed attempt accumulated
             return accumulate_policy_gradient(run.model, batches, cfg.device_batch_size, run.examples_per_rank, run.device,
-                                              run.autocast(), micro_batch_rows=rows, loss=training.policy_loss,
+                                              autocast=run.autocast(), micro_batch_rows=rows, loss=training.policy_loss,
                                               counts=counts, reference=training.reference, first_epoch=first,
                                               forward=training.forward, share_prompt=share_prompt,
                                               skip_zero_advantage=skip_zero_advantage,
@@ -367,7 +370,7 @@ def train_on_rollouts(run, rollouts, step, share_prompt=True, skip_zero_advantag
                                             free_memory=lambda: give_back_rollout_memory(run.engine))
         run.training = dataclasses.replace(run.training, rows=rows)  # fewer from here on, after an out-of-memory
         last_gnorm, stepped = guarded_step(run.model, run.optimizers, lrm, last.objective, run.reduce_device,
-                                           training.loss_scale)
+                                           loss_scale=training.loss_scale)
         if first is None:
             first, gnorm = last, last_gnorm
         if not stepped:

@@ -35,7 +35,7 @@ def check_stop(band, engine, task, held_out, args, step, num_steps, autocast, re
     MissedBandError (see PassBand.observe)."""
     t0 = time.time()
     pass1 = measure_pass1(engine, task, held_out, args.stop_check_samples, args.stop_check_max_tokens,
-                          autocast, reduce_device, seed=args.seed)
+                          autocast=autocast, reduce_device=reduce_device, seed=args.seed)
     print0(f"step {step}/{num_steps} | held-out pass@1 {pass1:.4f} (band {band.describe()}) | check {time.time() - t0:.1f}s")
     stop = band.observe(step, pass1, final=step == num_steps)
     if stop:

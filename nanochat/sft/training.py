@@ -72,7 +72,7 @@ def train_step(model, optimizers, micro_batches, lrm, device, reduce_device, aut
     denominator = all_reduce_mean(count_targets(micro_batches), reduce_device)
     if denominator == 0:  # every conversation of the step truncated before its answer
         return float("nan"), 0.0, False
-    local_loss = accumulate_gradient(model, micro_batches, denominator, device, autocast, forward)
+    local_loss = accumulate_gradient(model, micro_batches, denominator, device, autocast, forward=forward)
     gnorm, updated = guarded_step(model, optimizers, lrm, local_loss, reduce_device)
     loss = all_reduce_mean(local_loss, reduce_device) if updated else local_loss  # the step's token mean on all ranks
     return loss, gnorm, updated

@@ -47,6 +47,28 @@ def test_no_function_of_the_library_or_scripts_is_over_60_lines(layout):
     assert not {name: n for name, n in layout["functions"].items() if n > 60 and name.startswith(("nanochat/", "scripts/"))}
 
 
+# calls that take their arguments by position whatever their count: each with why
+POSITIONAL_CALLS = {
+    "apply": "an autograd Function's apply takes its inputs by position only",
+    "store_rows": "a torch.library operator (nanochat::store_rows): its schema's order, inside compiled code",
+    "rotary_store": "a torch.library operator over a Triton kernel (nanochat::rotary_store): its schema's order",
+    "sample_rows": "a torch.library operator over a Triton kernel (nanochat::sample_rows): its schema's order",
+    "add_shared": "flag names, add_shared(parser, *names)",
+    "run_flex_prompt_attention": "a compiled function's flat tensors, run_flex_prompt_attention(*args)",
+}
+
+
+def test_no_call_of_the_library_or_scripts_passes_more_than_five_arguments_by_position(layout):
+    """Past five, a call names its arguments: a reader need not count them against the def. Triton's jit code in
+    nanochat/kernels/ is exempt (a kernel's launch and the helpers it calls take the compiled signature's order), and
+    POSITIONAL_CALLS."""
+    def callee(call):  # "path:line module.name" -> name
+        return call.split()[-1].rpartition(".")[2]
+    wide = {call: n for call, n in layout["wide_calls"].items() if call.startswith(("nanochat/", "scripts/"))
+            and not call.startswith("nanochat/kernels/") and callee(call) not in POSITIONAL_CALLS}
+    assert not wide
+
+
 def test_chat_rl_reads_at_nanochats_size_and_the_readme_is_for_users(layout):
     assert layout["files"]["scripts/chat_rl.py"] <= 220
     assert len((REPO / "README.md").read_text().splitlines()) <= 500

@@ -313,7 +313,7 @@ def test_a_runs_engine_must_decode_in_the_plans_rollout_dtype(tiny_tokenizer):
     plan = RunPlan(dtype="bfloat16", rollout_dtype="bfloat16", decode="eager", compile="off", memory_budget_gb=4.0,
                    output_tag="d2", keep_last=0)
     task = Arithmetic(size=4)
-    with pytest.raises(ValueError, match="build it with dtype='bfloat16'"):
+    with pytest.raises(ValueError, match=r"build it with rollout_spec\(model, dtype='bfloat16'\)"):
         build_run(config, plan, model, tiny_tokenizer, Engine(model, tiny_tokenizer), [], (task, task), cpu,
                   steps=(0, 10), rows=4, compiled=False)
     bf16 = Engine(model, tiny_tokenizer, rollout_spec(model, dtype="bfloat16"))

@@ -113,7 +113,7 @@ def test_report_has_every_config_and_metric(base_dir, tmp_path, capsys):
             assert key in r, (name, key)
             assert math.isfinite(r[key]) and r[key] > 0, (name, key, r[key])
         assert r["rows"] == 2 * 4
-        assert r["rows_trained"] + r["rows_skipped"] == r["rows"]  # a random model earns no reward: lean skips all
+        assert r["rows_trained"] + r["rows_skipped"] == r["rows"]  # a random model earns no reward: all skipped
         assert r["rows_trained"] == (0 if name.startswith("batched") else r["rows"])
         assert r["rollout_tokens"] <= r["rows"] * 8
         assert r["row_steps"] <= r["rows_x_longest"] <= r["rows"] * (8 - 1)  # the first token comes from the prefill

@@ -16,6 +16,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("nanochat", "scripts", "tasks")
+WIDE_CALL = 5  # more arguments than this by position, and a call reads better with their names
 
 
 def read_tree(rev=None):
@@ -90,10 +91,12 @@ def census(rev=None):
     for path in sources:
         folders[str(Path(path).parent)].append(Path(path).name)
     files = {p: len(t.splitlines()) for p, t in sources.items()}
-    classes, functions = {}, {}
+    classes, functions, wide_calls = {}, {}, {}
     for path, tree in trees.items():
         for node in ast.walk(tree):
             where = f"{path}:{getattr(node, 'name', '')}"
+            if isinstance(node, ast.Call) and len(node.args) > WIDE_CALL:
+                wide_calls[f"{path}:{node.lineno} {ast.unparse(node.func)}"] = len(node.args)
             if isinstance(node, ast.ClassDef):
                 classes[where] = node.end_lineno - node.lineno + 1
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -107,7 +110,8 @@ def census(rev=None):
     for a, bs in arrows.items():
         folder_arrows[folder_of[a]] |= {folder_of[b] for b in bs if folder_of[b] != folder_of[a]}
     return {"folders": dict(sorted(folders.items())), "files": files, "classes": classes, "functions": functions,
-            "arrows": arrows, "circles": circles(arrows), "folder_arrows": dict(folder_arrows),
+            "wide_calls": wide_calls, "arrows": arrows, "circles": circles(arrows),
+            "folder_arrows": dict(folder_arrows),
             "folder_circles": circles(folder_arrows)}
 
 

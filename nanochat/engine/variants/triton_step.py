@@ -53,8 +53,9 @@ class KernelPromptStep:
         c, whole = self.cache, self.whole
         q = rotary_store(qkv, *rotary, self.positions[:, 0], whole.k, whole.v, layer, c.pos, heads, qk_scale,
                          *value_embedding, norm_result_fp32(qkv.dtype, qkv.device))
-        return prompt_attention(q, c.pool_k[layer], c.pool_v[layer], c.pool_len, self.cells, whole.k[layer],
-                                whole.v[layer], c.pos, c.sample, c.rows_per_slot, self.S, window)
+        return prompt_attention(q, c.pool_k[layer], c.pool_v[layer], c.pool_len, self.cells, own_k=whole.k[layer],
+                                own_v=whole.v[layer], pos=c.pos, sample=c.sample, used_columns=c.rows_per_slot,
+                                keys=self.S, window=window)
 
 
 def compute_dtype(model, device):
@@ -123,8 +124,8 @@ def _attention(model, i, h, idx, step):
         qkv = torch.cat([attn.c_q(h), attn.c_k(h), attn.c_v(h)], dim=-1)
     value_embedding = (model.value_embeds[str(i)].weight, idx, attn.ve_gate.weight, h, attn.ve_gate_scale) \
         if attn.ve_gate is not None else (None, idx, None, h, 0.0)
-    y = step.attend_layer(i, qkv.view(B, H + 2 * Hkv, D), (model.cos, model.sin), H, attn.qk_scale, value_embedding,
-                          model.window_sizes[i])
+    y = step.attend_layer(i, qkv.view(B, H + 2 * Hkv, D), (model.cos, model.sin), H, attn.qk_scale,
+                          value_embedding=value_embedding, window=model.window_sizes[i])
     return y.view(B, H * D)
 
 
