@@ -79,8 +79,9 @@ def model_with_optimizer_state(depth, vocab_size, device):
 def time_saves(model, optimizers, directory, overlap_seconds, device):
     """Seconds a save costs the training: written whole, and in the background (nanochat.checkpoints.background): its
     host snapshot, its writing by the thread, its commit. What the training waits for in the background: alone, the
-    snapshot and the commit (it commits once written; Checkpointer.before_collective); with several ranks also the writing left after
-    overlap_seconds of the next step's rollouts (committed before that step's training)."""
+    snapshot and the commit (it commits once written; Checkpointer.before_collective); with several ranks also the
+    writing left after overlap_seconds of the next step's rollouts (committed at the end of their first draw,
+    Checkpointer.written_behind)."""
     shard = lambda: {"optimizers": [o.state_dict() for o in optimizers], "rank": 0, "world_size": 1}  # noqa: E731
     meta = {"step": 1, "model_config": {"n_layer": model.config.n_layer}}
     synchronize(device)

@@ -31,13 +31,13 @@ from nanochat.cli import given_flags, parse_rl_args, rl_parser, run_main
 from nanochat.common import compute_cleanup, compute_init
 from nanochat.files import check_writable_dir, check_writable_file, write_errors
 from nanochat.report import get_report, log_chat_rl
+from nanochat.rl.auto_switch import auto_compile_step
 from nanochat.rl.config import RLConfig
 from nanochat.rl.evaluation import evaluate_pass_at_k
 from nanochat.rl.metrics import reduce_metrics
 from nanochat.rl.progress import (ROLLOUTS_FILE, is_eval_step, is_save_step, no_signal_settings, report_step,
                                   sample_table)
 from nanochat.rl.resume import finished_run, restore_settings, run_target
-from nanochat.rl.auto_switch import auto_compile_step
 from nanochat.rl.run import check_run_device, meta_data, setup_run
 from nanochat.runtime.distributed import get_dist_info, print0, wait_for_all_ranks
 from nanochat.runtime.graceful_stop import GracefulStop

@@ -128,7 +128,3 @@ class Checkpointer:
                 self.saver.finish()
             raise
 
-
-def written_behind(checkpointer):
-    """checkpointer.written_behind(), or nothing to commit for a run that saves nothing (None: bench_rl's)."""
-    return checkpointer.written_behind() if checkpointer else contextlib.nullcontext()

@@ -136,5 +136,10 @@ def load_model(source, device, phase, model_tag=None, step=None, generation=None
     """Load a checkpoint family's model (arguments as find_checkpoint; generation as in build_model).
     Returns (model, tokenizer, meta_data)."""
     checkpoint_dir, _, step = find_checkpoint(source, model_tag, step)
+    return load_found(checkpoint_dir, step, device, phase, generation)
+
+
+def load_found(checkpoint_dir, step, device, phase, generation=None):
+    """Load the checkpoint find_checkpoint found (build_model), saying which. Returns (model, tokenizer, meta)."""
     print0(f"Loading model from {checkpoint_dir} with step {step}")
     return build_model(checkpoint_dir, step, device, phase, generation)

@@ -34,7 +34,7 @@ from nanochat.engine.memory import RolloutMemory
 from nanochat.engine.rows import Row, SpecialIds
 from nanochat.engine.scheduler import Admission, BatchShape, KeptBatch, cache_bytes
 from nanochat.engine.shared_prompt_cache import SharedPromptKVCache
-from nanochat.engine.spec import resolve_rollout_spec
+from nanochat.engine.spec import rollout_spec
 
 # The static decode step compiles with dynamic shapes: one graph serves every bucketed
 # shape. Compiled once per shape instead, each of a static batch's 100+ shapes would cost a compile of its own
@@ -104,7 +104,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, spec=None):
         self.model, self.tokenizer, self.special = model, tokenizer, SpecialIds(tokenizer)
-        self.spec = spec or resolve_rollout_spec(model.get_device())
+        self.spec = spec or rollout_spec(model)
         self.step = self.decode_step_for(self.spec)  # an unusable spec fails here, not at a rollout
         self.memory = RolloutMemory(model, self.spec)
         self.prompt_floor = 0  # static batches are sized for prompts this long at least (it never shrinks)
@@ -161,7 +161,9 @@ class Engine:
                           temperature=temperature, top_k=top_k, seeds=seeds)
         if not within_memory:
             return rollout(max_rows, progress)
-        return self.memory.within_memory(rollout, max_rows or self.memory.max_rows, progress, lambda: self.last_stats)
+        if max_rows is not None:  # the back-off halves the engine's own rows, for its later rollouts too
+            raise ValueError("generate_many(within_memory=True) runs with the engine's rows; pass no max_rows")
+        return self.memory.within_memory(rollout, progress, lambda: self.last_stats)
 
     def _completions(self, max_rows, progress, prompts, num_samples, max_tokens, temperature, top_k, seeds):
         """One rollout of generate_many's (max_rows: None, the engine's): [prompt][sample] Completion."""

@@ -98,15 +98,15 @@ class RolloutMemory:
                     "from now on)")
         return None
 
-    def within_memory(self, rollout, rows, progress, last_stats):
-        """rollout(rows, progress), a rollout of this engine capped at `rows` (None: what the budget holds) that calls
-        progress(n) as rows finish, retried where it runs out of memory: first once the batches kept from other
-        rollouts are given back (the same rows), then with half the rows the failed rollout held (last_stats(), its
-        RolloutStats) until one row fails too, each retry's line printed (nanochat.runtime.device's
+    def within_memory(self, rollout, progress, last_stats):
+        """rollout(rows, progress), a rollout of this engine capped at its rows (max_rows; None: what the budget
+        holds) that calls progress(n) as rows finish, retried where it runs out of memory: first once the batches
+        kept from other rollouts are given back (the same rows), then with half the rows the failed rollout held
+        (last_stats(), its RolloutStats) until one row fails too, each retry's line printed (nanochat.runtime.device's
         with_fewer_rows_on_oom); a retry takes back the rows progress counted (CountedProgress). Halved, the rows stay
         so for later rollouts (max_rows). What a rollout samples does not depend on its rows (per-row sampling
         streams). Returns rollout()'s result."""
-        counted = CountedProgress(progress) if progress is not None else None
+        counted, rows = CountedProgress(progress) if progress is not None else None, self.max_rows
 
         def attempt(cap):
             if cap != rows:  # halved

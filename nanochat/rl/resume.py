@@ -148,7 +148,7 @@ def restore_settings(config, world_size, given=frozenset()):
         resume.meta = load_meta(checkpoint_dir, step)
     saved = {k: v for k, v in resume.meta.get("user_config", {}).items() if k not in RUNTIME_FLAGS}
     restored = config.restored(saved)
-    resume.num_steps = check_run_length(restored, resume.given, tag)
+    resume.num_steps = check_run_length(restored, resume.given, tag, resume.meta.get("teacher"))
     changed = sorted(k for k, v in saved.items() if getattr(config, k, v) != v)
     defaults = [f"{k}={saved[k]}" for k in changed if k not in given]
     print0(f"--resume: run {tag} continues with its saved settings"
@@ -172,7 +172,7 @@ def planned_steps(config):
     return config.run_length(0 if config.num_steps > 0 else len(make_task(config.task, "train")))
 
 
-def check_run_length(restored, given, tag):
+def check_run_length(restored, given, tag, taught_by=None):
     """The resumed run's number of steps. --resume does not lengthen a run: its learning rate's schedule (linear:
     down to 0 at the last step) is laid over the steps it planned, and a longer run would have taken its earlier
     steps at other rates; a --num-steps (or --num-epochs) that asks for more steps is refused, naming the new run
@@ -185,15 +185,19 @@ def check_run_length(restored, given, tag):
         if asked > planned:
             setting = "num_steps" if "num_steps" in length_flags else "num_epochs"
             raise LongerRunError(setting, length_flags[setting], tag, planned, restored.lr_schedule,
-                                 further=train_further_command(restored, tag, given, asked))
+                                 further=train_further_command(restored, tag, given, asked, taught_by))
     return planned
 
 
-def train_further_command(config, tag, given, num_steps="N"):
+def train_further_command(config, tag, given, num_steps="N", taught_by=None):
     """The command of a new run from the last checkpoint of run `tag` (of settings `config`), written to <tag>_cont,
     that copied trains on as the run did, where the user ran it: the run's settings where they differ from the
     defaults, each flag given with --resume (`given`: name -> value) in place of the run's, less those the command
-    sets itself (FURTHER_RUN_SETS)."""
+    sets itself (FURTHER_RUN_SETS); --teacher as the checkpoint that taught the run (`taught_by`, its meta's
+    {source, model_tag, step}), not its tag's newest step."""
+    if taught_by and "teacher" not in given:
+        config = dataclasses.replace(config, teacher=":".join(str(taught_by[k]) for k in ("source", "model_tag",
+                                                                                          "step")))
     defaults = RLConfig()
     names = [f.name for f in dataclasses.fields(config) if f.name not in FURTHER_RUN_SETS]
     flags = [given_flag(k, given.get(k, getattr(config, k))) for k in names
@@ -214,9 +218,10 @@ def finished_run(config, resume):
     task = f" --task={config.task}" if config.task != RLConfig().task else ""
     evaluated = f" and its final eval recorded (pass@1 {final[-1]['pass@1']:.4f})" if final else ""
     trained = f"all {num_steps} of its steps are trained" if num_steps > 1 else "its one step is trained"
+    further = train_further_command(config, resume.tag, resume.given, taught_by=resume.meta.get("teacher"))
     return [f"Run {resume.tag} is finished: {trained}, the last (step {resume.step}) saved{evaluated}. Nothing to do.",
             f"  evaluate it:      python -m scripts.chat_eval --source=rl --model-tag={resume.tag}{task}",
-            f"  train it further: {train_further_command(config, resume.tag, resume.given)}"]
+            f"  train it further: {further}"]
 
 
 def restore_optimizers(resume, optimizers, meta, rank, world_size, device):

@@ -6,13 +6,14 @@ halves sample_rollouts and train_on_rollouts (which bench_rl times itself); the 
 gradient.
 """
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from nanochat.checkpoints.checkpointer import Checkpointer, written_behind
+from nanochat.checkpoints.checkpointer import Checkpointer
 from nanochat.checkpoints.store import new_run_id
 from nanochat.compiling.functions import CompileClock
 from nanochat.compiling.plan import compile_models
@@ -32,10 +33,10 @@ from nanochat.rl.plan import (RunPlan, auto_compile_of, describe_plan, resolve_c
 from nanochat.rl.policy_gradient import TrainStats, accumulate_policy_gradient, without_rejected_tokens
 from nanochat.rl.progress import RolloutLog, RunProgress, drop_rollouts_after
 from nanochat.rl.resume import load_reference, load_start, prepare_output_dir, restore_optimizers
-from nanochat.rl.teacher import load_teacher
-from nanochat.rl.training import TrainingState, training_forward
 from nanochat.rl.rollout import (Sampling, StepRollouts, has_signal, longest_prompt, question_indices_at, question_seed,
                                  sample_questions, step_questions)
+from nanochat.rl.teacher import load_teacher
+from nanochat.rl.training import TrainingState, training_forward
 from nanochat.runtime.device import with_fewer_rows_on_oom
 from nanochat.runtime.distributed import any_rank, collective_device, print0
 from nanochat.runtime.dtypes import autocast_context
@@ -243,14 +244,16 @@ def setup_run(config, resume, target, rank, world_size, device):
     elif rank == 0:  # the run's samples, if it kept them, continue from the resumed step
         drop_rollouts_after(checkpoint_dir, resume.step)
     resumed = meta if config.resume else None
+    # a new run (from any source): a new id
+    lineage = RunLineage(run_id=(resumed or {}).get("run_id") or new_run_id(), start_checkpoint=start,
+                         segments=segments)
     return build_run(config, plan, model, tokenizer, engine, optimizers=optimizers, tasks=(train_task, val_task),
-                     device=device,
-                     steps=(start_step, num_steps), rows=rows, ranks=(rank, world_size), reference=reference,
-                     compiled=compiling.train or bool(auto_compile and auto_compile.compiled_now("train")),
-                     loss_scale=loss_scale_for(plan, resumed), auto_compile=auto_compile,
-                     lineage=RunLineage(start_checkpoint=start, segments=segments), checkpoint_dir=checkpoint_dir,
-                     resumed=resumed,
-                     extra_eval_tasks=extra_eval_tasks, teacher=teacher)
+                     device=device, steps=(start_step, num_steps), rows=rows, ranks=(rank, world_size),
+                     reference=reference, compiled=compiling.train or bool(auto_compile and
+                                                                         auto_compile.compiled_now("train")),
+                     loss_scale=loss_scale_for(plan, resumed), auto_compile=auto_compile, lineage=lineage,
+                     checkpoint_dir=checkpoint_dir, resumed=resumed, extra_eval_tasks=extra_eval_tasks,
+                     teacher=teacher)
 
 
 def build_run(config, plan, model, tokenizer, engine, optimizers, tasks, device, steps, rows, compiled, ranks=(0, 1),
@@ -272,8 +275,6 @@ def build_run(config, plan, model, tokenizer, engine, optimizers, tasks, device,
                 train_task=tasks[0], val_task=tasks[1], num_steps=num_steps, start_step=start_step, device=device,
                 rank=rank, world_size=world_size, engine=engine, progress=progress, **fixed)
     if checkpoint_dir is not None:
-        # a new run (from any source): a new id
-        run.lineage = dataclasses.replace(run.lineage, run_id=(resumed or {}).get("run_id") or new_run_id())
         run.checkpointer = Checkpointer(checkpoint_dir, rank, world_size, plan.keep_last, run.snapshot,
                                         last_saved=None if resumed is None else start_step - 1)
         if config.save_rollouts:
@@ -307,7 +308,8 @@ def sample_rollouts(run, step, position=None):
     Returns StepRollouts."""
     cfg = run.config
     position = step * cfg.examples_per_step if position is None else position
-    with written_behind(run.checkpointer):
+    saves = run.checkpointer.written_behind() if run.checkpointer else contextlib.nullcontext()  # bench_rl's: none
+    with saves:
         drawn = sample_draw(run, step, position, 0)
     for draw in range(1, 1 + cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1):
         if not any_rank(sum(map(has_signal, drawn)) < run.examples_per_rank, run.reduce_device):

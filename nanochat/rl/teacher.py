@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.checkpoints.loading import build_model, find_checkpoint
+from nanochat.checkpoints.loading import find_checkpoint, load_found
 from nanochat.checkpoints.store import load_meta
 from nanochat.errors import UserError
 from nanochat.rl.config import parse_teacher
@@ -102,7 +102,7 @@ def load_teacher(config, student, student_tokenizer, device, rollout_dtype, star
     if vocab != student.config.vocab_size:
         raise UserError(f"the teacher {name} was trained with another tokenizer (vocab {vocab}) than the student "
                         f"{student_name}; a teacher must share the student's tokenizer")
-    model, tokenizer, _ = build_model(checkpoint_dir, checkpoint["step"], device, "eval")
+    model, tokenizer, _ = load_found(checkpoint_dir, checkpoint["step"], device, "eval")
     if not same_tokenizer(tokenizer, student_tokenizer):
         raise UserError(f"the teacher {name}'s tokenizer encodes otherwise than the student {student_name}'s; a "
                         f"teacher must share the student's tokenizer")

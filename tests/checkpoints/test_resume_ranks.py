@@ -114,8 +114,8 @@ def test_two_rank_run_resumes_on_two_ranks_bitwise_and_on_one_rank(sft, base_dir
     drop_steps(directory, 2, 3)
     real_restore, loaded = rl_run.restore_optimizers, []
 
-    def restore(resume, optimizers, *args):
-        saved = real_restore(resume, optimizers, *args)
+    def restore(resume, optimizers, *args, **kwargs):
+        saved = real_restore(resume, optimizers, *args, **kwargs)
         state = copy.deepcopy([opt.state_dict() for opt in optimizers])
         loaded.append((gather_optimizer_states([state], optimizers), gather_optimizer_states(saved_shards, optimizers)))
         return saved

@@ -641,8 +641,8 @@ def sft_losses(monkeypatch, flags):
     from scripts import chat_sft
     losses, tokens = [], []
 
-    def recording(model, optimizers, micro_batches, *args):
-        loss, gnorm, updated = train_step(model, optimizers, micro_batches, *args)
+    def recording(model, optimizers, micro_batches, *args, **kwargs):
+        loss, gnorm, updated = train_step(model, optimizers, micro_batches, *args, **kwargs)
         losses.append(loss)
         tokens.append(count_targets(micro_batches))
         return loss, gnorm, updated

@@ -67,6 +67,14 @@ def test_a_rollout_without_the_back_off_raises_and_changes_nothing(model, tiny_t
     assert engine.memory.max_rows == 8 and capsys.readouterr().out == ""
 
 
+def test_the_back_off_runs_with_the_engines_rows_not_a_callers(model, tiny_tokenizer):
+    """Its halved rows are the engine's for later rollouts: a call's own cap would leave them to the next call."""
+    engine = Engine(model, tiny_tokenizer)
+    with pytest.raises(ValueError, match=r"^generate_many\(within_memory=True\) runs with the engine's rows; pass no "
+                                         "max_rows$"):
+        engine.generate_many(prompts_of(tiny_tokenizer), max_rows=4, within_memory=True, **SAMPLING)
+
+
 def test_one_row_out_of_memory_is_the_callers(model, tiny_tokenizer, capsys):
     engine = Engine(model, tiny_tokenizer)
     out_of_memory_over(model, 0)

@@ -22,7 +22,7 @@ from nanochat.rl.advantages import make_question_batch
 from nanochat.rl.objective import PolicyLoss
 from nanochat.rl.policy_gradient import accumulate_policy_gradient
 from nanochat.rl.config import RLConfig
-from nanochat.rl.resume import run_target
+from nanochat.rl.resume import run_target, train_further_command
 from nanochat.rl.teacher import Teacher, load_teacher
 from nanochat.tokenizer import get_tokenizer
 from scripts import chat_rl
@@ -202,6 +202,7 @@ def test_resume_with_a_teacher_is_the_uninterrupted_run(sft, base_dir, capsys):
     chat_rl.main(flags)
     out = capsys.readouterr().out
     assert "teacher sft:t3:0 (d3," in out and " | Teacher: reverse KL " in out and ", log-prob " in out
+    assert f"Loading model from {base_dir / 'chatsft_checkpoints' / 't3'} with step 0" in out  # the teacher's, as the student's
     run_dir = base_dir / "chatrl_checkpoints" / "d2"
     meta = json.loads((run_dir / "meta_000003.json").read_text())
     assert meta["teacher"] == {"source": "sft", "model_tag": "t3", "step": 0}
@@ -248,3 +249,15 @@ def test_the_side_by_side_table_reads_each_runs_last_meta(tmp_path):
         "|---|---|---|---|---|---|",
         "| default | 0.250 ± 0.043 |  | 0.500 ± 0.050 | 1.50 | 0.00 |",
         "| distill | 0.250 ± 0.043 | 0.100 ± 0.030 |  | 3.50 | 0.50 |"]
+
+
+def test_the_command_that_trains_further_names_the_teacher_that_taught_the_run():
+    """--teacher=sft:t3 resolved to step 0 when the run began; the tag's newest step may be another by now: the new
+    run is taught by the run's own (its meta's), unless --teacher is given again."""
+    config = RLConfig(teacher="sft:t3", distill_coef=0.5)
+    taught_by = {"source": "sft", "model_tag": "t3", "step": 0}
+    assert train_further_command(config, "d2", {}, 5, taught_by=taught_by) == (
+        "python -m scripts.chat_rl --source=rl --model-tag=d2 --teacher=sft:t3:0 --distill-coef=0.5 --num-steps=5 "
+        "(a new run, written to d2_cont)")
+    given = train_further_command(config, "d2", {"teacher": "sft:t3:9"}, 5, taught_by=taught_by)
+    assert "--teacher=sft:t3:9 " in given and "sft:t3:0" not in given

@@ -181,11 +181,11 @@ def test_the_json_is_written_after_every_config(base_dir, tmp_path, monkeypatch)
     far, marked incomplete; here the second config fails, and the first's numbers are on disk."""
     real_measure, seen = bench_measure.measure, []
 
-    def measure(*args):
+    def measure(*args, **kwargs):
         if seen:
             raise KeyboardInterrupt  # the time limit
         seen.append(1)
-        return real_measure(*args)
+        return real_measure(*args, **kwargs)
     monkeypatch.setattr(bench_measure, "measure", measure)
     output = tmp_path / "bench.json"
     with pytest.raises(KeyboardInterrupt):

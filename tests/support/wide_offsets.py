@@ -2,8 +2,8 @@
 logits rows, prompt_attention's two kernels: the rows' queries and own keys and values, the prompt slots' keys and
 values), run in Triton's interpreter on tensors whose row stride is ROW_STRIDE: row 2 starts past 2^31 elements.
 Each must write what it writes on contiguous copies of the same values; with 32-bit offsets row 2's address wraps
-below the tensor (a crash, a write elsewhere, or a read of other values). The storage is a sparse file mapped shared: the gigabytes it spans
-are neither allocated nor written, only the pages the rows touch. Prints `<op> ok`; run by
+below the tensor (a crash, a write elsewhere, or a read of other values). The storage is a sparse file mapped
+shared: the gigabytes it spans are neither allocated nor written, only the pages the rows touch. Prints `<op> ok`; run by
 tests/kernels/test_kernel_binary.py in a process of its own (a crash must not take pytest with it), with
 TRITON_INTERPRET=1."""
 
