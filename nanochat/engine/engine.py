@@ -114,10 +114,9 @@ class Engine:
         return decode_step_function(self.model, spec)
 
     def reconfigure(self, spec):
-        """Run the next rollouts as RolloutSpec `spec` says (a run's new spec, once --compile=auto switched its decode
-        step; a benchmark's other prefill). Where it makes or decodes batches otherwise (STEP_FIELDS), what the engine
-        keeps goes and it starts afresh, as a new engine of the spec would (the prompts it is sized for stay); else
-        its batches serve on. Its rows are the spec's again."""
+        """Run the next rollouts as RolloutSpec `spec` says (a run's, --compile=auto having switched its decode step;
+        a benchmark's other prefill). Where it makes or decodes batches otherwise (STEP_FIELDS), what it keeps goes and
+        it starts afresh as a new engine would (its prompt floor stays); else its batches serve on, the spec's rows."""
         afresh = any(getattr(spec, name) != getattr(self.spec, name) for name in STEP_FIELDS)
         self.memory.respec(spec, afresh)
         if afresh:
@@ -130,11 +129,11 @@ class Engine:
         self.prompt_floor = max(self.prompt_floor, length)
 
     def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
-        """Yield (token_column, token_masks) per step, one entry per row. A row that has ended keeps
-        appearing as <|assistant_end|> with mask 0 until all rows end (nanochat keeps sampling them). No lag: a row
-        admitted while others run (more samples than rows) would skip a column."""
+        """Yield (token_column, token_masks) per step, one entry per row. A row that has ended keeps appearing as
+        <|assistant_end|> with mask 0 until all rows end (nanochat samples them on). No lag: a row admitted while
+        others run (more samples than rows) would skip a column."""
         pad = self.special.assistant_end
-        for events in self._rollout([list(tokens)], num_samples, max_tokens, temperature, top_k, seeds=[seed],
+        for events in self._rollout([list(tokens)], num_samples, max_tokens, temperature, top_k=top_k, seeds=[seed],
                                     lag=False):
             column, masks = [pad] * num_samples, [0] * num_samples
             for row, token, mask in events:
@@ -142,18 +141,17 @@ class Engine:
             yield column, masks
 
     def generate_batch(self, tokens, num_samples=1, **kwargs):
-        """(results, masks): per row, prompt + generated tokens (terminal token excluded), and masks
-        (0 for the prompt, then 1 sampled / 0 forced)."""
+        """(results, masks): per row, prompt + generated tokens (terminal token excluded), and masks (0 for the
+        prompt, then 1 sampled / 0 forced)."""
         completions = self.generate_many([tokens], num_samples=num_samples, **kwargs)[0]
         return [list(tokens) + c.tokens for c in completions], [[0] * len(tokens) + c.masks for c in completions]
 
     def generate_many(self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42,
                       seeds=None, max_rows=None, progress=None, within_memory=False):
         """Sample `num_samples` completions for each prompt: [prompt][sample] Completion. `seeds[i]` seeds prompt i
-        (default: seed + i). `progress(n)`, if given, is called with the number of rows that just finished (e.g. a
-        progress bar's update). within_memory (chat_rl's steps): retried where it runs out of memory, the batches kept
-        from other rollouts given back, then the rows halved, for later rollouts too (RolloutMemory.within_memory); a
-        retry starts by calling progress with minus the rows it had counted."""
+        (default: seed + i); progress(n), if given, is called as n rows finish. within_memory (chat_rl's steps, on the
+        engine's own rows): retried where it runs out of memory (RolloutMemory.within_memory: the kept batches given
+        back, then the rows halved, for later rollouts too), progress first called with minus the rows it counted."""
         seeds = [seed + i for i in range(len(prompts))] if seeds is None else list(seeds)
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
