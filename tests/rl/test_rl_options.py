@@ -270,6 +270,14 @@ def test_every_normalization_on_two_gloo_ranks_equals_one_process(tmp_path):
     (["--clip-high=-0.2"], "--clip-high must be >= 0"),
     (["--kl-coef=-0.01"], "--kl-coef must be >= 0"),
     (["--loss-norm=tokens"], "--loss-norm must be pass, token, sequence, constant, got 'tokens'"),
+    # on-policy distillation's (a teacher of another tokenizer, refused once it is found: bad_input_table)
+    (["--teacher=sft"], "--teacher=sft is scored with --distill-coef > 0"),
+    (["--distill-coef=0.5"], "name it with --teacher=SOURCE[:MODEL_TAG[:STEP]]"),
+    (["--teacher=sft:d2:x", "--distill-coef=1"], "--teacher must be SOURCE[:MODEL_TAG[:STEP]]"),
+    (["--teacher=pretrain", "--distill-coef=1"], "--teacher must be SOURCE[:MODEL_TAG[:STEP]]"),
+    (["--distill-coef=-1"], "--distill-coef must be >= 0"),
+    (["--reward-coef=0"], "--reward-coef=0 without --distill-coef"),
+    (["--teacher=sft", "--distill-coef=1", "--loss=gspo", "--ppo-epochs=2"], "use --loss=pg or cispo with --teacher"),
 ])
 def test_bad_option_values_are_refused_in_one_line(flags, message, tmp_path, monkeypatch, capsys):
     """Refused before anything loads: the base dir is empty."""
