@@ -247,13 +247,12 @@ def setup_run(config, resume, target, rank, world_size, device):
     # a new run (from any source): a new id
     lineage = RunLineage(run_id=(resumed or {}).get("run_id") or new_run_id(), start_checkpoint=start,
                          segments=segments)
+    compiled = compiling.train or bool(auto_compile and auto_compile.compiled_now("train"))
     return build_run(config, plan, model, tokenizer, engine, optimizers=optimizers, tasks=(train_task, val_task),
                      device=device, steps=(start_step, num_steps), rows=rows, ranks=(rank, world_size),
-                     reference=reference, compiled=compiling.train or bool(auto_compile and
-                                                                         auto_compile.compiled_now("train")),
-                     loss_scale=loss_scale_for(plan, resumed), auto_compile=auto_compile, lineage=lineage,
-                     checkpoint_dir=checkpoint_dir, resumed=resumed, extra_eval_tasks=extra_eval_tasks,
-                     teacher=teacher)
+                     reference=reference, compiled=compiled, loss_scale=loss_scale_for(plan, resumed),
+                     auto_compile=auto_compile, lineage=lineage, checkpoint_dir=checkpoint_dir, resumed=resumed,
+                     extra_eval_tasks=extra_eval_tasks, teacher=teacher)
 
 
 def build_run(config, plan, model, tokenizer, engine, optimizers, tasks, device, steps, rows, compiled, ranks=(0, 1),
